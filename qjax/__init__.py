@@ -1,0 +1,21 @@
+"""qjax: quantized (INT8 / FP8) training for JAX.
+
+Public API:
+  recipe(name), RECIPES, Recipe, GemmSpec, QuantSpec      how each GEMM of a linear layer is quantized
+  dot_general(lhs, rhs, dims, ..., recipe=, key=)          quantized, differentiable lax.dot_general
+  einsum(subscripts, lhs, rhs, recipe=, key=)              quantized two-operand einsum
+  make_dot_general(recipe), DotGeneral, recipe_for_layer   Flax integration
+  quantize, dequantize, QTensor                            reference quantization (tensor/row/1x128/128x128)
+  stochastic_round(x, dtype, key)                          unbiased rounding to bf16 / fp8 / int8
+"""
+
+from qjax.dot_general import dot_general
+from qjax.flax import DotGeneral, einsum, make_dot_general, recipe_for_layer
+from qjax.quantize import QTensor, QuantSpec, dequantize, quantize
+from qjax.recipes import RECIPES, GemmSpec, Recipe, recipe, with_stochastic_gradients
+from qjax.stochastic import stochastic_round
+
+__all__ = [
+    "DotGeneral", "GemmSpec", "QTensor", "QuantSpec", "RECIPES", "Recipe", "dequantize", "dot_general", "einsum",
+    "make_dot_general", "quantize", "recipe", "recipe_for_layer", "stochastic_round", "with_stochastic_gradients",
+]

@@ -1,0 +1,268 @@
+"""`qjax.dot_general`: a drop-in for `jax.lax.dot_general` whose forward, dgrad and wgrad GEMMs are quantized.
+
+Any dot_general is first viewed as a batched "TN" GEMM, both operands laid out contracting-dimension-last:
+  lhs -> (B?, M, K), rhs -> (B?, N, K), out (B?, M, N)      (B? present only when there are batch dims)
+which is the layout cuBLAS runs 8-bit GEMMs fastest in (DESIGN.md §3). Each operand is quantized in the layout its
+GEMM reads (see `qjax.recipes`), the GEMM runs on the 8-bit codes (int8 -> int32, fp8 -> f32), and the scales are
+applied after it. The custom VJP saves only the quantized operands the backward GEMMs need, already in their layout:
+w as (K, N) for dgrad and x as (K, M) for wgrad. Block-scaled recipes run here as dequantize + f32 GEMM (exact
+reference semantics, not fast: the block-scaled kernel replaces it).
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qjax import recipes as recipes_lib
+from qjax import stochastic
+from qjax.quantize import QTensor, QuantSpec, dequantize, quantize_with_seed
+
+# Operand slots in the uint32 seed vector: one independent stochastic-rounding stream per quantized operand.
+_FWD_LHS, _FWD_RHS, _DGRAD_LHS, _DGRAD_RHS, _WGRAD_LHS, _WGRAD_RHS = range(6)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Static permutations between a dot_general's operands and the canonical (B?, rows, K) views."""
+
+    lhs_shape: tuple[int, ...]
+    rhs_shape: tuple[int, ...]
+    lhs_contract: tuple[int, ...]
+    rhs_contract: tuple[int, ...]
+    lhs_batch: tuple[int, ...]
+    rhs_batch: tuple[int, ...]
+
+    @property
+    def lhs_free(self):
+        return tuple(d for d in range(len(self.lhs_shape)) if d not in self.lhs_contract + self.lhs_batch)
+
+    @property
+    def rhs_free(self):
+        return tuple(d for d in range(len(self.rhs_shape)) if d not in self.rhs_contract + self.rhs_batch)
+
+    def _size(self, shape, dims):
+        return math.prod(shape[d] for d in dims)
+
+    @property
+    def batch(self):
+        return (self._size(self.lhs_shape, self.lhs_batch),) if self.lhs_batch else ()
+
+    @property
+    def m(self):
+        return self._size(self.lhs_shape, self.lhs_free)
+
+    @property
+    def n(self):
+        return self._size(self.rhs_shape, self.rhs_free)
+
+    @property
+    def k(self):
+        return self._size(self.lhs_shape, self.lhs_contract)
+
+    def lhs_mk(self, lhs):
+        return lhs.transpose(self.lhs_batch + self.lhs_free + self.lhs_contract).reshape(*self.batch, self.m, self.k)
+
+    def lhs_km(self, lhs):
+        return lhs.transpose(self.lhs_batch + self.lhs_contract + self.lhs_free).reshape(*self.batch, self.k, self.m)
+
+    def rhs_nk(self, rhs):
+        return rhs.transpose(self.rhs_batch + self.rhs_free + self.rhs_contract).reshape(*self.batch, self.n, self.k)
+
+    def rhs_kn(self, rhs):
+        return rhs.transpose(self.rhs_batch + self.rhs_contract + self.rhs_free).reshape(*self.batch, self.k, self.n)
+
+    def out_shape(self):
+        return (tuple(self.lhs_shape[d] for d in self.lhs_batch) + tuple(self.lhs_shape[d] for d in self.lhs_free)
+                + tuple(self.rhs_shape[d] for d in self.rhs_free))
+
+    def out_mn(self, out):
+        return out.reshape(*self.batch, self.m, self.n)
+
+    def _unview(self, x, shape, perm):
+        x = x.reshape(tuple(shape[d] for d in perm))
+        return x.transpose(tuple(perm.index(d) for d in range(len(shape))))
+
+    def lhs_from_mk(self, x):
+        return self._unview(x, self.lhs_shape, self.lhs_batch + self.lhs_free + self.lhs_contract)
+
+    def rhs_from_nk(self, x):
+        return self._unview(x, self.rhs_shape, self.rhs_batch + self.rhs_free + self.rhs_contract)
+
+
+def _swap_last(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+def _contract_last(ndim):
+    """dot_general dims for (B?, M, K) x (B?, N, K) -> (B?, M, N)."""
+    batch = ((0,), (0,)) if ndim == 3 else ((), ())
+    return ((ndim - 1,), (ndim - 1,)), batch
+
+
+def _high_precision_matmul(a, b, out_dtype, precision):
+    """(B?, M, K) x (B?, N, K) -> (B?, M, N) in the operands' (promoted) dtype, no quantization."""
+    dtype = jnp.promote_types(a.dtype, b.dtype)
+    return lax.dot_general(a.astype(dtype), b.astype(dtype), _contract_last(a.ndim), precision,
+                           preferred_element_type=out_dtype)
+
+
+def scaled_matmul(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
+    """(B?, M, K) x (B?, N, K) quantized operands -> (B?, M, N) of out_dtype, scales applied after the GEMM.
+
+    int8 runs int8 x int8 -> int32 (the only fast int8 GEMM in XLA); fp8 runs on the fp8 arrays -> f32. Tensorwise
+    fp8 is written as a dequantize-in-f32 with scalar scales, the pattern XLA rewrites into a cuBLASLt fp8 GEMM with
+    the scales folded in. Block-scaled operands are dequantized and multiplied in f32 (reference path).
+    """
+    dims = _contract_last(a.data.ndim)
+    if a.granularity in ("1x128", "128x128"):
+        out = lax.dot_general(dequantize(a), dequantize(b), dims, lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)
+        return out.astype(out_dtype)
+    if a.granularity == b.granularity == "tensor" and not jnp.issubdtype(a.data.dtype, jnp.integer):
+        out = lax.dot_general(a.data.astype(jnp.float32) * a.scale, b.data.astype(jnp.float32) * b.scale, dims,
+                              preferred_element_type=jnp.float32)
+        return out.astype(out_dtype)
+    if jnp.issubdtype(a.data.dtype, jnp.integer):
+        acc = lax.dot_general(a.data, b.data, dims, preferred_element_type=jnp.int32).astype(jnp.float32)
+    else:
+        acc = lax.dot_general(a.data, b.data, dims, preferred_element_type=jnp.float32)
+    b_scale = b.scale if b.granularity == "tensor" else _swap_last(b.scale)
+    return (acc * a.scale * b_scale).astype(out_dtype)
+
+
+def _reusable_transposed(have: QuantSpec, want: QuantSpec) -> bool:
+    """A tensorwise, nearest-rounded QTensor transposed is exactly the same quantization of the transpose."""
+    return have == want and want.granularity == "tensor" and not want.stochastic
+
+
+def _transpose_q(q: QTensor) -> QTensor:
+    return QTensor(_swap_last(q.data), q.scale, q.granularity)
+
+
+@functools.lru_cache(maxsize=None)
+def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision):
+    """Builds the custom_vjp function (lhs, rhs, seeds) -> out for one static configuration."""
+
+    def forward(lhs, rhs, seeds):
+        x, w = layout.lhs_mk(lhs), layout.rhs_nk(rhs)
+        fwd = recipe.fwd
+        if fwd is None:
+            out, xq, wq = _high_precision_matmul(x, w, out_dtype, precision), None, None
+        else:
+            xq = quantize_with_seed(x, fwd.lhs, seeds[_FWD_LHS])
+            wq = quantize_with_seed(w, fwd.rhs, seeds[_FWD_RHS])
+            out = scaled_matmul(xq, wq, out_dtype)
+        # Residuals: each backward GEMM's operand, quantized in its layout; the original only where that GEMM
+        # runs in high precision.
+        if recipe.dgrad is None:
+            w_res = rhs
+        elif fwd is not None and _reusable_transposed(fwd.rhs, recipe.dgrad.rhs):
+            w_res = _transpose_q(wq)
+        else:
+            w_res = quantize_with_seed(layout.rhs_kn(rhs), recipe.dgrad.rhs, seeds[_DGRAD_RHS])
+        if recipe.wgrad is None:
+            x_res = lhs
+        elif fwd is not None and _reusable_transposed(fwd.lhs, recipe.wgrad.rhs):
+            x_res = _transpose_q(xq)
+        else:
+            x_res = quantize_with_seed(layout.lhs_km(lhs), recipe.wgrad.rhs, seeds[_WGRAD_RHS])
+        return layout.out_mn(out).reshape(layout.out_shape()), (w_res, x_res, seeds)
+
+    def backward(residuals, g):
+        w_res, x_res, seeds = residuals
+        g_mn = layout.out_mn(g)
+        g_nm = _swap_last(g_mn)
+        dgrad, wgrad = recipe.dgrad, recipe.wgrad
+        gq_dgrad = None
+        if dgrad is None:
+            dx = _high_precision_matmul(g_mn, layout.rhs_kn(w_res), lhs_dtype, precision)
+        else:
+            gq_dgrad = quantize_with_seed(g_mn, dgrad.lhs, seeds[_DGRAD_LHS])
+            dx = scaled_matmul(gq_dgrad, w_res, lhs_dtype)
+        if wgrad is None:
+            dw = _high_precision_matmul(g_nm, layout.lhs_km(x_res), rhs_dtype, precision)
+        else:
+            if gq_dgrad is not None and _reusable_transposed(dgrad.lhs, wgrad.lhs):
+                gq_wgrad = _transpose_q(gq_dgrad)
+            else:
+                gq_wgrad = quantize_with_seed(g_nm, wgrad.lhs, seeds[_WGRAD_LHS])
+            dw = scaled_matmul(gq_wgrad, x_res, rhs_dtype)
+        return layout.lhs_from_mk(dx), layout.rhs_from_nk(dw), None
+
+    @jax.custom_vjp
+    def quantized_dot(lhs, rhs, seeds):
+        return forward(lhs, rhs, seeds)[0]
+
+    quantized_dot.defvjp(forward, backward)
+    return quantized_dot
+
+
+def _layout_from(lhs_shape, rhs_shape, dimension_numbers) -> _Layout:
+    """Validates dimension_numbers against the shapes (ValueError naming the problem) and builds the layout."""
+    try:
+        (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
+        lhs_contract, rhs_contract, lhs_batch, rhs_batch = (
+            tuple(int(d) for d in dims) for dims in (lhs_contract, rhs_contract, lhs_batch, rhs_batch))
+    except (TypeError, ValueError):
+        raise ValueError("dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), "
+                         f"got {dimension_numbers!r}") from None
+    for name, shape, contract, batch in (("lhs", lhs_shape, lhs_contract, lhs_batch),
+                                         ("rhs", rhs_shape, rhs_contract, rhs_batch)):
+        dims = contract + batch
+        if any(d < 0 or d >= len(shape) for d in dims) or len(set(dims)) != len(dims):
+            raise ValueError(f"{name} contracting {contract} / batch {batch} dims must be distinct dims of its "
+                             f"shape {shape}")
+    for kind, lhs_dims, rhs_dims in (("contracting", lhs_contract, rhs_contract), ("batch", lhs_batch, rhs_batch)):
+        if len(lhs_dims) != len(rhs_dims):
+            raise ValueError(f"lhs has {len(lhs_dims)} {kind} dims but rhs has {len(rhs_dims)}")
+        for ld, rd in zip(lhs_dims, rhs_dims):
+            if lhs_shape[ld] != rhs_shape[rd]:
+                raise ValueError(f"{kind} dimension sizes differ: lhs dim {ld} of shape {lhs_shape} has "
+                                 f"{lhs_shape[ld]}, rhs dim {rd} of shape {rhs_shape} has {rhs_shape[rd]}")
+    return _Layout(tuple(lhs_shape), tuple(rhs_shape), lhs_contract, rhs_contract, lhs_batch, rhs_batch)
+
+
+def _seeds(recipe: recipes_lib.Recipe, key) -> jax.Array:
+    if not recipe.needs_key:
+        return jnp.zeros((6,), jnp.uint32)
+    if key is None:
+        raise ValueError(f"recipe {recipe.name!r} uses stochastic rounding: pass key=jax.random.key(...) "
+                         "(a fresh key per step), or use a recipe without stochastic rounding")
+    stochastic.key_to_seed(key)  # validates the key type
+    return jax.random.bits(key, (6,), jnp.uint32)
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, recipe, key=None):
+    """Quantized `jax.lax.dot_general`: same arguments, same output shape, quantized per `recipe`.
+
+    Args:
+      lhs, rhs: float arrays (float32 / bfloat16 / float16); any batch and contracting dims, e.g. x (B, T, D) and
+        w (F, D) with dimension_numbers (((2,), (1,)), ((), ())).
+      dimension_numbers: ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), as for lax.dot_general.
+      precision: used only by GEMMs the recipe leaves in high precision.
+      preferred_element_type: output dtype (default: the inputs' result type). Gradients come back in the dtypes
+        of lhs and rhs.
+      recipe: a `qjax.Recipe` or a recipe name (see `qjax.RECIPES`).
+      key: `jax.random.key`, required when the recipe rounds stochastically; use a fresh one every step.
+
+    Returns:
+      Array of shape (batch..., lhs free..., rhs free...), as lax.dot_general. Differentiable (custom VJP with
+      quantized dgrad and wgrad); works under jit, grad, vmap, scan and remat. The "bf16" recipe *is*
+      lax.dot_general.
+    """
+    recipe = recipes_lib.recipe(recipe)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    layout = _layout_from(lhs.shape, rhs.shape, dimension_numbers)
+    if recipe.is_high_precision:
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    for name, array in (("lhs", lhs), ("rhs", rhs)):
+        if not jnp.issubdtype(array.dtype, jnp.floating):
+            raise TypeError(f"recipe {recipe.name!r} quantizes float inputs; {name} has dtype {array.dtype}. "
+                            "Cast it to bfloat16/float32 first, or use jax.lax.dot_general for integer math")
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
+    fn = _quantized_dot(layout, recipe, out_dtype, lhs.dtype, rhs.dtype, precision)
+    return fn(lhs, rhs, _seeds(recipe, key))

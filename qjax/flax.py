@@ -1,0 +1,98 @@
+"""Using qjax inside Flax models: `make_dot_general`, `DotGeneral`, `einsum` and `recipe_for_layer`.
+
+  nn.Dense(4096, dot_general=qjax.make_dot_general("int8_rowwise"))
+  nn.Dense(4096, dot_general_cls=functools.partial(qjax.DotGeneral, recipe=sr_recipe))   # draws keys from 'quant'
+  y = qjax.einsum("btd,fd->btf", x, w, recipe="fp8_tensorwise")
+  r = qjax.recipe_for_layer("int8_rowwise", "lm_head", features_in=2048, features_out=32000,
+                            keep_high_precision=("lm_head",))     # -> the bf16 recipe
+"""
+
+import re
+from typing import Any
+
+import flax.linen as nn
+
+from qjax import recipes as recipes_lib
+from qjax.dot_general import dot_general
+
+
+def make_dot_general(recipe, key=None):
+    """A `lax.dot_general`-compatible function quantized per `recipe`, for `nn.Dense(dot_general=...)`.
+
+    Recipes with stochastic rounding need a key: pass one here (it is then the same every call: fine inside a
+    single step), or use `DotGeneral`, which draws a fresh key per call from a Flax RNG stream.
+    """
+    recipe = recipes_lib.recipe(recipe)
+    if recipe.needs_key and key is None:
+        raise ValueError(f"recipe {recipe.name!r} rounds stochastically and needs a key: use nn.Dense(dot_general_cls="
+                         f"functools.partial(qjax.DotGeneral, recipe=...)) with rngs={{'quant': key}}, or pass key=")
+
+    def quantized_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **unused):
+        return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, key=key)
+
+    return quantized_dot_general
+
+
+class DotGeneral(nn.Module):
+    """`dot_general_cls` for Flax layers: quantized per `recipe`, SR keys drawn from the `rng_collection` stream.
+
+    Use as nn.Dense(..., dot_general_cls=functools.partial(qjax.DotGeneral, recipe="int8_rowwise")); recipes with
+    stochastic rounding then need `rngs={"quant": key}` in `apply`.
+    """
+
+    recipe: Any
+    rng_collection: str = "quant"
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **unused):
+        recipe = recipes_lib.recipe(self.recipe)
+        key = self.make_rng(self.rng_collection) if recipe.needs_key else None
+        return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, key=key)
+
+
+def einsum(subscripts: str, lhs, rhs, *, recipe, key=None, precision=None, preferred_element_type=None):
+    """Quantized two-operand einsum with an explicit output, e.g. "btd,fd->btf" (lhs quantized as x, rhs as w).
+
+    Every label appears once per operand; labels in both operands and the output are batch dims, labels in both
+    operands only are contracted. Ellipses and labels summed within one operand are rejected (ValueError).
+    """
+    spec = subscripts.replace(" ", "")
+    inputs, arrow, out = spec.partition("->")
+    lhs_labels, comma, rhs_labels = inputs.partition(",")
+    if not arrow or not comma or "," in rhs_labels or "." in spec:
+        raise ValueError(f"qjax.einsum needs two operands and an explicit output without '...', e.g. 'btd,fd->btf'; "
+                         f"got {subscripts!r}")
+    for name, labels, array in (("lhs", lhs_labels, lhs), ("rhs", rhs_labels, rhs), ("output", out, None)):
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"{name} labels {labels!r} repeat a label; qjax.einsum does not take diagonals")
+        if array is not None and len(labels) != array.ndim:
+            raise ValueError(f"{name} labels {labels!r} do not match its shape {array.shape}")
+    for label in lhs_labels + rhs_labels:
+        if label not in out and not (label in lhs_labels and label in rhs_labels):
+            raise ValueError(f"label {label!r} is summed within one operand; sum it before qjax.einsum")
+    for label in out:
+        if label not in lhs_labels + rhs_labels:
+            raise ValueError(f"output label {label!r} appears in no operand")
+    batch = [c for c in lhs_labels if c in rhs_labels and c in out]
+    contract = [c for c in lhs_labels if c in rhs_labels and c not in out]
+    dims = ((tuple(lhs_labels.index(c) for c in contract), tuple(rhs_labels.index(c) for c in contract)),
+            (tuple(lhs_labels.index(c) for c in batch), tuple(rhs_labels.index(c) for c in batch)))
+    y = dot_general(lhs, rhs, dims, precision, preferred_element_type, recipe=recipe, key=key)
+    produced = batch + [c for c in lhs_labels if c not in rhs_labels] + [c for c in rhs_labels if c not in lhs_labels]
+    return y.transpose([produced.index(c) for c in out])
+
+
+def recipe_for_layer(recipe, layer_name: str, *, features_in: int, features_out: int,
+                     keep_high_precision: tuple[str, ...] = (), min_features: int = 0) -> recipes_lib.Recipe:
+    """The recipe a layer should use: `recipe`, or the "bf16" recipe for layers kept in high precision.
+
+    Flax's counterpart of torchao's `module_filter_fn`. A layer stays in high precision when a regex in
+    `keep_high_precision` matches `layer_name` (e.g. "lm_head", "patch_embed"), when min(features_in, features_out)
+    < `min_features` (tiny GEMMs gain nothing from 8 bits), or when a block-scaled recipe cannot tile its features
+    (not multiples of 128).
+    """
+    recipe = recipes_lib.recipe(recipe)
+    keep = any(re.search(pattern, layer_name) for pattern in keep_high_precision)
+    keep |= min(features_in, features_out) < min_features
+    block_scaled = any(g is not None and g.is_block_scaled for g in (recipe.fwd, recipe.dgrad, recipe.wgrad))
+    keep |= block_scaled and (features_in % 128 != 0 or features_out % 128 != 0)
+    return recipes_lib.RECIPES["bf16"] if keep else recipe

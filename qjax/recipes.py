@@ -1,0 +1,118 @@
+"""Recipes: how each of the three GEMMs of a linear layer is quantized, and the registry of named recipes.
+
+For y = dot_general(x, w): the forward GEMM (x . w), dgrad (g . w, the gradient of x) and wgrad (g^T . x, the
+gradient of w). Each is a `GemmSpec` (how its lhs and rhs are quantized) or None for high precision. Every operand
+is quantized in the layout its GEMM reads, contracting dimension last, so "row" always means "one scale per row,
+taken along that GEMM's contracting dimension":
+
+  GEMM    lhs (rows, K)           rhs (rows, K)           contracting dim
+  fwd     x  (M, K)               w  (N, K)               K, the input features
+  dgrad   g  (M, N)               w  (K, N)               N, the output features
+  wgrad   g  (N, M)               x  (K, M)               M, the tokens
+
+Change a recipe with `dataclasses.replace`, e.g. int8 in the forward GEMM only:
+  dataclasses.replace(qjax.recipe("int8_rowwise"), name="int8_fwd", dgrad=None, wgrad=None)
+"""
+
+import dataclasses
+
+from qjax.quantize import QuantSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmSpec:
+    """Quantization of one GEMM's two operands (see the table in the module docstring)."""
+
+    lhs: QuantSpec
+    rhs: QuantSpec
+
+    def __post_init__(self):
+        if self.lhs.format.is_integer != self.rhs.format.is_integer:
+            raise ValueError(f"a GEMM cannot mix int8 and fp8 operands: {self.lhs.dtype} x {self.rhs.dtype}")
+        blocks = ("1x128", "128x128")
+        if (self.lhs.granularity in blocks) != (self.rhs.granularity in blocks):
+            raise ValueError("a block-scaled GEMM needs both operands block-scaled (1x128 or 128x128), got "
+                             f"{self.lhs.granularity} x {self.rhs.granularity}")
+
+    @property
+    def is_block_scaled(self) -> bool:
+        return self.lhs.granularity in ("1x128", "128x128")
+
+    @property
+    def stochastic(self) -> bool:
+        return self.lhs.stochastic or self.rhs.stochastic
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """Per-GEMM quantization of a linear layer; None means that GEMM runs in high precision."""
+
+    name: str
+    fwd: GemmSpec | None = None
+    dgrad: GemmSpec | None = None
+    wgrad: GemmSpec | None = None
+
+    @property
+    def is_high_precision(self) -> bool:
+        return self.fwd is None and self.dgrad is None and self.wgrad is None
+
+    @property
+    def needs_key(self) -> bool:
+        return any(g is not None and g.stochastic for g in (self.fwd, self.dgrad, self.wgrad))
+
+
+def _gemm(lhs_dtype, lhs_granularity, rhs_dtype, rhs_granularity, pow2_scale=False):
+    return GemmSpec(QuantSpec(lhs_dtype, lhs_granularity, pow2_scale=pow2_scale),
+                    QuantSpec(rhs_dtype, rhs_granularity, pow2_scale=pow2_scale))
+
+
+def _same_three(name, gemm):
+    return Recipe(name, fwd=gemm, dgrad=gemm, wgrad=gemm)
+
+
+_INT8_ROW = _gemm("int8", "row", "int8", "row")
+_E4M3_ROW = _gemm("e4m3", "row", "e4m3", "row", pow2_scale=True)
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    Recipe("bf16"),
+    _same_three("int8_rowwise", _INT8_ROW),
+    Recipe("fp8_tensorwise",
+           fwd=_gemm("e4m3", "tensor", "e4m3", "tensor"),
+           dgrad=_gemm("e5m2", "tensor", "e4m3", "tensor"),
+           wgrad=_gemm("e5m2", "tensor", "e4m3", "tensor")),
+    _same_three("fp8_rowwise", _E4M3_ROW),
+    Recipe("fp8_rowwise_gw_hp",
+           fwd=_E4M3_ROW,
+           dgrad=_gemm("e4m3", "row", "e4m3", "tensor", pow2_scale=True),
+           wgrad=None),
+    # DeepSeek-V3: activations and gradients 1x128 along K, weights 128x128. In wgrad both operands contract over
+    # the tokens, so x's (K, M) layout with 1x128 blocks is x's 128x1 blocking.
+    Recipe("fp8_blockwise",
+           fwd=_gemm("e4m3", "1x128", "e4m3", "128x128"),
+           dgrad=_gemm("e4m3", "1x128", "e4m3", "128x128"),
+           wgrad=_gemm("e4m3", "1x128", "e4m3", "1x128")),
+    Recipe("int8_blockwise",
+           fwd=_gemm("int8", "1x128", "int8", "128x128"),
+           dgrad=_gemm("int8", "1x128", "int8", "128x128"),
+           wgrad=_gemm("int8", "1x128", "int8", "1x128")),
+)}
+
+
+def recipe(name: str) -> Recipe:
+    """The named recipe (see `RECIPES` and the README's table). Raises ValueError for unknown names."""
+    if isinstance(name, Recipe):
+        return name
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; valid names: {', '.join(RECIPES)}")
+    return RECIPES[name]
+
+
+def with_stochastic_gradients(r: Recipe) -> Recipe:
+    """`r` with stochastic rounding on the gradient operand (lhs) of dgrad and wgrad, as in gau-nernst's SR runs."""
+
+    def sr_lhs(gemm):
+        if gemm is None:
+            return None
+        return dataclasses.replace(gemm, lhs=dataclasses.replace(gemm.lhs, stochastic=True))
+
+    return dataclasses.replace(r, name=r.name + "_sr", dgrad=sr_lhs(r.dgrad), wgrad=sr_lhs(r.wgrad))

@@ -1,0 +1,114 @@
+"""Stochastic rounding with a counter-based hash, reproducible bit for bit by GPU kernels.
+
+GPU Pallas kernels have no random-number generator, so the random bits come from a pure function of
+(seed, element index): `hash_uint32`. The jnp reference here and every kernel call it identically, so stochastic
+rounding done by a kernel equals the reference exactly.
+
+  index   = row-major position of the element in the array being rounded (uint32, wraps above 2**32 elements)
+  bits    = hash_uint32(seed, index)                      uint32, uniform
+  uniform = (bits >> 8) * 2**-24                          in [0, 1), exactly representable in float32
+
+Rounding to a grid with spacing `ulp` at |y|: floor(|y| / ulp + uniform) * ulp, sign restored. This is unbiased:
+E[result] = y for every y inside the format's range.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qjax import formats
+
+_UNIFORM_SCALE = 2.0**-24
+
+
+def hash_uint32(seed: jnp.ndarray, index: jnp.ndarray) -> jnp.ndarray:
+    """Mixes a uint32 seed and uint32 element indices into uniform uint32 bits.
+
+    Two rounds of the `lowbias32` integer hash (C. Wellons), the seed hashed first so nearby seeds give unrelated
+    streams. Only xor, shifts and 32-bit multiplies: cheap on GPU and identical in any backend.
+    """
+
+    def lowbias32(v):
+        v = v ^ (v >> 16)
+        v = v * jnp.uint32(0x7FEB352D)
+        v = v ^ (v >> 15)
+        v = v * jnp.uint32(0x846CA68B)
+        return v ^ (v >> 16)
+
+    seed = jnp.asarray(seed, jnp.uint32)
+    index = jnp.asarray(index, jnp.uint32)
+    return lowbias32(index ^ lowbias32(seed * jnp.uint32(0x9E3779B9) + jnp.uint32(1)))
+
+
+def uniform_from_bits(bits: jnp.ndarray) -> jnp.ndarray:
+    """uint32 random bits -> float32 uniform in [0, 1) on a 2**-24 grid (exact in float32)."""
+    return (bits >> 8).astype(jnp.float32) * jnp.float32(_UNIFORM_SCALE)
+
+
+def element_bits(seed: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:
+    """hash_uint32(seed, row-major index) for every element of an array of `shape`."""
+    size = 1
+    for d in shape:
+        size *= d
+    return hash_uint32(seed, lax.iota(jnp.uint32, size).reshape(shape))
+
+
+def round_to_grid(y: jnp.ndarray, fmt: formats.Format, bits: jnp.ndarray) -> jnp.ndarray:
+    """Stochastically rounds float32 `y` to `fmt`'s grid, returned as float32 (not yet clamped or cast).
+
+    int8: floor(y + u). Floats with mantissa_bits m and minimum normal exponent e_min: the grid spacing at |y| is
+    2**(max(e, e_min) - m), e = floor(log2|y|); built from exponent bits, valid while e_min - m >= -126 (fp8, f16).
+    bfloat16 uses the equivalent bit form: add 16 random bits below the kept mantissa, then truncate.
+    NaN and +-Inf pass through unchanged.
+    """
+    y = y.astype(jnp.float32)
+    if fmt.is_integer:
+        return jnp.floor(y + uniform_from_bits(bits))
+    if fmt.name == "bf16":
+        y_bits = lax.bitcast_convert_type(y, jnp.uint32)
+        rounded = lax.bitcast_convert_type((y_bits + (bits & jnp.uint32(0xFFFF))) & jnp.uint32(0xFFFF0000), jnp.float32)
+        return jnp.where(jnp.isfinite(y), rounded, y)
+    if fmt.min_exponent - fmt.mantissa_bits < -126:
+        raise ValueError(f"stochastic rounding to {fmt.name} is not supported")
+    magnitude = jnp.abs(y)
+    exponent = (lax.bitcast_convert_type(magnitude, jnp.int32) >> 23) - 127  # -127 for zero and f32 subnormals
+    ulp_exponent = jnp.maximum(exponent, fmt.min_exponent) - fmt.mantissa_bits
+    ulp = lax.bitcast_convert_type((ulp_exponent + 127) << 23, jnp.float32)
+    rounded = jnp.floor(magnitude / ulp + uniform_from_bits(bits)) * ulp
+    return jnp.where(jnp.isfinite(y), jnp.copysign(rounded, y), y)
+
+
+def stochastic_round_with_seed(x: jnp.ndarray, dtype, seed: jnp.ndarray) -> jnp.ndarray:
+    """`stochastic_round` with an explicit uint32 seed instead of a PRNG key (the form kernels use)."""
+    fmt = formats.get_format(dtype)
+    y = round_to_grid(x.astype(jnp.float32), fmt, element_bits(seed, x.shape))
+    if fmt.name == "bf16":
+        return y.astype(jnp.bfloat16)  # exact: y is on the bf16 grid
+    return formats.saturating_cast(y, fmt)
+
+
+def key_to_seed(key: jax.Array) -> jnp.ndarray:
+    """A PRNG key (typed, or raw uint32[2]) -> one uint32 seed."""
+    if not isinstance(key, jax.Array) or not (
+        jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or (key.dtype == jnp.uint32 and key.shape == (2,))):
+        raise TypeError(f"expected a PRNG key from jax.random.key(seed), got {type(key).__name__} "
+                        f"{getattr(key, 'dtype', '')}{getattr(key, 'shape', '')}")
+    return jax.random.bits(key, (), jnp.uint32)
+
+
+def stochastic_round(x: jnp.ndarray, dtype, key: jax.Array) -> jnp.ndarray:
+    """Rounds `x` to `dtype` stochastically: up or down with probability given by the distance, so E[out] = x.
+
+    Args:
+      x: float array (float32 for full unbiasedness; any float dtype is upcast first).
+      dtype: jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2 or jnp.int8 (int8 rounds to integers, saturating at
+        +-127).
+      key: a `jax.random.key`. The same key and shape always give the same result.
+
+    Returns:
+      An array of `x.shape` and `dtype`. Finite values beyond the format's range saturate to its max; NaN stays NaN
+      (int8 has no NaN: the code is then undefined, so scale-based quantization keeps NaN in the scale instead).
+    """
+    if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
+        raise TypeError(f"stochastic_round needs a float array, got {jnp.asarray(x).dtype}")
+    return stochastic_round_with_seed(jnp.asarray(x), dtype, key_to_seed(key))
