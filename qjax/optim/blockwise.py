@@ -1,0 +1,221 @@
+"""Block-quantized optimizer-state tensors: 8-bit / 4-bit code books with absmax, FP8 e4m3, FP8 with COAT expansion.
+
+A float32 tensor of shape `shape` is flattened row-major and cut into blocks of `block_size` consecutive elements
+(size % block_size == 0 is required; callers keep other tensors in float32). Per format:
+
+  format                  stored (n = size // block_size)                        decode
+  "dynamic_signed_8bit"   codes uint8 (n, B), absmax f32 (n,)                    qmap[code] * absmax
+  "dynamic_unsigned_8bit" "
+  "dynamic_signed_4bit"   codes uint8 (n, B/2): two codes per byte, first code   qmap[code] * absmax
+  "linear_unsigned_4bit"  in the high nibble; absmax f32 (n,)
+  "e4m3"                  codes float8_e4m3fn (n, B), scale f32 (n,)             code * scale, scale = absmax / 448
+  "e4m3_dre"              codes e4m3 (n, B), scale, expand k, centre c f32 (n,)  sign(y) * |y|**(1/k) * c, y = code*scale
+
+COAT's dynamic range expansion (Xi et al. 2024, "COAT", sec. 4) maps a group to sign(x) * (|x| / c)**k before the
+e4m3 cast so that the group's max/min ratio R fills e4m3's range: with max and min the largest and smallest non-zero
+magnitudes, c = sqrt(max * min) centres the group in log space and k = floor(16 * log2(448**2 / 2) / log2(R)) / 16
+(a multiple of 1/16), clipped to [1/16, 16] (R near 1 would give an unbounded k). scale = (max / c)**k / 448.
+
+Zeros, all-zero blocks and NaN: an all-zero block stores absmax 0 (scale 1, k 1, c 1 for fp8) and decodes to exact
+zeros. A block holding NaN stores a NaN absmax/scale, so every element of that block decodes to NaN: NaN is never
+silently turned into a finite value (it spreads to its block instead). +-Inf also makes the block decode to NaN.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qjax import formats
+from qjax.optim import maps
+
+CODEBOOK_FORMATS = {  # name -> bits
+    "dynamic_signed_8bit": 8, "dynamic_unsigned_8bit": 8, "dynamic_signed_4bit": 4, "linear_unsigned_4bit": 4}
+FP8_FORMATS = ("e4m3", "e4m3_dre")
+STATE_FORMATS = tuple(CODEBOOK_FORMATS) + FP8_FORMATS
+_E4M3_MAX = formats.E4M3.max_value
+_EXPAND_STEPS = 16  # k is a multiple of 1/16 (COAT's expand_min)
+_EXPAND_MIN, _EXPAND_MAX = 1.0 / _EXPAND_STEPS, 16.0
+_LOG2_E4M3_RATIO = float(np.log2(np.float32(_E4M3_MAX * _E4M3_MAX / 2)))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CodebookState:
+    """A tensor stored as code-book indices + per-block absmax (8 or 4 bits per element).
+
+    Attributes:
+      codes: uint8 (n_blocks, block_size) for 8 bits, (n_blocks, block_size // 2) for 4 bits.
+      absmax: float32 (n_blocks,): max |x| of each block (NaN if the block held NaN).
+      shape: static, the original tensor shape.
+      qmap: static, the map name (see `maps.MAPS`).
+    """
+
+    codes: jax.Array
+    absmax: jax.Array
+    shape: tuple = dataclasses.field(metadata=dict(static=True))
+    qmap: str = dataclasses.field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8State:
+    """A tensor stored as e4m3 codes + per-block scale (scale = absmax / 448; 1 for all-zero blocks).
+
+    Attributes:
+      codes: float8_e4m3fn (n_blocks, block_size).
+      scale: float32 (n_blocks,).
+      shape: static, the original tensor shape.
+    """
+
+    codes: jax.Array
+    scale: jax.Array
+    shape: tuple = dataclasses.field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8ExpandedState:
+    """e4m3 codes of COAT-expanded values + per-group scale, expansion exponent k and centre c (all float32 (n,))."""
+
+    codes: jax.Array
+    scale: jax.Array
+    expand: jax.Array
+    centre: jax.Array
+    shape: tuple = dataclasses.field(metadata=dict(static=True))
+
+
+QuantizedTensor = CodebookState | Fp8State | Fp8ExpandedState
+
+
+def check_format(fmt: str, block_size: int) -> None:
+    """Raises ValueError naming the problem if (fmt, block_size) is not a valid state format."""
+    if fmt not in STATE_FORMATS:
+        raise ValueError(f"unknown state format {fmt!r}; use one of {STATE_FORMATS}")
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if CODEBOOK_FORMATS.get(fmt) == 4 and block_size % 2:
+        raise ValueError(f"4-bit formats pack two codes per byte: block_size must be even, got {block_size}")
+
+
+def can_quantize(shape: tuple, block_size: int, min_size: int) -> bool:
+    """Whether a tensor of `shape` is stored quantized: size >= min_size and size % block_size == 0."""
+    size = int(np.prod(shape, dtype=np.int64))
+    return size >= min_size and size % block_size == 0 and size > 0
+
+
+def _blocks(x: jax.Array, block_size: int) -> jax.Array:
+    if x.size % block_size:
+        raise ValueError(f"tensor of shape {x.shape} ({x.size} elements) is not a whole number of blocks of "
+                         f"{block_size}; keep it in float32 (see can_quantize) or pick another block_size")
+    return x.astype(jnp.float32).reshape(-1, block_size)
+
+
+def _safe(divisor: jax.Array) -> jax.Array:
+    # 0 -> 1 so all-zero blocks give 0 / 1 = 0 instead of 0 / 0 = NaN; NaN stays NaN.
+    return jnp.where(divisor == 0, jnp.float32(1), divisor)
+
+
+def pack_4bit(codes: jax.Array) -> jax.Array:
+    """uint8 codes < 16, shape (..., 2k) -> uint8 (..., k): element 2i in the high nibble, 2i+1 in the low."""
+    return (codes[..., 0::2] << 4) | codes[..., 1::2]
+
+
+def unpack_4bit(packed: jax.Array) -> jax.Array:
+    """Inverse of `pack_4bit`: uint8 (..., k) -> uint8 codes (..., 2k)."""
+    return jnp.stack([packed >> 4, packed & jnp.uint8(15)], axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+def quantize_codebook(x: jax.Array, qmap_name: str, block_size: int) -> CodebookState:
+    """float tensor -> CodebookState: absmax per block, nearest code of x / absmax (see module docstring)."""
+    blocks = _blocks(x, block_size)
+    absmax = jnp.max(jnp.abs(blocks), axis=1)
+    codes = maps.encode_nearest(blocks / _safe(absmax)[:, None], maps.get_map(qmap_name))
+    if CODEBOOK_FORMATS[qmap_name] == 4:
+        codes = pack_4bit(codes)
+    return CodebookState(codes, absmax, tuple(x.shape), qmap_name)
+
+
+def dequantize_codebook(q: CodebookState) -> jax.Array:
+    codes = unpack_4bit(q.codes) if CODEBOOK_FORMATS[q.qmap] == 4 else q.codes
+    return (maps.decode(codes, maps.get_map(q.qmap)) * q.absmax[:, None]).reshape(q.shape)
+
+
+def quantize_fp8(x: jax.Array, block_size: int) -> Fp8State:
+    """float tensor -> Fp8State: scale = absmax / 448 per block, codes = e4m3(x / scale), round to nearest even."""
+    blocks = _blocks(x, block_size)
+    scale = _safe(jnp.max(jnp.abs(blocks), axis=1) / jnp.float32(_E4M3_MAX))
+    codes = formats.saturating_cast(blocks / scale[:, None], formats.E4M3)
+    return Fp8State(codes, scale, tuple(x.shape))
+
+
+def dequantize_fp8(q: Fp8State) -> jax.Array:
+    return (q.codes.astype(jnp.float32) * q.scale[:, None]).reshape(q.shape)
+
+
+def expansion_params(blocks: jax.Array):
+    """COAT expansion parameters of float32 blocks (n, B) -> (k, c, max) float32 (n,) each (module docstring).
+
+    All-zero blocks get k = 1, c = 1; NaN blocks get NaN max (hence NaN scale).
+    """
+    magnitude = jnp.abs(blocks)
+    big = jnp.max(magnitude, axis=1)
+    small = jnp.min(jnp.where(magnitude > 0, magnitude, jnp.inf), axis=1)
+    all_zero = big == 0
+    big_safe, small_safe = jnp.where(all_zero, 1.0, big), jnp.where(all_zero, 1.0, small)
+    log_ratio = jnp.log2(big_safe / small_safe)
+    k = jnp.floor(_LOG2_E4M3_RATIO / log_ratio * _EXPAND_STEPS) / _EXPAND_STEPS  # +inf when ratio == 1
+    k = jnp.where(all_zero, 1.0, jnp.clip(k, _EXPAND_MIN, _EXPAND_MAX))
+    centre = jnp.sqrt(big_safe) * jnp.sqrt(small_safe)  # sqrt(max * min) without overflowing max * min
+    return k.astype(jnp.float32), centre.astype(jnp.float32), big
+
+
+def quantize_fp8_expanded(x: jax.Array, block_size: int) -> Fp8ExpandedState:
+    """float tensor -> Fp8ExpandedState (COAT dynamic range expansion, then e4m3 with absmax scaling)."""
+    blocks = _blocks(x, block_size)
+    k, centre, big = expansion_params(blocks)
+    expanded = jnp.sign(blocks) * (jnp.abs(blocks) / centre[:, None]) ** k[:, None]
+    # NaN blocks: big is NaN, so the scale is NaN and the block decodes to NaN.
+    scale = _safe(jnp.where(big == 0, 0.0, (big / centre) ** k / jnp.float32(_E4M3_MAX)))
+    codes = formats.saturating_cast(expanded / scale[:, None], formats.E4M3)
+    return Fp8ExpandedState(codes, scale, k, centre, tuple(x.shape))
+
+
+def dequantize_fp8_expanded(q: Fp8ExpandedState) -> jax.Array:
+    y = q.codes.astype(jnp.float32) * q.scale[:, None]
+    x = jnp.sign(y) * jnp.abs(y) ** (1.0 / q.expand[:, None]) * q.centre[:, None]
+    return x.reshape(q.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "block_size"))
+def quantize(x: jax.Array, fmt: str, block_size: int) -> QuantizedTensor:
+    """Quantizes float tensor `x` (size % block_size == 0) to state format `fmt` (one of STATE_FORMATS)."""
+    check_format(fmt, block_size)
+    if fmt == "e4m3":
+        return quantize_fp8(x, block_size)
+    if fmt == "e4m3_dre":
+        return quantize_fp8_expanded(x, block_size)
+    return quantize_codebook(x, fmt, block_size)
+
+
+@jax.jit
+def dequantize(q: QuantizedTensor) -> jax.Array:
+    """Quantized state tensor -> float32 array of its original shape."""
+    if isinstance(q, CodebookState):
+        return dequantize_codebook(q)
+    if isinstance(q, Fp8State):
+        return dequantize_fp8(q)
+    if isinstance(q, Fp8ExpandedState):
+        return dequantize_fp8_expanded(q)
+    raise TypeError(f"not a quantized state tensor: {type(q).__name__}")
+
+
+def is_quantized(x) -> bool:
+    return isinstance(x, (CodebookState, Fp8State, Fp8ExpandedState))
+
+
+def nbytes(tree) -> int:
+    """Total bytes of all arrays in a pytree (quantized states included)."""
+    return sum(int(np.prod(a.shape, dtype=np.int64)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))

@@ -1,0 +1,149 @@
+"""Quantization maps equal their defining formulas; nearest-code encoding equals brute force; block formats."""
+
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qjax.optim import blockwise, maps
+
+
+def _dynamic_map_exact(signed, max_exponent_bits, total_bits):
+    """The bitsandbytes dynamic-map formula in exact rational arithmetic, each value rounded once to float32."""
+    non_sign = total_bits - 1
+    values = [Fraction(0), Fraction(1)]
+    for i in range(max_exponent_bits):
+        n = 2 ** (i + non_sign - max_exponent_bits + (0 if signed else 1))
+        bounds = [Fraction(1, 10) + Fraction(9, 10) * Fraction(j, n) for j in range(n + 1)]
+        decade = Fraction(10) ** (i - max_exponent_bits + 1)
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            values.append((a + b) / 2 * decade)
+            if signed:
+                values.append(-(a + b) / 2 * decade)
+    return np.sort(np.array([np.float32(float(v)) for v in values], np.float32))
+
+
+@pytest.mark.parametrize("signed,exp_bits,bits", [(True, 7, 8), (False, 7, 8), (True, 3, 4)])
+def test_dynamic_map_equals_formula(signed, exp_bits, bits):
+    got = maps.dynamic_map(signed, exp_bits, bits)
+    assert got.dtype == np.float32 and got.shape == (2**bits,)
+    np.testing.assert_array_equal(got, _dynamic_map_exact(signed, exp_bits, bits))
+    assert np.all(np.diff(got) > 0), "map values must be distinct and sorted"
+
+
+def test_named_maps():
+    np.testing.assert_array_equal(maps.DYNAMIC_SIGNED_8BIT, maps.dynamic_map(True, 7, 8))
+    np.testing.assert_array_equal(maps.DYNAMIC_UNSIGNED_8BIT, maps.dynamic_map(False, 7, 8))
+    m4 = np.array([-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0,
+                   0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0], np.float32)
+    np.testing.assert_array_equal(maps.DYNAMIC_SIGNED_4BIT, m4)
+    np.testing.assert_array_equal(maps.LINEAR_UNSIGNED_4BIT, np.arange(1, 17, dtype=np.float32) / 16)
+    assert maps.DYNAMIC_UNSIGNED_8BIT.min() == 0 and maps.DYNAMIC_SIGNED_8BIT.min() < -0.99
+    # smallest non-zero magnitudes: 0.55e-6 (signed level 0 has one midpoint), 0.325e-6 (unsigned has two)
+    assert np.float32(0.55e-6) in maps.DYNAMIC_SIGNED_8BIT and maps.DYNAMIC_UNSIGNED_8BIT[1] == np.float32(0.325e-6)
+    with pytest.raises(ValueError, match="frozen|read-only"):
+        maps.DYNAMIC_SIGNED_8BIT[0] = 0
+
+
+@pytest.mark.parametrize("name", sorted(maps.MAPS))
+def test_encode_equals_brute_force(name):
+    qmap = maps.get_map(name)
+    mids = (qmap[:-1].astype(np.float64) + qmap[1:]) / 2
+    probes = np.concatenate([
+        qmap, mids.astype(np.float32), np.nextafter(mids.astype(np.float32), 2), np.nextafter(
+            mids.astype(np.float32), -2), [-1, 1, 0, 1e-30, -1e-30, 1e-7, -1e-7],
+        np.asarray(jax.random.uniform(jax.random.key(0), (20000,), minval=-1, maxval=1)),
+        np.asarray(jax.random.normal(jax.random.key(1), (5000,)) * 1e-3),
+    ]).astype(np.float32)
+    got = jax.jit(lambda x: maps.encode_nearest(x, qmap))(jnp.asarray(probes))
+    np.testing.assert_array_equal(got, jax.jit(lambda x: maps.encode_brute_force(x, qmap))(jnp.asarray(probes)))
+    np.testing.assert_array_equal(maps.decode(maps.encode_nearest(jnp.asarray(qmap), qmap), qmap), qmap)
+
+
+def test_encode_rejects_bad_map():
+    with pytest.raises(ValueError, match="power of two"):
+        maps.encode_nearest(jnp.zeros(3), np.arange(3, dtype=np.float32))
+    with pytest.raises(ValueError, match="unknown quantization map"):
+        maps.get_map("dynamic_9bit")
+
+
+def test_pack_4bit_roundtrip():
+    codes = jax.random.randint(jax.random.key(2), (5, 128), 0, 16).astype(jnp.uint8)
+    packed = blockwise.pack_4bit(codes)
+    assert packed.shape == (5, 64) and packed.dtype == jnp.uint8
+    np.testing.assert_array_equal(blockwise.unpack_4bit(packed), codes)
+    assert int(packed[0, 0]) == int(codes[0, 0]) * 16 + int(codes[0, 1])
+
+
+@pytest.mark.parametrize("fmt,block,max_rel_err", [
+    ("dynamic_signed_8bit", 256, 0.03), ("dynamic_unsigned_8bit", 256, 0.02), ("dynamic_signed_4bit", 128, 0.13),
+    ("linear_unsigned_4bit", 128, 0.0625), ("e4m3", 256, 0.07), ("e4m3_dre", 128, 0.07)])
+def test_blockwise_roundtrip(fmt, block, max_rel_err):
+    x = jax.random.normal(jax.random.key(3), (32, 128))
+    if "unsigned" in fmt:
+        x = x * x
+    q = blockwise.quantize(x, fmt, block)
+    y = blockwise.dequantize(q)
+    assert y.shape == x.shape and y.dtype == jnp.float32
+    absmax = jnp.max(jnp.abs(x.reshape(-1, block)), axis=1, keepdims=True)
+    err = jnp.abs(y - x).reshape(-1, block) / absmax  # error relative to the block's absmax
+    assert float(err.max()) <= max_rel_err, float(err.max())
+    if fmt in ("dynamic_unsigned_8bit", "linear_unsigned_4bit", "e4m3"):  # maps holding +-1.0: absmax is kept
+        np.testing.assert_allclose(jnp.max(jnp.abs(y.reshape(-1, block)), 1), absmax[:, 0], rtol=2e-7)
+
+
+def test_codebook_codes_are_nearest():
+    x = jax.random.normal(jax.random.key(4), (4, 256))
+    q = blockwise.quantize(x, "dynamic_signed_8bit", 256)
+    normed = x / jnp.max(jnp.abs(x), axis=1, keepdims=True)
+    np.testing.assert_array_equal(q.codes, maps.encode_brute_force(normed, maps.DYNAMIC_SIGNED_8BIT))
+
+
+@pytest.mark.parametrize("fmt", blockwise.STATE_FORMATS)
+def test_zero_and_nan_blocks(fmt):
+    block = 128
+    x = jax.random.uniform(jax.random.key(5), (4, block), minval=0.1, maxval=1.0)
+    x = x.at[1].set(0.0).at[2, 7].set(jnp.nan).at[3, 3].set(jnp.inf)
+    y = blockwise.dequantize(blockwise.quantize(x, fmt, block))
+    np.testing.assert_array_equal(y[1], 0.0)  # all-zero block: exact zeros, no NaN
+    assert bool(jnp.all(jnp.isnan(y[2])))  # NaN spreads to its block, never becomes finite
+    assert not bool(jnp.any(jnp.isfinite(y[3, 3:4])))  # Inf never becomes finite either
+    assert bool(jnp.all(jnp.isfinite(y[0])))
+
+
+def test_dre_parameters_follow_coat():
+    x = jnp.concatenate([jnp.geomspace(1e-6, 1e-2, 127), jnp.zeros(1)]).astype(jnp.float32)[None]
+    q = blockwise.quantize_fp8_expanded(x, 128)
+    big, small = 1e-2, 1e-6
+    k = np.floor(np.log2(448.0**2 / 2) / np.log2(big / small) * 16) / 16
+    np.testing.assert_allclose(q.expand, [k], rtol=0)
+    assert float(q.expand[0]) * 16 == int(float(q.expand[0]) * 16)
+    np.testing.assert_allclose(q.centre, [np.sqrt(big * small)], rtol=1e-5)
+    assert float(blockwise.dequantize(q)[0, -1]) == 0.0
+
+
+def _mean_rel_err(fmt, x):
+    y = blockwise.dequantize(blockwise.quantize(x, fmt, x.shape[-1]))
+    return float(jnp.mean(jnp.abs(y - x) / x))
+
+
+def test_dre_beats_plain_e4m3():
+    # Narrow range: k > 1 spreads the group over more e4m3 exponents, so relative error shrinks about k times.
+    narrow = jnp.geomspace(1e-3, 1e-2, 256, dtype=jnp.float32)[None]
+    assert _mean_rel_err("e4m3_dre", narrow) < _mean_rel_err("e4m3", narrow) / 3
+    # Range wider than e4m3's: plain absmax scaling flushes the small values to 0, expansion (k < 1) keeps them.
+    wide = jnp.geomspace(1e-10, 1e-2, 256, dtype=jnp.float32)[None]
+    assert _mean_rel_err("e4m3_dre", wide) < 0.1 < _mean_rel_err("e4m3", wide)
+
+
+def test_bad_formats_raise():
+    with pytest.raises(ValueError, match="unknown state format"):
+        blockwise.quantize(jnp.zeros(256), "int3", 256)
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
+        blockwise.quantize(jnp.zeros(256), "e4m3", 0)
+    with pytest.raises(ValueError, match="whole number of blocks"):
+        blockwise.quantize(jnp.zeros(300), "e4m3", 256)
+    with pytest.raises(ValueError, match="even"):
+        blockwise.check_format("dynamic_signed_4bit", 127)
