@@ -182,7 +182,7 @@ def adamw_fp8(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e
     """AdamW with e4m3 states: blocks of 256 with scale = absmax / 448 (torchao), or with
     `dynamic_range_expansion=True` COAT's per-group (128) expansion storing (codes, scale, k, c).
 
-    State: 2 bytes + 8 / 256 bytes per element (0.254x), or 2 + 24 / 128 with expansion (0.27x).
+    State: 2 bytes + 8 / 256 bytes per element (0.254x), or 2 + 14 / 128 with expansion (0.264x).
     """
     if dynamic_range_expansion not in (True, False):
         raise TypeError(f"dynamic_range_expansion must be a bool, got {dynamic_range_expansion!r}")
