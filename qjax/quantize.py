@@ -10,11 +10,11 @@ multipliers (x ~= code * scale):
   "1x128"       (..., R, K/128)      1 row x 128 consecutive K
   "128x128"     (..., R/128, K/128)  128 x 128 tile
 
-  amax  = max |x| over the block                 (NaN if the block holds a NaN)
+  amax  = max |x| over the block                 (+Inf if the block holds a NaN or Inf)
   scale = max(amax / fmt.max, f32 tiny); 1 where amax == 0; optionally rounded *up* to a power of two
   code  = cast(round(x * (1 / scale)))           round = half-to-even, or stochastic (qjax.stochastic)
 
-NaN or Inf in a block makes that block's scale NaN or Inf, so its dequantized values (and any GEMM output that reads
+NaN or Inf in a block makes that block's scale Inf, so all its dequantized values (and any GEMM output that reads
 them) are NaN: non-finite inputs stay visible. All-zero blocks get scale 1 and codes 0.
 """
 
@@ -104,9 +104,12 @@ def _blocked(x, granularity):
 
 
 def _amax(x32, granularity):
+    # NaN counts as +Inf: XLA's CPU max-reduction can drop NaN, and an Inf amax already makes the whole block
+    # non-finite on dequantization (codes 0 times an Inf scale).
+    magnitude = jnp.where(jnp.isnan(x32), jnp.inf, jnp.abs(x32))
     if granularity == "tensor":
-        return jnp.max(jnp.abs(x32))
-    return jnp.max(jnp.abs(_blocked(x32, granularity)), axis=(-3, -1))
+        return jnp.max(magnitude)
+    return jnp.max(_blocked(magnitude, granularity), axis=(-3, -1))
 
 
 def scale_from_amax(amax: jax.Array, fmt: formats.Format, pow2_scale: bool = False) -> jax.Array:

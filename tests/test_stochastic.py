@@ -1,0 +1,101 @@
+"""Stochastic rounding: unbiased, on the two neighbouring grid points, reproducible, non-finite values kept."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qjax
+from qjax import stochastic
+
+KEY = jax.random.key(0)
+
+
+def _neighbours(x: float, dtype):
+    """The representable values just below and above x in dtype (brute force over all codes)."""
+    if dtype == jnp.int8:
+        return np.floor(x), np.ceil(x)
+    if dtype == jnp.bfloat16:
+        codes = np.arange(2**16, dtype=np.uint16).view(jnp.bfloat16).astype(np.float32)
+    else:
+        codes = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+    codes = codes[np.isfinite(codes)]
+    return codes[codes <= x].max(), codes[codes >= x].min()
+
+
+@pytest.mark.parametrize("dtype, x, draws, rel_tol", [
+    (jnp.int8, 100.3, 10**5, 1e-4),
+    (jnp.int8, -57.77, 10**5, 1e-4),
+    (jnp.bfloat16, 1.0 + 2.0**-10, 10**5, 3e-5),
+    (jnp.bfloat16, -3.0e-3, 10**5, 3e-5),
+    (jnp.float8_e4m3fn, 1.0 + 2.0**-5, 10**6, 1e-4),
+    (jnp.float8_e4m3fn, 0.0031, 10**6, 1e-4),  # in e4m3's subnormal range
+    (jnp.float8_e5m2, -300.7, 10**6, 1e-4),
+])
+def test_unbiased_and_only_neighbours(dtype, x, draws, rel_tol):
+    values = jnp.full((draws,), x, jnp.float32)
+    rounded = np.asarray(qjax.stochastic_round(values, dtype, KEY).astype(jnp.float32), np.float64)
+    x = float(np.float32(x))
+    low, high = _neighbours(x, dtype)
+    assert set(np.unique(rounded)) <= {low, high}
+    # An unbiased rounding's sample mean has standard error (high - low) sqrt(p (1 - p) / draws). For int8 and
+    # bf16 the relative bound is looser than 5 of those; fp8's grid is so coarse (2-3 mantissa bits) that no
+    # unbiased rounding can meet 1e-4 with this many draws, so there the bound is 5 standard errors.
+    p = (x - low) / (high - low)
+    tolerance = max(rel_tol * abs(x), 5 * (high - low) * np.sqrt(p * (1 - p) / draws))
+    assert abs(rounded.mean() - x) <= tolerance
+    # Round-to-nearest misses the same bound, so the check is tight enough to see a bias.
+    nearest = low if abs(x - low) <= abs(high - x) else high
+    assert abs(nearest - x) > tolerance
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8])
+def test_reproducible_per_key_and_varies_across_keys(dtype):
+    x = jax.random.normal(jax.random.key(1), (4096,)) * 10
+    a = qjax.stochastic_round(x, dtype, jax.random.key(3))
+    b = qjax.stochastic_round(x, dtype, jax.random.key(3))
+    c = qjax.stochastic_round(x, dtype, jax.random.key(4))
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    assert np.mean(np.asarray(a.astype(jnp.float32)) != np.asarray(c.astype(jnp.float32))) > 0.1
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_representable_values_unchanged(dtype):
+    codes = jnp.asarray(np.arange(-64, 64, dtype=np.float32) * 0.125).astype(dtype).astype(jnp.float32)
+    out = qjax.stochastic_round(codes, dtype, KEY).astype(jnp.float32)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(codes))
+
+
+def test_non_finite_values_never_become_finite():
+    x = jnp.array([np.nan, np.inf, -np.inf, 1e30, -1e30, 0.0], jnp.float32)
+    e4m3 = np.asarray(qjax.stochastic_round(x, jnp.float8_e4m3fn, KEY).astype(jnp.float32))
+    assert np.isnan(e4m3[:3]).all()  # e4m3 has no Inf: Inf becomes NaN, not 448
+    np.testing.assert_array_equal(e4m3[3:], [448.0, -448.0, 0.0])  # finite values saturate
+    e5m2 = np.asarray(qjax.stochastic_round(x, jnp.float8_e5m2, KEY).astype(jnp.float32))
+    assert np.isnan(e5m2[0]) and e5m2[1] == np.inf and e5m2[2] == -np.inf
+    bf16 = np.asarray(qjax.stochastic_round(x, jnp.bfloat16, KEY).astype(jnp.float32))
+    assert np.isnan(bf16[0]) and bf16[1] == np.inf and bf16[2] == -np.inf
+
+
+def test_int8_saturates_at_127():
+    out = qjax.stochastic_round(jnp.array([300.0, -300.0, 126.5]), jnp.int8, KEY)
+    assert out.dtype == jnp.int8 and out[0] == 127 and out[1] == -127 and out[2] in (126, 127)
+
+
+def test_hash_bits_are_uniform():
+    bits = np.asarray(stochastic.element_bits(jnp.uint32(12345), (1 << 16,)))
+    counts = np.bincount(bits >> 28, minlength=16)  # top 4 bits
+    chi2 = ((counts - counts.mean()) ** 2 / counts.mean()).sum()
+    assert chi2 < 40  # 15 degrees of freedom: p ~ 5e-4
+    low = np.bincount(bits & 15, minlength=16)
+    assert ((low - low.mean()) ** 2 / low.mean()).sum() < 40
+    assert len(np.unique(bits)) > 0.99 * bits.size
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="PRNG key"):
+        qjax.stochastic_round(jnp.ones(3), jnp.bfloat16, 0)
+    with pytest.raises(TypeError, match="float"):
+        qjax.stochastic_round(jnp.ones(3, jnp.int32), jnp.bfloat16, KEY)
+    with pytest.raises(ValueError, match="unsupported quantization format"):
+        qjax.stochastic_round(jnp.ones(3), jnp.float16, KEY)
