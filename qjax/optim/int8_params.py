@@ -1,0 +1,147 @@
+"""INT8 weight-only training: weights live as int8 codes + one float32 scale per output channel, nothing else.
+
+  params = qjax.optim.to_int8_params(float_params)                # 2-D+ leaves with >= min_size elements
+  loss, grads = qjax.optim.int8_value_and_grad(loss_fn)(params, batch)   # grads: float, shaped like the weights
+  updates, opt_state = tx.update(grads, opt_state, qjax.optim.dequantize_params(params))
+  params = qjax.optim.apply_updates_int8(params, updates, key)   # dequantize -> add -> requantize with SR
+
+Layout: a weight of shape (..., in, out) (Flax's Dense kernel layout) is stored as `data` int8 of the same shape and
+`scale` float32 of shape (1, ..., 1, out): one scale per output channel (a torch "row"), scale = absmax / 127 over
+all other axes; all-zero channels get scale 1. Each update requantizes with a *fresh* absmax and stochastic
+rounding (qjax.stochastic, one seed per leaf), so small updates survive in expectation: E[new w] = w + u.
+
+The forward uses the int8 weight directly: `Int8Dense` (a Flax linen layer) computes x @ (data * scale) with the
+cast fused into the matmul by XLA; `Int8Param.dequantize` gives the float view anywhere else. Gradients: int8 arrays
+are not differentiable, so `int8_value_and_grad` differentiates with respect to the dequantized weight (the
+straight-through view used by torchao / gau-nernst int8 weight-only training) and returns a float32 gradient of
+the weight's shape in place of each `Int8Param`.
+
+NaN: a NaN in w + u makes that channel's scale NaN, so the whole channel dequantizes to NaN (never finite again).
+"""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from qjax import formats, stochastic
+from qjax.optim import sr_params
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int8Param:
+    """An int8 weight. data: int8 (..., in, out); scale: float32 (1, ..., 1, out)."""
+
+    data: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return (self.data.astype(jnp.float32) * self.scale).astype(dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Int8ParamWithDelta(Int8Param):
+    # The differentiable stand-in int8_value_and_grad substitutes: dequantize() adds a float zero `delta`, and the
+    # gradient with respect to delta is the gradient with respect to the dequantized weight.
+    delta: jax.Array = None
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return (self.data.astype(jnp.float32) * self.scale + self.delta).astype(dtype)
+
+
+def _is_int8(x) -> bool:
+    return isinstance(x, Int8Param)
+
+
+def quantize_int8_param(w: jax.Array, seed: jax.Array | None = None) -> Int8Param:
+    """Float weight (..., out), ndim >= 2 -> Int8Param; stochastic rounding when a uint32 `seed` is given."""
+    if w.ndim < 2:
+        raise ValueError(f"int8 weight-only params need ndim >= 2 (..., in, out), got shape {w.shape}")
+    w32 = w.astype(jnp.float32)
+    axes = tuple(range(w.ndim - 1))
+    absmax = jnp.max(jnp.abs(w32), axis=axes, keepdims=True)
+    absmax = jnp.where(jnp.any(jnp.isnan(w32), axis=axes, keepdims=True), jnp.nan, absmax)  # see blockwise
+    scale = jnp.where(absmax == 0, jnp.float32(1), absmax / jnp.float32(127))
+    y = w32 / scale
+    y = jnp.round(y) if seed is None else stochastic.round_to_grid(y, formats.INT8, stochastic.element_bits(seed, y.shape))
+    return Int8Param(formats.saturating_cast(jnp.nan_to_num(y), formats.INT8), scale)
+
+
+def to_int8_params(params, min_size: int = 4096):
+    """Converts float leaves with ndim >= 2 and at least `min_size` elements to Int8Param (round to nearest)."""
+    return jax.tree.map(lambda w: quantize_int8_param(w) if w.ndim >= 2 and w.size >= min_size else w, params)
+
+
+def dequantize_params(params, dtype=jnp.float32):
+    """Int8Param leaves -> float arrays of `dtype`; other leaves unchanged."""
+    return jax.tree.map(lambda p: p.dequantize(dtype) if _is_int8(p) else p, params, is_leaf=_is_int8)
+
+
+def int8_value_and_grad(fun, has_aux: bool = False):
+    """`jax.value_and_grad(fun)` for `fun(params, *args)` whose params hold Int8Param leaves.
+
+    Gradients of Int8Param leaves are float32 arrays of the weight's shape (gradient w.r.t. the dequantized
+    weight); other leaves get ordinary gradients. The model must read Int8Param weights via `.dequantize()` (as
+    `Int8Dense` does).
+    """
+
+    def wrapped(params, *args, **kwargs):
+        int8_leaves = [p for p in jax.tree.leaves(params, is_leaf=_is_int8) if _is_int8(p)]
+        deltas = [jnp.zeros(p.shape, jnp.float32) for p in int8_leaves]
+
+        def with_deltas(float_parts, deltas):
+            it = iter(deltas)
+            return jax.tree.map(lambda p, f: _Int8ParamWithDelta(p.data, p.scale, next(it)) if _is_int8(p) else f,
+                                params, float_parts, is_leaf=_is_int8)
+
+        float_parts = jax.tree.map(lambda p: None if _is_int8(p) else p, params, is_leaf=_is_int8)
+        value, (g_float, g_deltas) = jax.value_and_grad(
+            lambda fp, d: fun(with_deltas(fp, d), *args, **kwargs), argnums=(0, 1), has_aux=has_aux)(
+                float_parts, deltas)
+        it = iter(g_deltas)
+        grads = jax.tree.map(lambda p, g: next(it) if _is_int8(p) else g, params, g_float, is_leaf=_is_int8)
+        return value, grads
+
+    return wrapped
+
+
+def apply_updates_int8(params, updates, key: jax.Array):
+    """Int8Param leaves: dequantize -> add the float update -> requantize (fresh absmax, stochastic rounding).
+
+    Other leaves: `apply_updates_sr` semantics (bf16 rounded stochastically, float32 plainly). One seed per leaf
+    from `sr_params.leaf_seeds(key, n_leaves)`, leaves in tree-flatten order with Int8Param as one leaf.
+    """
+    leaves, treedef = jax.tree.flatten(params, is_leaf=_is_int8)
+    update_leaves = treedef.flatten_up_to(updates)
+    seeds = sr_params.leaf_seeds(key, len(leaves))
+    new = [quantize_int8_param(p.dequantize() + u.astype(jnp.float32), s) if _is_int8(p) else sr_params.add_sr(p, u, s)
+           for p, u, s in zip(leaves, update_leaves, seeds)]
+    return treedef.unflatten(new)
+
+
+class Int8Dense(nn.Module):
+    """Dense layer whose kernel is an Int8Param (int8 + per-output-channel scale); bias stays float.
+
+    Initialised from `kernel_init` in float32 then quantized (round to nearest). y = x @ dequantize(kernel) + bias,
+    computed in x's dtype.
+    """
+
+    features: int
+    use_bias: bool = True
+    kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", lambda key, shape: quantize_int8_param(self.kernel_init(key, shape)),
+                            (x.shape[-1], self.features))
+        y = x @ kernel.dequantize(x.dtype)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(x.dtype)
+        return y

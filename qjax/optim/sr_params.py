@@ -1,0 +1,62 @@
+"""BF16 parameters updated with stochastic rounding: no float32 master copy.
+
+  updates, opt_state = tx.update(grads, opt_state, params)        # params are bfloat16
+  params = qjax.optim.apply_updates_sr(params, updates, key)       # new key every step
+
+Rounding p + u to bfloat16 to nearest loses every update smaller than half a bf16 ulp of p (2**-9 relative), so
+long training stalls; rounding stochastically keeps E[new p] = p + u exactly, which is what a float32 master copy
+buys, at 2 bytes per parameter. The random bits are `qjax.stochastic.hash_uint32(seed, element index)` with one seed
+per leaf (`leaf_seeds`), so the same key gives the same params bit for bit, here and in any kernel.
+
+NaN / Inf in p + u stay NaN / Inf (stochastic rounding passes non-finite values through).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from qjax import stochastic
+
+
+def leaf_seeds(key: jax.Array, n: int) -> list:
+    """n uint32 seeds, one per pytree leaf: key_to_seed(fold_in(key, i)) for leaf i in tree-flatten order."""
+    return [stochastic.key_to_seed(jax.random.fold_in(key, i)) for i in range(n)]
+
+
+def add_sr(param: jax.Array, update: jax.Array, seed: jax.Array) -> jax.Array:
+    """param + update in float32, stochastically rounded back to param's dtype when that is bfloat16.
+
+    Args:
+      param: array of any float dtype; bfloat16 gets stochastic rounding, others (e.g. float32) plain rounding.
+      update: array of param's shape, any float dtype.
+      seed: uint32 scalar.
+
+    Returns:
+      The new param, same shape and dtype as `param`.
+    """
+    total = param.astype(jnp.float32) + update.astype(jnp.float32)
+    if param.dtype == jnp.bfloat16:
+        return stochastic.stochastic_round_with_seed(total, jnp.bfloat16, seed)
+    return total.astype(param.dtype)
+
+
+def apply_updates_sr(params, updates, key: jax.Array):
+    """`optax.apply_updates` with stochastic rounding for bfloat16 leaves (module docstring).
+
+    Args:
+      params: pytree of float arrays (bfloat16 leaves are rounded stochastically; None leaves are kept).
+      updates: pytree of updates with params' structure.
+      key: a `jax.random.key`; use a fresh one every step (e.g. fold_in(key, step)).
+
+    Returns:
+      The new params, same structure, shapes and dtypes.
+    """
+    if key is None:
+        raise ValueError("apply_updates_sr needs key=jax.random.key(...) (a fresh one per step)")
+    leaves, treedef = jax.tree.flatten(params)
+    update_leaves = treedef.flatten_up_to(updates)
+    for p in leaves:
+        if not jnp.issubdtype(p.dtype, jnp.floating):
+            raise TypeError(f"apply_updates_sr needs float params, got a {p.dtype} leaf; for int8 weights use "
+                            "qjax.optim.apply_updates_int8")
+    seeds = leaf_seeds(key, len(leaves))
+    return treedef.unflatten([add_sr(p, u, s) for p, u, s in zip(leaves, update_leaves, seeds)])
