@@ -149,8 +149,10 @@ def test_jit_vmap_scan_remat_agree_with_eager(name):
             h = qjax.dot_general(h, wi, TN, recipe=name)
         return jnp.sum(h * g)
 
+    # Layer 2 quantizes layer 1's output, whose float rounding differs between scan and the loop by an ulp, which
+    # can flip a code; a wrong residual or layout would be ~0-20 dB.
     for a, b in zip(jax.grad(stack_loss, (0, 1))(x, ws), jax.grad(loop_loss, (0, 1))(x, ws)):
-        assert snr_db(a, b) > 70
+        assert snr_db(a, b) > 40
 
 
 def test_dtypes_follow_inputs_and_preferred_element_type():
