@@ -1,0 +1,118 @@
+"""Optimizer-state memory and step time of qjax.optim's low-bit AdamW against fp32-state optax.adamw.
+
+  python benchmarks/optim.py            # TinyLlama-shaped 1.1B float32 pytree (GPU); appends to benchmarks/RESULTS.md
+  python benchmarks/optim.py --small    # a 2-layer d=256 pytree (auto-on without a GPU); prints only, unless --write
+
+Params and grads are float32 (so optax.adamw's states are float32, the baseline the ratios refer to). One step is
+`tx.update` + `optax.apply_updates` under one jit with params and state donated; step ms is the median of --iters
+timed steps after warm-up, each ended by block_until_ready. Achieved GB/s counts the bytes a step must move: params
+read + written, grads read, every state array read + written (divided by the step time).
+"""
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from qjax import optim  # noqa: E402
+from qjax.optim import blockwise  # noqa: E402
+
+
+def llama_shapes(d=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000):
+    """Param shapes of a Llama (TinyLlama 1.1B by default): untied embedding and LM head, RMSNorm scales."""
+    head_dim = d // heads
+    shapes = {"embed": (vocab, d), "lm_head": (d, vocab), "final_norm": (d,)}
+    for i in range(layers):
+        shapes.update({f"l{i}.q": (d, d), f"l{i}.k": (d, kv_heads * head_dim), f"l{i}.v": (d, kv_heads * head_dim),
+                       f"l{i}.o": (d, d), f"l{i}.gate": (d, ffn), f"l{i}.up": (d, ffn), f"l{i}.down": (ffn, d),
+                       f"l{i}.attn_norm": (d,), f"l{i}.mlp_norm": (d,)})
+    return shapes
+
+
+def make_tree(shapes, key, scale):
+    keys = jax.random.split(key, len(shapes))
+    return {name: jax.random.normal(k, shape, jnp.float32) * scale for k, (name, shape) in zip(keys, shapes.items())}
+
+
+def time_optimizer(tx, params, grads, iters):
+    state = tx.init(params)
+
+    def step(p, s, g):
+        updates, s = tx.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    p = jax.tree.map(jnp.copy, params)
+    for _ in range(3):
+        p, state = step(p, state, grads)
+    jax.block_until_ready((p, state))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        p, state = step(p, state, grads)
+        jax.block_until_ready((p, state))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3, blockwise.nbytes(state)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="small pytree (auto-on when no GPU is present)")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--write", action="store_true", help="append to RESULTS.md even with --small / no GPU")
+    args = parser.parse_args()
+    on_gpu = jax.default_backend() == "gpu"
+    small = args.small or not on_gpu
+    shapes = llama_shapes(d=256, layers=2, heads=4, kv_heads=2, ffn=704, vocab=4000) if small else llama_shapes()
+    n_params = sum(int(jnp.prod(jnp.array(s))) for s in shapes.values())
+    params = make_tree(shapes, jax.random.key(0), 0.02)
+    grads = make_tree(shapes, jax.random.key(1), 1e-3)
+    param_bytes = 4 * n_params
+
+    lr = optax.warmup_cosine_decay_schedule(0.0, 3e-4, 100, 10_000)
+    configs = [("optax.adamw (fp32 states)", lambda k: optax.adamw(lr, weight_decay=0.01), None)]
+    for name, make in [("adamw_8bit", lambda k: optim.adamw_8bit(lr, weight_decay=0.01, use_kernel=k)),
+                       ("adamw_4bit", lambda k: optim.adamw_4bit(lr, weight_decay=0.01, use_kernel=k)),
+                       ("adamw_fp8", lambda k: optim.adamw_fp8(lr, weight_decay=0.01, use_kernel=k)),
+                       ("adamw_fp8 +DRE", lambda k: optim.adamw_fp8(lr, weight_decay=0.01, use_kernel=k,
+                                                                    dynamic_range_expansion=True))]:
+        # The fused kernel is not implemented yet (qjax.optim.fused_adam): only the jnp reference path is timed.
+        configs.append((f"{name} (jnp)", make, False))
+
+    rows, base_ms, base_bytes = [], None, None
+    for name, make, use_kernel in configs:
+        ms, state_bytes = time_optimizer(make(use_kernel), params, grads, args.iters)
+        base_ms = base_ms or ms
+        base_bytes = base_bytes or state_bytes
+        moved = 3 * param_bytes + 2 * state_bytes  # params read+write, grads read, states read+write
+        rows.append((name, state_bytes, state_bytes / base_bytes, ms, ms / base_ms, moved / ms / 1e6))
+        print(f"{name:28s} {state_bytes / 2**30:8.3f} GiB  {state_bytes / base_bytes:6.4f}  {ms:9.2f} ms  "
+              f"{ms / base_ms:5.2f}x  {moved / ms / 1e6:8.1f} GB/s", flush=True)
+
+    device = jax.devices()[0].device_kind
+    table = [f"\n## optim: AdamW state bytes and step time — {device}, {datetime.date.today()}, jax {jax.__version__}"
+             f"{' (small pytree)' if small else ''}\n",
+             f"{n_params / 1e9:.3f}B float32 params ({'small' if small else 'TinyLlama 1.1B'} shapes), float32 grads, "
+             f"median of {args.iters} steps after 3 warm-up.\n",
+             "| optimizer | state bytes | ratio vs fp32 AdamW state | step ms | ratio vs optax.adamw | achieved GB/s |",
+             "|---|---|---|---|---|---|"]
+    for name, state_bytes, ratio, ms, speed, gbs in rows:
+        table.append(f"| {name} | {state_bytes:,} | {ratio:.4f} | {ms:.2f} | {speed:.2f}x | {gbs:.1f} |")
+    text = "\n".join(table) + "\n"
+    print(text)
+    if (on_gpu and not args.small) or args.write:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+        with open(path, "a") as f:
+            f.write(text)
+        print(f"appended to {path}")
+
+
+if __name__ == "__main__":
+    main()
