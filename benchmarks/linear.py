@@ -52,7 +52,7 @@ def time_ms(fn, args, warmup, reps):
     return statistics.median(times)
 
 
-def run(m, shapes, reps, warmup):
+def run(m, shapes, reps, warmup, names=None):
     rows = {}
     for k, n in shapes:
         keys = jax.random.split(jax.random.key(0), 3)
@@ -60,6 +60,8 @@ def run(m, shapes, reps, warmup):
         w = (jax.random.normal(keys[1], (n, k), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
         g = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
         for recipe in bench_recipes():
+            if names and recipe.name not in names and recipe.name != "bf16":
+                continue
             ms = time_ms(make_step(recipe), (x, w, g), warmup, reps)
             rows.setdefault(recipe.name, {})[(k, n)] = ms
             print(f"  {recipe.name:24s} K={k:6d} N={n:6d} {ms:9.3f} ms", flush=True)
@@ -81,13 +83,14 @@ def main():
     parser.add_argument("--small", action="store_true", help="CPU-sized shapes (default when no GPU is present)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--recipes", nargs="*", help="recipe names to time (default: all; bf16 always runs)")
     parser.add_argument("--no-append", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     small = args.small or jax.default_backend() != "gpu"
     m, shapes = (512, [(256, 256), (256, 1024)]) if small else (16384, [(4096, 4096), (4096, 14336), (14336, 4096)])
     device = jax.devices()[0].device_kind
     print(f"linear fwd+bwd on {device} ({jax.default_backend()}), jax {jax.__version__}, M={m}", flush=True)
-    rows = run(m, shapes, args.reps if not small else min(args.reps, 5), args.warmup)
+    rows = run(m, shapes, args.reps if not small else min(args.reps, 5), args.warmup, args.recipes)
     report = table(rows, m, shapes)
     print("\n" + report)
     if not args.no_append:
