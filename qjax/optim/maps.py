@@ -98,8 +98,11 @@ def encode_nearest(x: jax.Array, qmap) -> jax.Array:
         raise ValueError(f"map size must be a power of two, got {size}")
     x = x.astype(jnp.float32)
     # lo = largest j with qmap[j] <= x (0 when x < qmap[0]); one gather per bit.
-    lo = jnp.zeros(x.shape, jnp.int32)
+    # The first step compares against one known entry: gathering at a constant index array would make XLA
+    # constant-fold a gather the size of x (minutes of compile time for a 1B-parameter model).
     step = size // 2
+    lo = jnp.where(x >= table[step], step, 0).astype(jnp.int32)
+    step //= 2
     while step:
         lo = jnp.where(x >= table[lo + step], lo + step, lo)
         step //= 2
