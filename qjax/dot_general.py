@@ -110,13 +110,17 @@ def _high_precision_matmul(a, b, out_dtype, precision):
                            preferred_element_type=out_dtype)
 
 
-def scaled_matmul(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
+def scaled_matmul(a: QTensor, b: QTensor, out_dtype, precise_accumulation: bool = False) -> jax.Array:
     """(B?, M, K) x (B?, N, K) quantized operands -> (B?, M, N) of out_dtype, scales applied after the GEMM.
 
     int8 runs int8 x int8 -> int32 (the only fast int8 GEMM in XLA); fp8 runs on the fp8 arrays -> f32 (bf16 when the
     output is bf16). (A dequantize-in-f32 form with scalar scales was measured on the H200 to be simplified by XLA
     into a quantize-dequantize pass plus an f32 GEMM: 0.46x bf16.) Block-scaled operands are dequantized and
     multiplied in f32 (reference path).
+
+    precise_accumulation: fp8 only. XLA runs fp8 GEMMs with Hopper's fast (reduced-precision) accumulation unless
+    the precision is HIGHEST; like TransformerEngine, torchao and Flax we keep it in the forward GEMM and turn it
+    off for dgrad and wgrad, whose contracting dims (N, and M = all tokens) are long.
     """
     dims = _contract_last(a.data.ndim)
     if a.granularity in ("1x128", "128x128"):
@@ -129,7 +133,8 @@ def scaled_matmul(a: QTensor, b: QTensor, out_dtype) -> jax.Array:
         # cuBLASLt accumulates fp8 in f32 and can write bf16: half the epilogue's bytes, an extra 2**-9 relative
         # rounding before the scales, far below fp8's own error.
         acc_dtype = out_dtype if out_dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
-        acc = lax.dot_general(a.data, b.data, dims, preferred_element_type=acc_dtype).astype(jnp.float32)
+        precision = lax.Precision.HIGHEST if precise_accumulation else lax.Precision.DEFAULT
+        acc = lax.dot_general(a.data, b.data, dims, precision, preferred_element_type=acc_dtype).astype(jnp.float32)
     b_scale = b.scale if b.granularity == "tensor" else _swap_last(b.scale)
     return (acc * a.scale * b_scale).astype(out_dtype)
 
@@ -182,7 +187,7 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
             dx = _high_precision_matmul(g_mn, layout.rhs_kn(w_res), lhs_dtype, precision)
         else:
             gq_dgrad = quantize_with_seed(g_mn, dgrad.lhs, seeds[_DGRAD_LHS])
-            dx = scaled_matmul(gq_dgrad, w_res, lhs_dtype)
+            dx = scaled_matmul(gq_dgrad, w_res, lhs_dtype, precise_accumulation=True)
         if wgrad is None:
             dw = _high_precision_matmul(g_nm, layout.lhs_km(x_res), rhs_dtype, precision)
         else:
@@ -190,7 +195,7 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
                 gq_wgrad = _transpose_q(gq_dgrad)
             else:
                 gq_wgrad = quantize_with_seed(g_nm, wgrad.lhs, seeds[_WGRAD_LHS])
-            dw = scaled_matmul(gq_wgrad, x_res, rhs_dtype)
+            dw = scaled_matmul(gq_wgrad, x_res, rhs_dtype, precise_accumulation=True)
         return layout.lhs_from_mk(dx), layout.rhs_from_nk(dw), None
 
     @jax.custom_vjp
