@@ -83,11 +83,14 @@ def main():
     parser.add_argument("--small", action="store_true", help="CPU-sized shapes (default when no GPU is present)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--shapes", nargs="*", help="K x N pairs, e.g. 4096x14336 (default: the three GPU shapes)")
     parser.add_argument("--recipes", nargs="*", help="recipe names to time (default: all; bf16 always runs)")
     parser.add_argument("--no-append", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     small = args.small or jax.default_backend() != "gpu"
     m, shapes = (512, [(256, 256), (256, 1024)]) if small else (16384, [(4096, 4096), (4096, 14336), (14336, 4096)])
+    if args.shapes:
+        shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes]
     device = jax.devices()[0].device_kind
     print(f"linear fwd+bwd on {device} ({jax.default_backend()}), jax {jax.__version__}, M={m}", flush=True)
     rows = run(m, shapes, args.reps if not small else min(args.reps, 5), args.warmup, args.recipes)
