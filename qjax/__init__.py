@@ -7,8 +7,10 @@ Public API:
   make_dot_general(recipe), DotGeneral, recipe_for_layer   Flax integration
   quantize, dequantize, QTensor                            reference quantization (tensor/row/1x128/128x128)
   stochastic_round(x, dtype, key)                          unbiased rounding to bf16 / fp8 / int8
+  optim                                                    low-bit AdamW, bf16 + SR params, INT8 weight-only params
 """
 
+from qjax import optim
 from qjax.dot_general import dot_general
 from qjax.flax import DotGeneral, einsum, make_dot_general, recipe_for_layer
 from qjax.quantize import QTensor, QuantSpec, dequantize, quantize
@@ -17,5 +19,5 @@ from qjax.stochastic import stochastic_round
 
 __all__ = [
     "DotGeneral", "GemmSpec", "QTensor", "QuantSpec", "RECIPES", "Recipe", "dequantize", "dot_general", "einsum",
-    "make_dot_general", "quantize", "recipe", "recipe_for_layer", "stochastic_round", "with_stochastic_gradients",
+    "make_dot_general", "optim", "quantize", "recipe", "recipe_for_layer", "stochastic_round", "with_stochastic_gradients",
 ]

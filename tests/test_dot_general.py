@@ -130,11 +130,11 @@ def test_jit_vmap_scan_remat_agree_with_eager(name):
     for transformed in (jax.jit(jax.grad(_loss(name), (0, 1))), jax.grad(jax.checkpoint(_loss(name)), (0, 1))):
         for a, b in zip(eager_grads, transformed(x, w)):
             assert snr_db(a, b) > 70  # float32 summation order differs under jit (XLA rewrites the scaled dot)
-    # vmap: each example is quantized on its own, exactly as a Python loop would.
+    # vmap: each example is quantized on its own, as a Python loop would. (Scales shared across the batch would
+    # show as ~25-35 dB; on a GPU the batched and per-example GEMMs may differ by fp8 fast-accumulation rounding.)
     xs = x.reshape(4, M // 4, K)
     per_example = jnp.stack([qjax.dot_general(xi, w, TN, recipe=name) for xi in xs])
-    np.testing.assert_allclose(np.asarray(jax.vmap(lambda xi: qjax.dot_general(xi, w, TN, recipe=name))(xs)),
-                               np.asarray(per_example), rtol=1e-6, atol=1e-6)
+    assert snr_db(per_example, jax.vmap(lambda xi: qjax.dot_general(xi, w, TN, recipe=name))(xs)) > 50
     # scan over a stack of layers (the way models scan over blocks), differentiated.
     ws = jnp.stack([w[:256, :256], w[128:384, 256:]])  # two (256, 256) layers
     g = jax.random.normal(jax.random.key(5), (M, 256))

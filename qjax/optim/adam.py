@@ -44,15 +44,15 @@ class StateConfig:
       mu_format, nu_format: state formats from `blockwise.STATE_FORMATS` (m is signed, v is non-negative).
       block_size: elements per absmax/scale block (per COAT group for "e4m3_dre").
       min_quantized_size: tensors smaller than this keep float32 states.
-      use_kernel: True forces the fused Mosaic GPU kernel, False the jnp reference, None picks the kernel on a
-        Hopper GPU when it supports the formats (see `qjax.optim.fused_adam`).
+      use_kernel: True runs e4m3 states through the fused Mosaic GPU kernel (opt-in, see
+        `qjax.optim.fused_adam` for its status), False the jnp reference.
     """
 
     mu_format: str
     nu_format: str
     block_size: int
     min_quantized_size: int = 4096
-    use_kernel: bool | None = None
+    use_kernel: bool = False
 
     def __post_init__(self):
         blockwise.check_format(self.mu_format, self.block_size)
@@ -62,8 +62,8 @@ class StateConfig:
                              "'dynamic_signed_8bit', 'dynamic_signed_4bit', 'e4m3' or 'e4m3_dre'")
         if not isinstance(self.min_quantized_size, int) or self.min_quantized_size < 0:
             raise ValueError(f"min_quantized_size must be a non-negative int, got {self.min_quantized_size!r}")
-        if self.use_kernel not in (None, True, False):
-            raise ValueError(f"use_kernel must be None (auto), True or False, got {self.use_kernel!r}")
+        if not isinstance(self.use_kernel, bool):
+            raise ValueError(f"use_kernel must be True or False, got {self.use_kernel!r}")
 
     def quantizes(self, shape) -> bool:
         return blockwise.can_quantize(tuple(shape), self.block_size, self.min_quantized_size)
@@ -157,7 +157,7 @@ def _adamw(config, learning_rate, b1, b2, eps, weight_decay, mask):
 
 def adamw_8bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
                mask=None, block_size: int = 256, min_quantized_size: int = 4096,
-               use_kernel: bool | None = None) -> optax.GradientTransformation:
+               use_kernel: bool = False) -> optax.GradientTransformation:
     """AdamW with 8-bit states: blocks of 256, fp32 absmax, m on the signed and v on the unsigned dynamic tree map.
 
     State: 2 bytes + 8 / block_size bytes per element (0.254x fp32 AdamW at block 256). `learning_rate` is a float
@@ -169,7 +169,7 @@ def adamw_8bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1
 
 def adamw_4bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
                mask=None, block_size: int = 128, min_quantized_size: int = 4096,
-               use_kernel: bool | None = None) -> optax.GradientTransformation:
+               use_kernel: bool = False) -> optax.GradientTransformation:
     """AdamW with 4-bit states: blocks of 128, two codes per byte; m on the 3-exponent-bit signed dynamic map, v on
     the linear map 1/16..1 (no zero). State: 1 byte + 8 / block_size bytes per element (0.133x fp32 AdamW)."""
     config = StateConfig("dynamic_signed_4bit", "linear_unsigned_4bit", block_size, min_quantized_size, use_kernel)
@@ -178,7 +178,7 @@ def adamw_4bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1
 
 def adamw_fp8(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
               mask=None, block_size: int | None = None, dynamic_range_expansion: bool = False,
-              min_quantized_size: int = 4096, use_kernel: bool | None = None) -> optax.GradientTransformation:
+              min_quantized_size: int = 4096, use_kernel: bool = False) -> optax.GradientTransformation:
     """AdamW with e4m3 states: blocks of 256 with scale = absmax / 448 (torchao), or with
     `dynamic_range_expansion=True` COAT's per-group (128) expansion storing (codes, scale, k, c).
 
