@@ -148,6 +148,16 @@ def _transpose_q(q: QTensor) -> QTensor:
     return QTensor(_swap_last(q.data), q.scale, q.granularity)
 
 
+def _backward_operand(original, view, want: QuantSpec | None, have: QuantSpec | None, have_q, seed):
+    """What the forward saves of one input for a backward GEMM: the original where that GEMM runs in high precision,
+    else the input quantized in the GEMM's layout (`view`), reusing the forward's quantization if it is the same."""
+    if want is None:
+        return original
+    if have is not None and _reusable_transposed(have, want):
+        return _transpose_q(have_q)
+    return quantize_with_seed(view(original), want, seed)
+
+
 @functools.lru_cache(maxsize=None)
 def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision):
     """Builds the custom_vjp function (lhs, rhs, seeds) -> out for one static configuration."""
@@ -161,21 +171,11 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
             xq = quantize_with_seed(x, fwd.lhs, seeds[_FWD_LHS])
             wq = quantize_with_seed(w, fwd.rhs, seeds[_FWD_RHS])
             out = scaled_matmul(xq, wq, out_dtype)
-        # Residuals: each backward GEMM's operand, quantized in its layout; the original only where that GEMM
-        # runs in high precision.
-        if recipe.dgrad is None:
-            w_res = rhs
-        elif fwd is not None and _reusable_transposed(fwd.rhs, recipe.dgrad.rhs):
-            w_res = _transpose_q(wq)
-        else:
-            w_res = quantize_with_seed(layout.rhs_kn(rhs), recipe.dgrad.rhs, seeds[_DGRAD_RHS])
-        if recipe.wgrad is None:
-            x_res = lhs
-        elif fwd is not None and _reusable_transposed(fwd.lhs, recipe.wgrad.rhs):
-            x_res = _transpose_q(xq)
-        else:
-            x_res = quantize_with_seed(layout.lhs_km(lhs), recipe.wgrad.rhs, seeds[_WGRAD_RHS])
-        return layout.out_mn(out).reshape(layout.out_shape()), (w_res, x_res, seeds)
+        dgrad_rhs = recipe.dgrad.rhs if recipe.dgrad else None
+        wgrad_rhs = recipe.wgrad.rhs if recipe.wgrad else None
+        w_res = _backward_operand(rhs, layout.rhs_kn, dgrad_rhs, fwd and fwd.rhs, wq, seeds[_DGRAD_RHS])
+        x_res = _backward_operand(lhs, layout.lhs_km, wgrad_rhs, fwd and fwd.lhs, xq, seeds[_WGRAD_RHS])
+        return out.reshape(layout.out_shape()), (w_res, x_res, seeds)
 
     def backward(residuals, g):
         w_res, x_res, seeds = residuals
