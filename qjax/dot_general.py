@@ -128,15 +128,31 @@ def scaled_matmul(a: QTensor, b: QTensor, out_dtype, precise_accumulation: bool 
                               preferred_element_type=jnp.float32)
         return out.astype(out_dtype)
     if jnp.issubdtype(a.data.dtype, jnp.integer):
-        acc = lax.dot_general(a.data, b.data, dims, preferred_element_type=jnp.int32).astype(jnp.float32)
+        acc = _int8_matmul(a.data, b.data, dims)
     else:
         # cuBLASLt accumulates fp8 in f32 and can write bf16: half the epilogue's bytes, an extra 2**-9 relative
-        # rounding before the scales, far below fp8's own error.
-        acc_dtype = out_dtype if out_dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+        # rounding before the scales, far below fp8's own error. (Not f16: unscaled sums of codes reach 448**2 * K.)
+        acc_dtype = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
         precision = lax.Precision.HIGHEST if precise_accumulation else lax.Precision.DEFAULT
         acc = lax.dot_general(a.data, b.data, dims, precision, preferred_element_type=acc_dtype).astype(jnp.float32)
     b_scale = b.scale if b.granularity == "tensor" else _swap_last(b.scale)
     return (acc * a.scale * b_scale).astype(out_dtype)
+
+
+# Largest K for which an int32 sum of K products of int8 codes (|code| <= 127) cannot overflow.
+_INT32_SAFE_K = (2**31 - 1) // 127**2
+
+
+def _int8_matmul(a, b, dims):
+    """int8 (B?, M, K) x (B?, N, K) -> float32 (B?, M, N), exact: int32 accumulation in K-chunks that cannot overflow
+    (wgrad contracts over every token, which can exceed 133,143), chunk sums added in float32."""
+    k = a.shape[-1]
+    chunk = 1 << (_INT32_SAFE_K.bit_length() - 1)  # 131072: keeps slices aligned
+    if k <= _INT32_SAFE_K:
+        return lax.dot_general(a, b, dims, preferred_element_type=jnp.int32).astype(jnp.float32)
+    parts = [lax.dot_general(a[..., i:i + chunk], b[..., i:i + chunk], dims, preferred_element_type=jnp.int32)
+             for i in range(0, k, chunk)]
+    return sum(part.astype(jnp.float32) for part in parts)
 
 
 def _reusable_transposed(have: QuantSpec, want: QuantSpec) -> bool:
@@ -148,34 +164,39 @@ def _transpose_q(q: QTensor) -> QTensor:
     return QTensor(_swap_last(q.data), q.scale, q.granularity)
 
 
-def _backward_operand(original, view, want: QuantSpec | None, have: QuantSpec | None, have_q, seed):
+def _backward_operand(original, view, want: QuantSpec | None, have: QuantSpec | None, have_q, seed, operand):
     """What the forward saves of one input for a backward GEMM: the original where that GEMM runs in high precision,
     else the input quantized in the GEMM's layout (`view`), reusing the forward's quantization if it is the same."""
     if want is None:
         return original
     if have is not None and _reusable_transposed(have, want):
         return _transpose_q(have_q)
-    return quantize_with_seed(view(original), want, seed)
+    return quantize_with_seed(view(original), want, seed, operand=operand)
 
 
 @functools.lru_cache(maxsize=None)
 def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision):
     """Builds the custom_vjp function (lhs, rhs, seeds) -> out for one static configuration."""
 
-    def forward(lhs, rhs, seeds):
+    def forward_gemm(lhs, rhs, seeds):
         x, w = layout.lhs_mk(lhs), layout.rhs_nk(rhs)
         fwd = recipe.fwd
         if fwd is None:
-            out, xq, wq = _high_precision_matmul(x, w, out_dtype, precision), None, None
-        else:
-            xq = quantize_with_seed(x, fwd.lhs, seeds[_FWD_LHS])
-            wq = quantize_with_seed(w, fwd.rhs, seeds[_FWD_RHS])
-            out = scaled_matmul(xq, wq, out_dtype)
+            return _high_precision_matmul(x, w, out_dtype, precision).reshape(layout.out_shape()), None, None
+        xq = quantize_with_seed(x, fwd.lhs, seeds[_FWD_LHS], operand="forward lhs x as (M, K)")
+        wq = quantize_with_seed(w, fwd.rhs, seeds[_FWD_RHS], operand="forward rhs w as (N, K)")
+        return scaled_matmul(xq, wq, out_dtype).reshape(layout.out_shape()), xq, wq
+
+    def forward(lhs, rhs, seeds):
+        out, xq, wq = forward_gemm(lhs, rhs, seeds)
+        fwd = recipe.fwd
         dgrad_rhs = recipe.dgrad.rhs if recipe.dgrad else None
         wgrad_rhs = recipe.wgrad.rhs if recipe.wgrad else None
-        w_res = _backward_operand(rhs, layout.rhs_kn, dgrad_rhs, fwd and fwd.rhs, wq, seeds[_DGRAD_RHS])
-        x_res = _backward_operand(lhs, layout.lhs_km, wgrad_rhs, fwd and fwd.lhs, xq, seeds[_WGRAD_RHS])
-        return out.reshape(layout.out_shape()), (w_res, x_res, seeds)
+        w_res = _backward_operand(rhs, layout.rhs_kn, dgrad_rhs, fwd and fwd.rhs, wq, seeds[_DGRAD_RHS],
+                                  "dgrad rhs w as (K, N)")
+        x_res = _backward_operand(lhs, layout.lhs_km, wgrad_rhs, fwd and fwd.lhs, xq, seeds[_WGRAD_RHS],
+                                  "wgrad rhs x as (K, M), M = tokens")
+        return out, (w_res, x_res, seeds)
 
     def backward(residuals, g):
         w_res, x_res, seeds = residuals
@@ -186,7 +207,7 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
         if dgrad is None:
             dx = _high_precision_matmul(g_mn, layout.rhs_kn(w_res), lhs_dtype, precision)
         else:
-            gq_dgrad = quantize_with_seed(g_mn, dgrad.lhs, seeds[_DGRAD_LHS])
+            gq_dgrad = quantize_with_seed(g_mn, dgrad.lhs, seeds[_DGRAD_LHS], operand="dgrad lhs g as (M, N)")
             dx = scaled_matmul(gq_dgrad, w_res, lhs_dtype, precise_accumulation=True)
         if wgrad is None:
             dw = _high_precision_matmul(g_nm, layout.lhs_km(x_res), rhs_dtype, precision)
@@ -194,13 +215,13 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
             if gq_dgrad is not None and _reusable_transposed(dgrad.lhs, wgrad.lhs):
                 gq_wgrad = _transpose_q(gq_dgrad)
             else:
-                gq_wgrad = quantize_with_seed(g_nm, wgrad.lhs, seeds[_WGRAD_LHS])
+                gq_wgrad = quantize_with_seed(g_nm, wgrad.lhs, seeds[_WGRAD_LHS], operand="wgrad lhs g as (N, M)")
             dw = scaled_matmul(gq_wgrad, x_res, rhs_dtype, precise_accumulation=True)
         return layout.lhs_from_mk(dx), layout.rhs_from_nk(dw), None
 
     @jax.custom_vjp
     def quantized_dot(lhs, rhs, seeds):
-        return forward(lhs, rhs, seeds)[0]
+        return forward_gemm(lhs, rhs, seeds)[0]  # without differentiation, no backward residuals
 
     quantized_dot.defvjp(forward, backward)
     return quantized_dot
@@ -232,12 +253,13 @@ def _layout_from(lhs_shape, rhs_shape, dimension_numbers) -> _Layout:
 
 
 def _seeds(recipe: recipes_lib.Recipe, key) -> jax.Array:
+    if key is not None:
+        stochastic.key_to_seed(key)  # validates the key type even where the recipe does not use it
     if not recipe.needs_key:
         return jnp.zeros((6,), jnp.uint32)
     if key is None:
         raise ValueError(f"recipe {recipe.name!r} uses stochastic rounding: pass key=jax.random.key(...) "
                          "(a fresh key per step), or use a recipe without stochastic rounding")
-    stochastic.key_to_seed(key)  # validates the key type
     return jax.random.bits(key, (6,), jnp.uint32)
 
 
@@ -262,7 +284,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     recipe = recipes_lib.recipe(recipe)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     layout = _layout_from(lhs.shape, rhs.shape, dimension_numbers)
-    if recipe.is_high_precision:
+    if recipe.is_high_precision or lhs.size == 0 or rhs.size == 0:  # nothing to quantize in an empty operand
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
     for name, array in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(array.dtype, jnp.floating):

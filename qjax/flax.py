@@ -19,8 +19,9 @@ from qjax.dot_general import dot_general
 def make_dot_general(recipe, key=None):
     """A `lax.dot_general`-compatible function quantized per `recipe`, for `nn.Dense(dot_general=...)`.
 
-    Recipes with stochastic rounding need a key: pass one here (it is then the same every call: fine inside a
-    single step), or use `DotGeneral`, which draws a fresh key per call from a Flax RNG stream.
+    Recipes with stochastic rounding need a key. A key passed here is baked into the function: every layer built
+    with it and every training step would reuse the same random bits, so for training use `DotGeneral`, which draws
+    a fresh key per call from a Flax RNG stream; pass `key` only for one-off calls.
     """
     recipe = recipes_lib.recipe(recipe)
     if recipe.needs_key and key is None:
@@ -88,7 +89,7 @@ def recipe_for_layer(recipe, layer_name: str, *, features_in: int, features_out:
     Flax's counterpart of torchao's `module_filter_fn`. A layer stays in high precision when a regex in
     `keep_high_precision` matches `layer_name` (e.g. "lm_head", "patch_embed"), when min(features_in, features_out)
     < `min_features` (tiny GEMMs gain nothing from 8 bits), or when a block-scaled recipe cannot tile its features
-    (not multiples of 128).
+    (not multiples of 128; the token count M must also be a multiple of 128 for wgrad, which this cannot see).
     """
     recipe = recipes_lib.recipe(recipe)
     keep = any(re.search(pattern, layer_name) for pattern in keep_high_precision)

@@ -82,18 +82,19 @@ class QTensor:
         return dequantize(self, dtype)
 
 
-def _check_shape(shape, granularity):
+def _check_shape(shape, granularity, operand):
     if granularity == "tensor":
         return
     if len(shape) < 2:
-        raise ValueError(f"{granularity!r} quantization needs an array of shape (..., rows, K), got shape {shape}")
+        raise ValueError(f"{operand}: {granularity!r} quantization needs shape (..., rows, K), got {shape}")
     if granularity in _BLOCK:
         block_r, block_k = _BLOCK[granularity]
         rows, k = shape[-2:]
         if k % block_k or rows % block_r:
             raise ValueError(
-                f"{granularity!r} quantization needs rows % {block_r} == 0 and K % {block_k} == 0 (K is the "
-                f"contracting dimension), got rows={rows}, K={k}; pad the operand or use a 'row' or 'tensor' recipe")
+                f"{operand}: {granularity!r} quantization needs rows % {block_r} == 0 and K % {block_k} == 0 (K is "
+                f"the contracting dimension), got rows={rows}, K={k}; pad the operand or use a 'row' or 'tensor' "
+                "recipe")
 
 
 def _blocked(x, granularity):
@@ -129,9 +130,11 @@ def _broadcast_scale(scale, granularity):
     return scale[..., :, None, :, None]
 
 
-def quantize_with_seed(x: jax.Array, spec: QuantSpec, seed: jax.Array | None) -> QTensor:
-    """`quantize` with an explicit uint32 seed (the form kernels use); seed is ignored unless spec.stochastic."""
-    _check_shape(x.shape, spec.granularity)
+def quantize_with_seed(x: jax.Array, spec: QuantSpec, seed: jax.Array | None, operand: str = "array") -> QTensor:
+    """`quantize` with an explicit uint32 seed (the form kernels use); seed is ignored unless spec.stochastic.
+
+    `operand` names the array in error messages (e.g. "wgrad rhs x as (K, M)")."""
+    _check_shape(x.shape, spec.granularity, operand)
     fmt = spec.format
     x32 = x.astype(jnp.float32)
     scale = scale_from_amax(_amax(x32, spec.granularity), fmt, spec.pow2_scale)

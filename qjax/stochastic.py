@@ -24,8 +24,9 @@ _UNIFORM_SCALE = 2.0**-24
 def hash_uint32(seed: jnp.ndarray, index: jnp.ndarray) -> jnp.ndarray:
     """Mixes a uint32 seed and uint32 element indices into uniform uint32 bits.
 
-    Two rounds of the `lowbias32` integer hash (C. Wellons), the seed hashed first so nearby seeds give unrelated
-    streams. Only xor, shifts and 32-bit multiplies: cheap on GPU and identical in any backend.
+    lowbias32(index ^ lowbias32(seed')) with lowbias32 the integer hash of C. Wellons: each seed's stream is one
+    fixed well-mixed sequence re-indexed by an xor with a hashed seed, so streams of nearby seeds do not overlap in
+    order. Only xor, shifts and 32-bit multiplies: cheap on GPU and identical in any backend.
     """
 
     def lowbias32(v):
@@ -62,6 +63,8 @@ def round_to_grid(y: jnp.ndarray, fmt: formats.Format, bits: jnp.ndarray) -> jnp
     NaN and +-Inf pass through unchanged.
     """
     y = y.astype(jnp.float32)
+    # Finite values beyond the format's range saturate; without this the random carry could reach Inf / NaN.
+    y = jnp.where(jnp.isfinite(y), jnp.clip(y, -fmt.max_value, fmt.max_value), y)
     if fmt.is_integer:
         return jnp.floor(y + uniform_from_bits(bits))
     if fmt.name == "bf16":

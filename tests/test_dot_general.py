@@ -219,3 +219,73 @@ def test_bad_input():
         qjax.dot_general(x[:, :100], w[:, :100], TN, recipe="fp8_blockwise")
     with pytest.raises(TypeError, match="PRNG key"):
         qjax.dot_general(x, w, TN, recipe=qjax.with_stochastic_gradients(INT8), key=3)
+    with pytest.raises(TypeError, match="PRNG key"):
+        qjax.dot_general(x, w, TN, recipe=INT8, key=3)  # checked even where the recipe draws no random bits
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dims", [
+    ((6, 24, 32), (40, 32), (((2,), (1,)), ((), ()))),
+    ((3, 16, 32), (3, 32, 8), (((2,), (1,)), ((0,), (0,)))),
+    ((16, 3, 32), (8, 32, 3), (((2,), (1,)), ((1,), (2,)))),             # rhs batch dim last
+    ((16, 4, 8), (8, 12, 4), (((1, 2), (2, 0)), ((), ()))),              # two contracting dims, swapped order
+    ((2, 16, 3, 8), (3, 8, 5, 2), (((3,), (1,)), ((2, 0), (0, 3)))),     # two batch dims in swapped order
+])
+def test_exact_on_losslessly_quantizable_inputs(lhs_shape, rhs_shape, dims):
+    """Random +-127 entries quantize exactly under int8 row scaling in every layout (every row's amax is 127), so
+    values and both gradients must equal lax.dot_general's: a wrong transpose or residual layout shows."""
+
+    def integers(key, shape):
+        return jnp.where(jax.random.bernoulli(key, 0.5, shape), 127.0, -127.0)
+
+    x, w = integers(jax.random.key(1), lhs_shape), integers(jax.random.key(2), rhs_shape)
+    y_ref = lax.dot_general(x, w, dims, precision="highest")
+    g = integers(jax.random.key(3), y_ref.shape)
+    loss = lambda f: (lambda x, w: jnp.sum(f(x, w) * g))
+    ref = jax.grad(loss(lambda x, w: lax.dot_general(x, w, dims, precision="highest")), (0, 1))(x, w)
+    got = jax.jit(jax.grad(loss(lambda x, w: qjax.dot_general(x, w, dims, recipe="int8_rowwise")), (0, 1)))(x, w)
+    np.testing.assert_allclose(qjax.dot_general(x, w, dims, recipe="int8_rowwise"), y_ref, rtol=1e-6)
+    for r, q in zip(ref, got):
+        np.testing.assert_allclose(q, r, rtol=1e-6)
+
+
+def test_float16_inputs_do_not_overflow():
+    x = jax.random.normal(jax.random.key(1), (64, 1024)).astype(jnp.float16)
+    w = jax.random.normal(jax.random.key(2), (64, 1024)).astype(jnp.float16)
+    y_ref = lax.dot_general(x.astype(jnp.float32), w.astype(jnp.float32), TN, precision="highest")
+    for name in ("int8_rowwise", "fp8_tensorwise", "fp8_rowwise"):
+        y = qjax.dot_general(x, w, TN, recipe=name)
+        assert y.dtype == jnp.float16 and np.isfinite(np.asarray(y)).all() and snr_db(y_ref, y) > 18, name
+
+
+def test_int8_wgrad_over_many_tokens_does_not_wrap():
+    tokens = 140_000  # 127**2 * tokens > 2**31: one int32 accumulation would wrap
+    x, w = jnp.ones((tokens, 1)), jnp.ones((1, 1))
+    dw = jax.grad(lambda w: jnp.sum(qjax.dot_general(x, w, TN, recipe="int8_rowwise")))(w)
+    np.testing.assert_allclose(dw, [[tokens]], rtol=1e-6)
+
+
+def test_forward_only_needs_only_the_forward_layouts():
+    x, w = jnp.ones((100, 256)), jnp.ones((128, 256))  # 100 tokens: fine forward, not tileable for wgrad
+    np.testing.assert_allclose(qjax.dot_general(x, w, TN, recipe="fp8_blockwise"), jnp.full((100, 128), 256.0))
+    with pytest.raises(ValueError, match="wgrad rhs x as \\(K, M\\), M = tokens.*K % 128 == 0.*K=100"):
+        jax.grad(lambda x: jnp.sum(qjax.dot_general(x, w, TN, recipe="fp8_blockwise")))(x)
+
+
+def test_empty_operands():
+    x, w = jnp.ones((0, 256)), jnp.ones((8, 256))
+    assert qjax.dot_general(x, w, TN, recipe="int8_rowwise").shape == (0, 8)
+    dw = jax.grad(lambda w: jnp.sum(qjax.dot_general(x, w, TN, recipe="int8_rowwise")))(w)
+    assert np.all(np.asarray(dw) == 0)
+
+
+@pytest.mark.parametrize("where", ["w", "g"])
+def test_non_finite_weights_and_gradients_stay_visible(where):
+    x, w, g = _operands()
+    if where == "w":
+        w = w.at[2, 9].set(np.nan)
+    else:
+        g = g.at[4, 1].set(np.inf)
+    dx, dw = jax.grad(lambda x, w: jnp.sum(qjax.dot_general(x, w, TN, recipe="int8_rowwise") * g), (0, 1))(x, w)
+    assert not np.isfinite(np.asarray(dx)).all()  # dx = g . w reads both
+    if where == "g":
+        assert not np.isfinite(np.asarray(dw)).all()  # dw = g^T . x does not read w

@@ -77,6 +77,14 @@ def test_non_finite_values_never_become_finite():
     assert np.isnan(bf16[0]) and bf16[1] == np.inf and bf16[2] == -np.inf
 
 
+@pytest.mark.parametrize("dtype, max_value", [(jnp.bfloat16, float(jnp.finfo(jnp.bfloat16).max)),
+                                              (jnp.float8_e4m3fn, 448.0), (jnp.float8_e5m2, 57344.0)])
+def test_finite_values_near_float32_max_saturate(dtype, max_value):
+    x = jnp.repeat(jnp.array([3.39e38, 3.4028235e38, -3.4028235e38], jnp.float32), 1000)
+    out = np.asarray(qjax.stochastic_round(x, dtype, KEY).astype(jnp.float32))
+    assert np.isfinite(out).all() and np.all(np.abs(out) <= max_value)
+
+
 def test_int8_saturates_at_127():
     out = qjax.stochastic_round(jnp.array([300.0, -300.0, 126.5]), jnp.int8, KEY)
     assert out.dtype == jnp.int8 and out[0] == 127 and out[1] == -127 and out[2] in (126, 127)
