@@ -16,7 +16,7 @@ are not differentiable, so `int8_value_and_grad` differentiates with respect to 
 straight-through view used by torchao / gau-nernst int8 weight-only training) and returns a float32 gradient of
 the weight's shape in place of each `Int8Param`.
 
-NaN: a NaN in w + u makes that channel's scale NaN, so the whole channel dequantizes to NaN (never finite again).
+NaN: a NaN in w + u makes that channel's scale Inf, so the whole channel dequantizes to NaN (never finite again).
 """
 
 import dataclasses
@@ -25,8 +25,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from qjax import formats, stochastic
 from qjax.optim import sr_params
+from qjax.quantize import QuantSpec, quantize_with_seed
 
 
 @jax.tree_util.register_dataclass
@@ -61,17 +61,17 @@ def _is_int8(x) -> bool:
 
 
 def quantize_int8_param(w: jax.Array, seed: jax.Array | None = None) -> Int8Param:
-    """Float weight (..., out), ndim >= 2 -> Int8Param; stochastic rounding when a uint32 `seed` is given."""
+    """Float weight (..., out), ndim >= 2 -> Int8Param; stochastic rounding when a uint32 `seed` is given.
+
+    One scale per output channel: the core int8 "row" quantization (`qjax.quantize`) of w viewed as (out, in), so
+    all-zero channels get scale 1 and a NaN / Inf channel dequantizes to NaN.
+    """
     if w.ndim < 2:
         raise ValueError(f"int8 weight-only params need ndim >= 2 (..., in, out), got shape {w.shape}")
-    w32 = w.astype(jnp.float32)
-    axes = tuple(range(w.ndim - 1))
-    absmax = jnp.max(jnp.abs(w32), axis=axes, keepdims=True)
-    absmax = jnp.where(jnp.any(jnp.isnan(w32), axis=axes, keepdims=True), jnp.nan, absmax)  # see blockwise
-    scale = jnp.where(absmax == 0, jnp.float32(1), absmax / jnp.float32(127))
-    y = w32 / scale
-    y = jnp.round(y) if seed is None else stochastic.round_to_grid(y, formats.INT8, stochastic.element_bits(seed, y.shape))
-    return Int8Param(formats.saturating_cast(jnp.nan_to_num(y), formats.INT8), scale)
+    out = w.shape[-1]
+    spec = QuantSpec("int8", "row", stochastic=seed is not None)
+    q = quantize_with_seed(w.reshape(-1, out).T, spec, seed, operand="int8 weight as (out, in)")
+    return Int8Param(q.data.T.reshape(w.shape), q.scale.T.reshape((1,) * (w.ndim - 1) + (out,)))
 
 
 def to_int8_params(params, min_size: int = 4096):
