@@ -19,7 +19,8 @@ from jax import lax
 
 from qjax import recipes as recipes_lib
 from qjax import stochastic
-from qjax.quantize import QTensor, QuantSpec, dequantize, quantize_with_seed
+from qjax.kernels.scaled_matmul import _contract_last, scaled_matmul
+from qjax.quantize import QTensor, QuantSpec, quantize_with_seed
 
 # Operand slots in the uint32 seed vector: one independent stochastic-rounding stream per quantized operand.
 _FWD_LHS, _FWD_RHS, _DGRAD_LHS, _DGRAD_RHS, _WGRAD_LHS, _WGRAD_RHS = range(6)
@@ -97,62 +98,11 @@ def _swap_last(x):
     return jnp.swapaxes(x, -1, -2)
 
 
-def _contract_last(ndim):
-    """dot_general dims for (B?, M, K) x (B?, N, K) -> (B?, M, N)."""
-    batch = ((0,), (0,)) if ndim == 3 else ((), ())
-    return ((ndim - 1,), (ndim - 1,)), batch
-
-
 def _high_precision_matmul(a, b, out_dtype, precision):
     """(B?, M, K) x (B?, N, K) -> (B?, M, N) in the operands' (promoted) dtype, no quantization."""
     dtype = jnp.promote_types(a.dtype, b.dtype)
     return lax.dot_general(a.astype(dtype), b.astype(dtype), _contract_last(a.ndim), precision,
                            preferred_element_type=out_dtype)
-
-
-def scaled_matmul(a: QTensor, b: QTensor, out_dtype, precise_accumulation: bool = False) -> jax.Array:
-    """(B?, M, K) x (B?, N, K) quantized operands -> (B?, M, N) of out_dtype, scales applied after the GEMM.
-
-    int8 runs int8 x int8 -> int32 (the only fast int8 GEMM in XLA); fp8 runs on the fp8 arrays -> f32 (bf16 when the
-    output is bf16). (A dequantize-in-f32 form with scalar scales was measured on the H200 to be simplified by XLA
-    into a quantize-dequantize pass plus an f32 GEMM: 0.46x bf16.) Block-scaled operands are dequantized and
-    multiplied in f32 (reference path).
-
-    precise_accumulation: fp8 only. XLA runs fp8 GEMMs with Hopper's fast (reduced-precision) accumulation unless
-    the precision is HIGHEST; like TransformerEngine, torchao and Flax we keep it in the forward GEMM and turn it
-    off for dgrad and wgrad, whose contracting dims (N, and M = all tokens) are long.
-    """
-    dims = _contract_last(a.data.ndim)
-    if a.granularity in ("1x128", "128x128"):
-        out = lax.dot_general(dequantize(a), dequantize(b), dims, lax.Precision.HIGHEST,
-                              preferred_element_type=jnp.float32)
-        return out.astype(out_dtype)
-    if jnp.issubdtype(a.data.dtype, jnp.integer):
-        acc = _int8_matmul(a.data, b.data, dims)
-    else:
-        # cuBLASLt accumulates fp8 in f32 and can write bf16: half the epilogue's bytes, an extra 2**-9 relative
-        # rounding before the scales, far below fp8's own error. (Not f16: unscaled sums of codes reach 448**2 * K.)
-        acc_dtype = jnp.bfloat16 if out_dtype == jnp.bfloat16 else jnp.float32
-        precision = lax.Precision.HIGHEST if precise_accumulation else lax.Precision.DEFAULT
-        acc = lax.dot_general(a.data, b.data, dims, precision, preferred_element_type=acc_dtype).astype(jnp.float32)
-    b_scale = b.scale if b.granularity == "tensor" else _swap_last(b.scale)
-    return (acc * a.scale * b_scale).astype(out_dtype)
-
-
-# Largest K for which an int32 sum of K products of int8 codes (|code| <= 127) cannot overflow.
-_INT32_SAFE_K = (2**31 - 1) // 127**2
-
-
-def _int8_matmul(a, b, dims):
-    """int8 (B?, M, K) x (B?, N, K) -> float32 (B?, M, N), exact: int32 accumulation in K-chunks that cannot overflow
-    (wgrad contracts over every token, which can exceed 133,143), chunk sums added in float32."""
-    k = a.shape[-1]
-    chunk = 1 << (_INT32_SAFE_K.bit_length() - 1)  # 131072: keeps slices aligned
-    if k <= _INT32_SAFE_K:
-        return lax.dot_general(a, b, dims, preferred_element_type=jnp.int32).astype(jnp.float32)
-    parts = [lax.dot_general(a[..., i:i + chunk], b[..., i:i + chunk], dims, preferred_element_type=jnp.int32)
-             for i in range(0, k, chunk)]
-    return sum(part.astype(jnp.float32) for part in parts)
 
 
 def _reusable_transposed(have: QuantSpec, want: QuantSpec) -> bool:
