@@ -1,0 +1,413 @@
+"""Scaled 8-bit GEMM as one Pallas Mosaic GPU kernel for Hopper: out (M, N) = a (M, K) . b (N, K)^T with scales.
+
+Both operands are `QTensor`s laid out K-major (the TN form every `qjax.dot_general` GEMM is brought to). Codes are
+int8 (wgmma s8 x s8 -> s32) or float8 e4m3 / e5m2 (wgmma -> f32; e4m3 x e5m2 mixes are accepted by this Mosaic GPU
+version). Two scale modes, chosen from the granularities:
+
+  "row"   a scale () or (M, 1), b scale () or (N, 1). One accumulator over all of K, then in the epilogue
+          out = ((acc_f32 * a_scale[row]) * b_scale[col]).astype(out_dtype): the reference's multiplication order,
+          so int8 results equal `scaled_matmul` bit for bit (int32 sums are exact in both).
+  "block" a or b scaled per 128 of K ("1x128": (R, K/128), "128x128": (R/128, K/128); a row/tensor scale on the
+          other operand is treated as constant over K). For every 128 of K the wgmma partial sum (int32 or f32) is
+          converted to f32, multiplied by a_scale[row, kb] * b_scale[col, kb] and added into an f32 accumulator
+          held in registers (DeepSeek-V3's fine-grained promotion); int8 partial sums are exact per block.
+
+"row" with `precise_accumulation` (fp8; Hopper's fp8 wgmma accumulates with reduced precision) or with int8 and
+K > 133,143 (an int32 sum could overflow) promotes every 128 of K the same way, without per-block scales.
+
+Kernel structure (per CTA, persistent over output tiles, `emit_pipeline_warp_specialized`):
+  memory warpgroup:   TMA a (2*tile_m, tile_k) and b (tile_n, tile_k) into 128B-swizzled SMEM, plus (block mode) the
+                      tile's per-K-block scales (1, 2*tile_m) and (1, tile_n), `max_concurrent_steps` stages deep.
+  2 compute warpgroups: each owns tile_m rows x tile_n columns; wgmma with B passed as the transpose of its (N, K)
+                      SMEM tile (8-bit wgmma operands must be K-major); promotion in registers (block mode).
+  epilogue:           scales in the WGMMA accumulator's row/column register layouts (`Layout.WGMMA.reduce(1)` /
+                      `.reduce(0)`), cast, stored via SMEM in (64, 128-byte) tiles and TMA.
+Scales reach the kernel as f32 vectors: row mode a (M,), b (N,); block mode transposed to (K/128, M), (K/128, N) so
+one K-block's scales of a tile are contiguous for TMA (the wrapper does this; ~3% of the operand bytes).
+
+Shapes that do not tile are padded with zero codes (scale 1) and sliced; K is padded to tile_k in row mode (zero codes
+add nothing) and must be a multiple of 128 in block mode. Only 2-D operands (the dispatcher handles batch dims).
+
+On CPU the kernel runs under the Mosaic GPU interpreter (`interpret=True`), same code path: the interpreter executes
+wgmma synchronously with numpy and checks barriers/races, but does not check register layouts, SMEM size, swizzles or
+register pressure: those are verified only by compiling on a Hopper GPU (tests marked gpu, `_benchmark_main`).
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from qjax.quantize import QTensor
+
+_SMEM_BYTES = 232_448  # shared memory per block on H100/H200
+_SMEM_MARGIN = 4096  # barriers, alignment padding of the allocator
+_INT32_SAFE_K = (2**31 - 1) // 127**2  # longest K whose int32 sum of int8 products cannot overflow
+_BLOCK_K = 128  # K per block scale ("1x128", "128x128")
+_EPI_TILE_M = 64
+_EPI_ROW_BYTES = 128  # epilogue SMEM tiles are 128-byte rows (one 128B swizzle)
+_COMPUTE_WGS = 2
+_FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+_CODE_DTYPES = (jnp.dtype(jnp.int8), *_FP8)
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+_ROW_GRANULARITIES = ("tensor", "row")
+_BLOCK_GRANULARITIES = ("1x128", "128x128")
+
+
+@dataclasses.dataclass(frozen=True)
+class TuningConfig:
+    """Tiling of the kernel. The CTA computes a (2 * tile_m, tile_n) output tile, one tile_m-row half per compute
+    warpgroup.
+
+    Attributes:
+      tile_m: rows per compute warpgroup, a multiple of 64 (wgmma M). Promoting modes hold two f32/int32 tiles in
+        registers: keep tile_m * tile_n <= 64 * 128 there (232 registers per thread).
+      tile_n: columns per CTA, a multiple of 64 and <= 256 (wgmma N).
+      tile_k: K per pipeline step: 64, 128 or 256 (128 bytes of 8-bit codes = one 128B swizzle row); 128 in
+        promoting modes (one promotion per step).
+      max_concurrent_steps: pipeline stages (SMEM buffers per operand).
+      delay_release: row mode without promotion: wgmma groups left in flight across steps (0 or 1); an SMEM stage is
+        released that many steps later.
+      grid_minor_dim: 0 or 1, output tiles are visited in stripes along this dim (`plgpu.planar_snake`) for L2 reuse.
+      grid_tile_width: stripe width in tiles.
+      num_ctas: persistent grid size; None = number of SMs on a GPU, 2 under the interpreter.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 128
+    max_concurrent_steps: int = 4
+    delay_release: int = 1
+    grid_minor_dim: int = 1
+    grid_tile_width: int = 8
+    num_ctas: int | None = None
+
+    def __post_init__(self):
+        if self.tile_m <= 0 or self.tile_m % 64:
+            raise ValueError(f"tile_m must be a positive multiple of 64 (wgmma M), got {self.tile_m}")
+        if self.tile_n <= 0 or self.tile_n % 64 or self.tile_n > 256:
+            raise ValueError(f"tile_n must be 64, 128, 192 or 256 (wgmma N <= 256), got {self.tile_n}")
+        if self.tile_k not in (64, 128, 256):
+            raise ValueError(f"tile_k must be 64, 128 or 256, got {self.tile_k}")
+        if self.max_concurrent_steps < 2:
+            raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
+        if self.delay_release not in (0, 1):
+            raise ValueError(f"delay_release must be 0 or 1, got {self.delay_release}")
+        if self.grid_minor_dim not in (0, 1) or self.grid_tile_width < 1:
+            raise ValueError(f"grid_minor_dim must be 0 or 1 and grid_tile_width >= 1, got {self.grid_minor_dim}, "
+                             f"{self.grid_tile_width}")
+
+
+# Row mode: 2 x 128 x 128 tiles, one int32/f32 accumulator of 128 registers per thread; 4 stages of 48 KiB.
+ROW_CONFIG = TuningConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4)
+# Promoting modes: the wgmma tile and the f32 sum are both in registers, so 64 x 128 per warpgroup; 5 stages of 33 KiB.
+BLOCK_CONFIG = TuningConfig(tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=5, delay_release=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static description of one kernel launch (hashable: a jit static argument)."""
+
+    mode: str  # "row" | "block" | "promote" (row scales, promotion every tile_k)
+    m: int  # padded sizes
+    n: int
+    k: int
+    out_dtype: jnp.dtype
+    config: TuningConfig
+    num_ctas: int
+
+
+def _mode(a: QTensor, b: QTensor, precise_accumulation: bool) -> str:
+    if a.granularity in _BLOCK_GRANULARITIES or b.granularity in _BLOCK_GRANULARITIES:
+        return "block"
+    if jnp.dtype(a.data.dtype) in _FP8 and precise_accumulation:
+        return "promote"
+    if jnp.dtype(a.data.dtype) == jnp.int8 and a.data.shape[-1] > _INT32_SAFE_K:
+        return "promote"
+    return "row"
+
+
+def smem_bytes(config: TuningConfig, mode: str, out_dtype) -> int:
+    """Shared memory the kernel allocates for `config` (without the allocator's alignment padding)."""
+    cta_m = _COMPUTE_WGS * config.tile_m
+    stage = (cta_m + config.tile_n) * config.tile_k
+    if mode == "block":
+        stage += (cta_m + config.tile_n) * 4
+    epilogue = _COMPUTE_WGS * 2 * _EPI_TILE_M * _EPI_ROW_BYTES
+    row_scales = _COMPUTE_WGS * (config.tile_m + config.tile_n) * 4 if mode != "block" else 0
+    del out_dtype  # epilogue tiles are 128-byte rows whatever the dtype
+    return config.max_concurrent_steps * stage + epilogue + row_scales
+
+
+def _check_config(config: TuningConfig, mode: str, out_dtype):
+    if mode != "row" and config.tile_k != _BLOCK_K:
+        raise ValueError(f"mode {mode!r} promotes once per pipeline step: tile_k must be {_BLOCK_K}, got "
+                         f"{config.tile_k}")
+    if mode != "row" and config.tile_m * config.tile_n > 64 * 128:
+        raise ValueError(f"mode {mode!r} keeps two (tile_m, tile_n) tiles in registers: tile_m * tile_n must be <= "
+                         f"64 * 128, got {config.tile_m} x {config.tile_n}; use BLOCK_CONFIG")
+    need = smem_bytes(config, mode, out_dtype) + _SMEM_MARGIN
+    if need > _SMEM_BYTES:
+        raise ValueError(f"config {config} needs ~{need} bytes of shared memory in mode {mode!r}, more than the "
+                         f"{_SMEM_BYTES} a Hopper block has; lower max_concurrent_steps or the tiles")
+
+
+def supports(a, b, out_dtype, precise_accumulation: bool = False) -> str | None:
+    """None if `scaled_matmul_kernel(a, b, out_dtype)` handles these operands, else why not (one sentence)."""
+    if not isinstance(a, QTensor) or not isinstance(b, QTensor):
+        return f"operands must be QTensors, got {type(a).__name__} and {type(b).__name__}"
+    if a.data.ndim != 2 or b.data.ndim != 2:
+        return f"only 2-D operands (M, K) x (N, K), got shapes {a.data.shape} and {b.data.shape}"
+    (m, k), (n, k2) = a.data.shape, b.data.shape
+    if k != k2:
+        return f"contracting dims differ: a is (M, K) = {a.data.shape}, b is (N, K) = {b.data.shape}"
+    if min(m, n, k) == 0:
+        return f"empty operands {a.data.shape} x {b.data.shape}"
+    da, db = jnp.dtype(a.data.dtype), jnp.dtype(b.data.dtype)
+    if da not in _CODE_DTYPES or db not in _CODE_DTYPES:
+        return f"codes must be int8, float8_e4m3fn or float8_e5m2, got {da} and {db}"
+    if (da == jnp.int8) != (db == jnp.int8):
+        return f"int8 codes cannot be mixed with fp8 codes in one wgmma, got {da} x {db}"
+    if jnp.dtype(out_dtype) not in _OUT_DTYPES:
+        return f"out_dtype must be bfloat16 or float32, got {jnp.dtype(out_dtype)}"
+    for name, q in (("a", a), ("b", b)):
+        if q.granularity not in _ROW_GRANULARITIES + _BLOCK_GRANULARITIES:
+            return f"{name}: unknown granularity {q.granularity!r}"
+        if jnp.dtype(q.scale.dtype) != jnp.float32:
+            return f"{name}: scales must be float32, got {q.scale.dtype}"
+        rows = q.data.shape[0]
+        expected = {"tensor": (), "row": (rows, 1), "1x128": (rows, k // _BLOCK_K),
+                    "128x128": (rows // 128, k // _BLOCK_K)}[q.granularity]
+        if q.granularity in _BLOCK_GRANULARITIES and (k % _BLOCK_K or (q.granularity == "128x128" and rows % 128)):
+            return (f"{name}: {q.granularity!r} scales need K % 128 == 0 (and rows % 128 == 0 for 128x128), got "
+                    f"shape {q.data.shape}")
+        if tuple(q.scale.shape) != expected:
+            return f"{name}: {q.granularity!r} scale must have shape {expected}, got {tuple(q.scale.shape)}"
+    return None
+
+
+def default_config(a: QTensor, b: QTensor, precise_accumulation: bool = False) -> TuningConfig:
+    return ROW_CONFIG if _mode(a, b, precise_accumulation) == "row" else BLOCK_CONFIG
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _pad2(x, rows, cols, value):
+    pad = ((0, rows - x.shape[0]), (0, cols - x.shape[1]))
+    return jnp.pad(x, pad, constant_values=value) if any(p[1] for p in pad) else x
+
+
+def _row_vector(q: QTensor, rows: int, padded: int) -> jax.Array:
+    """Row/tensor scale -> f32 (padded,), padding scale 1."""
+    vec = jnp.broadcast_to(q.scale.reshape(-1), (rows,)) if q.granularity == "tensor" else q.scale.reshape(rows)
+    return jnp.pad(vec, (0, padded - rows), constant_values=1) if padded > rows else vec
+
+
+def _block_scales(q: QTensor, k_blocks: int, padded_rows: int) -> jax.Array:
+    """Any scale -> f32 (K/128, padded_rows): the scale of each row in each 128-wide K block, padding scale 1."""
+    rows = q.data.shape[0]
+    if q.granularity == "tensor":
+        per_row = jnp.broadcast_to(q.scale, (rows, k_blocks))
+    elif q.granularity == "row":
+        per_row = jnp.broadcast_to(q.scale, (rows, k_blocks))
+    elif q.granularity == "1x128":
+        per_row = q.scale
+    else:  # 128x128: every row of a 128-row block shares its scales
+        per_row = jnp.repeat(q.scale, 128, axis=0)
+    return _pad2(per_row.T, k_blocks, padded_rows, 1)
+
+
+def _num_sms() -> int:
+    return jax.devices()[0].core_count
+
+
+def _kernel(plan: _Plan, *refs):
+    """Kernel body: refs = (a, b, scale_a, scale_b, out, *scratch) with shapes per `plan.mode` (module docstring)."""
+    cfg = plan.config
+    a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem = refs
+    tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    cta_m = _COMPUTE_WGS * tile_m
+    m_iters, n_iters, k_iters = plan.m // cta_m, plan.n // tile_n, plan.k // tile_k
+    block_mode = plan.mode == "block"
+    promote = plan.mode != "row"
+    code_bytes = 1
+    swizzle = plgpu.find_swizzle(tile_k * code_bytes * 8)
+    code_transforms = (plgpu.TilingTransform((8, swizzle // code_bytes)), plgpu.SwizzleTransform(swizzle))
+    out_dtype = plan.out_dtype
+    epi_n = _EPI_ROW_BYTES // out_dtype.itemsize
+    out_transforms = (plgpu.TilingTransform((8, epi_n)), plgpu.SwizzleTransform(_EPI_ROW_BYTES))
+    acc_dtype = jnp.int32 if a_gmem.dtype == jnp.int8 else jnp.float32
+    delay_release = 0 if promote else cfg.delay_release
+    row_layout = plgpu.Layout.WGMMA.reduce(1)  # (tile_m,): the rows of the WGMMA accumulator a thread holds
+    col_layout = plgpu.Layout.WGMMA.reduce(0)  # (tile_n,): its columns
+
+    in_specs = [
+        plgpu.BlockSpec((cta_m, tile_k), lambda k: (0, k), transforms=code_transforms, delay_release=delay_release),
+        plgpu.BlockSpec((tile_n, tile_k), lambda k: (0, k), transforms=code_transforms, delay_release=delay_release),
+    ]
+    if block_mode:  # one K block's scales per step: a row of the transposed (K/128, rows) scale arrays
+        in_specs += [plgpu.BlockSpec((1, cta_m), lambda k: (k, 0), delay_release=delay_release),
+                     plgpu.BlockSpec((1, tile_n), lambda k: (k, 0), delay_release=delay_release)]
+
+    def make_pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k_iters,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
+            num_compute_wgs=_COMPUTE_WGS, max_concurrent_steps=cfg.max_concurrent_steps,
+            compute_context=compute_context)
+
+    def pipeline_gmem_refs(m_idx, n_idx):
+        rows, cols = pl.ds(m_idx * cta_m, cta_m), pl.ds(n_idx * tile_n, tile_n)
+        refs_ = [a_gmem.at[rows, :], b_gmem.at[cols, :]]
+        if block_mode:
+            refs_ += [sa_gmem.at[:, rows], sb_gmem.at[:, cols]]
+        return refs_
+
+    ignore = lambda *_, **__: None
+    scratch = dict(
+        pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(*pipeline_gmem_refs(0, 0)),
+        out_smem=plgpu.SMEM((_COMPUTE_WGS, 2, _EPI_TILE_M, epi_n), out_dtype, transforms=out_transforms),
+    )
+    if not block_mode:  # each compute warpgroup's row and column scales for the epilogue
+        scratch.update(rs_smem=plgpu.SMEM((_COMPUTE_WGS, tile_m), jnp.float32),
+                       cs_smem=plgpu.SMEM((_COMPUTE_WGS, tile_n), jnp.float32),
+                       scale_barriers=plgpu.Barrier(num_barriers=2 * _COMPUTE_WGS))
+
+    def scoped(pipeline_allocs, out_smem, rs_smem=None, cs_smem=None, scale_barriers=None):
+        wg = lax.axis_index("wg")
+        wg_rows = pl.ds(wg * tile_m, tile_m)
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+        def _tile_loop(loop_info):
+            (lin,) = loop_info.index
+            m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
+            out_rows = pl.ds(m_idx * cta_m + wg * tile_m, tile_m)
+            out_cols = pl.ds(n_idx * tile_n, tile_n)
+
+            def epilogue(acc_f32):
+                """(tile_m, tile_n) f32 WGMMA-layout sum -> scaled, cast, stored to out via SMEM + TMA."""
+                if not block_mode:
+                    plgpu.barrier_wait(scale_barriers.at[2 * wg])
+                    plgpu.barrier_wait(scale_barriers.at[2 * wg + 1])
+                    row_scale = plgpu.load(rs_smem.at[wg], layout=row_layout)
+                    col_scale = plgpu.load(cs_smem.at[wg], layout=col_layout)
+                    # (acc * a_scale) * b_scale: the reference's order (two roundings, no FMA contraction possible)
+                    acc_f32 = acc_f32 * lax.broadcast_in_dim(row_scale, acc_f32.shape, [0])
+                    acc_f32 = acc_f32 * lax.broadcast_in_dim(col_scale, acc_f32.shape, [1])
+                out = acc_f32.astype(out_dtype)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have left SMEM
+                for i in range(tile_m // _EPI_TILE_M):
+                    for j in range(tile_n // epi_n):
+                        slot = (i * (tile_n // epi_n) + j) % 2
+                        rows = slice(i * _EPI_TILE_M, (i + 1) * _EPI_TILE_M)
+                        cols = slice(j * epi_n, (j + 1) * epi_n)
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's previous store was read
+                        out_smem[wg, slot] = out[rows, cols]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_gmem.at[out_rows, out_cols].at[rows, cols])
+
+            def compute_context(run_pipeline):
+                if not block_mode:  # fetch the epilogue's scales while the main loop runs
+                    plgpu.copy_gmem_to_smem(sa_gmem.at[out_rows], rs_smem.at[wg], scale_barriers.at[2 * wg])
+                    plgpu.copy_gmem_to_smem(sb_gmem.at[out_cols], cs_smem.at[wg], scale_barriers.at[2 * wg + 1])
+                if promote:
+                    zeros = plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA)
+                    epilogue(run_pipeline(zeros))
+                else:
+                    def with_acc(acc_ref):
+                        run_pipeline(acc_ref)
+                        epilogue(acc_ref[...].astype(jnp.float32))  # acc_ref[...] waits for all wgmma
+                    pl.run_scoped(with_acc, plgpu.ACC((tile_m, tile_n), acc_dtype))
+
+            def accumulate_body(_, a_smem, b_smem, acc_ref):
+                plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.transpose((1, 0)))
+                plgpu.wgmma_wait(delay_release)
+                return acc_ref
+
+            def promote_body(_, a_smem, b_smem, *rest):
+                *scale_smem, acc = rest
+
+                def block_product(part_ref):
+                    plgpu.wgmma(part_ref, a_smem.at[wg_rows], b_smem.transpose((1, 0)))
+                    return part_ref[...]  # waits for the wgmma
+
+                part = pl.run_scoped(block_product, plgpu.ACC((tile_m, tile_n), acc_dtype)).astype(jnp.float32)
+                if block_mode:
+                    sa_smem, sb_smem = scale_smem
+                    row_scale = plgpu.load(sa_smem.at[0, wg_rows], layout=row_layout)
+                    col_scale = plgpu.load(sb_smem.at[0], layout=col_layout)
+                    scale = (lax.broadcast_in_dim(row_scale, part.shape, [0])
+                             * lax.broadcast_in_dim(col_scale, part.shape, [1]))
+                    part = part * scale
+                return acc + part
+
+            body = promote_body if promote else accumulate_body
+            make_pipeline(body, compute_context)(*pipeline_gmem_refs(m_idx, n_idx), allocations=pipeline_allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(scoped, **scratch, collective_axes="wg")
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "interpret"))
+def _launch(a_codes, b_codes, a_scale, b_scale, *, plan: _Plan, interpret):
+    kernel = plgpu.kernel(
+        functools.partial(_kernel, plan),
+        out_type=jax.ShapeDtypeStruct((plan.m, plan.n), plan.out_dtype),
+        grid=(plan.num_ctas,), grid_names=("sm",), num_threads=_COMPUTE_WGS + 1, thread_name="wg",
+        interpret=interpret)
+    return kernel(a_codes, b_codes, a_scale, b_scale)
+
+
+def scaled_matmul_kernel(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation: bool = False,
+                         config: TuningConfig | None = None, interpret=False) -> jax.Array:
+    """(M, K) x (N, K) quantized operands -> (M, N) of out_dtype on a Hopper GPU (see module docstring).
+
+    Same semantics as `qjax.kernels.scaled_matmul.scaled_matmul` for 2-D operands.
+
+    Args:
+      a: QTensor, data (M, K) int8 / float8_e4m3fn / float8_e5m2, scale per its granularity (qjax.quantize).
+      b: QTensor, data (N, K) (K-major: the contracting dim last), same code family as a (fp8 may mix e4m3/e5m2).
+      out_dtype: jnp.bfloat16 or jnp.float32.
+      precise_accumulation: fp8 row/tensor scales only: promote the f32 sum every 128 of K (Hopper's fp8 wgmma
+        accumulates with reduced precision). Block scales always promote; int8 sums are exact.
+      config: TuningConfig; None picks ROW_CONFIG or BLOCK_CONFIG.
+      interpret: False compiles for the GPU; True or a `plgpu.InterpretGPUParams` runs the Mosaic GPU interpreter.
+
+    Returns:
+      (M, N) array of out_dtype.
+
+    Raises:
+      TypeError / ValueError: operands the kernel does not handle (the message says why; see `supports`).
+    """
+    reason = supports(a, b, out_dtype, precise_accumulation)
+    if reason is not None:
+        error = TypeError if reason.startswith(("operands must", "codes must", "out_dtype", "int8 codes")) else ValueError
+        raise error(f"scaled_matmul_kernel: {reason}")
+    out_dtype = jnp.dtype(out_dtype)
+    mode = _mode(a, b, precise_accumulation)
+    config = default_config(a, b, precise_accumulation) if config is None else config
+    _check_config(config, mode, out_dtype)
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+
+    (m, k), n = a.data.shape, b.data.shape[0]
+    cta_m = _COMPUTE_WGS * config.tile_m
+    mp, np_, kp = _round_up(m, cta_m), _round_up(n, config.tile_n), _round_up(k, config.tile_k)
+    a_codes, b_codes = _pad2(a.data, mp, kp, 0), _pad2(b.data, np_, kp, 0)
+    if mode == "block":
+        a_scale, b_scale = _block_scales(a, k // _BLOCK_K, mp), _block_scales(b, k // _BLOCK_K, np_)
+    else:
+        a_scale, b_scale = _row_vector(a, m, mp), _row_vector(b, n, np_)
+    tiles = (mp // cta_m) * (np_ // config.tile_n)
+    num_ctas = config.num_ctas or (2 if interpret else _num_sms())
+    plan = _Plan(mode, mp, np_, kp, out_dtype, config, min(num_ctas, tiles))
+    out = _launch(a_codes, b_codes, a_scale.astype(jnp.float32), b_scale.astype(jnp.float32), plan=plan,
+                  interpret=interpret)
+    return out[:m, :n] if (mp, np_) != (m, n) else out
