@@ -1,0 +1,109 @@
+"""Pieces shared by the Llama and ViT models: config validation, quantized projections, attention dispatch.
+
+Every projection of a model is an `nn.Dense` whose `dot_general_cls` is `qjax.DotGeneral` with the recipe
+`qjax.recipe_for_layer` picks for that layer's name (its module path, e.g. "layers_0/attn/q_proj") and feature
+sizes. A config describes its projections with `config.projections()`, so `layer_recipes(config)` tells which
+recipe each layer runs without building the model.
+"""
+
+import functools
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import qjax
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
+
+
+def check_positive_ints(config, names):
+    """ValueError naming the first field of `config` in `names` that is not a positive int."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{type(config).__name__}.{name} must be a positive int, got {value!r}")
+
+
+def check_quantization_fields(config):
+    """Validates the fields every model config shares (recipe, filter, dtypes, attention); normalises the filter.
+
+    Called from a frozen dataclass's __post_init__: turns a list `keep_high_precision` into a tuple (so the config
+    stays hashable, as Flax module attributes must be).
+    """
+    cls = type(config).__name__
+    qjax.recipe(config.recipe)  # ValueError listing the valid names for an unknown recipe
+    keep = config.keep_high_precision
+    if isinstance(keep, str):
+        raise ValueError(f"{cls}.keep_high_precision must be a tuple of regexes, e.g. ({keep!r},), not a string")
+    keep = tuple(keep)
+    for pattern in keep:
+        if not isinstance(pattern, str):
+            raise ValueError(f"{cls}.keep_high_precision holds {pattern!r}; it must hold regex strings")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"{cls}.keep_high_precision: {pattern!r} is not a valid regex ({e})") from None
+    object.__setattr__(config, "keep_high_precision", keep)
+    if isinstance(config.min_features, bool) or not isinstance(config.min_features, int) or config.min_features < 0:
+        raise ValueError(f"{cls}.min_features must be an int >= 0, got {config.min_features!r}")
+    for name in ("compute_dtype", "param_dtype"):
+        value = getattr(config, name)
+        if value not in FLOAT_DTYPES:
+            raise ValueError(f"{cls}.{name} must be one of {FLOAT_DTYPES}, got {value!r}")
+    if config.attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"{cls}.attention must be one of {ATTENTION_IMPLEMENTATIONS}, got {config.attention!r}")
+
+
+def layer_recipes(config) -> dict[str, qjax.Recipe]:
+    """{layer name: the recipe that layer runs} for every projection `config.projections()` lists."""
+    return {name: recipe_for(config, name, features_in, features_out)
+            for name, (features_in, features_out) in config.projections().items()}
+
+
+def recipe_for(config, layer_name: str, features_in: int, features_out: int) -> qjax.Recipe:
+    return qjax.recipe_for_layer(config.recipe, layer_name, features_in=features_in, features_out=features_out,
+                                 keep_high_precision=config.keep_high_precision, min_features=config.min_features)
+
+
+def layer_name(module: nn.Module, name: str) -> str:
+    """The name the high-precision filter matches: the child's module path, e.g. "layers_0/attn/q_proj"."""
+    return "/".join(module.path + (name,))
+
+
+def dense(module: nn.Module, config, name: str, features_in: int, features: int, *, use_bias: bool,
+          kernel_init=nn.initializers.lecun_normal()) -> nn.Dense:
+    """A child `nn.Dense` of `module` (call inside its compact method) whose GEMMs run the layer's recipe.
+
+    Params are created in `config.param_dtype`; the layer casts inputs and kernel to `config.compute_dtype`.
+    """
+    recipe = recipe_for(config, layer_name(module, name), features_in, features)
+    return nn.Dense(features, use_bias=use_bias, dtype=jnp.dtype(config.compute_dtype),
+                    param_dtype=jnp.dtype(config.param_dtype), kernel_init=kernel_init,
+                    dot_general_cls=functools.partial(qjax.DotGeneral, recipe=recipe), name=name)
+
+
+def attention_implementation(config, head_dim: int) -> str:
+    """"xla" or "cudnn" for `jax.nn.dot_product_attention`.
+
+    jax 0.11.2's implementation=None always means XLA, so "auto" picks cuDNN flash attention itself where cuDNN
+    takes the case: a GPU backend, bf16/f16 inputs, head_dim a multiple of 8 and at most 128.
+    """
+    if config.attention != "auto":
+        return config.attention
+    cudnn_ok = (jax.default_backend() == "gpu" and config.compute_dtype in ("bfloat16", "float16")
+                and head_dim % 8 == 0 and head_dim <= 128)
+    return "cudnn" if cudnn_ok else "xla"
+
+
+def attention(config, q, k, v, *, is_causal: bool):
+    """Softmax attention in the compute dtype, never quantized.
+
+    q: (B, T, n_heads, head_dim); k, v: (B, T, n_kv_heads, head_dim) with n_heads % n_kv_heads == 0 (query head h
+    reads K/V head h // (n_heads // n_kv_heads)). Returns (B, T, n_heads * head_dim).
+    """
+    impl = attention_implementation(config, q.shape[-1])
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation=impl)
+    return out.reshape(*out.shape[:2], -1)

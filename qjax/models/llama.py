@@ -1,0 +1,273 @@
+"""Llama: a decoder-only transformer (RMSNorm, RoPE, SwiGLU, grouped-query causal attention) with quantized GEMMs.
+
+  config = llama_config("tiny", recipe="int8_rowwise")
+  model = Llama(config)
+  params = model.init(jax.random.key(0), tokens)["params"]           # tokens: int32 (B, T)
+  logits = model.apply({"params": params}, tokens, rngs={"quant": key})  # float32 (B, T, vocab_size)
+  loss = lm_loss(logits[:, :-1], tokens[:, 1:])
+
+Every projection (q/k/v/o, gate/up/down, lm_head) runs its three GEMMs per `config.recipe`, except layers whose
+name matches a regex in `config.keep_high_precision` (default: the LM head), layers narrower than
+`config.min_features`, and layers a block-scaled recipe cannot tile; those run in bf16 (`qjax.recipe_for_layer`).
+Attention scores and values stay in the compute dtype. Parameter tree (names are what the filter matches):
+
+  embed/embedding (vocab, dim)
+  layers_{i}/attn_norm/scale, layers_{i}/attn/{q,k,v,o}_proj/kernel, layers_{i}/mlp_norm/scale,
+  layers_{i}/mlp/{gate,up,down}_proj/kernel, norm/scale, lm_head/kernel (dim, vocab; absent when tied)
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+import qjax
+from qjax.models import layers
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Llama shape and training numerics.
+
+    Attributes:
+      vocab_size, dim, n_layers, n_heads, n_kv_heads, ffn_dim: model shape; head_dim = dim // n_heads must be even
+        (RoPE rotates pairs) and n_heads a multiple of n_kv_heads (grouped-query attention).
+      max_seq_len: the longest sequence the model accepts (RoPE itself has no table to outgrow).
+      tie_embeddings: the LM head reuses the embedding table (logits = h @ embeddingᵀ).
+      rope_theta, norm_eps: RoPE base and RMSNorm epsilon.
+      recipe: a recipe name (see `qjax.RECIPES`) or a `qjax.Recipe`.
+      keep_high_precision: regexes searched in layer names (e.g. "layers_0/attn/q_proj", "lm_head"); matching
+        layers run in bf16, like torchao's module_filter_fn.
+      min_features: layers with min(features_in, features_out) below this run in bf16.
+      compute_dtype, param_dtype: "float32", "bfloat16" or "float16".
+      remat: recompute each block in the backward pass (jax.checkpoint), trading FLOPs for activation memory.
+      attention: "auto" (cuDNN flash attention on GPU where it applies, else XLA), "xla" or "cudnn".
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    max_seq_len: int
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    recipe: Any = "bf16"
+    keep_high_precision: tuple[str, ...] = ("lm_head",)
+    min_features: int = 0
+    compute_dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    remat: bool = False
+    attention: str = "auto"
+
+    def __post_init__(self):
+        layers.check_positive_ints(self, ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                                          "max_seq_len"))
+        if self.dim % self.n_heads:
+            raise ValueError(f"LlamaConfig.dim ({self.dim}) must be a multiple of n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"LlamaConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
+                             f"({self.n_kv_heads}) for grouped-query attention")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig head_dim = dim // n_heads = {self.head_dim} must be even for RoPE; "
+                             "change dim or n_heads")
+        if not (self.rope_theta > 0 and self.norm_eps > 0):
+            raise ValueError(f"LlamaConfig.rope_theta ({self.rope_theta}) and norm_eps ({self.norm_eps}) must be > 0")
+        layers.check_quantization_fields(self)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """{layer name: (features_in, features_out)} for every GEMM with a weight, the (tied or not) LM head too."""
+        kv = self.n_kv_heads * self.head_dim
+        per_layer = {"attn/q_proj": (self.dim, self.dim), "attn/k_proj": (self.dim, kv),
+                     "attn/v_proj": (self.dim, kv), "attn/o_proj": (self.dim, self.dim),
+                     "mlp/gate_proj": (self.dim, self.ffn_dim), "mlp/up_proj": (self.dim, self.ffn_dim),
+                     "mlp/down_proj": (self.ffn_dim, self.dim)}
+        out = {f"layers_{i}/{name}": shape for i in range(self.n_layers) for name, shape in per_layer.items()}
+        out["lm_head"] = (self.dim, self.vocab_size)
+        return out
+
+
+# Presets. "125m" is GPT-2-small sized: MHA, SwiGLU width 2048 (= 8/3 * 768, so the MLP has GPT-2's 4.7M params
+# per layer); 85M params in the blocks, 134M with untied 32000-token embeddings. "1b" is the TinyLlama-1.1B /
+# Llama-2-style 1B shape the GPU benchmarks use (1.1B params).
+LLAMA_SIZES: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128),
+    "125m": LlamaConfig(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048,
+                        max_seq_len=2048),
+    "1b": LlamaConfig(vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632,
+                      max_seq_len=2048),
+}
+
+
+def llama_config(size: str, **overrides) -> LlamaConfig:
+    """The `LLAMA_SIZES[size]` preset with fields replaced, e.g. llama_config("1b", recipe="int8_rowwise")."""
+    if size not in LLAMA_SIZES:
+        raise ValueError(f"unknown Llama size {size!r}; valid sizes: {', '.join(LLAMA_SIZES)}")
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown LlamaConfig fields {unknown}; valid fields: {', '.join(sorted(fields))}")
+    return dataclasses.replace(LLAMA_SIZES[size], **overrides)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array:
+    """Rotary position embedding, Llama's half-rotation convention (pairs are (x[i], x[i + head_dim/2])).
+
+    x: (B, T, heads, head_dim), any float dtype; positions: (T,) int. Each pair is rotated by the angle
+    position * theta^(-2i / head_dim), computed in float32, so <rope(q, m), rope(k, n)> depends on m - n only.
+    Returns x's shape and dtype.
+    """
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2 / x.shape[-1])
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq  # (T, half)
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # broadcast over heads
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * scale, statistics in float32 (bf16 sums of squares lose the small components)."""
+
+    eps: float
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def _init(config: LlamaConfig, residual: bool = False):
+    # GPT-2 / nanoGPT init: std 0.02, projections into the residual stream scaled down by sqrt(2 * n_layers).
+    std = 0.02 / math.sqrt(2 * config.n_layers) if residual else 0.02
+    return nn.initializers.normal(std)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with RoPE: (B, T, dim) -> (B, T, dim), compute dtype."""
+
+    config: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x, positions):
+        c = self.config
+        b, t, _ = x.shape
+        kv = c.n_kv_heads * c.head_dim
+        proj = lambda name, f_in, f_out, residual=False: layers.dense(
+            self, c, name, f_in, f_out, use_bias=False, kernel_init=_init(c, residual))
+        q = proj("q_proj", c.dim, c.dim)(x).reshape(b, t, c.n_heads, c.head_dim)
+        k = proj("k_proj", c.dim, kv)(x).reshape(b, t, c.n_kv_heads, c.head_dim)
+        v = proj("v_proj", c.dim, kv)(x).reshape(b, t, c.n_kv_heads, c.head_dim)
+        q, k = apply_rope(q, positions, theta=c.rope_theta), apply_rope(k, positions, theta=c.rope_theta)
+        out = layers.attention(c, q, k, v, is_causal=True)
+        return proj("o_proj", c.dim, c.dim, residual=True)(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), (B, T, dim) -> (B, T, dim)."""
+
+    config: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        proj = lambda name, f_in, f_out, residual=False: layers.dense(
+            self, c, name, f_in, f_out, use_bias=False, kernel_init=_init(c, residual))
+        hidden = nn.silu(proj("gate_proj", c.dim, c.ffn_dim)(x)) * proj("up_proj", c.dim, c.ffn_dim)(x)
+        return proj("down_proj", c.ffn_dim, c.dim, residual=True)(hidden)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    config: LlamaConfig
+
+    @nn.compact
+    def __call__(self, x, positions):
+        c = self.config
+        norm = lambda name: RMSNorm(c.norm_eps, jnp.dtype(c.compute_dtype), jnp.dtype(c.param_dtype), name=name)
+        x = x + Attention(c, name="attn")(norm("attn_norm")(x), positions)
+        return x + MLP(c, name="mlp")(norm("mlp_norm")(x))
+
+
+class Llama(nn.Module):
+    """tokens int (B, T), T <= max_seq_len -> logits float32 (B, T, vocab_size).
+
+    Recipes that round stochastically draw keys from the "quant" RNG stream: apply(..., rngs={"quant": key}).
+    """
+
+    config: LlamaConfig
+
+    @nn.compact
+    def __call__(self, tokens):
+        c = self.config
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"Llama takes int tokens of shape (batch, seq_len); got {tokens.dtype} {tokens.shape}")
+        if tokens.shape[1] > c.max_seq_len:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {c.max_seq_len}")
+        compute = jnp.dtype(c.compute_dtype)
+        embed = nn.Embed(c.vocab_size, c.dim, param_dtype=jnp.dtype(c.param_dtype), embedding_init=_init(c),
+                         name="embed")
+        x = embed(tokens).astype(compute)
+        positions = jnp.arange(tokens.shape[1])
+        block = nn.remat(Block) if c.remat else Block
+        for i in range(c.n_layers):
+            x = block(c, name=f"layers_{i}")(x, positions)
+        x = RMSNorm(c.norm_eps, compute, jnp.dtype(c.param_dtype), name="norm")(x)
+        if c.tie_embeddings:
+            # The head GEMM is x (B, T, dim) . embedding (vocab, dim) contracted on dim: already the (N, K) weight
+            # layout. Named "lm_head" so the filter treats it like the untied head.
+            recipe = layers.recipe_for(c, layers.layer_name(self, "lm_head"), c.dim, c.vocab_size)
+            logits = qjax.DotGeneral(recipe=recipe, name="lm_head")(
+                x, embed.embedding.astype(compute), (((2,), (1,)), ((), ())))
+        else:
+            logits = layers.dense(self, c, "lm_head", c.dim, c.vocab_size, use_bias=False, kernel_init=_init(c))(x)
+        # The GEMM writes the compute dtype (a float32 output would make its backward GEMMs float32 too).
+        return logits.astype(jnp.float32)
+
+
+def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy, float32 scalar.
+
+    logits: (B, T, vocab) float; targets: (B, T) int, targets[b, t] the token that follows position t (for a
+    model run on tokens, pass logits[:, :-1] and tokens[:, 1:]).
+    """
+    if logits.ndim != 3 or targets.shape != logits.shape[:2]:
+        raise ValueError(f"lm_loss needs logits (B, T, vocab) and targets (B, T); got {logits.shape} and "
+                         f"{targets.shape}")
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise TypeError(f"lm_loss targets must be int token ids, got {targets.dtype}")
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
+
+
+def num_params(params) -> int:
+    """Number of scalars in a parameter pytree."""
+    return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), the PaLM / nanoGPT accounting used for MFU.
+
+      6 * N_matmul           every weight does 2 FLOPs per token forward and 4 backward; N_matmul counts the
+                             projections and the LM head (also when tied), not the embedding lookup or norms
+      + 12 * n_layers * dim * seq_len   QKᵀ and AV: 2 * 2 * seq_len * dim forward per layer, times 3; the causal
+                             mask is not discounted (as in PaLM's appendix B and nanoGPT)
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    n_matmul = sum(f_in * f_out for f_in, f_out in config.projections().values())
+    return float(6 * n_matmul + 12 * config.n_layers * config.dim * seq_len)
