@@ -22,6 +22,7 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qjax import optim  # noqa: E402
+from qjax.kernels import on_hopper_gpu  # noqa: E402
 from qjax.optim import blockwise, fused_adam  # noqa: E402
 
 
@@ -86,7 +87,7 @@ def main():
         configs.append((f"{name} (jnp)", make, False))
         # The fused Mosaic GPU kernel (qjax.optim.fused_adam) covers e4m3 states without expansion; off-GPU it would
         # run under the interpreter, far too slowly to time, so its row needs a Hopper GPU.
-        if name == "adamw_fp8" and fused_adam.on_hopper_gpu():
+        if name == "adamw_fp8" and on_hopper_gpu():
             configs.append((f"{name} (kernel)", make, True))
 
     rows, base_ms, base_bytes = [], None, None

@@ -19,7 +19,7 @@ from jax import lax
 
 from qjax import recipes as recipes_lib
 from qjax import stochastic
-from qjax.kernels.scaled_matmul import _contract_last, scaled_matmul
+from qjax.kernels.scaled_matmul import _contract_last, quantized_matmul
 from qjax.quantize import QTensor, QuantSpec, quantize_with_seed
 
 # Operand slots in the uint32 seed vector: one independent stochastic-rounding stream per quantized operand.
@@ -127,6 +127,7 @@ def _backward_operand(original, view, want: QuantSpec | None, have: QuantSpec | 
 @functools.lru_cache(maxsize=None)
 def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision):
     """Builds the custom_vjp function (lhs, rhs, seeds) -> out for one static configuration."""
+    gemm = functools.partial(quantized_matmul, backend=recipe.backend)
 
     def forward_gemm(lhs, rhs, seeds):
         x, w = layout.lhs_mk(lhs), layout.rhs_nk(rhs)
@@ -135,7 +136,7 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
             return _high_precision_matmul(x, w, out_dtype, precision).reshape(layout.out_shape()), None, None
         xq = quantize_with_seed(x, fwd.lhs, seeds[_FWD_LHS], operand="forward lhs x as (M, K)")
         wq = quantize_with_seed(w, fwd.rhs, seeds[_FWD_RHS], operand="forward rhs w as (N, K)")
-        return scaled_matmul(xq, wq, out_dtype).reshape(layout.out_shape()), xq, wq
+        return gemm(xq, wq, out_dtype).reshape(layout.out_shape()), xq, wq
 
     def forward(lhs, rhs, seeds):
         out, xq, wq = forward_gemm(lhs, rhs, seeds)
@@ -158,7 +159,7 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
             dx = _high_precision_matmul(g_mn, layout.rhs_kn(w_res), lhs_dtype, precision)
         else:
             gq_dgrad = quantize_with_seed(g_mn, dgrad.lhs, seeds[_DGRAD_LHS], operand="dgrad lhs g as (M, N)")
-            dx = scaled_matmul(gq_dgrad, w_res, lhs_dtype, precise_accumulation=True)
+            dx = gemm(gq_dgrad, w_res, lhs_dtype, precise_accumulation=True)
         if wgrad is None:
             dw = _high_precision_matmul(g_nm, layout.lhs_km(x_res), rhs_dtype, precision)
         else:
@@ -166,7 +167,7 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
                 gq_wgrad = _transpose_q(gq_dgrad)
             else:
                 gq_wgrad = quantize_with_seed(g_nm, wgrad.lhs, seeds[_WGRAD_LHS], operand="wgrad lhs g as (N, M)")
-            dw = scaled_matmul(gq_wgrad, x_res, rhs_dtype, precise_accumulation=True)
+            dw = gemm(gq_wgrad, x_res, rhs_dtype, precise_accumulation=True)
         return layout.lhs_from_mk(dx), layout.rhs_from_nk(dw), None
 
     @jax.custom_vjp

@@ -43,14 +43,28 @@ class GemmSpec:
         return self.lhs.stochastic or self.rhs.stochastic
 
 
+BACKENDS = ("auto", "xla", "pallas")
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """Per-GEMM quantization of a linear layer; None means that GEMM runs in high precision."""
+    """Per-GEMM quantization of a linear layer; None means that GEMM runs in high precision.
+
+    backend: how the quantized GEMMs (and their quantization) execute. "auto": the Pallas Mosaic GPU kernels on a
+    Hopper GPU where they support the case, XLA elsewhere; "xla": always XLA (the jnp reference path); "pallas": the
+    kernels always (under the Mosaic GPU interpreter off a GPU: slow, for tests), ValueError where unsupported.
+    The results agree up to float32 rounding of the scale multiplications.
+    """
 
     name: str
     fwd: GemmSpec | None = None
     dgrad: GemmSpec | None = None
     wgrad: GemmSpec | None = None
+    backend: str = "auto"
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; use one of {BACKENDS}")
 
     @property
     def is_high_precision(self) -> bool:

@@ -1,1 +1,31 @@
-"""Pallas (Mosaic GPU) kernels, each beside the jnp reference it is tested against, and their dispatch."""
+"""Pallas (Mosaic GPU) kernels, each beside the jnp reference it is tested against, and where they run.
+
+  scaled_matmul.py        reference + dispatcher for the quantized GEMM (row / tensor / block scales)
+  scaled_matmul_mgpu.py   the Mosaic GPU GEMM kernel: int8 / fp8 wgmma, scales in the epilogue or per 128 of K
+  quantize_mgpu.py        fused quantization kernels (both GEMM layouts from one read), reference: qjax.quantize
+  stochastic_cast_mgpu.py stochastic-rounding casts, reference: qjax.stochastic
+
+A recipe's `backend` ("auto", "xla", "pallas") picks between a kernel and its reference (see `qjax.Recipe`).
+"""
+
+import jax
+
+
+def on_hopper_gpu() -> bool:
+    """Whether the default device is an NVIDIA Hopper GPU (H100/H200 or compute capability 9.x)."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return False
+    kind = getattr(device, "device_kind", "")
+    return "H100" in kind or "H200" in kind or str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def use_kernel(backend: str) -> tuple[bool, bool]:
+    """(run the kernel?, interpret it?) for a recipe backend: "pallas" always runs it (interpreted off a Hopper
+    GPU), "auto" only compiled on a Hopper GPU, "xla" never."""
+    if backend == "xla":
+        return False, False
+    hopper = on_hopper_gpu()
+    if backend == "pallas":
+        return True, not hopper
+    return hopper, False

@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from qjax.kernels import on_hopper_gpu
 from qjax.optim import adam, blockwise
 
 _E4M3_MAX = 448.0  # formats.E4M3.max_value; blockwise's scale is absmax / this
@@ -61,15 +62,6 @@ def kernel_supports(config) -> bool:
     """Whether the fused kernel handles this StateConfig's quantized tensors (e4m3 m and v, block 128 or 256)."""
     return config.mu_format == "e4m3" and config.nu_format == "e4m3" and config.block_size in (_LANE_COLUMNS,
                                                                                                _MAX_BLOCK)
-
-
-def on_hopper_gpu() -> bool:
-    """Whether the default device is an NVIDIA Hopper GPU (H100/H200 or compute capability 9.x)."""
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        return False
-    kind = getattr(device, "device_kind", "")
-    return "H100" in kind or "H200" in kind or str(getattr(device, "compute_capability", "")).startswith("9")
 
 
 def _row_absmax(x: jax.Array) -> jax.Array:

@@ -17,6 +17,7 @@ import optax
 import pytest
 
 from qjax import optim
+from qjax.kernels import on_hopper_gpu
 from qjax.optim import adam, blockwise, fused_adam
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
@@ -33,7 +34,7 @@ def _reference(g, mu, nu, bc1, bc2_sqrt, config=CONFIG):
 
 
 def _kernel(g, mu, nu, bc1, bc2_sqrt):
-    interpret = None if fused_adam.on_hopper_gpu() else True
+    interpret = None if on_hopper_gpu() else True
     return fused_adam.adam_update_fp8_kernel(g, mu, nu, B1, B2, EPS, bc1, bc2_sqrt, interpret=interpret)
 
 
@@ -49,7 +50,7 @@ def _inputs(shape, seed=0, block_size=256, g_dtype=jnp.float32, zero_states=Fals
 
 
 # Bit-exactness holds under the CPU interpreter; the compiled kernel on a GPU is covered by the gpu tests below.
-interpreter_only = pytest.mark.skipif(fused_adam.on_hopper_gpu(), reason="bit-exact only under the CPU interpreter")
+interpreter_only = pytest.mark.skipif(on_hopper_gpu(), reason="bit-exact only under the CPU interpreter")
 # Seen on an H200 (2026-11-22): the kernel compiles and runs, but these tolerances fail (direction off by ulps where
 # it is near zero, scales by ulps, and the zero-gradient case); opt-in kernel until fixed.
 gpu_known_failing = pytest.mark.xfail(reason="ulp-level mismatches vs XLA:GPU seen on H200, under investigation",
@@ -185,7 +186,7 @@ def _assert_close_gpu(out, ref, label):
 @pytest.mark.parametrize("shape,step", [((2048, 5632), 1), ((4096, 2048), 50), ((1000, 256 + 256 * 3), 10),
                                         ((7, 1000, 256), 3)])
 def test_gpu_kernel_matches_reference(shape, step):
-    assert fused_adam.on_hopper_gpu(), jax.devices()
+    assert on_hopper_gpu(), jax.devices()
     g, mu, nu = _inputs(shape, seed=step)
     bc = _coefficients(step)
     out = jax.jit(lambda g, mu, nu, a, b: _kernel(g, mu, nu, a, b))(g, mu, nu, *bc)
