@@ -68,8 +68,8 @@ def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation:
     """The GEMM `qjax.dot_general` runs: the Mosaic GPU kernel where `backend` asks for it and it supports the case,
     else the reference `scaled_matmul`. Same arguments and result as `scaled_matmul` (see `qjax.Recipe.backend`).
 
-    The kernel is 2-D; batched operands (B, M, K) take the reference. fp8 GEMMs that need precise accumulation take
-    the kernel only in block mode, where partial sums are promoted to float32 every 128 of K.
+    The kernel is 2-D; batched operands (B, M, K) take the reference. fp8 GEMMs that need precise accumulation
+    promote their partial sums to float32 every 128 of K in the kernel (XLA: Precision.HIGHEST).
     """
     run_kernel, interpret = kernels.use_kernel(backend)
     if not run_kernel:
@@ -77,7 +77,8 @@ def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation:
     reason = _kernel_unsupported(a, b, out_dtype, precise_accumulation)
     if reason is None:
         from qjax.kernels import scaled_matmul_mgpu  # imported here: Mosaic GPU is only needed when it runs
-        return scaled_matmul_mgpu.scaled_matmul_kernel(a, b, out_dtype, interpret=interpret)
+        return scaled_matmul_mgpu.scaled_matmul_kernel(a, b, out_dtype, precise_accumulation=precise_accumulation,
+                                                        interpret=interpret)
     if backend == "pallas":
         raise ValueError(f"backend 'pallas': the scaled GEMM kernel cannot run this case ({reason}); use backend "
                          "'auto' to fall back to XLA")
@@ -87,11 +88,8 @@ def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation:
 def _kernel_unsupported(a: QTensor, b: QTensor, out_dtype, precise_accumulation: bool) -> str | None:
     if a.data.ndim != 2:
         return "batched operands"
-    block = a.granularity in ("1x128", "128x128")
-    if precise_accumulation and not block and not jnp.issubdtype(a.data.dtype, jnp.integer):
-        return "fp8 with precise accumulation outside block mode"
     try:
         from qjax.kernels import scaled_matmul_mgpu
     except ImportError as e:
         return f"kernel module unavailable: {e}"
-    return scaled_matmul_mgpu.supports(a, b, out_dtype)
+    return scaled_matmul_mgpu.supports(a, b, out_dtype, precise_accumulation)
