@@ -21,9 +21,13 @@ what a brute-force argmin returns. `encode_nearest` gets the same answer with a 
 final comparison of the two bracketing codes.
 """
 
+import dataclasses
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> np.ndarray:
@@ -86,30 +90,147 @@ def get_map(name: str) -> np.ndarray:
     return MAPS[name]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Encoder:
+    """Constants of the arithmetic nearest-code encoder of one map (see `encode_nearest`).
+
+    A map value's *position* G is an affine function of its magnitude t on each level (decade of a dynamic map; the
+    whole range of a linear map): G = t * level_scale[l] + level_offset[l], where code j of the non-negative half
+    sits at G = j + 0.5 (dynamic) or G = j (linear); floor(G - shift) is the candidate code c.
+    """
+
+    size: int
+    level_bounds: tuple  # float32 magnitudes: t >= level_bounds[l - 1] selects level l (ascending)
+    level_scale: tuple
+    level_offset: tuple
+    nearest_shift: float  # floor(G - nearest_shift) = c with the nearest code in {c, c + 1}
+    first_tie_shift: float  # floor(G - first_tie_shift) = c with the first tied code in {c, c + 1} (x > 1)
+    mirrored: bool  # signed map: code j < size - 1 holds -(value of code size - 2 - j)
+    table: np.ndarray  # float32 (2 * size,): pair thresholds T_0..T_{size-2}, 1.0 (unused), then the map itself
+
+
+def _ordered(f: np.ndarray) -> np.ndarray:
+    """float32 -> int64 keys in the order of the floats (-0 and +0 share key 0)."""
+    bits = f.view(np.int32).astype(np.int64)
+    return np.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+def _unordered(k: np.ndarray) -> np.ndarray:
+    bits = np.where(k < 0, (-k) | 0x80000000, k).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+def _pair_thresholds(qmap: np.ndarray) -> np.ndarray:
+    """T_j = the smallest float32 x in (qmap[j], qmap[j+1]] with |x - qmap[j+1]| < |x - qmap[j]| in float32.
+
+    The comparison is the brute-force argmin's own (float32 subtraction rounds monotonically, so it is false then
+    true as x grows): between the two codes, x >= T_j picks j + 1 and ties stay on j. Bisection over the floats.
+    """
+    low, high = qmap[:-1], qmap[1:]
+    lo, hi = _ordered(low), _ordered(high)  # invariant: lo picks j, hi picks j + 1
+    while np.any(hi - lo > 1):
+        mid = (lo + hi) // 2
+        x = _unordered(mid)
+        up = np.abs(x - high) < np.abs(x - low)
+        lo, hi = np.where(up, lo, mid), np.where(up, mid, hi)
+    return _unordered(hi)
+
+
+def _dynamic_encoder(qmap: np.ndarray, signed: bool, exponent_bits: int) -> _Encoder:
+    # Level i holds n_i values (0.1 + 0.9 (k + 0.5) / n_i) s_i, k < n_i, s_i = 10**(i - E + 1). At position
+    # p = (t / s_i - 0.1) n_i / 0.9 value k sits at p = k + 0.5, the level below's last value at p = -0.1, 1.0 at
+    # p = n_i. Nearest-code boundaries: integers, 0.2 (with the level below) and n_i - 0.25 (with 1.0), so
+    # floor(p - 0.6) brackets each boundary by >= 0.15 on both sides. floor(p) = c has value c within 0.5 of p and
+    # values c - 1, c + 1 >= 0.1 away on either side, which brackets the beyond-1 threshold. Decade boundaries need
+    # not be exact: within a few ulps of 10**(i - E) both levels give the same c. Global position G = start + p.
+    zero = qmap.size // 2 - 1 if signed else 0
+    scale, offset, start = [], [], zero + 1
+    for i in range(exponent_bits):
+        n = 2 ** (i + (0 if signed else 1))
+        s = 10.0 ** (i - exponent_bits + 1)
+        scale.append(n / (0.9 * s))
+        offset.append(start - n / 9.0)  # global position: start of the level + p
+        start += n
+    bounds = tuple(float(np.float32(10.0 ** (i - exponent_bits))) for i in range(1, exponent_bits))
+    return _Encoder(qmap.size, bounds, tuple(scale), tuple(offset), 0.6, 0.0, signed, _table(qmap))
+
+
+def _linear_encoder(qmap: np.ndarray, include_zero: bool) -> _Encoder:
+    # value j = (j + first) / steps sits at position G = t * steps - first = j; boundaries at j + 0.5.
+    steps, first = (qmap.size - 1, 0) if include_zero else (qmap.size, 1)
+    return _Encoder(qmap.size, (), (float(steps),), (float(-first),), 0.0, -0.5, False, _table(qmap))
+
+
+def _table(qmap: np.ndarray) -> np.ndarray:
+    return np.concatenate([_pair_thresholds(qmap), [1.0], qmap]).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _encoder_for(key: bytes, size: int) -> _Encoder:
+    qmap = np.frombuffer(key, np.float32)
+    bits = size.bit_length() - 1
+    if bits in (4, 8):
+        for signed in (True, False):
+            if np.array_equal(qmap, dynamic_map(signed, bits - 1, bits)):
+                return _dynamic_encoder(qmap, signed, bits - 1)
+    for include_zero in (False, True):
+        if np.array_equal(qmap, linear_map(size, include_zero)):
+            return _linear_encoder(qmap, include_zero)
+    raise ValueError(f"encode_nearest has an arithmetic encoder for dynamic_map(signed, total_bits - 1, total_bits) "
+                     f"and linear_map(n, include_zero) only; got another map of {size} values")
+
+
 def encode_nearest(x: jax.Array, qmap) -> jax.Array:
     """Nearest code of each element of float32 `x` in the sorted map `qmap` (2**bits values): uint8, x's shape.
 
-    Equals `argmin_j |x - qmap[j]|` in float32 with ties to the lower index. NaN encodes as code 0 (callers keep NaN
-    visible through the block's absmax, which is then NaN).
+    Equals `encode_brute_force` (argmin_j |x - qmap[j]| in float32, ties to the lower index) for every float32 x,
+    including its float32 artefacts: NaN, +Inf and -Inf encode as code 0 (NaN/Inf distances; callers keep NaN
+    visible through the block's absmax, which is then NaN), and for x > 1 the distances x - qmap[j] round to the
+    same float32 for all qmap[j] close enough to 1.0 (x >= 2**25: for all j), so the lowest tied code is returned.
+    `qmap` must be one of `MAPS`, or `dynamic_map(signed, bits - 1, bits)` / `linear_map(n, include_zero)`.
+
+    Cost per element: one gather from a 2 * 2**bits float32 table, no transcendental functions; comparisons with
+    the map's decade boundaries (6 for 8 bits, 2 for dynamic 4 bits, none for linear), ~40 elementwise ops.
+    Method: the magnitude t's level and affine position give a pair {c, c + 1} holding the nearest code, the exact
+    float32 threshold T_c between the two (precomputed with the brute-force comparison) picks one. For x > 1 the
+    answer is the first code j with fl(x - qmap[j]) == fl(x - 1): with d = fl(x - 1), fl(x - q) == d exactly when q
+    >= about (x - d) - ulp(d) / 2, so the same position arithmetic on that target gives a pair {c, c + 1} holding
+    it, and comparing fl(x - qmap[c]) with d picks one.
     """
-    table = jnp.asarray(qmap, jnp.float32)
+    table = np.asarray(qmap, np.float32)
     size = table.shape[0]
-    if size & (size - 1):
-        raise ValueError(f"map size must be a power of two, got {size}")
-    x = x.astype(jnp.float32)
-    # lo = largest j with qmap[j] <= x (0 when x < qmap[0]); one gather per bit.
-    # The first step compares against one known entry: gathering at a constant index array would make XLA
-    # constant-fold a gather the size of x (minutes of compile time for a 1B-parameter model).
-    step = size // 2
-    lo = jnp.where(x >= table[step], step, 0).astype(jnp.int32)
-    step //= 2
-    while step:
-        lo = jnp.where(x >= table[lo + step], lo + step, lo)
-        step //= 2
-    hi = jnp.minimum(lo + 1, size - 1)
-    # The same float32 distances a brute-force argmin compares; strict < keeps ties on the lower index.
-    go_up = jnp.abs(x - table[hi]) < jnp.abs(x - table[lo])
-    return jnp.where(go_up, hi, lo).astype(jnp.uint8)
+    if table.ndim != 1 or size < 2 or size & (size - 1):
+        raise ValueError(f"map size must be a power of two, got shape {table.shape}")
+    enc = _encoder_for(table.tobytes(), size)
+    x = jnp.asarray(x).astype(jnp.float32)
+
+    beyond = x > 1  # 1.0 is every map's last value; beyond it distances can tie
+    d = x - 1
+    half_ulp = lax.bitcast_convert_type(lax.bitcast_convert_type(d, jnp.int32) & 0x7F800000, jnp.float32) * 2.0**-24
+    target = jnp.where(beyond, (x - d) - half_ulp, x)  # x - d is exact (Sterbenz); the sum only needs ~1e-7
+
+    magnitude = jnp.abs(target)
+    scale = jnp.float32(enc.level_scale[0])
+    offset = jnp.float32(enc.level_offset[0])
+    for bound, s, o in zip(enc.level_bounds, enc.level_scale[1:], enc.level_offset[1:]):
+        above = magnitude >= bound
+        scale, offset = jnp.where(above, jnp.float32(s), scale), jnp.where(above, jnp.float32(o), offset)
+    shift = jnp.where(beyond, jnp.float32(enc.first_tie_shift), jnp.float32(enc.nearest_shift))
+    # Clip before the int cast (Inf/huge targets); NaN targets give garbage codes, replaced by 0 below.
+    position = jnp.clip(magnitude * scale + offset - shift, -1.0, float(size))
+    c = jnp.floor(position).astype(jnp.int32)
+    negative = target < 0
+    if enc.mirrored:  # pair {c, c+1} of |t| mirrors to {size-3-c, size-2-c}; a single code c to size-2-c
+        c = jnp.where(negative, size - 3 + beyond.astype(jnp.int32) - c, c)
+    else:  # non-negative map: below it, code 0 is nearest / first tied
+        c = jnp.where(negative, 0, c)
+    c = jnp.clip(c, 0, size - 2 + beyond.astype(jnp.int32))
+
+    entry = jnp.asarray(enc.table)[c + jnp.where(beyond, size, 0)]  # T_c, or qmap[c] beyond 1
+    code = jnp.where(beyond, c + (jnp.abs(x - entry) != d), c + (x >= entry))
+    # NaN distances make argmin return 0; +Inf ties all distances at Inf (-Inf lands on code 0 by itself).
+    code = jnp.where(jnp.isnan(x) | (x == jnp.inf), 0, code)
+    return code.astype(jnp.uint8)
 
 
 def encode_brute_force(x: jax.Array, qmap) -> jax.Array:

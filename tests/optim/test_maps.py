@@ -47,26 +47,82 @@ def test_named_maps():
         maps.DYNAMIC_SIGNED_8BIT[0] = 0
 
 
+def _brute_force_chunked(x, qmap, chunk=1 << 16):
+    """encode_brute_force in chunks (its memory is x.size * 2**bits)."""
+    brute = jax.jit(lambda v: maps.encode_brute_force(v, qmap))
+    pad = -x.size % chunk
+    padded = np.concatenate([x, np.zeros(pad, np.float32)]).reshape(-1, chunk)
+    return np.concatenate([np.asarray(brute(jnp.asarray(c))) for c in padded])[:x.size]
+
+
+def _near(values, ulps):
+    """Each float32 value and its neighbours up to `ulps` floats away on either side."""
+    out, up, down = [values], values, values
+    for _ in range(ulps):
+        up, down = np.nextafter(up, np.float32(np.inf)), np.nextafter(down, np.float32(-np.inf))
+        out += [up, down]
+    return np.concatenate(out)
+
+
+def _probes(qmap):
+    """Where an encoder can go wrong: around every decision boundary, decade, map value, and beyond +-1."""
+    mids = ((qmap[:-1].astype(np.float64) + qmap[1:]) / 2).astype(np.float32)
+    decades = (10.0 ** np.arange(-9, 1)).astype(np.float32)
+    # beyond 1: distances x - q round together from x ~ 2**7 on; probe every binade's edges and a few steps inside
+    powers = (2.0 ** np.arange(0, 128)).astype(np.float32)
+    inside = (powers[:-1, None] * (1 + np.arange(1, 33, dtype=np.float32) / 32)).ravel()
+    special = np.array([0, 1e-30, 1e-38, 1e-40, 1e-45, 1.0, 1.5, 2, 3e38, np.finfo(np.float32).max], np.float32)
+    signed = np.concatenate([_near(qmap, 3), _near(mids, 4), _near(decades, 3), _near(powers, 3), _near(inside, 2),
+                             special]).astype(np.float32)
+    rng = np.random.default_rng(0)
+    log_uniform = np.exp(rng.uniform(np.log(1e-9), np.log(2), 1_000_000)).astype(np.float32)
+    huge = np.exp(rng.uniform(0, np.log(3e38), 20_000)).astype(np.float32)  # log-uniform over [1, 3e38]
+    randoms = np.concatenate([log_uniform, huge]) * rng.choice(np.array([-1, 1], np.float32), 1_020_000)
+    return np.concatenate([signed, -signed, randoms]).astype(np.float32)
+
+
 @pytest.mark.parametrize("name", sorted(maps.MAPS))
 def test_encode_equals_brute_force(name):
     qmap = maps.get_map(name)
-    mids = (qmap[:-1].astype(np.float64) + qmap[1:]) / 2
-    probes = np.concatenate([
-        qmap, mids.astype(np.float32), np.nextafter(mids.astype(np.float32), 2), np.nextafter(
-            mids.astype(np.float32), -2), [-1, 1, 0, 1e-30, -1e-30, 1e-7, -1e-7],
-        np.asarray(jax.random.uniform(jax.random.key(0), (20000,), minval=-1, maxval=1)),
-        np.asarray(jax.random.normal(jax.random.key(1), (5000,)) * 1e-3),
-    ]).astype(np.float32)
-    got = jax.jit(lambda x: maps.encode_nearest(x, qmap))(jnp.asarray(probes))
-    np.testing.assert_array_equal(got, jax.jit(lambda x: maps.encode_brute_force(x, qmap))(jnp.asarray(probes)))
+    x = _probes(qmap)
+    got = np.asarray(jax.jit(lambda v: maps.encode_nearest(v, qmap))(jnp.asarray(x)))
+    want = _brute_force_chunked(x, qmap)
+    wrong = np.flatnonzero(got != want)
+    assert wrong.size == 0, f"{wrong.size} codes differ, e.g. x={x[wrong[:5]]}: got {got[wrong[:5]]}, want " \
+                            f"{want[wrong[:5]]}"
+    # the probes do reach the beyond-1 tie region: brute force returns codes other than the last one there
+    assert np.any((x > 1) & (want != qmap.size - 1)) and np.any((x > 1) & (want == qmap.size - 1))
     np.testing.assert_array_equal(maps.decode(maps.encode_nearest(jnp.asarray(qmap), qmap), qmap), qmap)
+
+
+@pytest.mark.parametrize("name", sorted(maps.MAPS))
+def test_encode_non_finite(name):
+    """NaN and +-Inf encode as code 0, as the brute-force argmin does (NaN distances, or all distances Inf)."""
+    qmap = maps.get_map(name)
+    x = jnp.array([jnp.nan, -jnp.nan, jnp.inf, -jnp.inf, 0.5], jnp.float32).reshape(5, 1)
+    got = maps.encode_nearest(x, qmap)
+    assert got.shape == (5, 1) and got.dtype == jnp.uint8
+    np.testing.assert_array_equal(got[:4, 0], 0)
+    np.testing.assert_array_equal(got, maps.encode_brute_force(x, qmap))
+    assert int(got[4, 0]) != 0  # a finite value is not swept to 0 by the NaN handling
 
 
 def test_encode_rejects_bad_map():
     with pytest.raises(ValueError, match="power of two"):
         maps.encode_nearest(jnp.zeros(3), np.arange(3, dtype=np.float32))
+    with pytest.raises(ValueError, match="arithmetic encoder"):  # a sorted power-of-two map of another shape
+        maps.encode_nearest(jnp.zeros(3), np.sort(np.random.default_rng(0).uniform(-1, 1, 16)).astype(np.float32))
     with pytest.raises(ValueError, match="unknown quantization map"):
         maps.get_map("dynamic_9bit")
+
+
+@pytest.mark.parametrize("make", [lambda: maps.linear_map(16, include_zero=True), lambda: maps.linear_map(256),
+                                  lambda: maps.dynamic_map(False, 3, 4)])
+def test_encode_other_supported_maps(make):
+    qmap = make()
+    x = _probes(qmap)[::8]
+    got = np.asarray(jax.jit(lambda v: maps.encode_nearest(v, qmap))(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, _brute_force_chunked(x, qmap))
 
 
 def test_pack_4bit_roundtrip():
