@@ -4,23 +4,35 @@
   python benchmarks/linear.py --small         # CPU-sized shapes (the default when no GPU is present)
 
 Prints a table of milliseconds per step (median over --reps timed runs after warm-up) and speedup vs bf16, and
-appends it to benchmarks/RESULTS.md with the device, date and jax version (--no-append to skip).
+appends it to benchmarks/RESULTS.md with the device, date, jax version and commit (--no-append to skip).
+
+Then, unless --no-peer, the same shapes run in torch.compile + torchao in a subprocess (benchmarks/torch_peer.py)
+and a side-by-side table pairs bf16<->bf16, fp8_tensorwise<->float8 tensorwise, fp8_rowwise<->float8 rowwise and
+int8_rowwise<->int8 mixed precision. The peer needs torch (and torchao: carry its wheel, see torch_peer.py) in the
+interpreter named by --peer-python / $QJAX_TORCH_PYTHON (default: this one); without torch it is skipped with a note.
+GPU memory: this script sets XLA_PYTHON_CLIENT_PREALLOCATE=false (unless already set) so that JAX keeps only what
+its own arrays used (a few GB) instead of 75% of the GPU, leaving the rest to the torch subprocess that runs after
+the JAX table. (JAX's allocator still caches and reuses buffers, so steady-state step times are unaffected.)
 """
 
-import argparse
-import dataclasses
-import datetime
-import pathlib
-import statistics
-import time
+import os
 
-import jax
-import jax.numpy as jnp
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is imported: see the docstring
 
-import qjax
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import qjax  # noqa: E402
+from common import append_results, device_kind, time_ms  # noqa: E402
+from torch_peer import run_torch_peer  # noqa: E402  (imports no torch)
 
 TN = (((1,), (1,)), ((), ()))
-RESULTS = pathlib.Path(__file__).with_name("RESULTS.md")
+# qjax recipe -> torchao variant measured against it (torch_peer.VARIANTS).
+PEERS = {"bf16": "bf16", "fp8_tensorwise": "float8_tensorwise", "fp8_rowwise": "float8_rowwise",
+         "int8_rowwise": "int8_mixed_precision"}
 
 
 def bench_recipes():
@@ -39,17 +51,6 @@ def make_step(recipe):
         return (y, *vjp(g))
 
     return jax.jit(step)
-
-
-def time_ms(fn, args, warmup, reps):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def run(m, shapes, reps, warmup, names=None):
@@ -78,6 +79,45 @@ def table(rows, m, shapes):
     return "\n".join(lines) + f"\n\nM={m}; x, w, g in bfloat16; y, dx, dw per step. {flops}.\n"
 
 
+def peer_table(rows, peer, shapes):
+    """Side-by-side qjax vs torchao (torch.compile) table; each speedup is against its own framework's bf16."""
+    lines = ["| K→N | recipe ↔ torchao | qjax ms | qjax speedup | torchao ms | torchao speedup |",
+             "|---|---|---:|---:|---:|---:|"]
+    results = peer.get("results", {})
+    for k, n in shapes:
+        for recipe, variant in PEERS.items():
+            if recipe not in rows:
+                continue
+            ours = rows[recipe][(k, n)]
+            cells = [f"{k}→{n}", f"{recipe} ↔ {variant}", f"{ours:.3f}", f"{rows['bf16'][(k, n)] / ours:.2f}x"]
+            theirs = results.get(variant, {}).get(f"{k}x{n}")
+            base = results.get("bf16", {}).get(f"{k}x{n}")
+            if theirs and base:
+                cells += [f"{theirs['ms']:.3f}", f"{base['ms'] / theirs['ms']:.2f}x"]
+            else:
+                cells += ["—", "—"]
+            lines.append("| " + " | ".join(cells) + " |")
+    notes = [f"torch {peer.get('torch')}, torchao {peer.get('torchao')}, torch.compile={peer.get('compile')}, "
+             f"{peer.get('device')}, same M, shapes and data distribution (benchmarks/torch_peer.py linear)."]
+    notes += [f"{variant}: not run ({reason})." for variant, reason in peer.get("skipped", {}).items()]
+    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+
+
+def run_peer(args, m, shapes, reps):
+    """torch/torchao numbers for the recipes in PEERS that ran, or None (with a printed reason)."""
+    variants = [PEERS[name] for name in PEERS if name == "bf16" or not args.recipes or name in args.recipes]
+    print(f"\ntorch/torchao peer ({', '.join(variants)}) in a subprocess...", flush=True)
+    peer = run_torch_peer("linear", python=args.peer_python, m=m, shapes=[f"{k}x{n}" for k, n in shapes],
+                          variants=variants, reps=reps, warmup=args.warmup, compile=args.peer_compile)
+    if "error" in peer:
+        message = f"torch peer not measured: {peer['error']}"
+        if args.peer:  # asked for explicitly: the JAX table is kept, but the run fails loudly
+            raise SystemExit(message)
+        print(message + " (pass --no-peer to skip it)")
+        return None
+    return peer
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="CPU-sized shapes (default when no GPU is present)")
@@ -86,21 +126,28 @@ def main():
     parser.add_argument("--shapes", nargs="*", help="K x N pairs, e.g. 4096x14336 (default: the three GPU shapes)")
     parser.add_argument("--recipes", nargs="*", help="recipe names to time (default: all; bf16 always runs)")
     parser.add_argument("--no-append", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch/torchao side-by-side table (default: on when the peer interpreter has torch)")
+    parser.add_argument("--peer-python", help="interpreter with torch + torchao (default $QJAX_TORCH_PYTHON or this)")
+    parser.add_argument("--peer-compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="torch.compile in the peer (--no-peer-compile where no C++ compiler is present)")
     args = parser.parse_args()
     small = args.small or jax.default_backend() != "gpu"
     m, shapes = (512, [(256, 256), (256, 1024)]) if small else (16384, [(4096, 4096), (4096, 14336), (14336, 4096)])
     if args.shapes:
         shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes]
-    device = jax.devices()[0].device_kind
-    print(f"linear fwd+bwd on {device} ({jax.default_backend()}), jax {jax.__version__}, M={m}", flush=True)
-    rows = run(m, shapes, args.reps if not small else min(args.reps, 5), args.warmup, args.recipes)
+    reps = args.reps if not small else min(args.reps, 5)
+    print(f"linear fwd+bwd on {device_kind()} ({jax.default_backend()}), jax {jax.__version__}, M={m}", flush=True)
+    rows = run(m, shapes, reps, args.warmup, args.recipes)
     report = table(rows, m, shapes)
     print("\n" + report)
+    peer = run_peer(args, m, shapes, reps) if args.peer is not False else None
+    if peer:
+        side_by_side = peer_table(rows, peer, shapes)
+        print("\n" + side_by_side)
+        report += "\nqjax vs torch.compile + torchao, each against its own bf16:\n\n" + side_by_side
     if not args.no_append:
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        with RESULTS.open("a") as f:
-            f.write(f"\n## linear fwd+bwd — {device} — {stamp} — jax {jax.__version__}\n\n{report}")
-        print(f"appended to {RESULTS}")
+        append_results("linear fwd+bwd", report)
 
 
 if __name__ == "__main__":

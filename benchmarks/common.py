@@ -1,0 +1,74 @@
+"""Helpers shared by the JAX benchmark scripts: timing, SNR, and appending a table to RESULTS.md.
+
+Scripts in this folder run as `python benchmarks/NAME.py`, so `import common` finds this file.
+"""
+
+import datetime
+import pathlib
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+RESULTS = pathlib.Path(__file__).with_name("RESULTS.md")
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def time_ms(fn, args, warmup, reps, inner=1):
+    """Median milliseconds of one call of `fn(*args)`.
+
+    Each of `reps` timed samples dispatches `inner` calls back to back and waits once: dispatch is asynchronous,
+    so for ops shorter than the host's dispatch time (a 1024^3 GEMM takes ~2 us on an H200) inner > 1 keeps the
+    GPU queue full and measures the device rather than one launch plus a round trip per sample.
+    """
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        outs = [fn(*args) for _ in range(inner)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - start) * 1e3 / inner)
+    return statistics.median(times)
+
+
+def snr_db(ref, out) -> float:
+    """20 log10(|ref| / |ref - out|) in float64 on the host; inf when equal, nan if either holds NaN/Inf."""
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    if not (np.isfinite(ref).all() and np.isfinite(out).all()):
+        return float("nan")
+    err = np.linalg.norm(ref - out)
+    return float("inf") if err == 0 else float(20 * np.log10(np.linalg.norm(ref) / err))
+
+
+def git_commit() -> str:
+    """Short commit of the checkout, '+dirty' when qjax/ or benchmarks/ differ from it; 'unknown' without git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "qjax", "benchmarks"], cwd=REPO,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def device_kind() -> str:
+    return jax.devices()[0].device_kind
+
+
+def append_results(title: str, report: str) -> None:
+    """Appends `report` under a heading with the device, UTC date, jax version, commit and command line."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    heading = f"## {title} — {device_kind()} — {stamp} — jax {jax.__version__} — code at {git_commit()}"
+    command = "python " + " ".join(shlex.quote(a) for a in [f"benchmarks/{pathlib.Path(sys.argv[0]).name}",
+                                                            *sys.argv[1:]])
+    with RESULTS.open("a") as f:
+        f.write(f"\n{heading}\n\n`{command}`\n\n{report}")
+    print(f"appended to {RESULTS}")
