@@ -11,6 +11,7 @@ Prepare text once (`python -m qjax.data.prepare shakespeare --out data/shakespea
   digits.batch(0)["images"].shape     # (32, 8, 8, 1) float32 in [-1, 1]; "labels" int32 (32,); digits.num_classes
 
 Every dataset's `batch(step)` is a pure function of (seed, step), so a checkpoint's data position is its step.
+Batches are dicts of NumPy arrays in host memory; the training loop moves them to devices.
 """
 
 from collections.abc import Mapping

@@ -16,7 +16,12 @@ import numpy as np
 
 from qjax.data import order, text
 
-_PREPARE_HINT = "run `python -m qjax.data.prepare shakespeare --out {d}` (or `prepare text --out {d} FILE...`)"
+
+
+def _prepare_hint(directory, force: bool = False) -> str:
+    flag = " --force" if force else ""
+    return (f"run `python -m qjax.data.prepare shakespeare --out {directory}{flag}` (or `python -m "
+            f"qjax.data.prepare text --out {directory}{flag} FILE...` for your own text)")
 
 
 class TokenDataset:
@@ -38,7 +43,7 @@ class TokenDataset:
         self.batch_size = order.check_int(batch_size, "batch_size", minimum=1)
         self.seq_len = order.check_int(seq_len, "seq_len", minimum=1)
         self.seed = order.check_int(seed, "seed", minimum=-(1 << 63))
-        hint = _PREPARE_HINT.format(d=self.directory)
+        hint = _prepare_hint(self.directory)
         if not self.directory.is_dir():
             raise FileNotFoundError(f"token directory {self.directory} does not exist: {hint}")
         self.meta = text.read_meta(self.directory)
@@ -47,7 +52,7 @@ class TokenDataset:
                 raise FileNotFoundError(f"{self.directory / name} is missing: {hint}")
         if not text.shards_are_valid(self.directory):
             raise ValueError(f"the shards in {self.directory} do not match its meta.json (an interrupted or "
-                             f"foreign prepare?): {hint} --force")
+                             f"foreign prepare?): {_prepare_hint(self.directory, force=True)}")
         self.vocab_size = int(self.meta["vocab_size"])
         dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
         self._train = np.memmap(self.directory / "train.bin", dtype=dtype, mode="r")
@@ -71,7 +76,7 @@ class TokenDataset:
         rows = tokens[starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)  # (B, T + 1)
         if rows.max() >= self.vocab_size:
             raise ValueError(f"{split}.bin holds token id {int(rows.max())} >= vocab_size {self.vocab_size} from "
-                             f"meta.json: the shards are corrupt; {_PREPARE_HINT.format(d=self.directory)} --force")
+                             f"meta.json: the shards are corrupt; {_prepare_hint(self.directory, force=True)}")
         return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
 
     def batch(self, step) -> dict:
