@@ -1,0 +1,334 @@
+"""Fused quantization of x (M, K) into both GEMM layouts: Pallas Mosaic GPU kernels, bit-identical to
+`qjax.quantize.quantize_with_seed`.
+
+A linear layer quantizes its activation x (M, K) twice: as (M, K) for the forward GEMM (scales along K) and as its
+transpose (K, M) for wgrad (scales along M), generally with different specs and seeds. `quantize_pair` produces both
+from as few reads of x as the granularities allow:
+
+  granularity (each side)   passes over x   how
+  1x128, 128x128            1               tile kernel: per-block amax in registers, scales written by the kernel
+  row, tensor               2               amax kernel (row and column amax from one read), then the tile kernel
+
+Tile kernel, one program per 128 x 128 tile (i, j) of x:
+  GMEM -> SMEM (TMA)  x tile (128, 128) bf16/f16/f32; for row/tensor sides the tile's 128 inverse scales
+  row side            x tile in registers (Mosaic GPU's WGMMA layout, 64 rows at a time): amax along K, scale,
+                      y = x * (1 / scale), round (half-even or stochastic), cast -> codes (128, 128)
+  column side         the same on the transposed tile, read from SMEM through a transposed view
+                      (`x_smem.T`, loaded in WGMMA_TRANSPOSED layout and converted in registers to WGMMA: for
+                      16-bit inputs this is ldmatrix.trans + one shuffle). The 8-bit codes are never transposed:
+                      they are computed in the transposed layout and stored row-major.
+  SMEM -> GMEM (TMA)  codes to out[i, j] and out_t[j, i]; block scales as 128-float rows (below)
+
+Block scales leave the kernel as (K/128, M) (row side) and (M/128, K) (column side) arrays so each tile writes one
+contiguous 512-byte row (a TMA box needs >= 16 contiguous bytes; a (128, 1) column would have 4); the wrapper
+transposes these small arrays (1/128 of x's elements) into the reference's scale shapes. For 128x128 blocks every
+entry of a tile's row is the tile's scale and the wrapper keeps every 128th.
+
+Amax kernel (row / tensor): the same tiles, writing each tile's 128 row maxima and 128 column maxima (the partial
+maxima); XLA reduces those (M/128 or K/128 values per row / column: small) to row amax (M,), column amax (K,) and
+the tensor amax (COAT's two-stage max). Scales are then computed by the reference's own `scale_from_amax` in XLA.
+So row/tensor granularity reads x twice; block granularities once.
+
+Bit-exactness: every step is the reference's operation in the reference's order: amax as the max over the int32
+bit patterns of |x| (monotone for non-negative floats; NaN sorts above Inf and becomes Inf, as the reference's
+NaN -> Inf), scale = max(amax / fmt_max, tiny) (pow2 by the same bit trick), 1 for amax 0, y = x * (1 / scale),
+round, clamp, cast (`stochastic_cast_mgpu` holds the kernel-safe rounding and cast helpers and says why each is
+needed). Stochastic rounding draws `stochastic.hash_uint32(seed, index)` with the index of the element in the
+quantized layout's own row-major order: r * K + c for the (M, K) codes, c * M + r for the (K, M) codes.
+
+Shapes: M and K must be multiples of 128 (`supports` says why not otherwise). Ragged shapes are rejected rather than
+padded: padding would cost a full extra pass over x (the dispatcher's jnp reference handles them in XLA instead).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from qjax import formats, stochastic
+from qjax.kernels.stochastic_cast_mgpu import cast_codes, is_finite, resolve_interpret, round_to_grid
+from qjax.quantize import QTensor, QuantSpec, scale_from_amax
+
+TILE = 128
+_CHUNK = 64  # rows of a tile held in registers at a time (WGMMA layout: multiples of 64); bounds register use
+_LAYOUT = plgpu.Layout.WGMMA
+_LAYOUT_T = plgpu.Layout.WGMMA_TRANSPOSED  # loads a transposed SMEM view with vectors along its contiguous dim
+_ROWS = _LAYOUT.reduce(1)  # (rows,) per-row values of a WGMMA-layout array
+_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_BLOCKS = ("1x128", "128x128")
+_TINY = float(jnp.finfo(jnp.float32).tiny)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Side:
+    """Static description of one output layout for the tile kernel."""
+
+    fmt: str  # "int8", "e4m3", "e5m2"
+    block: str | None  # "1x128" / "128x128": scales computed in the kernel; None: inverse scales passed in
+    stochastic: bool
+    pow2_scale: bool
+
+    @classmethod
+    def of(cls, spec: QuantSpec | None):
+        if spec is None:
+            return None
+        block = spec.granularity if spec.granularity in _BLOCKS else None
+        return cls(spec.dtype, block, spec.stochastic, spec.pow2_scale)
+
+
+def supports(x, row_spec: QuantSpec, col_spec: QuantSpec | None = None) -> str | None:
+    """None if `quantize_pair(x, row_spec, col_spec, ...)` can run on the kernel, else the reason it cannot."""
+    for name, spec in (("row_spec", row_spec), ("col_spec", col_spec)):
+        if spec is not None and not isinstance(spec, QuantSpec):
+            return f"{name} must be a qjax.quantize.QuantSpec, got {type(spec).__name__}"
+    if row_spec is None:
+        return "row_spec is required (col_spec alone: quantize x.T with quantize_kernel instead)"
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is None or len(shape) != 2:
+        return f"the quantize kernel takes a 2-D x (M, K), got shape {shape}; reshape leading dims into M"
+    if dtype is None or jnp.dtype(dtype) not in _INPUT_DTYPES:
+        return f"the quantize kernel takes float32, bfloat16 or float16 x, got {dtype}"
+    m, k = shape
+    if m == 0 or k == 0 or m % TILE or k % TILE:
+        return (f"the quantize kernel needs M and K to be positive multiples of {TILE}, got x of shape {shape}; "
+                "pad x, or use the jnp reference qjax.quantize.quantize_with_seed")
+    return None
+
+
+# ------------------------------------------------------------------------------------------- in-kernel helpers
+
+
+def _broadcast_rows(values, shape):
+    """(rows,) in the _ROWS layout -> (rows, cols) in the WGMMA layout, constant along each row."""
+    return plgpu.layout_cast(lax.broadcast_in_dim(values, shape, (0,)), _LAYOUT)
+
+
+def _rows_amax(x32):
+    """max |x| along axis 1 of f32 (rows, cols) -> (rows,), +Inf where a row holds NaN or Inf (quantize._amax).
+
+    The max runs over the int32 bit patterns of |x| (sign bit cleared with an integer mask, so a negative NaN is
+    caught too): they order non-negative floats, and NaN patterns sort above Inf's."""
+    bits = lax.bitcast_convert_type(x32, jnp.int32) & jnp.int32(0x7FFFFFFF)
+    amax = lax.bitcast_convert_type(jnp.max(bits, axis=1), jnp.float32)
+    return jnp.where(amax == amax, amax, jnp.float32(jnp.inf))
+
+
+def _scale(amax, fmt: formats.Format, pow2_scale: bool):
+    """`quantize.scale_from_amax` with ops Mosaic GPU lowers (same operations, same order)."""
+    scale = jnp.maximum(amax / jnp.float32(fmt.max_value), jnp.float32(_TINY))
+    if pow2_scale:
+        bits = lax.bitcast_convert_type(scale, jnp.uint32)
+        up = lax.bitcast_convert_type((bits + jnp.uint32(0x7FFFFF)) & jnp.uint32(0xFF800000), jnp.float32)
+        scale = jnp.where(is_finite(scale), up, scale)
+    return jnp.where(amax == 0, jnp.float32(1), scale)
+
+
+def _codes(x32, inv_rows, side: _Side, seed, row0, col0, n_cols):
+    """Quantizes f32 (rows, cols) with per-row inverse scales -> codes; row0/col0: the chunk's position (uint32) in
+    the quantized layout, whose row length is n_cols (for the stochastic-rounding element index)."""
+    fmt = formats.get_format(side.fmt)
+    y = x32 * _broadcast_rows(inv_rows, x32.shape)
+    if side.stochastic:
+        rows = plgpu.broadcasted_iota(jnp.uint32, x32.shape, 0, layout=_LAYOUT) + row0
+        cols = plgpu.broadcasted_iota(jnp.uint32, x32.shape, 1, layout=_LAYOUT) + col0
+        y = round_to_grid(y, fmt, stochastic.hash_uint32(seed, rows * jnp.uint32(n_cols) + cols))
+    elif fmt.is_integer:
+        y = jnp.round(y)  # half to even
+    return cast_codes(y, fmt, may_be_inf=False)  # y is finite or NaN here: Inf only arises from Inf * (1/Inf)
+
+
+def _load_chunk(x_smem, h, transposed):
+    """Rows [h*64, h*64+64) of the tile (or of its transpose) as f32 (64, 128) in the WGMMA layout."""
+    if not transposed:
+        return plgpu.load(x_smem.at[pl.ds(h * _CHUNK, _CHUNK)], layout=_LAYOUT).astype(jnp.float32)
+    view = x_smem.at[:, pl.ds(h * _CHUNK, _CHUNK)].T
+    return plgpu.layout_cast(plgpu.load(view, layout=_LAYOUT_T), _LAYOUT).astype(jnp.float32)
+
+
+def _quantize_tile_side(x_smem, side, transposed, inv_smem, codes_smem, scale_smem, seed, row0, col0, n_cols):
+    """One side of one tile: codes (and block scales) into SMEM. row0/col0: the tile's origin in that layout."""
+    fmt = formats.get_format(side.fmt)
+    tile_amax = None
+    if side.block == "128x128":  # the scale needs the whole tile's amax before any chunk is quantized
+        tile_amax = functools.reduce(jnp.maximum, [jnp.max(_rows_amax(_load_chunk(x_smem, h, transposed)))
+                                                   for h in range(TILE // _CHUNK)])
+    for h in range(TILE // _CHUNK):
+        x32 = _load_chunk(x_smem, h, transposed)
+        rows = pl.ds(h * _CHUNK, _CHUNK)
+        if side.block is None:
+            inv = plgpu.load(inv_smem.at[rows], layout=_ROWS)
+        else:
+            if tile_amax is None:
+                amax = _rows_amax(x32)
+            else:
+                amax = plgpu.layout_cast(jnp.broadcast_to(tile_amax, (_CHUNK,)), _ROWS)
+            scale = _scale(amax, fmt, side.pow2_scale)
+            scale_smem[rows] = scale
+            inv = jnp.float32(1) / scale
+        codes_smem[rows] = _codes(x32, inv, side, seed, row0 + jnp.uint32(h * _CHUNK), col0, n_cols)
+
+
+# ------------------------------------------------------------------------------------------------------ kernels
+
+
+@functools.partial(jax.jit, static_argnames=("row", "col", "interpret"))
+def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, interpret):
+    """The tile kernel. row_inv (M,) / col_inv (K,): f32 inverse scales for sides without blocks (else unused).
+
+    Returns [row codes (M, K), row block scales (K/128, M)?, col codes (K, M)?, col block scales (M/128, K)?]."""
+    m, k = x.shape
+    sides = [(row, False), (col, True)] if col is not None else [(row, False)]
+    inputs = [seeds, x] + [inv for (side, _), inv in zip(sides, (row_inv, col_inv)) if side.block is None]
+    out_type, scratch = [], [plgpu.SMEM((TILE, TILE), x.dtype)]
+    for side, transposed in sides:
+        shape = (k, m) if transposed else (m, k)
+        out_type.append(jax.ShapeDtypeStruct(shape, formats.get_format(side.fmt).dtype))
+        scratch.append(plgpu.SMEM((TILE, TILE), formats.get_format(side.fmt).dtype))
+        if side.block is not None:
+            out_type.append(jax.ShapeDtypeStruct((m // TILE, k) if transposed else (k // TILE, m), jnp.float32))
+        scratch.append(plgpu.SMEM((TILE,), jnp.float32))  # block scales out, or inverse scales in
+    n_in, n_out = len(inputs), len(out_type)
+
+    def body(*refs):
+        seeds_ref, x_ref, in_refs = refs[0], refs[1], list(refs[2:n_in])
+        out_refs = list(refs[n_in:n_in + n_out])
+        x_smem, *side_smem, barrier = refs[n_in + n_out:]
+        i, j = lax.axis_index("m"), lax.axis_index("k")
+        tile_m, tile_k = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
+        plgpu.copy_gmem_to_smem(x_ref.at[tile_m, tile_k], x_smem, barrier.at[0])
+        for s, (side, transposed) in enumerate(sides):
+            if side.block is None:  # this side's 128 inverse scales: rows of x, or columns for the transpose
+                plgpu.copy_gmem_to_smem(in_refs.pop(0).at[tile_k if transposed else tile_m], side_smem[2 * s + 1],
+                                        barrier.at[1 + s])
+        for s, (side, _) in enumerate(sides):
+            if side.block is None:
+                plgpu.barrier_wait(barrier.at[1 + s])
+        plgpu.barrier_wait(barrier.at[0])
+        origin_m, origin_k = (i * TILE).astype(jnp.uint32), (j * TILE).astype(jnp.uint32)
+        for s, (side, transposed) in enumerate(sides):
+            seed = seeds_ref[s] if side.stochastic else None
+            row0, col0, n_cols = (origin_k, origin_m, m) if transposed else (origin_m, origin_k, k)
+            codes_smem, vec_smem = side_smem[2 * s], side_smem[2 * s + 1]
+            _quantize_tile_side(x_smem, side, transposed, vec_smem, codes_smem, vec_smem, seed, row0, col0, n_cols)
+        plgpu.commit_smem()  # make the register -> SMEM stores visible to the TMA engine
+        for s, (side, transposed) in enumerate(sides):
+            codes_ref = out_refs.pop(0)
+            plgpu.copy_smem_to_gmem(side_smem[2 * s], codes_ref.at[(tile_k, tile_m) if transposed else (tile_m,
+                                                                                                        tile_k)])
+            if side.block is not None:
+                scales_ref = out_refs.pop(0)
+                plgpu.copy_smem_to_gmem(side_smem[2 * s + 1], scales_ref.at[i if transposed else j,
+                                                                            tile_k if transposed else tile_m])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch.append(plgpu.Barrier(num_barriers=3))
+    return plgpu.kernel(body, out_type=tuple(out_type), scratch_types=tuple(scratch), grid=(m // TILE, k // TILE),
+                        grid_names=("m", "k"), interpret=interpret)(*inputs)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _amax_call(x, *, interpret):
+    """Partial maxima from one read of x: (K/128, M) per-tile row amax and (M/128, K) per-tile column amax."""
+    m, k = x.shape
+
+    def body(x_ref, row_ref, col_ref, x_smem, row_smem, col_smem, barrier):
+        i, j = lax.axis_index("m"), lax.axis_index("k")
+        tile_m, tile_k = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
+        plgpu.copy_gmem_to_smem(x_ref.at[tile_m, tile_k], x_smem, barrier.at[0])
+        plgpu.barrier_wait(barrier.at[0])
+        for h in range(TILE // _CHUNK):
+            rows = pl.ds(h * _CHUNK, _CHUNK)
+            row_smem[rows] = _rows_amax(_load_chunk(x_smem, h, transposed=False))
+            col_smem[rows] = _rows_amax(_load_chunk(x_smem, h, transposed=True))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(row_smem, row_ref.at[j, tile_m])
+        plgpu.copy_smem_to_gmem(col_smem, col_ref.at[i, tile_k])
+        plgpu.wait_smem_to_gmem(0)
+
+    out_type = (jax.ShapeDtypeStruct((k // TILE, m), jnp.float32), jax.ShapeDtypeStruct((m // TILE, k), jnp.float32))
+    scratch = (plgpu.SMEM((TILE, TILE), x.dtype), plgpu.SMEM((TILE,), jnp.float32), plgpu.SMEM((TILE,), jnp.float32),
+               plgpu.Barrier(num_barriers=1))
+    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(m // TILE, k // TILE),
+                        grid_names=("m", "k"), interpret=interpret)(x)
+
+
+def amax_pair(x: jax.Array, *, interpret=False) -> tuple[jax.Array, jax.Array]:
+    """Row and column amax of x (M, K) from one read: (M,) and (K,) f32, +Inf where a row/column holds NaN or Inf
+    (the reference's `_amax` for granularity "row" of x and of x.T)."""
+    row_partial, col_partial = _amax_call(x, interpret=resolve_interpret(interpret))
+    return jnp.max(row_partial, axis=0), jnp.max(col_partial, axis=0)
+
+
+# ------------------------------------------------------------------------------------------------------- public
+
+
+def _inverse_scale(spec, row_amax, col_amax, length, transposed):
+    """(scale in the reference's shape, inverse scale per row of this layout (length,)) for a row/tensor side."""
+    if spec.granularity == "tensor":
+        scale = scale_from_amax(jnp.max(row_amax), spec.format, spec.pow2_scale)
+        return scale, jnp.broadcast_to(jnp.float32(1) / scale, (length,))
+    scale = scale_from_amax(col_amax if transposed else row_amax, spec.format, spec.pow2_scale)
+    return scale[:, None], jnp.float32(1) / scale
+
+
+def _block_scales(scales, granularity):
+    """Kernel scale rows (blocks along the layout's rows, rows) -> the reference's (rows, K/128) / (R/128, K/128)."""
+    if granularity == "128x128":
+        scales = scales[:, ::TILE]
+    return scales.T
+
+
+def _seed(seed, spec):
+    if spec is None or not spec.stochastic:
+        return jnp.uint32(0)
+    if seed is None:
+        raise ValueError(f"{spec} rounds stochastically: pass a uint32 seed (stochastic.key_to_seed(key))")
+    return jnp.asarray(seed, jnp.uint32).reshape(())
+
+
+def quantize_pair(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None, row_seed=None, col_seed=None, *,
+                  interpret=False) -> tuple[QTensor, QTensor | None]:
+    """Quantizes x (M, K) as (M, K) per row_spec and, if col_spec is given, x.T (K, M) per col_spec.
+
+    Args:
+      x: float32 / bfloat16 / float16 (M, K), M and K multiples of 128 (see `supports`).
+      row_spec, col_spec: `QuantSpec`s (any dtype and granularity each); col_spec None skips the transpose.
+      row_seed, col_seed: uint32 scalars, needed by the stochastic specs.
+      interpret: False / None compile the kernels (needs a Hopper GPU); True or a `plgpu.InterpretGPUParams` run
+        them under the Mosaic GPU interpreter (CPU, slow: tests).
+
+    Returns:
+      (QTensor (M, K), QTensor (K, M) or None), equal bit for bit to `quantize_with_seed(x, row_spec, row_seed)`
+      and `quantize_with_seed(x.T, col_spec, col_seed)`.
+    """
+    reason = supports(x, row_spec, col_spec)
+    if reason is not None:
+        raise ValueError(reason)
+    interpret = resolve_interpret(interpret)
+    m, k = x.shape
+    seeds = jnp.stack([_seed(row_seed, row_spec), _seed(col_seed, col_spec)])
+    specs = [(row_spec, False), (col_spec, True)] if col_spec is not None else [(row_spec, False)]
+    given = [(spec, transposed) for spec, transposed in specs if spec.granularity not in _BLOCKS]
+    scales, inverses = {}, {False: None, True: None}
+    if given:
+        row_amax, col_amax = amax_pair(x, interpret=interpret)
+        for spec, transposed in given:
+            scales[transposed], inverses[transposed] = _inverse_scale(spec, row_amax, col_amax, k if transposed else m,
+                                                                      transposed)
+    outs = list(_tile_call(x, seeds, inverses[False], inverses[True], row=_Side.of(row_spec),
+                           col=_Side.of(col_spec), interpret=interpret))
+    results = []
+    for spec, transposed in specs:
+        codes = outs.pop(0)
+        scale = _block_scales(outs.pop(0), spec.granularity) if spec.granularity in _BLOCKS else scales[transposed]
+        results.append(QTensor(codes, scale, spec.granularity))
+    return results[0], (results[1] if col_spec is not None else None)
+
+
+def quantize_kernel(x: jax.Array, spec: QuantSpec, seed=None, *, interpret=False) -> QTensor:
+    """One layout: the kernel form of `quantize_with_seed(x, spec, seed)` for x (M, K) (see `quantize_pair`)."""
+    return quantize_pair(x, spec, None, seed, None, interpret=interpret)[0]

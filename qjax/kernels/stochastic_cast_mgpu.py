@@ -1,0 +1,197 @@
+"""Stochastic-rounding cast f32 -> bf16 / e4m3 / e5m2 / int8: a Pallas Mosaic GPU kernel, bit-identical to
+`qjax.stochastic.stochastic_round_with_seed`.
+
+`stochastic_cast(x, dtype, seed)` flattens x (any shape), pads it to whole tiles of 128 x 128 elements, runs one
+program per tile and slices the padding off. Per tile:
+
+  GMEM -> SMEM (TMA): x tile (128, 128) f32 / bf16 / f16
+  registers:          bits = stochastic.hash_uint32(seed, flat index)   (the reference's own hash, same indices)
+                      y = _round_to_grid(x, fmt, bits)                  (round_to_grid with kernel-safe ops)
+                      code = _cast(y, fmt)                              (formats.saturating_cast, kernel-safe)
+  SMEM -> GMEM (TMA): codes (128, 128)
+
+The module also holds the kernel-safe rounding helpers `qjax.kernels.quantize_mgpu` uses. They exist because
+Mosaic GPU has no lowering for floor / isfinite, and its f32 -> fp8 cast saturates (`cvt.satfinite`: +-Inf becomes
++-max) while XLA's does not; each helper computes the reference's exact result with ops Mosaic GPU lowers:
+  floor(v)       -> truncation through int32 (exact for |v| < 2**30, the only range where it is used)
+  isfinite(v)    -> |v| < inf (false for NaN)
+  clip(v)        -> two selects, so NaN stays NaN (the reference's clip propagates NaN)
+  Inf -> e4m3    -> NaN with Inf's sign before the cast (XLA casts Inf to e4m3fn NaN; satfinite would give 448)
+  Inf -> e5m2    -> the e5m2 code is the high byte of the float16 value (exact for values on e5m2's grid, Inf and
+                    NaN), written as uint8 and bitcast outside the kernel
+  NaN -> int8    -> code 0 (XLA's cast; LLVM's fptosi of NaN is undefined)
+
+Register layout: WGMMA (Mosaic GPU's 64x8 core-matrix layout, 2-element vectors along columns) for every (128, 128)
+array. Under the CPU interpreter the kernel's XLA ops equal the reference bit for bit; compiled on a GPU they are
+the same IEEE operations (no multiply-add that could be contracted into an FMA differently from XLA's), except that
+NaN payload/sign bits may differ (both NaN).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from qjax import formats, stochastic
+
+TILE = 128  # a tile is TILE x TILE elements; TMA boxes allow at most 256 per dimension
+LAYOUT = plgpu.Layout.WGMMA
+_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_TARGETS = ("bf16", "e4m3", "e5m2", "int8")
+
+
+# ------------------------------------------------------------------ kernel-safe math (also used by quantize_mgpu)
+
+
+def is_finite(v):
+    """jnp.isfinite for f32 arrays, with ops Mosaic GPU lowers (NaN compares false)."""
+    return jnp.abs(v) < jnp.float32(jnp.inf)
+
+
+def clamp(v, bound: float):
+    """jnp.clip(v, -bound, bound) that keeps NaN (as XLA's clip does)."""
+    bound = jnp.float32(bound)
+    return jnp.where(v > bound, bound, jnp.where(v < -bound, -bound, v))
+
+
+def _floor(v):
+    """floor for f32 with |v| < 2**30 (other values, NaN included, give 0: callers select those away)."""
+    safe = jnp.where(jnp.abs(v) < jnp.float32(2.0**30), v, jnp.float32(0))
+    truncated = safe.astype(jnp.int32).astype(jnp.float32)  # rounds toward zero
+    return jnp.where(truncated > safe, truncated - jnp.float32(1), truncated)
+
+
+def _copysign(magnitude, sign_source):
+    """copysign for a non-negative f32 magnitude: its bits with the sign bit of sign_source."""
+    sign = lax.bitcast_convert_type(sign_source, jnp.uint32) & jnp.uint32(0x80000000)
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(magnitude, jnp.uint32) | sign, jnp.float32)
+
+
+def round_to_grid(y, fmt: formats.Format, bits):
+    """`stochastic.round_to_grid` (same operations in the same order) for a kernel: f32 y, uint32 bits -> f32."""
+    y = jnp.where(is_finite(y), clamp(y, fmt.max_value), y)
+    uniform = stochastic.uniform_from_bits(bits)
+    if fmt.is_integer:
+        # floor(y + u) then the cast's clip to +-127: clamping y + u to [-128, 128] first maps +-Inf to the same
+        # final code as the reference (floor(+-Inf) clipped) and keeps the truncation in range.
+        return clamp(_floor(clamp(y + uniform, 128.0)), fmt.max_value)
+    if fmt.name == "bf16":
+        y_bits = lax.bitcast_convert_type(y, jnp.uint32)
+        rounded = lax.bitcast_convert_type((y_bits + (bits & jnp.uint32(0xFFFF))) & jnp.uint32(0xFFFF0000),
+                                           jnp.float32)
+        return jnp.where(is_finite(y), rounded, y)
+    magnitude = jnp.abs(y)
+    exponent = (lax.bitcast_convert_type(magnitude, jnp.int32) >> 23) - 127
+    ulp_exponent = jnp.maximum(exponent, fmt.min_exponent) - fmt.mantissa_bits
+    ulp = lax.bitcast_convert_type((ulp_exponent + 127) << 23, jnp.float32)
+    rounded = _floor(magnitude / ulp + uniform) * ulp  # magnitude / ulp <= 2**(mantissa_bits + 1): in range
+    return jnp.where(is_finite(y), _copysign(rounded, y), y)
+
+
+def cast_codes(y, fmt: formats.Format, *, may_be_inf: bool):
+    """`formats.saturating_cast` for a kernel: f32 y (integers for int8) -> fmt's storage dtype, or uint8 holding
+    e5m2 bits when may_be_inf (see module docstring; the caller bitcasts). NaN gives NaN (0 for int8)."""
+    if fmt.is_integer:
+        # Values are integers within +-127 already, or NaN.
+        return jnp.where(y == y, clamp(y, fmt.max_value), jnp.float32(0)).astype(jnp.int8)
+    if fmt.name == "bf16":
+        return y.astype(jnp.bfloat16)  # y is on the bf16 grid (or +-Inf / NaN): exact
+    clamped = clamp(y, fmt.max_value)  # +-Inf clamps too; restored below where the format has Inf
+    if not may_be_inf:
+        return clamped.astype(fmt.dtype)
+    if fmt.name == "e4m3":
+        sign = lax.bitcast_convert_type(y, jnp.uint32) & jnp.uint32(0x80000000)
+        signed_nan = lax.bitcast_convert_type(sign | jnp.uint32(0x7FC00000), jnp.float32)  # e4m3fn has no Inf
+        return jnp.where(jnp.abs(y) == jnp.float32(jnp.inf), signed_nan, clamped).astype(fmt.dtype)
+    # e5m2: on-grid values and +-Inf are exact in float16, and e5m2 is float16's high byte. NaN gets XLA's code
+    # (quiet NaN 0x7E with the sign), as float16 NaN payloads vary by backend.
+    finite_or_inf = jnp.where(jnp.abs(y) == jnp.float32(jnp.inf), y, clamped)
+    half_bits = lax.bitcast_convert_type(finite_or_inf.astype(jnp.float16), jnp.uint16)
+    sign = lax.bitcast_convert_type(y, jnp.uint32) >> jnp.uint32(24) & jnp.uint32(0x80)
+    nan_code = (sign | jnp.uint32(0x7E)).astype(jnp.uint16)
+    return jnp.where(y == y, half_bits >> jnp.uint16(8), nan_code).astype(jnp.uint8)
+
+
+# ------------------------------------------------------------------------------------------------------ kernel
+
+
+def on_hopper_gpu() -> bool:
+    """Whether the default device is an NVIDIA Hopper GPU (H100 / H200, compute capability 9.x)."""
+    from qjax.optim.fused_adam import on_hopper_gpu as _on_hopper
+    return _on_hopper()
+
+
+def resolve_interpret(interpret):
+    """None / False -> compiled Mosaic GPU; True -> the CPU interpreter's default params; params pass through."""
+    if interpret is True:
+        return plgpu.InterpretGPUParams()
+    if interpret is False:
+        return None
+    return interpret
+
+
+@functools.partial(jax.jit, static_argnames=("target", "interpret"))
+def _cast_call(x2, seed, *, target, interpret):
+    n_rows = x2.shape[0]
+    fmt = formats.get_format(target)
+    writes_bits = target == "e5m2"
+    out_dtype = jnp.uint8 if writes_bits else fmt.dtype
+
+    def body(seed_ref, x_ref, out_ref, x_smem, out_smem, barrier):
+        rows = pl.ds(lax.axis_index("tile") * TILE, TILE)
+        plgpu.copy_gmem_to_smem(x_ref.at[rows], x_smem, barrier.at[0])
+        plgpu.barrier_wait(barrier.at[0])
+        x = plgpu.load(x_smem, layout=LAYOUT).astype(jnp.float32)
+        first_row = (lax.axis_index("tile") * TILE).astype(jnp.uint32)
+        row = plgpu.broadcasted_iota(jnp.uint32, (TILE, TILE), 0, layout=LAYOUT) + first_row
+        col = plgpu.broadcasted_iota(jnp.uint32, (TILE, TILE), 1, layout=LAYOUT)
+        bits = stochastic.hash_uint32(seed_ref[0], row * jnp.uint32(TILE) + col)  # row-major flat index
+        out_smem[...] = cast_codes(round_to_grid(x, fmt, bits), fmt, may_be_inf=True)
+        plgpu.commit_smem()  # make the register -> SMEM stores visible to the TMA engine
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    scratch = (plgpu.SMEM((TILE, TILE), x2.dtype), plgpu.SMEM((TILE, TILE), out_dtype), plgpu.Barrier(num_barriers=1))
+    out = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((n_rows, TILE), out_dtype), scratch_types=scratch,
+                       grid=(n_rows // TILE,), grid_names=("tile",), interpret=interpret)(seed, x2)
+    # fp8 results leave as uint8 bits: XLA:CPU may rewrite NaN bits when it slices or reshapes fp8 arrays.
+    return lax.bitcast_convert_type(out, jnp.uint8) if fmt.dtype.itemsize == 1 else out
+
+
+def stochastic_cast(x: jax.Array, dtype, seed: jax.Array, *, interpret=False) -> jax.Array:
+    """Stochastically rounds x to `dtype`: the kernel form of `stochastic.stochastic_round_with_seed`.
+
+    Args:
+      x: float32 / bfloat16 / float16 array of any shape (upcast to float32 first, as the reference does).
+      dtype: jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2 or jnp.int8 (or the names "bf16", "e4m3", ...).
+      seed: uint32 scalar (e.g. `stochastic.key_to_seed(key)`).
+      interpret: False / None run the compiled kernel (needs a Hopper GPU); True or a `plgpu.InterpretGPUParams`
+        run it under the Mosaic GPU interpreter (CPU, slow: tests).
+
+    Returns:
+      Array of x's shape and `dtype`, equal bit for bit to `stochastic_round_with_seed(x, dtype, seed)` (NaN
+      payload and sign bits excepted when compiled).
+    """
+    fmt = formats.get_format(dtype)
+    x = jnp.asarray(x)
+    if jnp.dtype(x.dtype) not in _INPUT_DTYPES:
+        raise TypeError(f"stochastic_cast needs a float32, bfloat16 or float16 array, got {x.dtype}")
+    seed = jnp.asarray(seed)
+    if seed.shape != () or seed.dtype != jnp.uint32:
+        raise TypeError(f"seed must be a uint32 scalar (stochastic.key_to_seed(key)), got {seed.dtype}{seed.shape}")
+    if x.size == 0:
+        return jnp.zeros(x.shape, fmt.dtype)
+    # Flat index i sits at row i // 128, column i % 128, so the kernel's row-major index is the reference's; zero
+    # padding at the end only adds elements that are sliced off.
+    tile_elements = TILE * TILE
+    padded = -x.size % tile_elements
+    flat = x.reshape(-1)
+    if padded:
+        flat = jnp.pad(flat, (0, padded))
+    out = _cast_call(flat.reshape(-1, TILE), seed.reshape(1), target=fmt.name, interpret=resolve_interpret(interpret))
+    out = out.reshape(-1)
+    out = (out[:x.size] if padded else out).reshape(x.shape)
+    return lax.bitcast_convert_type(out, fmt.dtype) if out.dtype != fmt.dtype else out

@@ -1,0 +1,184 @@
+"""The fused quantize kernels (qjax.kernels.quantize_mgpu) against the jnp reference `quantize_with_seed`.
+
+Off a Hopper GPU the kernels run under the Mosaic GPU interpreter (slow: small shapes, each case covers two
+granularities, one per layout) and must equal the jitted reference bit for bit: codes as raw bytes, scales as f32
+bits. On a GPU (marked tests, real sizes) the compiled kernels are compared with XLA:GPU's reference: codes and
+scales exact, except that fp8 NaN codes only need to be NaN on both sides (NaN sign/payload bits are backend
+choices). The `lowers_for_hopper` tests run the Mosaic GPU lowering (layouts, SMEM transfers, TMA descriptors) for
+an sm_90 target on the CPU; they cannot run ptxas or the kernel.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qjax import formats
+from qjax.kernels import quantize_mgpu
+from qjax.kernels.stochastic_cast_mgpu import on_hopper_gpu
+from qjax.quantize import QuantSpec, quantize_with_seed
+
+ROW_SEED, COL_SEED = np.uint32(0x1234567), np.uint32(4242)
+interpreter_only = pytest.mark.skipif(on_hopper_gpu(), reason="CPU interpreter tests (GPU: the gpu tests)")
+
+# Ties at scale 1 (the block holding them also holds the format's max): half-even must pick the even neighbour.
+_TIES = {"int8": [0.5, 1.5, 2.5, -2.5, -0.5, 126.5], "e4m3": [17.0, 19.0, -21.0, 304.0, 0.5 + 2**-5, -9.0],
+         "e5m2": [4.5, 5.5, -6.5, 0.875, 40960.0, -1.25]}
+
+
+def _input(shape, dtype, fmt_name, specials, seed=0):
+    """Normal values spread over decades, ties at scale 1 in row 1 and column 2 (with the format's max in the
+    same row / column block), a zero block, and optionally NaN / +-Inf in separate blocks."""
+    m, k = shape
+    key_n, key_e = jax.random.split(jax.random.key(seed))
+    x = np.array(jax.random.normal(key_n, shape) * 10.0 ** jax.random.uniform(key_e, shape, minval=-3, maxval=1))
+    top = formats.get_format(fmt_name).max_value
+    ties = _TIES[fmt_name]
+    x[1, 0], x[1, 3:3 + len(ties)] = top, ties
+    x[0, 2], x[3:3 + len(ties), 2] = -top, ties
+    x[m // 2:, k - 128:] = 0  # all-zero 1x128 blocks (and an all-zero 128x128 tile when M >= 256)
+    if specials:
+        x[3, 5] = np.nan
+        x[m // 2 - 1, 130] = np.inf
+        x[m - 1, 7] = -np.inf
+    return jnp.asarray(x, dtype)
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def assert_same_qtensor(got, want, compiled):
+    """Codes and scales equal bit for bit (compiled on a GPU: fp8 NaN codes need only be NaN on both sides)."""
+    assert got.granularity == want.granularity
+    assert got.data.shape == want.data.shape and got.data.dtype == want.data.dtype
+    assert got.scale.shape == want.scale.shape and got.scale.dtype == jnp.float32
+    np.testing.assert_array_equal(_bits(got.scale), _bits(want.scale))
+    codes, codes_ref = _bits(got.data), _bits(want.data)
+    if compiled and jnp.issubdtype(want.data.dtype, jnp.floating):
+        nan, nan_ref = np.isnan(np.asarray(got.data, np.float32)), np.isnan(np.asarray(want.data, np.float32))
+        np.testing.assert_array_equal(nan, nan_ref)
+        codes, codes_ref = codes[~nan_ref], codes_ref[~nan_ref]
+    differ = int(np.sum(codes != codes_ref))
+    assert differ == 0, f"{differ} of {codes.size} codes differ ({want.data.dtype}, {want.granularity})"
+
+
+def _check_pair(x, row_spec, col_spec):
+    compiled = on_hopper_gpu()
+    interpret = None if compiled else True
+    if col_spec is None:
+        got_row, got_col = quantize_mgpu.quantize_kernel(x, row_spec, ROW_SEED, interpret=interpret), None
+    else:
+        got_row, got_col = quantize_mgpu.quantize_pair(x, row_spec, col_spec, ROW_SEED, COL_SEED, interpret=interpret)
+    want_row = jax.jit(lambda x: quantize_with_seed(x, row_spec, ROW_SEED))(x)
+    assert_same_qtensor(got_row, want_row, compiled)
+    if col_spec is None:
+        return got_row, None
+    want_col = jax.jit(lambda x: quantize_with_seed(x.T, col_spec, COL_SEED))(x)
+    assert_same_qtensor(got_col, want_col, compiled)
+    return got_row, got_col
+
+
+# Each case: (x shape, x dtype, row spec, col spec, NaN/Inf in x). Together: every format x granularity; every
+# granularity and every format both nearest and stochastic; pow2 scales; mixed formats; the three input dtypes;
+# both layouts' SR indices at a shape with several tiles along M and K; one single-layout call (col spec None).
+S = lambda dtype, granularity, sr=False, pow2=False: QuantSpec(dtype, granularity, stochastic=sr, pow2_scale=pow2)
+CASES = [
+    ((256, 384), jnp.bfloat16, S("int8", "1x128"), S("e4m3", "128x128", sr=True), True),
+    ((128, 256), jnp.bfloat16, S("e5m2", "row", sr=True), S("int8", "tensor", pow2=True), True),
+    ((128, 256), jnp.float32, S("e4m3", "1x128", sr=True), S("e5m2", "128x128", pow2=True), True),
+    ((256, 384), jnp.float16, S("int8", "128x128", sr=True), S("e4m3", "row", pow2=True), True),
+    ((128, 256), jnp.bfloat16, S("int8", "row"), S("e5m2", "1x128", sr=True), False),
+    ((128, 256), jnp.bfloat16, S("e4m3", "tensor", sr=True), S("e5m2", "tensor"), False),
+    ((128, 256), jnp.bfloat16, S("e4m3", "row", sr=True, pow2=True), None, False),
+]
+
+
+def _zero_blocks(x_layout, granularity):
+    """Mask of the all-zero blocks of an (R, K) array for a block granularity, in the scale's shape."""
+    r, k = x_layout.shape
+    block_r = 1 if granularity == "1x128" else 128
+    return ~np.asarray(x_layout != 0).reshape(r // block_r, block_r, k // 128, 128).any(axis=(1, 3))
+
+
+@interpreter_only
+@pytest.mark.parametrize("shape,dtype,row_spec,col_spec,specials", CASES)
+def test_pair_matches_reference(shape, dtype, row_spec, col_spec, specials):
+    x = _input(shape, dtype, row_spec.dtype, specials)
+    got_row, got_col = _check_pair(x, row_spec, col_spec)
+    for got, spec, transposed in ((got_row, row_spec, False), (got_col, col_spec, True)):
+        layout = x.T if transposed else x
+        if spec is None:
+            continue
+        scale = np.asarray(got.scale)
+        assert np.isinf(scale).any() == specials  # a block holding NaN or Inf gets an Inf scale
+        if spec.granularity in ("1x128", "128x128"):
+            zero = _zero_blocks(layout, spec.granularity)
+            assert np.all(scale[zero] == 1) and np.all(np.asarray(got.data, np.float32)[np.repeat(np.repeat(
+                zero, layout.shape[0] // zero.shape[0], 0), 128, 1)] == 0)
+            assert zero.any() or transposed or shape[0] < 256  # the input has zero blocks on the row side
+        if spec.pow2_scale:
+            finite = scale[np.isfinite(scale)]
+            np.testing.assert_array_equal(np.frexp(finite)[0], 0.5)
+
+
+def test_amax_pair_is_the_row_and_column_amax():
+    x = _input((128, 256), jnp.bfloat16, "e4m3", specials=True)
+    row_amax, col_amax = quantize_mgpu.amax_pair(x, interpret=None if on_hopper_gpu() else True)
+    magnitude = jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(row_amax), np.asarray(magnitude.max(axis=1)))
+    np.testing.assert_array_equal(np.asarray(col_amax), np.asarray(magnitude.max(axis=0)))
+    assert np.isinf(row_amax[3]) and np.isinf(col_amax[5])  # the NaN row and column
+
+
+def test_supports_and_errors():
+    spec = S("int8", "row")
+    ok = jnp.zeros((256, 128), jnp.bfloat16)
+    assert quantize_mgpu.supports(ok, spec, spec) is None
+    assert quantize_mgpu.supports(ok, spec, None) is None
+    assert "multiples of 128" in quantize_mgpu.supports(jnp.zeros((200, 128)), spec, spec)
+    assert "multiples of 128" in quantize_mgpu.supports(jnp.zeros((256, 64)), spec, None)
+    assert "2-D" in quantize_mgpu.supports(jnp.zeros((2, 128, 128)), spec, spec)
+    assert "float32, bfloat16 or float16" in quantize_mgpu.supports(jnp.zeros((128, 128), jnp.int8), spec, spec)
+    assert "QuantSpec" in quantize_mgpu.supports(ok, "int8", spec)
+    assert "row_spec is required" in quantize_mgpu.supports(ok, None, spec)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        quantize_mgpu.quantize_pair(jnp.zeros((200, 128)), spec, spec, interpret=True)
+    with pytest.raises(ValueError, match="seed"):
+        quantize_mgpu.quantize_pair(ok, S("int8", "row", sr=True), None, None, interpret=True)
+
+
+def test_lowers_for_hopper():
+    """The Mosaic GPU lowering (register layouts, transposed SMEM loads, TMA) succeeds for sm_90, on any host."""
+    for dtype, row_spec, col_spec in ((jnp.bfloat16, S("e4m3", "128x128", sr=True, pow2=True), S("int8", "row", sr=True)),
+                                      (jnp.float32, S("int8", "1x128"), S("e5m2", "tensor"))):
+        f = lambda x: quantize_mgpu.quantize_pair(x, row_spec, col_spec, ROW_SEED, COL_SEED)
+        lowered = jax.jit(f).trace(jnp.zeros((256, 384), dtype)).lower(lowering_platforms=("cuda",))
+        assert lowered.as_text().count("mosaic_gpu") >= 2  # the amax kernel and the tile kernel
+
+
+# ---------------------------------------------------------------- GPU (H100/H200): compiled kernels vs XLA:GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row_spec,col_spec", [
+    (S("int8", "row"), S("int8", "row")),  # int8_rowwise: fwd lhs x and wgrad rhs x
+    (S("int8", "row", sr=True), S("int8", "row", sr=True)),
+    (S("e4m3", "1x128"), S("e4m3", "1x128")),  # fp8_blockwise: x 1x128 and 128x1
+    (S("e4m3", "row", pow2=True), S("e4m3", "row", sr=True, pow2=True)),
+    (S("e4m3", "tensor"), S("e4m3", "tensor", sr=True)),
+    (S("int8", "128x128", sr=True), S("e5m2", "1x128", sr=True)),
+])
+def test_gpu_pair_matches_reference(row_spec, col_spec):
+    assert on_hopper_gpu(), jax.devices()
+    x = _input((16384, 4096), jnp.bfloat16, row_spec.dtype, specials=False, seed=1)
+    _check_pair(x, row_spec, col_spec)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_gpu_specials_and_input_dtypes(dtype):
+    x = _input((2048, 1536), dtype, "e4m3", specials=True, seed=2)
+    _check_pair(x, S("e4m3", "1x128", sr=True), S("e4m3", "128x128", pow2=True))
+    _check_pair(x, S("int8", "row"), S("int8", "tensor", sr=True))
