@@ -104,17 +104,13 @@ def peer_table(rows, peer, shapes):
 
 
 def run_peer(args, m, shapes, reps):
-    """torch/torchao numbers for the recipes in PEERS that ran, or None (with a printed reason)."""
+    """The torch peer's result dict for the PEERS variants of the recipes that ran ("error" set if it failed)."""
     variants = [PEERS[name] for name in PEERS if name == "bf16" or not args.recipes or name in args.recipes]
     print(f"\ntorch/torchao peer ({', '.join(variants)}) in a subprocess...", flush=True)
     peer = run_torch_peer("linear", python=args.peer_python, m=m, shapes=[f"{k}x{n}" for k, n in shapes],
                           variants=variants, reps=reps, warmup=args.warmup, compile=args.peer_compile)
     if "error" in peer:
-        message = f"torch peer not measured: {peer['error']}"
-        if args.peer:  # asked for explicitly: the JAX table is kept, but the run fails loudly
-            raise SystemExit(message)
-        print(message + " (pass --no-peer to skip it)")
-        return None
+        print(f"torch peer not measured: {peer['error']}" + ("" if args.peer else " (--no-peer skips it)"))
     return peer
 
 
@@ -141,13 +137,15 @@ def main():
     rows = run(m, shapes, reps, args.warmup, args.recipes)
     report = table(rows, m, shapes)
     print("\n" + report)
-    peer = run_peer(args, m, shapes, reps) if args.peer is not False else None
-    if peer:
+    peer = run_peer(args, m, shapes, reps) if args.peer is not False else {}
+    if peer and "error" not in peer:
         side_by_side = peer_table(rows, peer, shapes)
         print("\n" + side_by_side)
         report += "\nqjax vs torch.compile + torchao, each against its own bf16:\n\n" + side_by_side
     if not args.no_append:
         append_results("linear fwd+bwd", report)
+    if args.peer and "error" in peer:  # asked for explicitly: keep the JAX table, then fail loudly
+        raise SystemExit(f"torch peer failed: {peer['error']}")
 
 
 if __name__ == "__main__":

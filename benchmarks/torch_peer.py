@@ -201,7 +201,7 @@ def bench_linear(args, torch, device):
 
 
 def bench_llama(args, torch, device):
-    """{variant: {"tokens_per_s", "step_ms", "peak_mem_gb", "loss_first", "loss_last"}} for HF Llama training."""
+    """{variant: {"tokens_per_s", "step_ms", "peak_mem_gb", "loss_first", "loss_last", "model_tflops"}}."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=args.ffn,
@@ -240,8 +240,10 @@ def bench_llama(args, torch, device):
             if not (first == first and last == last) or last > first + 1.0:  # NaN, or training diverged
                 raise RuntimeError(f"loss went from {first} to {last}")
             tokens_per_s = args.batch * args.seq / ms * 1e3
+            # Model FLOPs per token (PaLM, appendix B): 6 x non-embedding params + 12 x layers x dim x seq.
+            flops_per_token = 6 * (n_params - args.vocab * args.dim) + 12 * args.layers * args.dim * args.seq
             results[variant] = dict(tokens_per_s=tokens_per_s, step_ms=ms, peak_mem_gb=peak, loss_first=first,
-                                    loss_last=last)
+                                    loss_last=last, model_tflops=tokens_per_s * flops_per_token / 1e12)
             _log(f"  {variant:22s} {tokens_per_s:12,.0f} tok/s  {ms:9.2f} ms/step  peak "
                  + (f"{peak:.1f} GB" if peak else "n/a") + f"  loss {first:.3f} -> {last:.3f}")
         except Exception as e:
