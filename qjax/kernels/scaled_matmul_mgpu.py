@@ -46,7 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from qjax.quantize import QTensor
 
 _SMEM_BYTES = 232_448  # shared memory per block on H100/H200
-_SMEM_MARGIN = 4096  # barriers, alignment padding of the allocator
+_SMEM_MARGIN = 1024  # barriers and allocator alignment: measured 100-1100 bytes over `smem_bytes`
 _INT32_SAFE_K = (2**31 - 1) // 127**2  # longest K whose int32 sum of int8 products cannot overflow
 _BLOCK_K = 128  # K per block scale ("1x128", "128x128")
 _EPI_TILE_M = 64
@@ -71,8 +71,6 @@ class TuningConfig:
       tile_k: K per pipeline step: 64, 128 or 256 (128 bytes of 8-bit codes = one 128B swizzle row); 128 in
         promoting modes (one promotion per step).
       max_concurrent_steps: pipeline stages (SMEM buffers per operand).
-      delay_release: row mode without promotion: wgmma groups left in flight across steps (0 or 1); an SMEM stage is
-        released that many steps later.
       grid_minor_dim: 0 or 1, output tiles are visited in stripes along this dim (`plgpu.planar_snake`) for L2 reuse.
       grid_tile_width: stripe width in tiles.
       num_ctas: persistent grid size; None = number of SMs on a GPU, 2 under the interpreter.
@@ -82,7 +80,6 @@ class TuningConfig:
     tile_n: int = 128
     tile_k: int = 128
     max_concurrent_steps: int = 4
-    delay_release: int = 1
     grid_minor_dim: int = 1
     grid_tile_width: int = 8
     num_ctas: int | None = None
@@ -96,8 +93,6 @@ class TuningConfig:
             raise ValueError(f"tile_k must be 64, 128 or 256, got {self.tile_k}")
         if self.max_concurrent_steps < 2:
             raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
-        if self.delay_release not in (0, 1):
-            raise ValueError(f"delay_release must be 0 or 1, got {self.delay_release}")
         if self.grid_minor_dim not in (0, 1) or self.grid_tile_width < 1:
             raise ValueError(f"grid_minor_dim must be 0 or 1 and grid_tile_width >= 1, got {self.grid_minor_dim}, "
                              f"{self.grid_tile_width}")
@@ -106,7 +101,7 @@ class TuningConfig:
 # Row mode: 2 x 128 x 128 tiles, one int32/f32 accumulator of 128 registers per thread; 4 stages of 48 KiB.
 ROW_CONFIG = TuningConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4)
 # Promoting modes: the wgmma tile and the f32 sum are both in registers, so 64 x 128 per warpgroup; 5 stages of 33 KiB.
-BLOCK_CONFIG = TuningConfig(tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=5, delay_release=0)
+BLOCK_CONFIG = TuningConfig(tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,17 +239,19 @@ def _kernel(plan: _Plan, *refs):
     epi_n = _EPI_ROW_BYTES // out_dtype.itemsize
     out_transforms = (plgpu.TilingTransform((8, epi_n)), plgpu.SwizzleTransform(_EPI_ROW_BYTES))
     acc_dtype = jnp.int32 if a_gmem.dtype == jnp.int8 else jnp.float32
-    delay_release = 0 if promote else cfg.delay_release
+    # Every step waits for its wgmma before releasing the SMEM stage (the two compute warpgroups keep the tensor cores
+    # busy in turn). Keeping one wgmma in flight (BlockSpec delay_release=1) would race in this persistent loop: the
+    # pipeline never releases the last step's stage, so the next tile's prologue TMA can overwrite it while that
+    # wgmma still reads it.
     row_layout = plgpu.Layout.WGMMA.reduce(1)  # (tile_m,): the rows of the WGMMA accumulator a thread holds
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # (tile_n,): its columns
 
     in_specs = [
-        plgpu.BlockSpec((cta_m, tile_k), lambda k: (0, k), transforms=code_transforms, delay_release=delay_release),
-        plgpu.BlockSpec((tile_n, tile_k), lambda k: (0, k), transforms=code_transforms, delay_release=delay_release),
+        plgpu.BlockSpec((cta_m, tile_k), lambda k: (0, k), transforms=code_transforms),
+        plgpu.BlockSpec((tile_n, tile_k), lambda k: (0, k), transforms=code_transforms),
     ]
     if block_mode:  # one K block's scales per step: a row of the transposed (K/128, rows) scale arrays
-        in_specs += [plgpu.BlockSpec((1, cta_m), lambda k: (k, 0), delay_release=delay_release),
-                     plgpu.BlockSpec((1, tile_n), lambda k: (k, 0), delay_release=delay_release)]
+        in_specs += [plgpu.BlockSpec((1, cta_m), lambda k: (k, 0)), plgpu.BlockSpec((1, tile_n), lambda k: (k, 0))]
 
     def make_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -327,7 +324,7 @@ def _kernel(plan: _Plan, *refs):
 
             def accumulate_body(_, a_smem, b_smem, acc_ref):
                 plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.transpose((1, 0)))
-                plgpu.wgmma_wait(delay_release)
+                plgpu.wgmma_wait(0)
                 return acc_ref
 
             def promote_body(_, a_smem, b_smem, *rest):
