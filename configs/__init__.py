@@ -1,0 +1,4 @@
+"""Training configs for `python train.py --config configs/<name>.py` (ml_collections `get_config()` files).
+
+llama_base.py / vit_base.py hold every field and its default; the other files change only what differs.
+"""

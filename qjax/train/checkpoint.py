@@ -1,0 +1,67 @@
+"""Checkpoints of the whole train state with orbax: params, optimizer state (quantized states too), step, RNG key.
+
+  ckpt = Checkpointer(workdir / "checkpoints", keep=3)
+  state = ckpt.restore_latest(abstract_state) or init()     # None when the directory has no checkpoint
+  ckpt.save(step, state); ...; ckpt.close()
+
+A checkpoint is the `TrainState` pytree as it is (quantized Adam states are plain pytrees of arrays; the RNG key is
+stored as its uint32 key data), one sub-directory per step. Saves are atomic: orbax writes into a temporary
+directory and renames it only once everything is on disk, so a run killed mid-save leaves the previous checkpoint
+as the latest; orbax keeps only the last `keep`. Saving is asynchronous: the arrays are copied to host memory
+before `save` returns (so the next step may donate them) and written in the background.
+"""
+
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+    """Save / restore train states in `directory` (created if missing), keeping the newest `keep` steps."""
+
+    def __init__(self, directory: str | os.PathLike, keep: int):
+        if not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"config.keep_checkpoints must be an int >= 1, got {keep!r}")
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)
+        self.directory = os.path.abspath(os.fspath(directory))
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state) -> None:
+        """Save `state` as checkpoint `step` (asynchronous; see module docstring). Saving a step twice is a no-op."""
+        if step in self._manager.all_steps():
+            return
+        self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
+
+    def restore(self, step: int, abstract_state):
+        """The state saved at `step`, with the structure, dtypes and shardings of `abstract_state`.
+
+        `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with `sharding` set (e.g. from `jax.eval_shape` of
+        the init function); restoring into a different model or optimizer raises orbax's error naming the
+        mismatching entry.
+        """
+        return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+
+    def restore_latest(self, abstract_state):
+        """The newest checkpoint restored into `abstract_state`'s layout, or None if there is none."""
+        step = self.latest_step()
+        return None if step is None else self.restore(step, abstract_state)
+
+    def wait(self) -> None:
+        """Block until background writes are finished."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+def abstract_like(state, sharding) -> object:
+    """`state` (arrays or ShapeDtypeStructs) as ShapeDtypeStructs placed with `sharding` (one for every leaf)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)

@@ -1,0 +1,80 @@
+"""Checks a training config (an ml_collections ConfigDict, see configs/llama_base.py) before anything is built.
+
+Every problem is a `ConfigError` (a ValueError) naming the field, what it holds and how to fix it, so `train.py`
+can print it as one line instead of a traceback. Model shape fields are checked by the model configs themselves
+(`LlamaConfig` / `ViTConfig`) when `qjax.train.task.make_task` builds them.
+"""
+
+import os
+
+import qjax
+from qjax.data import KINDS
+from qjax.models import LLAMA_SIZES, VIT_SIZES
+from qjax.train.optimizer import check_optimizer_config
+
+TASKS = ("lm", "image")
+# Data kinds with local files, and how to make them when they are missing.
+_PREPARE_HINTS = {
+    "tokens": "make them with `python -m qjax.data.prepare shakespeare --out {path}` (or `python -m "
+              "qjax.data.prepare text --out {path} FILE...` for your own text)",
+    "npz": "point config.data.path at an .npz file with 'images' (N, H, W, C) and 'labels' (N,) arrays",
+}
+
+
+class ConfigError(ValueError):
+    """A training config field holds something train() cannot use; the message says which field and the fix."""
+
+
+def _positive_int(config, name: str, minimum: int = 1) -> int:
+    value = config.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"config.{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_config(config) -> None:
+    """Raise ConfigError for the first bad field of a training config (module docstring)."""
+    task = config.get("task")
+    if task not in TASKS:
+        raise ConfigError(f"config.task must be one of {TASKS}, got {task!r}")
+    try:
+        qjax.recipe(config.get("recipe"))
+    except ValueError as e:
+        raise ConfigError(f"config.recipe: {e}") from None
+    sizes = LLAMA_SIZES if task == "lm" else VIT_SIZES
+    size = config.model.get("size")
+    if size not in sizes:
+        raise ConfigError(f"config.model.size {size!r} is not a {'Llama' if task == 'lm' else 'ViT'} preset; valid "
+                          f"sizes: {', '.join(sizes)} (change shapes with config.model.<field>=...)")
+    for name in ("steps", "batch_size", "grad_accum_steps", "log_every", "keep_checkpoints"):
+        _positive_int(config, name)
+    if task == "lm":
+        _positive_int(config, "seq_len")
+    for name in ("eval_every", "eval_batches", "checkpoint_every"):
+        _positive_int(config, name, minimum=0)  # 0 turns it off
+    _positive_int(config, "seed", minimum=0)
+    min_features = config.get("min_features")
+    if min_features is not None:
+        _positive_int(config, "min_features", minimum=0)
+    keep = config.get("keep_high_precision")
+    if keep is not None and (isinstance(keep, str) or not all(isinstance(p, str) for p in keep)):
+        raise ConfigError(f"config.keep_high_precision must be a tuple of regex strings, e.g. ('lm_head',), "
+                          f"got {keep!r}")
+    try:
+        check_optimizer_config(config.optimizer, config.steps)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    check_data_config(config.data)
+
+
+def check_data_config(data) -> None:
+    """The data kind exists and its local files are there (with the command that makes them when not)."""
+    kind = data.get("kind")
+    if kind not in KINDS:
+        raise ConfigError(f"config.data.kind must be one of {sorted(KINDS)}, got {kind!r}")
+    if kind in _PREPARE_HINTS:
+        path = data.get("path")
+        if not path:
+            raise ConfigError(f"config.data.path must name the {kind} data for config.data.kind={kind!r}")
+        if not os.path.exists(path):
+            raise ConfigError(f"config.data.path {path!r} does not exist: " + _PREPARE_HINTS[kind].format(path=path))

@@ -1,0 +1,161 @@
+"""`train(config, workdir)`: the whole run: data, model, optimizer, resume, steps, eval, checkpoints, metrics.
+
+  result = train(config, "runs/llama_int8")    # resumes from runs/llama_int8/checkpoints if a checkpoint is there
+
+Workdir layout: config.json (the config of the latest start), metrics.jsonl (appended), checkpoints/<step>/.
+A run restarted in the same workdir continues from its newest checkpoint and, because batches, RNG keys and the
+LR schedule are pure functions of the step, computes exactly what the uninterrupted run would have (bit for bit on
+the same devices). `stop_at` ends this invocation early at a given step (saving a checkpoint there) without
+changing the run itself: the schedule still ends at `config.steps`.
+"""
+
+import os
+import sys
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from qjax import data as data_lib
+from qjax.models import num_params
+from qjax.train import mesh as mesh_lib
+from qjax.train.checkpoint import Checkpointer, abstract_like
+from qjax.train.config import ConfigError, check_config
+from qjax.train.metrics import ProgressMeter, check_finite
+from qjax.train.step import TrainState, make_eval_step, make_train_step
+from qjax.train.task import make_task
+
+# Eval keys come from the seed and this constant, not from the step key: every eval sees the same "quant" keys.
+_EVAL_KEY_SALT = 0x5EED
+
+
+class TrainResult(NamedTuple):
+    """state: the final TrainState. train_metrics / eval_metrics: the last records written (None if none)."""
+
+    state: TrainState
+    train_metrics: dict | None
+    eval_metrics: dict | None
+
+
+def make_dataset(config):
+    """The dataset of a checked config; data errors become ConfigErrors naming config.data."""
+    seq_len = config.seq_len if config.task == "lm" else None
+    try:
+        return data_lib.make_dataset(config.data, batch_size=config.batch_size, seq_len=seq_len, seed=config.seed)
+    except (TypeError, ValueError, OSError) as e:
+        raise ConfigError(f"config.data: {e}") from None
+
+
+def _task_for(config, dataset):
+    if config.task == "lm":
+        if not hasattr(dataset, "vocab_size"):
+            raise ConfigError(f"config.task='lm' needs token data, but config.data.kind={config.data.kind!r} is "
+                              "image data; use configs/llama_*.py with kind='tokens', or task='image'")
+        return make_task(config, vocab_size=dataset.vocab_size)
+    if not hasattr(dataset, "num_classes"):
+        raise ConfigError(f"config.task='image' needs image data, but config.data.kind={config.data.kind!r} is "
+                          "token data")
+    return make_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape)
+
+
+def _mean_metrics(pending: list[dict]) -> dict:
+    """Averages per-step metrics over a log interval ("lr": the last step's)."""
+    values = jax.device_get(pending)
+    out = {key: float(np.mean([v[key] for v in values])) for key in values[0] if key != "lr"}
+    out["lr"] = float(values[-1]["lr"])
+    return out
+
+
+def evaluate(eval_step, params, batches: list[dict], key_data: jax.Array) -> dict:
+    """Mean of eval_step's metrics over `batches` (all the same size, so a plain mean is the per-example mean)."""
+    results = jax.device_get([eval_step(params, batch, key_data) for batch in batches])
+    return {key: float(np.mean([r[key] for r in results])) for key in results[0]}
+
+
+def _write_config(workdir: str, config) -> None:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2) if hasattr(config, "to_json_best_effort") else str(config))
+
+
+def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainResult:
+    """Trains per `config` in `workdir` (module docstring) and returns the final state and last metrics.
+
+    Args:
+      config: a training ConfigDict (configs/*.py); checked first (ConfigError for a bad field).
+      workdir: directory for checkpoints and metrics; created if missing.
+      stop_at: stop after this global step (None: run to config.steps), e.g. to split a run into pieces.
+      stream: where progress lines go (default stdout).
+
+    Raises:
+      ConfigError: a bad config field or missing data (the message says how to fix it).
+      FloatingPointError: the loss or gradient norm became NaN/Inf (nothing is saved from that point on).
+    """
+    check_config(config)
+    if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
+        raise ValueError(f"stop_at must be a positive int step or None, got {stop_at!r}")
+    stream = sys.stdout if stream is None else stream
+    workdir = os.path.abspath(os.fspath(workdir))
+    os.makedirs(workdir, exist_ok=True)
+
+    mesh = mesh_lib.make_mesh()
+    try:
+        mesh_lib.check_batch_size(config.batch_size, config.grad_accum_steps, mesh)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    dataset = make_dataset(config)
+    task = _task_for(config, dataset)
+    init_state, train_step = make_train_step(config, task, mesh)
+    eval_step = make_eval_step(task, mesh)
+    eval_batches = []
+    if config.eval_every and config.eval_batches:
+        try:
+            eval_batches = dataset.eval_batches(config.eval_batches)
+        except ValueError as e:
+            raise ConfigError(f"config.eval_batches: {e}") from None
+    eval_key = jax.random.key_data(jax.random.fold_in(jax.random.key(config.seed), _EVAL_KEY_SALT))
+
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
+    try:
+        abstract = abstract_like(jax.eval_shape(init_state), mesh_lib.replicated(mesh))
+        state = checkpointer.restore_latest(abstract)
+        resumed = state is not None
+        state = init_state() if state is None else state
+        start = int(state.step)
+        end = config.steps if stop_at is None else min(stop_at, config.steps)
+        _write_config(workdir, config)
+
+        units_per_step = config.batch_size * task.units_per_example
+        meter = ProgressMeter(workdir, config.steps, task.unit, units_per_step, task.flops_per_unit,
+                              mesh.devices.flat, stream)
+        devices = mesh.devices.size
+        print(f"{config.task}: {type(task.model).__name__} {config.model.size} ({num_params(state.params) / 1e6:.2f}M "
+              f"params), recipe {config.recipe}, optimizer {config.optimizer.name}, batch {config.batch_size}"
+              + (f" x seq {config.seq_len}" if config.task == "lm" else "")
+              + f", {devices} {jax.devices()[0].platform} device{'s' * (devices > 1)}; "
+              + (f"resumed at step {start}" if resumed else "from scratch") + f", running to step {end}/{config.steps}",
+              file=stream, flush=True)
+
+        train_record = eval_record = None
+        pending: list[Any] = []
+        for step in range(start, end):
+            state, metrics = train_step(state, dataset.batch(step))
+            done = step + 1
+            pending.append(metrics)
+            if done == start + 1:  # time from here on: the first step includes compilation
+                jax.block_until_ready(metrics)
+                meter.mark(done)
+            if done % config.log_every == 0 or done == end:
+                train_record = meter.train(done, _mean_metrics(pending))
+                pending = []
+                check_finite(done, "loss", train_record["loss"])
+                check_finite(done, "grad_norm", train_record["grad_norm"])
+            if eval_batches and (done % config.eval_every == 0 or done == config.steps):
+                eval_record = meter.eval(done, evaluate(eval_step, state.params, eval_batches, eval_key))
+            if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == end:
+                last = jax.device_get(metrics)
+                check_finite(done, "loss", float(last["loss"]))
+                check_finite(done, "grad_norm", float(last["grad_norm"]))
+                checkpointer.save(done, state)
+    finally:
+        checkpointer.close()
+    return TrainResult(state, train_record, eval_record)

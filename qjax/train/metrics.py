@@ -1,0 +1,140 @@
+"""Progress of a run: one line per log interval on stdout and one JSON object per line in <workdir>/metrics.jsonl.
+
+  step 120/300 | loss 2.4137 | lr 8.1e-04 | 41,230 tok/s | MFU 37.2% | mem 21.3 GiB | ETA 1m12s
+
+MFU = (training FLOPs per token or image, from the model) x throughput / peak dense bf16 FLOP/s of the devices. The
+peak is known only for the GPUs we run on (H100 / H200: 989 TFLOP/s each); elsewhere MFU is left out rather than
+guessed. Memory is the device's `peak_bytes_in_use` where `memory_stats()` reports it (GPUs; not the CPU).
+"""
+
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+
+# Dense bf16 tensor-core peak per device (no sparsity), by a substring of `device.device_kind`.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
+
+
+def peak_flops(device) -> float | None:
+    """Dense bf16 FLOP/s of one `device`, or None for a device we have no number for (CPU, other GPUs)."""
+    kind = getattr(device, "device_kind", "")
+    for name, flops in PEAK_BF16_FLOPS.items():
+        if name in kind:
+            return flops
+    return None
+
+
+def peak_memory_bytes(device) -> int | None:
+    """Peak bytes in use on `device` since start, or None where the backend does not report it."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some backends raise instead of returning None; memory is optional information
+        return None
+    return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else (f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s")
+
+
+def format_progress(record: dict, total_steps: int, unit: str) -> str:
+    """The one-line display of a train record (see `ProgressMeter.train`)."""
+    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4f}"]
+    if "lr" in record:
+        parts.append(f"lr {record['lr']:.2e}")
+    if "throughput" in record:
+        short = {"tokens": "tok", "images": "img"}.get(unit, unit)
+        parts.append(f"{record['throughput']:,.0f} {short}/s")
+    if record.get("mfu") is not None:
+        parts.append(f"MFU {100 * record['mfu']:.1f}%")
+    if record.get("peak_memory_bytes") is not None:
+        parts.append(f"mem {record['peak_memory_bytes'] / 2**30:.1f} GiB")
+    if "eta_s" in record:
+        parts.append(f"ETA {_duration(record['eta_s'])}")
+    return " | ".join(parts)
+
+
+def format_eval(record: dict) -> str:
+    fields = [f"{k[5:]} {v:.4f}" for k, v in record.items() if k.startswith("eval_")]
+    return f"eval @ step {record['step']} | " + " | ".join(fields)
+
+
+class ProgressMeter:
+    """Times the run between log points and writes train / eval records.
+
+    Args:
+      workdir: metrics.jsonl is appended to there (a resumed run continues the same file).
+      total_steps: configured steps of the run (for "step s/N" and the ETA).
+      unit: "tokens" or "images"; units_per_step: how many of them one train step consumes.
+      flops_per_unit: training FLOPs per token / image, or None (then no MFU).
+      devices: the devices the step runs on (peak FLOP/s and memory are summed / maxed over them).
+      stream: where the lines go (stdout by default).
+    """
+
+    def __init__(self, workdir, total_steps: int, unit: str, units_per_step: int, flops_per_unit: float | None,
+                 devices=None, stream=None):
+        self.path = os.path.join(os.fspath(workdir), "metrics.jsonl")
+        self.total_steps = total_steps
+        self.unit = unit
+        self.units_per_step = units_per_step
+        self.flops_per_unit = flops_per_unit
+        self.devices = list(jax.devices() if devices is None else devices)
+        peaks = [peak_flops(d) for d in self.devices]
+        self.peak_flops = None if any(p is None for p in peaks) else sum(peaks)
+        self.stream = sys.stdout if stream is None else stream
+        self._mark_step = None
+        self._mark_time = None
+
+    def mark(self, step: int) -> None:
+        """Start timing from `step` (call after the first step so compilation is not counted as throughput)."""
+        self._mark_step, self._mark_time = step, time.perf_counter()
+
+    def _write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def train(self, step: int, metrics: dict) -> dict:
+        """Record the train metrics of `step` (floats: loss, lr, grad_norm, ...) plus throughput, MFU, memory, ETA.
+
+        `step` counts completed steps. Throughput covers the steps since the last `mark` / `train` call; the
+        caller must have waited for them to finish (fetching the loss does that).
+        """
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}, "time": time.time()}
+        now = time.perf_counter()
+        if self._mark_step is not None and step > self._mark_step:
+            seconds_per_step = (now - self._mark_time) / (step - self._mark_step)
+            record["throughput"] = self.units_per_step / seconds_per_step
+            record["seconds_per_step"] = seconds_per_step
+            record["eta_s"] = seconds_per_step * max(self.total_steps - step, 0)
+            if self.flops_per_unit is not None and self.peak_flops is not None:
+                record["mfu"] = self.flops_per_unit * record["throughput"] / self.peak_flops
+        memory = [m for m in (peak_memory_bytes(d) for d in self.devices) if m is not None]
+        if memory:
+            record["peak_memory_bytes"] = max(memory)
+        self._mark_step, self._mark_time = step, now
+        self._write(record)
+        print(format_progress(record, self.total_steps, self.unit), file=self.stream, flush=True)
+        return record
+
+    def eval(self, step: int, metrics: dict) -> dict:
+        """Record eval metrics (keys get an "eval_" prefix) of the params after `step` steps."""
+        record = {"step": step, **{f"eval_{k}": float(v) for k, v in metrics.items()}, "time": time.time()}
+        self._write(record)
+        print(format_eval(record), file=self.stream, flush=True)
+        return record
+
+
+def check_finite(step: int, name: str, value: float) -> None:
+    """Stop the run when a loss turns NaN/Inf: a diverged run is reported, never silently continued or saved."""
+    if not math.isfinite(value):
+        raise FloatingPointError(
+            f"{name} is {value} at step {step}: training diverged. Restart from the last checkpoint with a lower "
+            "config.optimizer.lr, a longer warmup, grad clipping (config.optimizer.grad_clip) or a less aggressive "
+            "recipe.")

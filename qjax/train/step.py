@@ -1,0 +1,125 @@
+"""The train state and the jitted train / eval steps.
+
+  init_state, train_step = make_train_step(config)            # task from config.model; data-free (benchmarks)
+  state = init_state()                                        # TrainState, replicated on the mesh
+  state, metrics = train_step(state, batch)                   # batch: dict of (batch_size, ...) arrays
+
+One train step = one optimizer update on `config.batch_size` examples. With `grad_accum_steps` = A > 1 the batch is
+cut into A micro-batches of batch_size / A examples whose gradients are averaged inside the same jitted call
+(`lax.scan`, float32 sums): memory of one micro-batch, the step count and LR schedule unchanged, and no
+accumulator in the optimizer state (so nothing extra in checkpoints). Micro-batch i takes examples i, i + A, i + 2A,
+... so that every micro-batch stays split evenly over the "data" devices without moving data between them.
+
+Randomness is a pure function of the state: the "quant" key of step s, micro-batch i is
+fold_in(fold_in(run_key, s), i), so a resumed run replays exactly the keys of an uninterrupted one.
+The state is donated: the step updates params and optimizer state in place.
+"""
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from qjax.train import mesh as mesh_lib
+from qjax.train.optimizer import make_optimizer
+from qjax.train.task import Task, make_task
+
+
+class TrainState(NamedTuple):
+    """Everything a checkpoint holds.
+
+    step: int32 (), completed train steps. params: the model's params. opt_state: the optax state (quantized Adam
+    states included). key: uint32 key data of the run's RNG key (`jax.random.key_data`), so orbax can save it.
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    key: jax.Array
+
+
+def _split_micro_batches(batch: dict, accum: int) -> dict:
+    """(B, ...) -> (A, B / A, ...), micro-batch i holding examples i, i + A, ... (module docstring)."""
+    def split(x):
+        return jnp.swapaxes(x.reshape((x.shape[0] // accum, accum) + x.shape[1:]), 0, 1)
+    return jax.tree.map(split, batch)
+
+
+def _loss_and_grads(task: Task, params, batch: dict, key: jax.Array, accum: int, mesh):
+    """Mean loss, aux metrics and gradients (params' dtypes) over `batch`, in `accum` micro-batches."""
+    grad_fn = jax.value_and_grad(task.loss, has_aux=True)
+    if accum == 1:
+        (loss, aux), grads = grad_fn(params, batch, jax.random.fold_in(key, 0))
+        return loss, aux, grads
+
+    micro = _split_micro_batches(batch, accum)
+
+    def body(carry, inputs):
+        index, micro_batch = inputs
+        micro_batch = jax.lax.with_sharding_constraint(micro_batch, mesh_lib.batch_sharding(mesh))
+        (loss, aux), grads = grad_fn(params, micro_batch, jax.random.fold_in(key, index))
+        sums = (loss, aux, jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+        return jax.tree.map(jnp.add, carry, sums), None
+
+    # Zeros shaped like one micro-step's outputs (float32 throughout: sums of bf16 grads would lose bits).
+    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), key)
+    (loss_shape, aux_shape), grad_shape = shapes
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (loss_shape, aux_shape, grad_shape))
+    (loss, aux, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
+    scale = 1.0 / accum
+    grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), grads, params)
+    return loss * scale, jax.tree.map(lambda a: a * scale, aux), grads
+
+
+def make_train_step(config, task: Task | None = None, mesh=None) -> tuple[Callable, Callable]:
+    """(init_state, train_step) for a training config, both jitted with the mesh's shardings.
+
+    Args:
+      config: a checked training config (see configs/llama_base.py): optimizer, steps, batch_size,
+        grad_accum_steps, seed; `task` defaults to `make_task(config)` (the preset's vocab / classes).
+      task: the model and loss (`qjax.train.task`).
+      mesh: a mesh with a "data" axis (default: all devices).
+
+    Returns:
+      init_state() -> TrainState, params from `config.seed`, replicated.
+      train_step(state, batch) -> (state, metrics): batch a dict of arrays with leading dim config.batch_size
+        (numpy arrays are put on the mesh split over "data"); `state` is donated. metrics: float32 () arrays
+        "loss" (mean over the batch), "grad_norm" (global norm before clipping), "lr" (this step's), plus the
+        task's aux metrics ("accuracy" for images).
+    """
+    task = make_task(config) if task is None else task
+    mesh = mesh_lib.make_mesh() if mesh is None else mesh
+    accum = config.grad_accum_steps
+    mesh_lib.check_batch_size(config.batch_size, accum, mesh)
+    tx, schedule = make_optimizer(config.optimizer, config.steps)
+    replicated, batch_sharding = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)
+
+    def init_state() -> TrainState:
+        init_key, run_key = jax.random.split(jax.random.key(config.seed))
+        params = task.init(init_key)
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), jax.random.key_data(run_key))
+
+    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
+        loss, aux, grads = _loss_and_grads(task, state.params, batch, step_key, accum, mesh)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step), **aux}
+        return TrainState(state.step + 1, params, opt_state, state.key), metrics
+
+    init_jit = jax.jit(init_state, out_shardings=replicated)
+    step_jit = jax.jit(train_step, in_shardings=(replicated, batch_sharding), out_shardings=(replicated, replicated),
+                       donate_argnums=0)
+    return init_jit, step_jit
+
+
+def make_eval_step(task: Task, mesh) -> Callable:
+    """eval_step(params, batch, key) -> {"loss", plus aux}: float32 () means over the batch, jitted, no grads."""
+    replicated, batch_sharding = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)
+
+    def eval_step(params, batch, key):
+        loss, aux = task.loss(params, batch, jax.random.wrap_key_data(key))
+        return {"loss": loss, **aux}
+
+    return jax.jit(eval_step, in_shardings=(replicated, batch_sharding, replicated), out_shardings=replicated)

@@ -1,0 +1,108 @@
+"""What is trained: the model built from a config, its loss on a batch, and how its work is counted.
+
+  task = make_task(config, vocab_size=dataset.vocab_size)          # "lm": Llama on {"inputs", "targets"}
+  task = make_task(config, num_classes=10, image_shape=(8, 8, 1))  # "image": ViT on {"images", "labels"}
+  loss, aux = task.loss(params, batch, key)                        # float32 scalar, {"accuracy": ...} for images
+
+The model config is the `config.model.size` preset with every non-None `config.model.<field>` replacing that field,
+plus the run-level `recipe`, `keep_high_precision` and `min_features`, plus what the data dictates (vocab size,
+number of classes, image shape; omitted -> the preset's, which is how benchmarks run a model on random inputs).
+"""
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from qjax import models
+from qjax.train.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """A model and its training objective.
+
+    Attributes:
+      kind: "lm" or "image".
+      model_config: the `LlamaConfig` / `ViTConfig` the model was built from.
+      model: the Flax module.
+      unit: what throughput counts, "tokens" or "images"; units_per_example: seq_len for "lm", 1 for "image".
+      flops_per_unit: training FLOPs per token / image (for MFU).
+      seq_len: tokens per example ("lm" only).
+    """
+
+    kind: str
+    model_config: Any
+    model: nn.Module
+    unit: str
+    units_per_example: int
+    flops_per_unit: float
+    seq_len: int | None = None
+
+    def input_key(self) -> str:
+        return "inputs" if self.kind == "lm" else "images"
+
+    def dummy_batch(self, batch_size: int) -> dict:
+        """Zeros shaped like a data batch of `batch_size` examples (for init and benchmarks)."""
+        c = self.model_config
+        if self.kind == "lm":
+            tokens = jnp.zeros((batch_size, self.seq_len), jnp.int32)
+            return {"inputs": tokens, "targets": tokens}
+        return {"images": jnp.zeros((batch_size, c.image_size, c.image_size, c.channels), jnp.float32),
+                "labels": jnp.zeros((batch_size,), jnp.int32)}
+
+    def init(self, key: jax.Array, batch_size: int = 1):
+        """Fresh params for `key` (the "quant" stream gets its own key, used only by stochastic recipes)."""
+        params_key, quant_key = jax.random.split(key)
+        inputs = self.dummy_batch(batch_size)[self.input_key()]
+        return self.model.init({"params": params_key, "quant": quant_key}, inputs)["params"]
+
+    def loss(self, params, batch: dict, key: jax.Array) -> tuple[jax.Array, dict]:
+        """(mean loss float32 (), aux dict of float32 () metrics) of `params` on one batch; `key` feeds "quant"."""
+        logits = self.model.apply({"params": params}, batch[self.input_key()], rngs={"quant": key})
+        if self.kind == "lm":
+            return models.lm_loss(logits, batch["targets"]).astype(jnp.float32), {}
+        loss, accuracy = models.classification_loss(logits, batch["labels"])
+        return loss.astype(jnp.float32), {"accuracy": accuracy.astype(jnp.float32)}
+
+
+def _model_overrides(config) -> dict:
+    overrides = {k: v for k, v in config.model.items() if k != "size" and v is not None}
+    overrides["recipe"] = config.recipe
+    if config.get("keep_high_precision") is not None:
+        overrides["keep_high_precision"] = tuple(config.keep_high_precision)
+    if config.get("min_features") is not None:
+        overrides["min_features"] = config.min_features
+    return overrides
+
+
+def make_task(config, *, vocab_size: int | None = None, num_classes: int | None = None,
+              image_shape: tuple[int, int, int] | None = None) -> Task:
+    """The task of a (checked) training config; data facts override the preset (module docstring)."""
+    overrides = _model_overrides(config)
+    try:
+        if config.task == "lm":
+            if vocab_size is not None:
+                overrides["vocab_size"] = vocab_size
+            overrides.setdefault("max_seq_len", config.seq_len)
+            model_config = models.llama_config(config.model.size, **overrides)
+            if config.seq_len > model_config.max_seq_len:
+                raise ValueError(f"config.seq_len {config.seq_len} exceeds config.model.max_seq_len "
+                                 f"{model_config.max_seq_len}")
+            return Task("lm", model_config, models.Llama(model_config), "tokens", config.seq_len,
+                        models.flops_per_token(model_config, config.seq_len), seq_len=config.seq_len)
+        if num_classes is not None:
+            overrides["num_classes"] = num_classes
+        if image_shape is not None:
+            height, width, channels = image_shape
+            if height != width:
+                raise ValueError(f"the ViT takes square images, the data has {height}x{width}")
+            overrides.update(image_size=height, channels=channels)
+        model_config = models.vit_config(config.model.size, **overrides)
+        return Task("image", model_config, models.ViT(model_config), "images", 1,
+                    models.flops_per_example(model_config))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"bad model config (config.model.* / recipe / keep_high_precision / min_features): {e}") \
+            from None

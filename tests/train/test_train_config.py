@@ -1,0 +1,123 @@
+"""Config files load, command-line overrides reach the model, and bad configs fail early with the fix in the message."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+from ml_collections import config_flags
+from train_helpers import tiny_llama_config, tiny_vit_config
+
+from qjax.models import LLAMA_SIZES
+from qjax.train import ConfigError, check_config, make_task, train
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RECIPE_OF = {"llama_bf16": "bf16", "llama_int8": "int8_rowwise", "llama_fp8": "fp8_tensorwise",
+             "llama_fp8_blockwise": "fp8_blockwise", "vit_bf16": "bf16", "vit_int8": "int8_rowwise"}
+
+
+def _load(*args):
+    """Parses `args` like train.py does and returns the config."""
+    argv = ["train.py", *args]
+    flag_values = flags.FlagValues()
+    # sys_argv: config_flags finds the --config.* overrides there (by default in sys.argv, pytest's here).
+    config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, lock_config=True, sys_argv=argv)
+    flag_values(argv)
+    return flag_values.config
+
+
+@pytest.mark.parametrize("name", sorted(RECIPE_OF))
+def test_config_files_load_and_pass_the_checks(name, token_dir):
+    config = _load(f"--config={ROOT / 'configs' / name}.py")
+    assert config.recipe == RECIPE_OF[name]
+    assert config.task == ("lm" if name.startswith("llama") else "image")
+    if config.task == "lm":
+        assert (config.data.kind, config.data.path) == ("tokens", "data/shakespeare")
+        config.data.path = token_dir  # CI has no prepared Shakespeare
+    check_config(config)
+
+
+def test_command_line_overrides_give_the_1b_model():
+    config = _load(f"--config={ROOT / 'configs/llama_int8.py'}", "--config.model.size=1b", "--config.seq_len=2048",
+                   "--config.steps=7", "--config.optimizer.name=adamw_8bit",
+                   "--config.keep_high_precision=('lm_head', 'embed')")
+    assert (config.steps, config.optimizer.name) == (7, "adamw_8bit")
+    task = make_task(config)  # no data: the preset's vocabulary
+    preset = LLAMA_SIZES["1b"]
+    c = task.model_config
+    assert (c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size) == (
+        preset.dim, preset.n_layers, preset.n_heads, preset.n_kv_heads, preset.ffn_dim, preset.vocab_size)
+    assert (c.recipe, c.keep_high_precision, c.max_seq_len) == ("int8_rowwise", ("lm_head", "embed"), 2048)
+    assert task.flops_per_unit > 6 * 1.0e9  # > 6 FLOPs x ~1.1B weights per token
+
+
+def test_model_field_override_changes_only_that_field(token_dir):
+    config = _load(f"--config={ROOT / 'configs/llama_bf16.py'}", "--config.model.n_layers=3")
+    task = make_task(config, vocab_size=256)
+    tiny = LLAMA_SIZES["tiny"]
+    assert task.model_config.n_layers == 3 and task.model_config.dim == tiny.dim
+    assert task.model_config.keep_high_precision == tiny.keep_high_precision  # None keeps the model default
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(recipe="int4"), "unknown recipe 'int4'"),
+    (dict(optimizer_name="sgd"), "unknown optimizer 'sgd'.*adamw_8bit"),
+    (dict(steps=0), r"config.steps must be an int >= 1"),
+    (dict(batch_size=-8), r"config.batch_size must be an int >= 1"),
+    (dict(warmup_steps=6), r"warmup_steps must be an int in \[0, steps=6\)"),
+    (dict(model_size="7b"), "config.model.size '7b'.*valid sizes: tiny, 125m, 1b"),
+    (dict(data_path="/nonexistent/shakespeare"),
+     "python -m qjax.data.prepare shakespeare --out /nonexistent/shakespeare"),
+    (dict(task="speech"), "config.task must be one of"),
+])
+def test_bad_config_fields_are_named(token_dir, change, match):
+    config = tiny_llama_config(token_dir)
+    for key, value in change.items():
+        if key == "optimizer_name":
+            config.optimizer.name = value
+        elif key == "warmup_steps":
+            config.optimizer.warmup_steps = value
+        elif key == "model_size":
+            config.model.size = value
+        elif key == "data_path":
+            config.data.path = value
+        else:
+            setattr(config, key, value)
+    with pytest.raises(ConfigError, match=match):
+        check_config(config)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(batch_size=10, grad_accum_steps=4), "batch_size=10 must be a positive multiple of grad_accum_steps"),
+    (dict(model_dim=33), r"bad model config.*dim \(33\) must be a multiple of n_heads \(2\)"),
+])
+def test_bad_sizes_fail_before_training(token_dir, tmp_path, change, match):
+    config = tiny_llama_config(token_dir)
+    for key, value in change.items():
+        if key == "model_dim":
+            config.model.dim = value
+        else:
+            setattr(config, key, value)
+    with pytest.raises(ConfigError, match=match):
+        train(config, tmp_path)
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_task_and_data_must_agree(tmp_path):
+    config = tiny_vit_config()
+    config.task = "lm"
+    config.model.size = "tiny"
+    config.seq_len = 16
+    with pytest.raises(ConfigError, match="needs token data"):
+        train(config, tmp_path)
+
+
+def test_cli_prints_the_fix_without_a_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs/llama_int8.py'}",
+         f"--workdir={tmp_path / 'run'}", f"--config.data.path={tmp_path / 'nowhere'}"],
+        capture_output=True, text=True, cwd=ROOT, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert f"python -m qjax.data.prepare shakespeare --out {tmp_path / 'nowhere'}" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,90 @@
+"""Optimizer from config (schedule, decay mask, all four AdamWs) and the metrics helpers (MFU, progress line)."""
+
+import io
+import json
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from ml_collections import ConfigDict
+
+from qjax.train import ProgressMeter, make_optimizer, peak_flops
+from qjax.train.metrics import check_finite, format_progress
+from qjax.train.optimizer import OPTIMIZERS
+
+
+def _opt(**changes):
+    opt = ConfigDict(dict(name="adamw", lr=1e-2, warmup_steps=4, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
+                          weight_decay=0.1, grad_clip=1.0))
+    opt.update(changes)
+    return opt
+
+
+def test_schedule_warms_up_linearly_then_decays_to_the_floor():
+    _, schedule = make_optimizer(_opt(), total_steps=20)
+    lrs = np.array([float(schedule(s)) for s in range(20)])
+    np.testing.assert_allclose(lrs[:4], 1e-2 * np.arange(1, 5) / 4, rtol=1e-6)  # step 0 already moves
+    assert np.all(np.diff(lrs[3:]) < 0)
+    np.testing.assert_allclose(lrs[-1], 1e-3, rtol=1e-5)  # lr * min_lr_ratio at the configured last step
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_weight_decay_hits_matrices_only(name):
+    tx, schedule = make_optimizer(_opt(name=name), total_steps=10)
+    params = {"w": jax.random.normal(jax.random.key(0), (64, 128)), "scale": jnp.ones(128)}
+    zeros = jax.tree.map(jnp.zeros_like, params)  # Adam's direction is 0, only decoupled decay remains
+    updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
+    np.testing.assert_array_equal(updates["scale"], 0.0)
+    np.testing.assert_allclose(updates["w"], -float(schedule(0)) * 0.1 * params["w"], rtol=1e-5)
+
+
+def test_quantized_optimizer_keeps_low_bit_state():
+    tx, _ = make_optimizer(_opt(name="adamw_8bit"), total_steps=10)
+    params = {"w": jnp.ones((64, 128))}
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(tx.init(params)))
+    fp32_tx, _ = make_optimizer(_opt(name="adamw"), total_steps=10)
+    fp32_bytes = sum(x.nbytes for x in jax.tree.leaves(fp32_tx.init(params)))
+    assert state_bytes < 0.3 * fp32_bytes
+
+
+def test_grad_clip_bounds_the_clipped_gradient():
+    tx, _ = make_optimizer(_opt(grad_clip=1.0, b1=0.0, b2=0.0, eps=1e3, weight_decay=0.0), total_steps=10)
+    # With b1 = b2 = 0 and a huge eps Adam is ~ g / eps: the update is proportional to the clipped gradient.
+    grads = {"w": jnp.full((4, 4), 10.0)}
+    updates, _ = tx.update(grads, tx.init(grads), grads)
+    clipped = optax.global_norm(updates) * 1e3 / 2.5e-3  # undo lr(0) = 1e-2 / 4 and the eps scaling
+    np.testing.assert_allclose(float(clipped), 1.0, rtol=1e-3)
+
+
+def test_peak_flops_only_for_known_devices():
+    assert peak_flops(types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")) == 989e12
+    assert peak_flops(types.SimpleNamespace(device_kind="NVIDIA H200")) == 989e12
+    assert peak_flops(types.SimpleNamespace(device_kind="cpu")) is None
+    assert peak_flops(jax.devices()[0]) is None  # the CPU running this test
+
+
+def test_progress_line_and_jsonl(tmp_path):
+    h100 = types.SimpleNamespace(device_kind="NVIDIA H100", memory_stats=lambda: {"peak_bytes_in_use": 3 * 2**30})
+    out = io.StringIO()
+    meter = ProgressMeter(tmp_path, total_steps=100, unit="tokens", units_per_step=1000, flops_per_unit=1e9,
+                          devices=[h100, h100], stream=out)
+    meter.mark(10)
+    record = meter.train(20, {"loss": 2.5, "lr": 1e-3})
+    expected_mfu = 1e9 * record["throughput"] / (2 * 989e12)
+    np.testing.assert_allclose(record["mfu"], expected_mfu, rtol=1e-12)
+    np.testing.assert_allclose(record["eta_s"], 80 * record["seconds_per_step"], rtol=1e-12)
+    meter.eval(20, {"loss": 2.0})
+    line = out.getvalue().splitlines()[0]
+    assert line.startswith("step 20/100 | loss 2.5000 | lr 1.00e-03 |") and "MFU" in line and "mem 3.0 GiB" in line
+    rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [20, 20] and rows[1]["eval_loss"] == 2.0
+    assert "MFU" not in format_progress({"step": 1, "loss": 1.0, "throughput": 5.0}, 10, "images")
+
+
+def test_non_finite_loss_is_an_error():
+    with pytest.raises(FloatingPointError, match="loss is nan at step 7"):
+        check_finite(7, "loss", float("nan"))
+    check_finite(7, "loss", 1.0)  # finite: no error
