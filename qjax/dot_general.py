@@ -20,7 +20,7 @@ from jax import lax
 from qjax import recipes as recipes_lib
 from qjax import stochastic
 from qjax.kernels.scaled_matmul import _contract_last, quantized_matmul
-from qjax.quantize import QTensor, QuantSpec, quantize_with_seed
+from qjax.quantize import QuantSpec, quantize_pair
 
 # Operand slots in the uint32 seed vector: one independent stochastic-rounding stream per quantized operand.
 _FWD_LHS, _FWD_RHS, _DGRAD_LHS, _DGRAD_RHS, _WGRAD_LHS, _WGRAD_RHS = range(6)
@@ -105,74 +105,57 @@ def _high_precision_matmul(a, b, out_dtype, precision):
                            preferred_element_type=out_dtype)
 
 
-def _reusable_transposed(have: QuantSpec, want: QuantSpec) -> bool:
-    """A tensorwise, nearest-rounded QTensor transposed is exactly the same quantization of the transpose."""
-    return have == want and want.granularity == "tensor" and not want.stochastic
-
-
-def _transpose_q(q: QTensor) -> QTensor:
-    return QTensor(_swap_last(q.data), q.scale, q.granularity)
-
-
-def _backward_operand(original, view, want: QuantSpec | None, have: QuantSpec | None, have_q, seed, operand):
-    """What the forward saves of one input for a backward GEMM: the original where that GEMM runs in high precision,
-    else the input quantized in the GEMM's layout (`view`), reusing the forward's quantization if it is the same."""
-    if want is None:
-        return original
-    if have is not None and _reusable_transposed(have, want):
-        return _transpose_q(have_q)
-    return quantize_with_seed(view(original), want, seed, operand=operand)
+def _spec(gemm: recipes_lib.GemmSpec | None, side: str) -> QuantSpec | None:
+    return None if gemm is None else getattr(gemm, side)
 
 
 @functools.lru_cache(maxsize=None)
 def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision):
     """Builds the custom_vjp function (lhs, rhs, seeds) -> out for one static configuration."""
     gemm = functools.partial(quantized_matmul, backend=recipe.backend)
+    quantize_both = functools.partial(quantize_pair, backend=recipe.backend)
+    fwd, dgrad, wgrad = recipe.fwd, recipe.dgrad, recipe.wgrad
 
-    def forward_gemm(lhs, rhs, seeds):
+    def forward_gemm(lhs, rhs, seeds, with_residuals):
+        """out, and (with_residuals) what the backward GEMMs read of w and x: quantized in their layouts, or the
+        originals for GEMMs in high precision. Each input is quantized once for both GEMMs that read it."""
         x, w = layout.lhs_mk(lhs), layout.rhs_nk(rhs)
-        fwd = recipe.fwd
+        x_spec_t = _spec(wgrad, "rhs") if with_residuals else None
+        w_spec_t = _spec(dgrad, "rhs") if with_residuals else None
+        xq, x_res = quantize_both(x, _spec(fwd, "lhs"), x_spec_t, seeds[_FWD_LHS], seeds[_WGRAD_RHS],
+                                  operands=("forward lhs x as (M, K)", "wgrad rhs x as (K, M), M = tokens"))
+        wq, w_res = quantize_both(w, _spec(fwd, "rhs"), w_spec_t, seeds[_FWD_RHS], seeds[_DGRAD_RHS],
+                                  operands=("forward rhs w as (N, K)", "dgrad rhs w as (K, N)"))
         if fwd is None:
-            return _high_precision_matmul(x, w, out_dtype, precision).reshape(layout.out_shape()), None, None
-        xq = quantize_with_seed(x, fwd.lhs, seeds[_FWD_LHS], operand="forward lhs x as (M, K)")
-        wq = quantize_with_seed(w, fwd.rhs, seeds[_FWD_RHS], operand="forward rhs w as (N, K)")
-        return gemm(xq, wq, out_dtype).reshape(layout.out_shape()), xq, wq
+            out = _high_precision_matmul(x, w, out_dtype, precision)
+        else:
+            out = gemm(xq, wq, out_dtype)
+        residuals = (rhs if w_spec_t is None else w_res, lhs if x_spec_t is None else x_res)
+        return out.reshape(layout.out_shape()), residuals
 
     def forward(lhs, rhs, seeds):
-        out, xq, wq = forward_gemm(lhs, rhs, seeds)
-        fwd = recipe.fwd
-        dgrad_rhs = recipe.dgrad.rhs if recipe.dgrad else None
-        wgrad_rhs = recipe.wgrad.rhs if recipe.wgrad else None
-        w_res = _backward_operand(rhs, layout.rhs_kn, dgrad_rhs, fwd and fwd.rhs, wq, seeds[_DGRAD_RHS],
-                                  "dgrad rhs w as (K, N)")
-        x_res = _backward_operand(lhs, layout.lhs_km, wgrad_rhs, fwd and fwd.lhs, xq, seeds[_WGRAD_RHS],
-                                  "wgrad rhs x as (K, M), M = tokens")
+        out, (w_res, x_res) = forward_gemm(lhs, rhs, seeds, with_residuals=True)
         return out, (w_res, x_res, seeds)
 
     def backward(residuals, g):
         w_res, x_res, seeds = residuals
         g_mn = layout.out_mn(g)
-        g_nm = _swap_last(g_mn)
-        dgrad, wgrad = recipe.dgrad, recipe.wgrad
-        gq_dgrad = None
+        gq_dgrad, gq_wgrad = quantize_both(g_mn, _spec(dgrad, "lhs"), _spec(wgrad, "lhs"), seeds[_DGRAD_LHS],
+                                           seeds[_WGRAD_LHS], operands=("dgrad lhs g as (M, N)",
+                                                                        "wgrad lhs g as (N, M)"))
         if dgrad is None:
             dx = _high_precision_matmul(g_mn, layout.rhs_kn(w_res), lhs_dtype, precision)
         else:
-            gq_dgrad = quantize_with_seed(g_mn, dgrad.lhs, seeds[_DGRAD_LHS], operand="dgrad lhs g as (M, N)")
             dx = gemm(gq_dgrad, w_res, lhs_dtype, precise_accumulation=True)
         if wgrad is None:
-            dw = _high_precision_matmul(g_nm, layout.lhs_km(x_res), rhs_dtype, precision)
+            dw = _high_precision_matmul(_swap_last(g_mn), layout.lhs_km(x_res), rhs_dtype, precision)
         else:
-            if gq_dgrad is not None and _reusable_transposed(dgrad.lhs, wgrad.lhs):
-                gq_wgrad = _transpose_q(gq_dgrad)
-            else:
-                gq_wgrad = quantize_with_seed(g_nm, wgrad.lhs, seeds[_WGRAD_LHS], operand="wgrad lhs g as (N, M)")
             dw = gemm(gq_wgrad, x_res, rhs_dtype, precise_accumulation=True)
         return layout.lhs_from_mk(dx), layout.rhs_from_nk(dw), None
 
     @jax.custom_vjp
     def quantized_dot(lhs, rhs, seeds):
-        return forward_gemm(lhs, rhs, seeds)[0]  # without differentiation, no backward residuals
+        return forward_gemm(lhs, rhs, seeds, with_residuals=False)[0]
 
     quantized_dot.defvjp(forward, backward)
     return quantized_dot

@@ -179,3 +179,35 @@ def dequantize(q: QTensor, dtype=jnp.float32) -> jax.Array:
     else:
         out = (_blocked(data32, q.granularity) * _broadcast_scale(q.scale, q.granularity)).reshape(q.shape)
     return out.astype(dtype)
+
+
+def _swap_last(x: jax.Array) -> jax.Array:
+    return jnp.swapaxes(x, -1, -2)
+
+
+def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None, seed, seed_t, *,
+                  backend: str = "xla", operands: tuple[str, str] = ("array", "transposed array")):
+    """Both quantized layouts two GEMMs read from one array: x (..., R, C) per `spec` and its transpose (..., C, R)
+    per `spec_t` (e.g. an activation for the forward GEMM and for wgrad). Either spec may be None (that output is
+    None). Same results as two `quantize_with_seed` calls; a tensorwise nearest quantization is reused transposed.
+
+    backend (see `qjax.Recipe`): where the fused Mosaic GPU kernel runs, both layouts come from one kernel
+    (`qjax.kernels.quantize_mgpu`); elsewhere XLA fuses the two reference quantizations.
+    """
+    if spec is not None and spec == spec_t and spec.granularity == "tensor" and not spec.stochastic:
+        q = quantize_with_seed(x, spec, seed, operand=operands[0])
+        return q, QTensor(_swap_last(q.data), q.scale, q.granularity)
+    if spec is not None and spec_t is not None and x.ndim == 2:
+        from qjax import kernels  # the kernels package imports this module
+        run_kernel, interpret = kernels.use_kernel(backend)
+        if run_kernel:
+            reason = kernels.quantize_kernel_unsupported(x, spec, spec_t)
+            if reason is None:
+                from qjax.kernels import quantize_mgpu
+                return quantize_mgpu.quantize_pair(x, spec, spec_t, seed, seed_t, interpret=interpret)
+            if backend == "pallas":
+                raise ValueError(f"backend 'pallas': the fused quantize kernel cannot run this case ({reason}); use "
+                                 "backend 'auto' to fall back to XLA")
+    q = None if spec is None else quantize_with_seed(x, spec, seed, operand=operands[0])
+    q_t = None if spec_t is None else quantize_with_seed(_swap_last(x), spec_t, seed_t, operand=operands[1])
+    return q, q_t
