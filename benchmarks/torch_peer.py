@@ -45,6 +45,10 @@ def run_torch_peer(mode, *, python=None, timeout=1800, **kwargs) -> dict:
     kwargs become command-line flags: m=16384 -> --m 16384, shapes=["4096x4096"] -> --shapes 4096x4096,
     small=True -> --small, compile=False -> --no-compile. `python` defaults to $QJAX_TORCH_PYTHON, else this
     interpreter. Never raises for a failed child: returns {"error": "..."} (with whatever the child reported).
+
+    GPU memory: the caller must leave the child room. A JAX caller sets XLA_PYTHON_CLIENT_PREALLOCATE=false
+    before importing jax (JAX otherwise takes 75% of the GPU at its first op), or calls this before JAX touches
+    the GPU. The llama default shape needs ~35 GB in bf16.
     """
     python = python or os.environ.get("QJAX_TORCH_PYTHON") or sys.executable
     argv = [python, os.path.abspath(__file__), mode]
@@ -259,7 +263,8 @@ def bench_llama(args, torch, device):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=("linear", "llama"))
-    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test); overrides shape flags")
+    parser.add_argument("--small", action=argparse.BooleanOptionalAction, default=False,
+                        help="tiny shapes (CPU smoke test); overrides shape flags")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile (default on; --no-compile where no C++ compiler is present)")
