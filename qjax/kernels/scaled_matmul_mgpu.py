@@ -115,6 +115,7 @@ class _Plan:
     out_dtype: jnp.dtype
     config: TuningConfig
     num_ctas: int
+    b_scale_per_tile: bool = False  # block mode: one b scale per (tile, K block) (128x128 or tensor b, 128 % tile_n == 0)
 
 
 def _mode(a: QTensor, b: QTensor, precise_accumulation: bool) -> str:
@@ -217,6 +218,18 @@ def _block_scales(q: QTensor, k_blocks: int, padded_rows: int) -> jax.Array:
     else:  # 128x128: every row of a 128-row block shares its scales
         per_row = jnp.repeat(q.scale, 128, axis=0)
     return _pad2(per_row.T, k_blocks, padded_rows, 1)
+
+
+# int32 -> f32 without the conversion instruction (a quarter-rate or slower pipe on Hopper, one per accumulator element
+# per K block would cost more than the wgmma): for |x| < 2**22, the bits of 1.5 * 2**23 plus x are the f32 1.5 * 2**23
+# + x exactly, and subtracting 1.5 * 2**23 is exact. A 128-long K block of int8 products is at most 128**3 = 2**21.
+_MAGIC_BITS = 0x4B400000
+_MAGIC = 12582912.0  # 1.5 * 2**23
+
+
+def _small_int32_to_f32(x: jax.Array) -> jax.Array:
+    """int32 -> float32, exact for |x| < 2**22 (integer add + float subtract)."""
+    return lax.bitcast_convert_type(x + jnp.int32(_MAGIC_BITS), jnp.float32) - jnp.float32(_MAGIC)
 
 
 def _num_sms() -> int:
@@ -334,15 +347,18 @@ def _kernel(plan: _Plan, *refs):
                     plgpu.wgmma(part_ref, a_smem.at[wg_rows], b_smem.transpose((1, 0)))
                     return part_ref[...]  # waits for the wgmma
 
-                part = pl.run_scoped(block_product, plgpu.ACC((tile_m, tile_n), acc_dtype)).astype(jnp.float32)
-                if block_mode:
-                    sa_smem, sb_smem = scale_smem
-                    row_scale = plgpu.load(sa_smem.at[0, wg_rows], layout=row_layout)
-                    col_scale = plgpu.load(sb_smem.at[0], layout=col_layout)
-                    scale = (lax.broadcast_in_dim(row_scale, part.shape, [0])
-                             * lax.broadcast_in_dim(col_scale, part.shape, [1]))
-                    part = part * scale
-                return acc + part
+                part = pl.run_scoped(block_product, plgpu.ACC((tile_m, tile_n), acc_dtype))
+                part = _small_int32_to_f32(part) if acc_dtype == jnp.int32 else part
+                if not block_mode:
+                    return acc + part
+                sa_smem, sb_smem = scale_smem
+                row_scale = plgpu.load(sa_smem.at[0, wg_rows], layout=row_layout)
+                if plan.b_scale_per_tile:  # one b scale for the whole tile: fold it into the row scales
+                    row_scale = row_scale * sb_smem[0, 0]
+                    return acc + part * lax.broadcast_in_dim(row_scale, part.shape, [0])
+                col_scale = plgpu.load(sb_smem.at[0], layout=col_layout)
+                scale = lax.broadcast_in_dim(row_scale, part.shape, [0]) * lax.broadcast_in_dim(col_scale, part.shape, [1])
+                return acc + part * scale
 
             body = promote_body if promote else accumulate_body
             make_pipeline(body, compute_context)(*pipeline_gmem_refs(m_idx, n_idx), allocations=pipeline_allocs)
@@ -404,7 +420,8 @@ def scaled_matmul_kernel(a: QTensor, b: QTensor, out_dtype, *, precise_accumulat
         a_scale, b_scale = _row_vector(a, m, mp), _row_vector(b, n, np_)
     tiles = (mp // cta_m) * (np_ // config.tile_n)
     num_ctas = config.num_ctas or (2 if interpret else _num_sms())
-    plan = _Plan(mode, mp, np_, kp, out_dtype, config, min(num_ctas, tiles))
+    per_tile = mode == "block" and b.granularity in ("tensor", "128x128") and 128 % config.tile_n == 0
+    plan = _Plan(mode, mp, np_, kp, out_dtype, config, min(num_ctas, tiles), per_tile)
     out = _launch(a_codes, b_codes, a_scale.astype(jnp.float32), b_scale.astype(jnp.float32), plan=plan,
                   interpret=interpret)
     return out[:m, :n] if (mp, np_) != (m, n) else out
