@@ -118,13 +118,16 @@ def _blocks(x: jax.Array, block_size: int) -> jax.Array:
 
 
 def block_absmax(blocks: jax.Array) -> jax.Array:
-    """max |x| over the last axis, NaN where the block holds a NaN.
+    """max |x| over the last axis: float32 (..., B) -> float32 (...), NaN where the block holds a NaN.
 
     XLA:CPU's max reduction does not propagate NaN reliably (jax 0.11.2: jnp.max(x, axis=1) of a (16, 256) array
-    with one NaN returns a finite value), so NaN is propagated explicitly.
+    with one NaN returns a finite value). So one integer max over |x|'s bit patterns instead (ordered like the
+    non-negative floats, every NaN pattern above Inf): NaN propagates on every backend without a second reduction
+    (an any(isnan)), and the result is made the canonical NaN.
     """
-    absmax = jnp.max(jnp.abs(blocks), axis=-1)
-    return jnp.where(jnp.any(jnp.isnan(blocks), axis=-1), jnp.float32(jnp.nan), absmax)
+    bits = jax.lax.bitcast_convert_type(jnp.abs(blocks), jnp.int32)
+    absmax = jax.lax.bitcast_convert_type(jnp.max(bits, axis=-1), jnp.float32)
+    return jnp.where(jnp.isnan(absmax), jnp.float32(jnp.nan), absmax)
 
 
 def _safe(divisor: jax.Array) -> jax.Array:

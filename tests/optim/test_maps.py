@@ -203,3 +203,13 @@ def test_bad_formats_raise():
         blockwise.quantize(jnp.zeros(300), "e4m3", 256)
     with pytest.raises(ValueError, match="even"):
         blockwise.check_format("dynamic_signed_4bit", 127)
+
+
+def test_block_absmax_matches_numpy():
+    x = jax.random.normal(jax.random.key(6), (12, 128)) * jnp.exp(5 * jax.random.normal(jax.random.key(7), (12, 1)))
+    x = (x.at[1].set(0.0).at[2].set(-0.0).at[3, 4].set(jnp.nan).at[4, 5].set(-jnp.nan).at[5, 6].set(jnp.inf)
+         .at[6, 7].set(-jnp.inf).at[7].set(1e-45).at[8, 3].set(jnp.inf).at[8, 9].set(jnp.nan))
+    got = blockwise.block_absmax(x)
+    want = np.where(np.isnan(np.asarray(x)).any(1), np.nan, np.abs(np.asarray(x)).max(1))
+    np.testing.assert_array_equal(got, want)  # NaN wherever the block holds one (either sign), Inf, denormals, 0
+    assert got.dtype == jnp.float32 and bool(jnp.isnan(got[8])) and float(got[5]) == np.inf
