@@ -425,3 +425,79 @@ def scaled_matmul_kernel(a: QTensor, b: QTensor, out_dtype, *, precise_accumulat
     out = _launch(a_codes, b_codes, a_scale.astype(jnp.float32), b_scale.astype(jnp.float32), plan=plan,
                   interpret=interpret)
     return out[:m, :n] if (mp, np_) != (m, n) else out
+
+
+def _benchmark_main():
+    """GPU: check, then time the kernel against XLA's unscaled 8-bit GEMM and the reference path (TFLOP/s).
+
+    python -m qjax.kernels.scaled_matmul_mgpu [--sizes 4096 8192] [--cases int8_row fp8_block] [--sweep]
+    """
+    import argparse
+    import statistics
+    import sys
+    import time
+
+    from qjax.kernels.scaled_matmul import scaled_matmul
+    from qjax.quantize import QuantSpec, quantize
+
+    cases = {"int8_row": ("int8", "row", "row"), "fp8_tensor": ("e4m3", "tensor", "tensor"),
+             "fp8_row": ("e4m3", "row", "row"), "int8_block": ("int8", "1x128", "128x128"),
+             "fp8_block": ("e4m3", "1x128", "128x128"), "fp8_block_wgrad": ("e4m3", "1x128", "1x128")}
+    parser = argparse.ArgumentParser(description=_benchmark_main.__doc__)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--cases", nargs="+", default=list(cases), choices=list(cases))
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--sweep", action="store_true", help="also time a few tile/grid configs per case")
+    parser.add_argument("--interpret", action="store_true", help="CPU smoke test of this script (times meaningless)")
+    args = parser.parse_args()
+    if jax.devices()[0].platform != "gpu" and not args.interpret:
+        sys.exit("the benchmark needs a Hopper GPU (or --interpret with small --sizes)")
+    say = functools.partial(print, flush=True)
+
+    def seconds(fn, *xs):
+        jax.block_until_ready(fn(*xs))  # compile + warm up
+        samples = []
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            jax.block_until_ready([fn(*xs) for _ in range(5)])
+            samples.append((time.perf_counter() - start) / 5)
+        return statistics.median(samples)
+
+    say(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; out bf16; TFLOP/s (median of {args.reps} x 5 calls)")
+    say(f"{'case':16} {'n':>5} {'kernel':>7} {'unscaled XLA':>12} {'reference':>9} {'kernel/XLA':>10} {'rel err':>8}")
+    dims = (((1,), (1,)), ((), ()))
+    for n in args.sizes:
+        kx, kw = jax.random.split(jax.random.key(n))
+        x, w = jax.random.normal(kx, (n, n), jnp.float32), jax.random.normal(kw, (n, n), jnp.float32)
+        flops = 2.0 * n**3
+        for name in args.cases:
+            try:
+                dtype, a_gran, b_gran = cases[name]
+                a = jax.jit(quantize, static_argnums=1)(x, QuantSpec(dtype, a_gran))
+                b = jax.jit(quantize, static_argnums=1)(w, QuantSpec(dtype, b_gran))
+                acc = jnp.int32 if dtype == "int8" else jnp.bfloat16
+                unscaled = jax.jit(lambda p, q, acc=acc: lax.dot_general(p, q, dims, preferred_element_type=acc))
+                reference = jax.jit(lambda p, q: scaled_matmul(p, q, jnp.bfloat16))
+                configs = [None]
+                if args.sweep:
+                    base = default_config(a, b)
+                    configs += [dataclasses.replace(base, grid_tile_width=w_, grid_minor_dim=d)
+                                for w_ in (4, 16) for d in (0, 1)]
+                    configs += [dataclasses.replace(base, max_concurrent_steps=base.max_concurrent_steps - 1)]
+                ref_out = reference(a, b)
+                t_xla, t_ref = seconds(unscaled, a.data, b.data), seconds(reference, a, b)
+                for config in configs:
+                    kernel = jax.jit(functools.partial(scaled_matmul_kernel, out_dtype=jnp.bfloat16, config=config,
+                                                         interpret=args.interpret))
+                    out = kernel(a, b).astype(jnp.float32)
+                    err = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out.astype(jnp.float32)))
+                    t_kernel = seconds(kernel, a, b)
+                    label = name if config is None else f"  {config}"
+                    say(f"{label:16} {n:5} {flops / t_kernel / 1e12:7.0f} {flops / t_xla / 1e12:12.0f} "
+                        f"{flops / t_ref / 1e12:9.0f} {t_xla / t_kernel:10.2f} {err:8.1e}")
+            except Exception as e:  # keep the other cases' numbers
+                say(f"{name:16} {n:5} FAILED: {type(e).__name__}: {str(e)[:400]}")
+
+
+if __name__ == "__main__":
+    _benchmark_main()
