@@ -17,8 +17,9 @@ We evaluate it in float64 and round each value once to float32. (bitsandbytes ev
 in float32 first, which can move a value by about one float32 ulp; the code books are otherwise identical.)
 
 Encoding is nearest-code: `code = argmin_j |x - qmap[j]|` computed in float32, ties to the lower index, which is
-what a brute-force argmin returns. `encode_nearest` gets the same answer with a binary search (bits gathers) and a
-final comparison of the two bracketing codes.
+what a brute-force argmin returns. `encode_nearest` gets the same answer arithmetically (the map's level and affine
+position give two candidate codes, one gathered float32 threshold picks one), without a search over the table: on
+a GPU, gathers per element are what a binary search (one per bit) paid for.
 """
 
 import dataclasses
@@ -226,7 +227,8 @@ def encode_nearest(x: jax.Array, qmap) -> jax.Array:
         c = jnp.where(negative, 0, c)
     c = jnp.clip(c, 0, size - 2 + beyond.astype(jnp.int32))
 
-    entry = jnp.asarray(enc.table)[c + jnp.where(beyond, size, 0)]  # T_c, or qmap[c] beyond 1
+    index = (c + jnp.where(beyond, size, 0)).astype(jnp.uint32)  # unsigned: no negative-index wrap-around ops
+    entry = jnp.asarray(enc.table)[index]  # T_c, or qmap[c] beyond 1
     code = jnp.where(beyond, c + (jnp.abs(x - entry) != d), c + (x >= entry))
     # NaN distances make argmin return 0; +Inf ties all distances at Inf (-Inf lands on code 0 by itself).
     code = jnp.where(jnp.isnan(x) | (x == jnp.inf), 0, code)
