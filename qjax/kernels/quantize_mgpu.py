@@ -42,6 +42,7 @@ padded: padding would cost a full extra pass over x (the dispatcher's jnp refere
 
 import dataclasses
 import functools
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,9 @@ _ROWS = _LAYOUT.reduce(1)  # (rows,) per-row values of a WGMMA-layout array
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _BLOCKS = ("1x128", "128x128")
 _TINY = float(jnp.finfo(jnp.float32).tiny)
+# Tiles along K each program pipelines (fewer when K/128 is not a multiple). More steps overlap loads, compute and
+# stores within a program; one step leaves SMEM for ~3 programs per SM instead. Not yet measured: see the benchmark.
+TILES_PER_PROGRAM = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,91 +179,169 @@ def _quantize_tile_side(x_smem, side, transposed, inv_smem, codes_smem, scale_sm
 # ------------------------------------------------------------------------------------------------------ kernels
 
 
-@functools.partial(jax.jit, static_argnames=("row", "col", "interpret"))
-def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, interpret):
+def _swizzled(dtype):
+    """SMEM transforms for a (128, 128) tile: 128-byte rows in 8-row tiles, 128-byte swizzle. TMA writes/reads
+    tiles in this form, and the WGMMA-layout loads and stores of registers (plain and through the transposed view)
+    are then free of bank conflicts."""
+    return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
+
+
+def _steps_per_program(k_tiles: int, steps: int) -> int:
+    """The largest divisor of k_tiles that is <= steps (each program pipelines that many tiles along K)."""
+    steps = max(1, min(steps, k_tiles))
+    while k_tiles % steps:
+        steps -= 1
+    return steps
+
+
+class _Stream(NamedTuple):
+    """One array moved between GMEM and SMEM per tile: `region(i, j)` indexes the GMEM ref for tile (i, j)."""
+
+    block: tuple[int, ...]
+    dtype: Any
+    region: Callable
+    swizzled: bool = False
+    per_tile: bool = True  # False: the same region for all tiles of a program, loaded once
+
+
+def _run_tiles(step_body, x, seeds, inputs, in_streams, out_type, out_streams, *, steps, interpret):
+    """Runs step_body on every 128 x 128 tile of x: programs (M/128, K/128/steps), each a TMA pipeline over
+    `steps` consecutive tiles of one tile row. Two SMEM slots per stream: tile t + 1 loads while tile t is
+    computed, and tile t's stores drain while tile t + 1 is computed.
+
+    x is streamed as the first input; `inputs` (GMEM arrays) follow, moved per in_streams; outputs per
+    out_streams. step_body(seeds_ref, i, j, in_smem_refs, out_smem_refs) quantizes tile (i, j) from SMEM to SMEM;
+    seeds (uint32 (2,)) stay in GMEM. (plgpu.emit_pipeline does the same, but predicates its stores, which the
+    Mosaic GPU interpreter cannot run; this loop has no predicated copies, so the tests run it.)"""
+    m, k = x.shape
+    k_tiles = k // TILE
+    steps = _steps_per_program(k_tiles, steps)
+    in_streams = [_Stream((TILE, TILE), x.dtype, lambda i, j: (pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)),
+                          swizzled=True), *in_streams]
+    n_in, n_out = len(in_streams), len(out_streams)
+    tile_loads = sum(stream.per_tile for stream in in_streams)
+
+    def smem(stream):
+        shape = (2, *stream.block) if stream.per_tile else stream.block
+        return plgpu.SMEM(shape, stream.dtype, transforms=_swizzled(stream.dtype) if stream.swizzled else ())
+
+    scratch = [smem(stream) for stream in in_streams + out_streams]
+    scratch += [plgpu.Barrier(num_arrivals=tile_loads, num_barriers=2), plgpu.Barrier(num_barriers=1)]
+
+    def body(seeds_ref, *refs):
+        in_gmem, out_gmem = refs[:n_in], refs[n_in:n_in + n_out]
+        in_smem, out_smem = refs[n_in + n_out:2 * n_in + n_out], refs[2 * n_in + n_out:2 * (n_in + n_out)]
+        tile_barriers, once_barrier = refs[-2:]
+        i, first = lax.axis_index("m"), lax.axis_index("k") * steps
+
+        def load(t, slot):
+            for stream, src, dst in zip(in_streams, in_gmem, in_smem):
+                if stream.per_tile:
+                    plgpu.copy_gmem_to_smem(src.at[stream.region(i, first + t)], dst.at[slot],
+                                            tile_barriers.at[slot])
+
+        once = [(stream, src, dst) for stream, src, dst in zip(in_streams, in_gmem, in_smem) if not stream.per_tile]
+        for stream, src, dst in once:
+            plgpu.copy_gmem_to_smem(src.at[stream.region(i, first)], dst, once_barrier.at[0])
+        for slot in range(min(2, steps)):
+            load(slot, slot)
+        if once:
+            plgpu.barrier_wait(once_barrier.at[0])
+
+        @pl.loop(0, steps)
+        def _(t):
+            slot = lax.rem(t, 2)
+            plgpu.barrier_wait(tile_barriers.at[slot])
+            # This slot's stores from tile t - 2 must have read their SMEM: leave only tile t - 1's in flight.
+            plgpu.wait_smem_to_gmem(n_out, wait_read_only=True)
+            step_body(seeds_ref, i, first + t,
+                      [ref.at[slot] if stream.per_tile else ref for stream, ref in zip(in_streams, in_smem)],
+                      [ref.at[slot] for ref in out_smem])
+            plgpu.commit_smem()  # register -> SMEM stores visible to TMA; also all threads are done with the slot
+            for stream, src, dst in zip(out_streams, out_smem, out_gmem):
+                plgpu.copy_smem_to_gmem(src.at[slot], dst.at[stream.region(i, first + t)])
+
+            @pl.when(t + 2 < steps)
+            def _():
+                load(t + 2, slot)
+
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(body, out_type=tuple(out_type), scratch_types=tuple(scratch),
+                        grid=(m // TILE, k_tiles // steps), grid_names=("m", "k"), interpret=interpret)(
+                            seeds, x, *inputs)
+
+
+@functools.partial(jax.jit, static_argnames=("row", "col", "steps", "interpret"))
+def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, steps, interpret):
     """The tile kernel. row_inv (M,) / col_inv (K,): f32 inverse scales for sides without blocks (else unused).
 
     Returns [row codes (M, K), row block scales (K/128, M)?, col codes (K, M)?, col block scales (M/128, K)?]."""
     m, k = x.shape
     sides = [(row, False), (col, True)] if col is not None else [(row, False)]
-    inputs = [seeds, x] + [inv for (side, _), inv in zip(sides, (row_inv, col_inv)) if side.block is None]
-    out_type, scratch = [], [plgpu.SMEM((TILE, TILE), x.dtype)]
+    inverses = [inv for (side, _), inv in zip(sides, (row_inv, col_inv)) if side.block is None]
+    out_type = []
     for side, transposed in sides:
-        shape = (k, m) if transposed else (m, k)
-        out_type.append(jax.ShapeDtypeStruct(shape, formats.get_format(side.fmt).dtype))
-        scratch.append(plgpu.SMEM((TILE, TILE), formats.get_format(side.fmt).dtype))
+        out_type.append(jax.ShapeDtypeStruct((k, m) if transposed else (m, k), formats.get_format(side.fmt).dtype))
         if side.block is not None:
             out_type.append(jax.ShapeDtypeStruct((m // TILE, k) if transposed else (k // TILE, m), jnp.float32))
-        scratch.append(plgpu.SMEM((TILE,), jnp.float32))  # block scales out, or inverse scales in
-    n_in, n_out = len(inputs), len(out_type)
 
-    def body(*refs):
-        seeds_ref, x_ref, in_refs = refs[0], refs[1], list(refs[2:n_in])
-        out_refs = list(refs[n_in:n_in + n_out])
-        x_smem, *side_smem, barrier = refs[n_in + n_out:]
-        i, j = lax.axis_index("m"), lax.axis_index("k")
-        tile_m, tile_k = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
-        plgpu.copy_gmem_to_smem(x_ref.at[tile_m, tile_k], x_smem, barrier.at[0])
-        for s, (side, transposed) in enumerate(sides):
-            if side.block is None:  # this side's 128 inverse scales: rows of x, or columns for the transpose
-                plgpu.copy_gmem_to_smem(in_refs.pop(0).at[tile_k if transposed else tile_m], side_smem[2 * s + 1],
-                                        barrier.at[1 + s])
-        for s, (side, _) in enumerate(sides):
-            if side.block is None:
-                plgpu.barrier_wait(barrier.at[1 + s])
-        plgpu.barrier_wait(barrier.at[0])
+    # Inverse scales of a side without blocks: the tile's 128 rows of x (the same for all tiles of a program:
+    # loaded once), or its 128 columns for the transpose.
+    in_streams = [_Stream((TILE,), jnp.float32, (lambda i, j: pl.ds(j * TILE, TILE)) if transposed else
+                          (lambda i, j: pl.ds(i * TILE, TILE)), per_tile=transposed)
+                  for side, transposed in sides if side.block is None]
+    out_streams = []
+    for side, transposed in sides:
+        codes_dtype = formats.get_format(side.fmt).dtype
+        out_streams.append(_Stream((TILE, TILE), codes_dtype, (lambda i, j: (pl.ds(j * TILE, TILE), pl.ds(
+            i * TILE, TILE))) if transposed else (lambda i, j: (pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE))),
+                                   swizzled=True))
+        if side.block is not None:  # one 128-float row of the (K/128, M) or (M/128, K) scale array
+            out_streams.append(_Stream((TILE,), jnp.float32, (lambda i, j: (i, pl.ds(j * TILE, TILE))) if transposed
+                                       else (lambda i, j: (j, pl.ds(i * TILE, TILE)))))
+
+    def step(seeds_ref, i, j, in_refs, out_refs):
+        x_smem, inv_refs, out_refs = in_refs[0], list(in_refs[1:]), list(out_refs)
         origin_m, origin_k = (i * TILE).astype(jnp.uint32), (j * TILE).astype(jnp.uint32)
         for s, (side, transposed) in enumerate(sides):
             seed = seeds_ref[s] if side.stochastic else None
             row0, col0, n_cols = (origin_k, origin_m, m) if transposed else (origin_m, origin_k, k)
-            codes_smem, vec_smem = side_smem[2 * s], side_smem[2 * s + 1]
-            _quantize_tile_side(x_smem, side, transposed, vec_smem, codes_smem, vec_smem, seed, row0, col0, n_cols)
-        plgpu.commit_smem()  # make the register -> SMEM stores visible to the TMA engine
-        for s, (side, transposed) in enumerate(sides):
+            inv_ref = inv_refs.pop(0) if side.block is None else None
             codes_ref = out_refs.pop(0)
-            plgpu.copy_smem_to_gmem(side_smem[2 * s], codes_ref.at[(tile_k, tile_m) if transposed else (tile_m,
-                                                                                                        tile_k)])
-            if side.block is not None:
-                scales_ref = out_refs.pop(0)
-                plgpu.copy_smem_to_gmem(side_smem[2 * s + 1], scales_ref.at[i if transposed else j,
-                                                                            tile_k if transposed else tile_m])
-        plgpu.wait_smem_to_gmem(0)
+            scale_ref = out_refs.pop(0) if side.block is not None else None
+            _quantize_tile_side(x_smem, side, transposed, inv_ref, codes_ref, scale_ref, seed, row0, col0, n_cols)
 
-    scratch.append(plgpu.Barrier(num_barriers=3))
-    return plgpu.kernel(body, out_type=tuple(out_type), scratch_types=tuple(scratch), grid=(m // TILE, k // TILE),
-                        grid_names=("m", "k"), interpret=interpret)(*inputs)
+    return _run_tiles(step, x, seeds, inverses, in_streams, out_type, out_streams, steps=steps, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _amax_call(x, *, interpret):
+@functools.partial(jax.jit, static_argnames=("steps", "interpret"))
+def _amax_call(x, *, steps, interpret):
     """Partial maxima from one read of x: (K/128, M) per-tile row amax and (M/128, K) per-tile column amax."""
     m, k = x.shape
 
-    def body(x_ref, row_ref, col_ref, x_smem, row_smem, col_smem, barrier):
-        i, j = lax.axis_index("m"), lax.axis_index("k")
-        tile_m, tile_k = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
-        plgpu.copy_gmem_to_smem(x_ref.at[tile_m, tile_k], x_smem, barrier.at[0])
-        plgpu.barrier_wait(barrier.at[0])
+    def step(seeds_ref, i, j, in_refs, out_refs):
+        del seeds_ref  # no rounding here
+        (x_smem,), (row_ref, col_ref) = in_refs, out_refs
         for h in range(TILE // _CHUNK):
             rows = pl.ds(h * _CHUNK, _CHUNK)
-            row_smem[rows] = _rows_amax(_load_chunk(x_smem, h, transposed=False))
-            col_smem[rows] = _rows_amax(_load_chunk(x_smem, h, transposed=True))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(row_smem, row_ref.at[j, tile_m])
-        plgpu.copy_smem_to_gmem(col_smem, col_ref.at[i, tile_k])
-        plgpu.wait_smem_to_gmem(0)
+            row_ref[rows] = _rows_amax(_load_chunk(x_smem, h, transposed=False))
+            col_ref[rows] = _rows_amax(_load_chunk(x_smem, h, transposed=True))
 
     out_type = (jax.ShapeDtypeStruct((k // TILE, m), jnp.float32), jax.ShapeDtypeStruct((m // TILE, k), jnp.float32))
-    scratch = (plgpu.SMEM((TILE, TILE), x.dtype), plgpu.SMEM((TILE,), jnp.float32), plgpu.SMEM((TILE,), jnp.float32),
-               plgpu.Barrier(num_barriers=1))
-    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(m // TILE, k // TILE),
-                        grid_names=("m", "k"), interpret=interpret)(x)
+    out_streams = [_Stream((TILE,), jnp.float32, lambda i, j: (j, pl.ds(i * TILE, TILE))),
+                   _Stream((TILE,), jnp.float32, lambda i, j: (i, pl.ds(j * TILE, TILE)))]
+    return _run_tiles(step, x, jnp.zeros((2,), jnp.uint32), [], [], out_type, out_streams, steps=steps,
+                      interpret=interpret)
 
 
-def amax_pair(x: jax.Array, *, interpret=False) -> tuple[jax.Array, jax.Array]:
+def amax_pair(x: jax.Array, *, interpret=False, tiles_per_program=TILES_PER_PROGRAM) -> tuple[jax.Array, jax.Array]:
     """Row and column amax of x (M, K) from one read: (M,) and (K,) f32, +Inf where a row/column holds NaN or Inf
     (the reference's `_amax` for granularity "row" of x and of x.T)."""
-    row_partial, col_partial = _amax_call(x, interpret=resolve_interpret(interpret))
+    reason = supports(x, QuantSpec("int8"))
+    if reason is not None:
+        raise ValueError(reason)
+    row_partial, col_partial = _amax_call(x, steps=tiles_per_program, interpret=resolve_interpret(interpret))
     return jnp.max(row_partial, axis=0), jnp.max(col_partial, axis=0)
 
 
@@ -291,7 +373,7 @@ def _seed(seed, spec):
 
 
 def quantize_pair(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None, row_seed=None, col_seed=None, *,
-                  interpret=False) -> tuple[QTensor, QTensor | None]:
+                  interpret=False, tiles_per_program=TILES_PER_PROGRAM) -> tuple[QTensor, QTensor | None]:
     """Quantizes x (M, K) as (M, K) per row_spec and, if col_spec is given, x.T (K, M) per col_spec.
 
     Args:
@@ -300,6 +382,8 @@ def quantize_pair(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None,
       row_seed, col_seed: uint32 scalars, needed by the stochastic specs.
       interpret: False / None compile the kernels (needs a Hopper GPU); True or a `plgpu.InterpretGPUParams` run
         them under the Mosaic GPU interpreter (CPU, slow: tests).
+      tiles_per_program: 128 x 128 tiles along K each program pipelines (a tuning knob; results do not depend on
+        it).
 
     Returns:
       (QTensor (M, K), QTensor (K, M) or None), equal bit for bit to `quantize_with_seed(x, row_spec, row_seed)`
@@ -315,12 +399,12 @@ def quantize_pair(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None,
     given = [(spec, transposed) for spec, transposed in specs if spec.granularity not in _BLOCKS]
     scales, inverses = {}, {False: None, True: None}
     if given:
-        row_amax, col_amax = amax_pair(x, interpret=interpret)
+        row_amax, col_amax = amax_pair(x, interpret=interpret, tiles_per_program=tiles_per_program)
         for spec, transposed in given:
             scales[transposed], inverses[transposed] = _inverse_scale(spec, row_amax, col_amax, k if transposed else m,
                                                                       transposed)
     outs = list(_tile_call(x, seeds, inverses[False], inverses[True], row=_Side.of(row_spec),
-                           col=_Side.of(col_spec), interpret=interpret))
+                           col=_Side.of(col_spec), steps=tiles_per_program, interpret=interpret))
     results = []
     for spec, transposed in specs:
         codes = outs.pop(0)
@@ -329,9 +413,10 @@ def quantize_pair(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None,
     return results[0], (results[1] if col_spec is not None else None)
 
 
-def quantize_kernel(x: jax.Array, spec: QuantSpec, seed=None, *, interpret=False) -> QTensor:
+def quantize_kernel(x: jax.Array, spec: QuantSpec, seed=None, *, interpret=False,
+                    tiles_per_program=TILES_PER_PROGRAM) -> QTensor:
     """One layout: the kernel form of `quantize_with_seed(x, spec, seed)` for x (M, K) (see `quantize_pair`)."""
-    return quantize_pair(x, spec, None, seed, None, interpret=interpret)[0]
+    return quantize_pair(x, spec, None, seed, None, interpret=interpret, tiles_per_program=tiles_per_program)[0]
 
 
 # ---------------------------------------------------------------------------------------------------- benchmark
