@@ -75,6 +75,8 @@ class TuningConfig:
         `grid_minor_dim` (0: M, 1: N; `plgpu.planar_snake`) so the ~132 tiles in flight share operand rows in L2.
         With 256 x 128 CTA tiles, 8 M-tiles x ~16 N-tiles in flight read the fewest distinct rows.
       num_ctas: persistent grid size; None = number of SMs on a GPU, 2 under the interpreter.
+      cluster_m: 1, or 2 for clusters of two CTAs on neighbouring M tiles that share each B tile: one TMA load
+        multicast to both halves B's L2 -> SMEM traffic (SMEM per CTA is unchanged).
     """
 
     tile_m: int = 128
@@ -84,6 +86,7 @@ class TuningConfig:
     grid_minor_dim: int = 0
     grid_tile_width: int = 8
     num_ctas: int | None = None
+    cluster_m: int = 1
 
     def __post_init__(self):
         if self.tile_m <= 0 or self.tile_m % 64:
@@ -94,6 +97,8 @@ class TuningConfig:
             raise ValueError(f"tile_k must be 64, 128 or 256, got {self.tile_k}")
         if self.max_concurrent_steps < 2:
             raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
+        if self.cluster_m not in (1, 2):
+            raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
         if self.grid_minor_dim not in (0, 1) or self.grid_tile_width < 1:
             raise ValueError(f"grid_minor_dim must be 0 or 1 and grid_tile_width >= 1, got {self.grid_minor_dim}, "
                              f"{self.grid_tile_width}")
@@ -243,7 +248,10 @@ def _kernel(plan: _Plan, *refs):
     a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem = refs
     tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
     cta_m = _COMPUTE_WGS * tile_m
-    m_iters, n_iters, k_iters = plan.m // cta_m, plan.n // tile_n, plan.k // tile_k
+    cluster_m = cfg.cluster_m
+    # m_iters counts clusters of `cluster_m` CTAs along M; the CTAs of a cluster share the B tile.
+    m_iters, n_iters, k_iters = plan.m // (cluster_m * cta_m), plan.n // tile_n, plan.k // tile_k
+    b_collective = ("cluster",) if cluster_m > 1 else ()
     block_mode = plan.mode == "block"
     promote = plan.mode != "row"
     code_bytes = 1
@@ -262,7 +270,7 @@ def _kernel(plan: _Plan, *refs):
 
     in_specs = [
         plgpu.BlockSpec((cta_m, tile_k), lambda k: (0, k), transforms=code_transforms),
-        plgpu.BlockSpec((tile_n, tile_k), lambda k: (0, k), transforms=code_transforms),
+        plgpu.BlockSpec((tile_n, tile_k), lambda k: (0, k), transforms=code_transforms, collective_axes=b_collective),
     ]
     if block_mode:  # one K block's scales per step: a row of the transposed (K/128, rows) scale arrays
         in_specs += [plgpu.BlockSpec((1, cta_m), lambda k: (k, 0)), plgpu.BlockSpec((1, tile_n), lambda k: (k, 0))]
@@ -298,6 +306,8 @@ def _kernel(plan: _Plan, *refs):
         def _tile_loop(loop_info):
             (lin,) = loop_info.index
             m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
+            if cluster_m > 1:
+                m_idx = m_idx * cluster_m + lax.axis_index("cluster")
             out_rows = pl.ds(m_idx * cta_m + wg * tile_m, tile_m)
             out_cols = pl.ds(n_idx * tile_n, tile_n)
 
@@ -371,11 +381,12 @@ def _kernel(plan: _Plan, *refs):
 
 @functools.partial(jax.jit, static_argnames=("plan", "interpret"))
 def _launch(a_codes, b_codes, a_scale, b_scale, *, plan: _Plan, interpret):
+    cluster_m = plan.config.cluster_m
     kernel = plgpu.kernel(
         functools.partial(_kernel, plan),
         out_type=jax.ShapeDtypeStruct((plan.m, plan.n), plan.out_dtype),
-        grid=(plan.num_ctas,), grid_names=("sm",), num_threads=_COMPUTE_WGS + 1, thread_name="wg",
-        interpret=interpret)
+        grid=(plan.num_ctas // cluster_m,), grid_names=("sm",), cluster=(cluster_m,), cluster_names=("cluster",),
+        num_threads=_COMPUTE_WGS + 1, thread_name="wg", interpret=interpret)
     return kernel(a_codes, b_codes, a_scale, b_scale)
 
 
@@ -413,7 +424,7 @@ def scaled_matmul_kernel(a: QTensor, b: QTensor, out_dtype, *, precise_accumulat
 
     (m, k), n = a.data.shape, b.data.shape[0]
     cta_m = _COMPUTE_WGS * config.tile_m
-    mp, np_, kp = _round_up(m, cta_m), _round_up(n, config.tile_n), _round_up(k, config.tile_k)
+    mp, np_, kp = _round_up(m, cta_m * config.cluster_m), _round_up(n, config.tile_n), _round_up(k, config.tile_k)
     a_codes, b_codes = _pad2(a.data, mp, kp, 0), _pad2(b.data, np_, kp, 0)
     if mode == "block":
         a_scale, b_scale = _block_scales(a, k // _BLOCK_K, mp), _block_scales(b, k // _BLOCK_K, np_)
@@ -421,6 +432,9 @@ def scaled_matmul_kernel(a: QTensor, b: QTensor, out_dtype, *, precise_accumulat
         a_scale, b_scale = _row_vector(a, m, mp), _row_vector(b, n, np_)
     tiles = (mp // cta_m) * (np_ // config.tile_n)
     num_ctas = config.num_ctas or (2 if interpret else _num_sms())
+    num_ctas -= num_ctas % config.cluster_m
+    if num_ctas < config.cluster_m:
+        raise ValueError(f"num_ctas={config.num_ctas} is smaller than the cluster ({config.cluster_m} CTAs)")
     per_tile = mode == "block" and b.granularity in ("tensor", "128x128") and 128 % config.tile_n == 0
     plan = _Plan(mode, mp, np_, kp, out_dtype, config, min(num_ctas, tiles), per_tile)
     out = _launch(a_codes, b_codes, a_scale.astype(jnp.float32), b_scale.astype(jnp.float32), plan=plan,
@@ -485,6 +499,7 @@ def _benchmark_main():
                     configs += [dataclasses.replace(base, grid_tile_width=w_, grid_minor_dim=d)
                                 for w_ in (4, 16) for d in (0, 1)]
                     configs += [dataclasses.replace(base, max_concurrent_steps=base.max_concurrent_steps - 1)]
+                    configs += [dataclasses.replace(base, cluster_m=2)]
                     if base == ROW_CONFIG:  # 128 x 256 CTA tiles (wgmma N=256); 4 stages overflow SMEM by ~100 bytes
                         configs += [dataclasses.replace(base, tile_m=64, tile_n=256, max_concurrent_steps=3)]
                 ref_out = reference(a, b)
@@ -497,7 +512,7 @@ def _benchmark_main():
                     t_kernel = seconds(kernel, a, b)
                     label = name if config is None else (
                         f"  {config.tile_m}x{config.tile_n} s{config.max_concurrent_steps} "
-                        f"d{config.grid_minor_dim}w{config.grid_tile_width}")
+                        f"d{config.grid_minor_dim}w{config.grid_tile_width} c{config.cluster_m}")
                     say(f"{label:16} {n:5} {flops / t_kernel / 1e12:7.0f} {flops / t_xla / 1e12:12.0f} "
                         f"{flops / t_ref / 1e12:9.0f} {t_xla / t_kernel:10.2f} {err:8.1e}")
             except Exception as e:  # keep the other cases' numbers

@@ -75,12 +75,12 @@ def _assert_close(out, ref, mag, out_dtype, rtol=F32_RTOL, where=None):
 
 
 def test_int8_row_scales_equal_reference_with_padding_zero_and_inf_rows():
-    # M=200, N=150, K=300 pad to 256 x 192 x 384 (SMALL: 128 x 64 CTA tiles): six output tiles on two persistent
-    # CTAs, three K steps through a two-stage pipeline, a K tail of zero codes.
+    # M=200, N=150, K=300 pad to 256 x 192 x 384 (128 x 64 CTA tiles in a 2-CTA cluster sharing B): three output
+    # tiles per CTA, three K steps through a two-stage pipeline, a K tail of zero codes.
     a, b = _operands(200, 150, 300, ("int8", "row"), ("int8", "row"))
     a = dataclasses.replace(a, data=a.data.at[5].set(0), scale=a.scale.at[5].set(1))  # all-zero row: scale 1
     a = dataclasses.replace(a, scale=a.scale.at[130, 0].set(jnp.inf))  # Inf scale: row 130 must not be finite
-    out, ref = _kernel(a, b, jnp.float32), _reference(a, b, jnp.float32)
+    out, ref = _kernel(a, b, jnp.float32, config=dataclasses.replace(SMALL, cluster_m=2)), _reference(a, b, jnp.float32)
     assert not np.any(np.isfinite(out[130])) and not np.any(np.isfinite(ref[130]))
     assert np.all(out[5] == 0)
     rest = np.delete(np.arange(200), 130)
@@ -164,14 +164,14 @@ def test_config_errors():
                                   config=dataclasses.replace(mgpu.ROW_CONFIG, max_concurrent_steps=6), interpret=True)
 
 
-@pytest.mark.parametrize("mode, code, out_dtype", [
-    ("row", jnp.int8, jnp.bfloat16), ("block", jnp.float8_e4m3fn, jnp.float32), ("promote", jnp.float8_e5m2,
-                                                                                  jnp.bfloat16)])
-def test_lowers_for_cuda(mode, code, out_dtype):
+@pytest.mark.parametrize("mode, code, out_dtype, cluster_m", [
+    ("row", jnp.int8, jnp.bfloat16, 1), ("block", jnp.float8_e4m3fn, jnp.float32, 1),
+    ("block", jnp.int8, jnp.bfloat16, 2), ("promote", jnp.float8_e5m2, jnp.bfloat16, 1)])
+def test_lowers_for_cuda(mode, code, out_dtype, cluster_m):
     """Default configs at 4096 x 2048 x 1024 lower to a Mosaic GPU module (layouts, wgmma operands, SMEM budget)."""
     m, n, k = 4096, 2048, 1024
-    config = mgpu.ROW_CONFIG if mode == "row" else mgpu.BLOCK_CONFIG
-    plan = mgpu._Plan(mode, m, n, k, jnp.dtype(out_dtype), config, 132)
+    config = dataclasses.replace(mgpu.ROW_CONFIG if mode == "row" else mgpu.BLOCK_CONFIG, cluster_m=cluster_m)
+    plan = mgpu._Plan(mode, m, n, k, jnp.dtype(out_dtype), config, 132, b_scale_per_tile=code == jnp.int8)
     scale_shapes = ((k // 128, m), (k // 128, n)) if mode == "block" else ((m,), (n,))
     args = (jax.ShapeDtypeStruct((m, k), code), jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn if code != jnp.int8
                                                                      else code),
