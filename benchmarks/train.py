@@ -1,0 +1,206 @@
+"""End-to-end Llama training throughput per recipe vs bf16 (the seed's table), and the torch peer on the same GPU.
+
+  python benchmarks/train.py                                # ~1.1B Llama (TinyLlama shape), batch 8 x 2048
+  python benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --no-peer
+  python benchmarks/train.py --small                        # tiny model; the default when no GPU is present
+
+One row = one jitted train step of `qjax.train.make_train_step` (forward, backward, grad clipping, optax AdamW
+with fp32 states; the LM head stays in bf16 as in every qjax config) on random tokens, timed over --steps steps
+after --warmup. Each row runs in its own subprocess so that its peak device memory is its own (JAX cannot reset the
+allocator's peak) and nothing compiled for one row stays resident during the next.
+
+Rows (--rows): bf16; int8 fwd only; int8 fwd+dgrad; int8_rowwise (all three GEMMs); the last two with stochastic
+rounding of the gradient operand (`qjax.with_stochastic_gradients`; forward-only int8 has no gradient operand to
+round); fp8_tensorwise; fp8_blockwise; and "<recipe>@xla" rows that force the XLA path (no Pallas kernels) to show
+what the kernels buy. Then, unless --no-peer, Hugging Face LlamaForCausalLM of the same shape under torch.compile
+(bf16, torchao float8 tensorwise / rowwise, int8 mixed precision) in a subprocess (benchmarks/torch_peer.py).
+"""
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # rows and the torch peer run in subprocesses
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+ROWS = ("bf16", "int8_fwd", "int8_fwd_dgrad", "int8_rowwise", "int8_fwd_dgrad_sr", "int8_rowwise_sr",
+        "fp8_tensorwise", "fp8_blockwise", "int8_rowwise@xla", "fp8_tensorwise@xla")
+DEFAULT_ROWS = ("bf16", "int8_fwd", "int8_fwd_dgrad", "int8_rowwise", "int8_rowwise_sr", "fp8_tensorwise",
+                "fp8_blockwise", "int8_rowwise@xla")
+PEER_VARIANTS = ("bf16", "float8_tensorwise", "float8_rowwise", "int8_mixed_precision")
+TINYLLAMA = dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000)
+
+
+def row_recipe(row: str):
+    """The qjax.Recipe a row name stands for ("name@xla": that recipe with backend "xla")."""
+    import qjax
+
+    name, _, backend = row.partition("@")
+    int8 = qjax.recipe("int8_rowwise")
+    recipes = {
+        "int8_fwd": dataclasses.replace(int8, name="int8_fwd", dgrad=None, wgrad=None),
+        "int8_fwd_dgrad": dataclasses.replace(int8, name="int8_fwd_dgrad", wgrad=None),
+    }
+    recipes["int8_fwd_dgrad_sr"] = qjax.with_stochastic_gradients(recipes["int8_fwd_dgrad"])
+    recipes["int8_rowwise_sr"] = qjax.with_stochastic_gradients(int8)
+    recipe = recipes.get(name) or qjax.recipe(name)
+    return dataclasses.replace(recipe, backend=backend) if backend else recipe
+
+
+def measure_row(row: str, args) -> dict:
+    """Runs in the child process: tokens/s, step ms, peak memory, MFU and the loss over the timed steps."""
+    import jax
+    import numpy as np
+
+    from common import REPO, time_ms
+
+    sys.path.insert(0, str(REPO))  # the configs/ package
+    from configs import llama_base
+    from qjax.train import make_train_step, make_task, peak_flops
+
+    config = llama_base.get_config()
+    config.model.size = args.size
+    for field, value in (TINYLLAMA.items() if args.size == "1b" else ()):
+        setattr(config.model, field, value)
+    config.model.remat = args.remat
+    del config.recipe  # the config file's field is a recipe name; rows need Recipe objects (variants, backend)
+    config.recipe = row_recipe(row)
+    config.seq_len, config.batch_size = args.seq, args.batch
+    config.steps = 1000  # the LR schedule's length; irrelevant to the timing
+    task = make_task(config)
+    init_state, train_step = make_train_step(config, task)
+    state = init_state()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, task.model_config.vocab_size, (args.batch, args.seq + 1), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    losses = []
+
+    def step(state):
+        state, metrics = train_step(state, batch)
+        losses.append(metrics["loss"])
+        return state
+
+    holder = [state]
+
+    def run_one():  # the state is donated: thread it through
+        holder[0] = step(holder[0])
+        return holder[0].step
+
+    ms = time_ms(run_one, (), warmup=args.warmup, reps=args.steps)
+    losses = [float(x) for x in losses]
+    if not all(np.isfinite(losses)):
+        raise RuntimeError(f"non-finite loss: {losses}")
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    tokens_per_s = args.batch * args.seq / ms * 1e3
+    peak = peak_flops(device)
+    return dict(row=row, tokens_per_s=tokens_per_s, step_ms=ms, loss_first=losses[0], loss_last=losses[-1],
+                peak_mem_gb=stats["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in stats else None,
+                mfu=tokens_per_s * task.flops_per_unit / peak if peak else None, device=device.device_kind)
+
+
+def run_row_subprocess(row: str, args) -> dict:
+    argv = [sys.executable, os.path.abspath(__file__), "--child", row, "--size", args.size, "--batch",
+            str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    argv += ["--remat"] if args.remat else []
+    print(f"{row}: running...", flush=True)
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    result = json.loads(lines[-1]) if lines else {"row": row, "error": f"exited {proc.returncode}, no result"}
+    if "error" in result:
+        print(f"{row}: FAILED {result['error']}", flush=True)
+    else:
+        print(f"{row}: {result['tokens_per_s']:,.0f} tok/s, {result['step_ms']:.1f} ms/step, loss "
+              f"{result['loss_first']:.3f} -> {result['loss_last']:.3f}", flush=True)
+    return result
+
+
+def table(results: list[dict], peer: dict, args) -> str:
+    base = next((r for r in results if r["row"] == "bf16" and "error" not in r), None)
+    lines = ["| row | recipe | tokens/s | vs qjax bf16 | step ms | peak GB | MFU |", "|---|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['row']} | failed: {r['error'][:120]} | | | | | |")
+            continue
+        speedup = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "–"
+        peak = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") else "–"
+        mfu = f"{r['mfu']:.2f}" if r.get("mfu") else "–"
+        lines.append(f"| {r['row']} | {row_recipe(r['row']).name} | {r['tokens_per_s']:,.0f} | {speedup} | "
+                     f"{r['step_ms']:.1f} | {peak} | {mfu} |")
+    notes = [f"Llama {args.size} (batch {args.batch} x seq {args.seq}, remat={args.remat}), random tokens, optax "
+             f"AdamW fp32 states, LM head in bf16; median of {args.steps} steps after {args.warmup} warm-up; "
+             "one subprocess per row."]
+    if peer.get("results"):
+        torch_bf16 = peer["results"].get("bf16", {}).get("tokens_per_s")
+        lines += ["", "| torch peer (HF LlamaForCausalLM, torch.compile) | tokens/s | vs torch bf16 | vs qjax bf16 | "
+                  "peak GB |", "|---|---:|---:|---:|---:|"]
+        for variant, r in peer["results"].items():
+            vs_torch = f"{r['tokens_per_s'] / torch_bf16:.2f}x" if torch_bf16 else "–"
+            vs_qjax = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "–"
+            peak = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") else "–"
+            lines.append(f"| {variant} | {r['tokens_per_s']:,.0f} | {vs_torch} | {vs_qjax} | {peak} |")
+        if torch_bf16:
+            notes.append("qjax rows against torch bf16 ({:,.0f} tok/s): ".format(torch_bf16) + ", ".join(
+                f"{r['row']} {r['tokens_per_s'] / torch_bf16:.2f}x" for r in results if "error" not in r))
+        notes.append(f"torch {peer.get('torch')}, torchao {peer.get('torchao')}, torch.compile={peer.get('compile')}.")
+        notes += [f"{v}: not run ({why})." for v, why in peer.get("skipped", {}).items()]
+    elif peer:
+        notes.append(f"torch peer not measured: {peer.get('error')}")
+    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="*", choices=ROWS, help=f"default: {' '.join(DEFAULT_ROWS)}")
+    parser.add_argument("--size", default=None, help="model preset: 1b (default on GPU) or tiny (--small)")
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--remat", action="store_true", help="rematerialize each block (less memory, more FLOPs)")
+    parser.add_argument("--small", action="store_true", help="tiny model, tiny batch (default without a GPU)")
+    parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--peer-python", help="interpreter with torch + torchao (default $QJAX_TORCH_PYTHON or this)")
+    parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    if args.child:  # one row, in its own process: print its JSON result
+        try:
+            print(json.dumps(measure_row(args.child, args)), flush=True)
+        except Exception as e:  # reported in the table rather than ending the whole benchmark
+            print(json.dumps({"row": args.child, "error": f"{type(e).__name__}: {e}"[:2000]}), flush=True)
+        return
+    import jax
+
+    from common import append_results, device_kind
+    from torch_peer import run_torch_peer
+
+    small = args.small or jax.default_backend() != "gpu"
+    args.size = args.size or ("tiny" if small else "1b")
+    args.batch = args.batch or (2 if small else 8)
+    args.seq = args.seq or (64 if small else 2048)
+    if small:
+        args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
+    rows = args.rows or DEFAULT_ROWS
+    print(f"Llama {args.size} train step on {device_kind()}, jax {jax.__version__}: {len(rows)} rows", flush=True)
+    results = [run_row_subprocess(row, args) for row in rows]
+    peer = {}
+    if args.peer:
+        shape = dict(dim=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000) if args.size == "1b" else {}
+        peer = run_torch_peer("llama", python=args.peer_python, batch=args.batch, seq=args.seq, steps=args.steps,
+                              warmup=args.warmup, small=small, variants=list(PEER_VARIANTS), **shape)
+    report = table(results, peer, args)
+    print("\n" + report)
+    if not args.no_append:
+        append_results(f"Llama {args.size} train step", report)
+
+
+if __name__ == "__main__":
+    main()
