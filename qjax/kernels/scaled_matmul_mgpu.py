@@ -124,7 +124,8 @@ class _Plan:
     out_dtype: jnp.dtype
     config: TuningConfig
     num_ctas: int
-    b_scale_per_tile: bool = False  # block mode: one b scale per (tile, K block) (128x128 or tensor b, 128 % tile_n == 0)
+    # Block mode: one b scale per (tile, K block): b "128x128" or "tensor" and 128 % tile_n == 0.
+    b_scale_per_tile: bool = False
 
 
 def _mode(a: QTensor, b: QTensor, precise_accumulation: bool) -> str:
@@ -369,7 +370,8 @@ def _kernel(plan: _Plan, *refs):
                     row_scale = row_scale * sb_smem[0, 0]
                     return acc + part * lax.broadcast_in_dim(row_scale, part.shape, [0])
                 col_scale = plgpu.load(sb_smem.at[0], layout=col_layout)
-                scale = lax.broadcast_in_dim(row_scale, part.shape, [0]) * lax.broadcast_in_dim(col_scale, part.shape, [1])
+                scale = (lax.broadcast_in_dim(row_scale, part.shape, [0])
+                         * lax.broadcast_in_dim(col_scale, part.shape, [1]))
                 return acc + part * scale
 
             body = promote_body if promote else accumulate_body
@@ -414,8 +416,8 @@ def scaled_matmul_kernel(a: QTensor, b: QTensor, out_dtype, *, precise_accumulat
     """
     reason = supports(a, b, out_dtype)
     if reason is not None:
-        error = TypeError if reason.startswith(("operands must", "codes must", "out_dtype", "int8 codes")) else ValueError
-        raise error(f"scaled_matmul_kernel: {reason}")
+        type_problem = reason.startswith(("operands must", "codes must", "out_dtype", "int8 codes"))
+        raise (TypeError if type_problem else ValueError)(f"scaled_matmul_kernel: {reason}")
     out_dtype = jnp.dtype(out_dtype)
     mode = _mode(a, b, precise_accumulation)
     config = default_config(a, b, precise_accumulation) if config is None else config
