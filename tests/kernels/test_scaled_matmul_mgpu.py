@@ -12,7 +12,6 @@ and runs one f32 GEMM (same bound); bf16 outputs add one or two bf16 roundings (
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
