@@ -61,7 +61,7 @@ def _check(x, target):
 @interpreter_only
 @pytest.mark.parametrize("target", TARGETS)
 def test_matches_reference(target):
-    # 35,000 elements: three 128 x 128 tiles, the last one padded (flat indices across tiles and the slice).
+    # 35,000 elements: five 64 x 128 tiles, the last one padded (flat indices across tiles and the slice).
     x = _input((5, 7000), jnp.float32, target)
     got = np.asarray(_check(x, target), np.float32).reshape(-1)
     fmt = formats.get_format(target)
@@ -92,9 +92,9 @@ def test_errors():
 
 def test_lowers_for_hopper():
     """The Mosaic GPU lowering succeeds for sm_90 on any host (int8's floor path and e5m2's float16 path)."""
-    for target in (jnp.int8, jnp.float8_e5m2):
+    for target, dtype in ((jnp.int8, jnp.float32), (jnp.float8_e5m2, jnp.bfloat16)):
         f = lambda x: stochastic_cast_mgpu.stochastic_cast(x, target, SEED)
-        lowered = jax.jit(f).trace(jnp.zeros((300, 100))).lower(lowering_platforms=("cuda",))
+        lowered = jax.jit(f).trace(jnp.zeros((300, 100), dtype)).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
 
 
