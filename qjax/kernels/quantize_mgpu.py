@@ -9,14 +9,14 @@ from as few reads of x as the granularities allow:
   1x128, 128x128            1               tile kernel: per-block amax in registers, scales written by the kernel
   row, tensor               2               amax kernel (row and column amax from one read), then the tile kernel
 
-Tile kernel, one program per 128 x 128 tile (i, j) of x:
-  GMEM -> SMEM (TMA)  x tile (128, 128) bf16/f16/f32; for row/tensor sides the tile's 128 inverse scales
-  row side            x tile in registers (Mosaic GPU's WGMMA layout, 64 rows at a time): amax along K, scale,
+Tile kernel: programs of TILES_PER_PROGRAM consecutive 128 x 128 tiles (i, j) along K, two SMEM slots per stream
+(tile t + 1 loads and tile t - 1 stores while tile t is computed). Per tile:
+  GMEM -> SMEM (TMA)  x tile (128, 128) bf16/f16/f32 (128-byte swizzled); for row/tensor sides 128 inverse scales
+  row side            x in registers (Mosaic GPU's WGMMA layout, 64 rows at a time): amax along K, scale,
                       y = x * (1 / scale), round (half-even or stochastic), cast -> codes (128, 128)
-  column side         the same on the transposed tile, read from SMEM through a transposed view
-                      (`x_smem.T`, loaded in WGMMA_TRANSPOSED layout and converted in registers to WGMMA: for
-                      16-bit inputs this is ldmatrix.trans + one shuffle). The 8-bit codes are never transposed:
-                      they are computed in the transposed layout and stored row-major.
+  column side         the same on the transposed tile, read through a transposed SMEM view (`x_smem.T`, loaded in
+                      WGMMA_TRANSPOSED layout and converted in registers to WGMMA: 16/32-bit data is transposed,
+                      never the 8-bit codes, which are computed in the transposed layout and stored row-major)
   SMEM -> GMEM (TMA)  codes to out[i, j] and out_t[j, i]; block scales as 128-float rows (below)
 
 Block scales leave the kernel as (K/128, M) (row side) and (M/128, K) (column side) arrays so each tile writes one
@@ -142,7 +142,7 @@ def _codes(x32, inv_rows, side: _Side, seed, row0, col0, n_cols):
         y = round_to_grid(y, fmt, stochastic.hash_uint32(seed, rows * jnp.uint32(n_cols) + cols))
     elif fmt.is_integer:
         y = jnp.round(y)  # half to even
-    return cast_codes(y, fmt, may_be_inf=False)  # y is finite or NaN here: Inf only arises from Inf * (1/Inf)
+    return cast_codes(y, fmt, may_be_inf=False)  # y is finite, or NaN in a NaN/Inf block (x * 1/Inf = x * 0)
 
 
 def _load_chunk(x_smem, h, transposed):

@@ -31,7 +31,7 @@ def _input(shape, dtype, target, seed=0):
                 2.5, -3.5, 0.75, 17.0, 19.0, 126.5, -127.4, 1.0 + 2**-8, 3e38, -3.4e38]
     flat[:len(specials)] = specials
     flat[-3:] = [np.nan, np.inf, 1.5]  # in the last, padded tile
-    return jnp.asarray(x, dtype)
+    return jnp.asarray(x, jnp.float32).astype(dtype)  # float16: values beyond its range become +-Inf
 
 
 def _bits(a):
