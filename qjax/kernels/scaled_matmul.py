@@ -74,7 +74,7 @@ def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation:
     run_kernel, interpret = kernels.use_kernel(backend)
     if not run_kernel:
         return scaled_matmul(a, b, out_dtype, precise_accumulation)
-    reason = _kernel_unsupported(a, b, out_dtype, precise_accumulation)
+    reason = _kernel_unsupported(a, b, out_dtype)
     if reason is None:
         from qjax.kernels import scaled_matmul_mgpu  # imported here: Mosaic GPU is only needed when it runs
         return scaled_matmul_mgpu.scaled_matmul_kernel(a, b, out_dtype, precise_accumulation=precise_accumulation,
@@ -85,11 +85,11 @@ def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation:
     return scaled_matmul(a, b, out_dtype, precise_accumulation)
 
 
-def _kernel_unsupported(a: QTensor, b: QTensor, out_dtype, precise_accumulation: bool) -> str | None:
+def _kernel_unsupported(a: QTensor, b: QTensor, out_dtype) -> str | None:
     if a.data.ndim != 2:
         return "batched operands"
     try:
         from qjax.kernels import scaled_matmul_mgpu
     except ImportError as e:
         return f"kernel module unavailable: {e}"
-    return scaled_matmul_mgpu.supports(a, b, out_dtype, precise_accumulation)
+    return scaled_matmul_mgpu.supports(a, b, out_dtype)
