@@ -194,6 +194,27 @@ def _steps_per_program(k_tiles: int, steps: int) -> int:
     return steps
 
 
+def _tile_region(transposed):
+    """GMEM region of tile (i, j): x[i, j] / codes[i, j], or codes_t[j, i] for the transposed layout."""
+    if transposed:
+        return lambda i, j: (pl.ds(j * TILE, TILE), pl.ds(i * TILE, TILE))
+    return lambda i, j: (pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE))
+
+
+def _scale_row_region(transposed):
+    """GMEM region of tile (i, j)'s 128 per-row values: a row of (K/128, M), or of (M/128, K) when transposed."""
+    if transposed:
+        return lambda i, j: (i, pl.ds(j * TILE, TILE))
+    return lambda i, j: (j, pl.ds(i * TILE, TILE))
+
+
+def _inverse_region(transposed):
+    """GMEM region of tile (i, j)'s 128 given inverse scales: rows of x (M,), or columns of x (K,) if transposed."""
+    if transposed:
+        return lambda i, j: pl.ds(j * TILE, TILE)
+    return lambda i, j: pl.ds(i * TILE, TILE)
+
+
 class _Stream(NamedTuple):
     """One array moved between GMEM and SMEM per tile: `region(i, j)` indexes the GMEM ref for tile (i, j)."""
 
@@ -216,8 +237,7 @@ def _run_tiles(step_body, x, seeds, inputs, in_streams, out_type, out_streams, *
     m, k = x.shape
     k_tiles = k // TILE
     steps = _steps_per_program(k_tiles, steps)
-    in_streams = [_Stream((TILE, TILE), x.dtype, lambda i, j: (pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)),
-                          swizzled=True), *in_streams]
+    in_streams = [_Stream((TILE, TILE), x.dtype, _tile_region(False), swizzled=True), *in_streams]
     n_in, n_out = len(in_streams), len(out_streams)
     tile_loads = sum(stream.per_tile for stream in in_streams)
 
@@ -288,18 +308,14 @@ def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, ste
 
     # Inverse scales of a side without blocks: the tile's 128 rows of x (the same for all tiles of a program:
     # loaded once), or its 128 columns for the transpose.
-    in_streams = [_Stream((TILE,), jnp.float32, (lambda i, j: pl.ds(j * TILE, TILE)) if transposed else
-                          (lambda i, j: pl.ds(i * TILE, TILE)), per_tile=transposed)
+    in_streams = [_Stream((TILE,), jnp.float32, _inverse_region(transposed), per_tile=transposed)
                   for side, transposed in sides if side.block is None]
     out_streams = []
     for side, transposed in sides:
         codes_dtype = formats.get_format(side.fmt).dtype
-        out_streams.append(_Stream((TILE, TILE), codes_dtype, (lambda i, j: (pl.ds(j * TILE, TILE), pl.ds(
-            i * TILE, TILE))) if transposed else (lambda i, j: (pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE))),
-                                   swizzled=True))
-        if side.block is not None:  # one 128-float row of the (K/128, M) or (M/128, K) scale array
-            out_streams.append(_Stream((TILE,), jnp.float32, (lambda i, j: (i, pl.ds(j * TILE, TILE))) if transposed
-                                       else (lambda i, j: (j, pl.ds(i * TILE, TILE)))))
+        out_streams.append(_Stream((TILE, TILE), codes_dtype, _tile_region(transposed), swizzled=True))
+        if side.block is not None:
+            out_streams.append(_Stream((TILE,), jnp.float32, _scale_row_region(transposed)))
 
     def step(seeds_ref, i, j, in_refs, out_refs):
         x_smem, inv_refs, out_refs = in_refs[0], list(in_refs[1:]), list(out_refs)
@@ -329,8 +345,8 @@ def _amax_call(x, *, steps, interpret):
             col_ref[rows] = _rows_amax(_load_chunk(x_smem, h, transposed=True))
 
     out_type = (jax.ShapeDtypeStruct((k // TILE, m), jnp.float32), jax.ShapeDtypeStruct((m // TILE, k), jnp.float32))
-    out_streams = [_Stream((TILE,), jnp.float32, lambda i, j: (j, pl.ds(i * TILE, TILE))),
-                   _Stream((TILE,), jnp.float32, lambda i, j: (i, pl.ds(j * TILE, TILE)))]
+    out_streams = [_Stream((TILE,), jnp.float32, _scale_row_region(False)),
+                   _Stream((TILE,), jnp.float32, _scale_row_region(True))]
     return _run_tiles(step, x, jnp.zeros((2,), jnp.uint32), [], [], out_type, out_streams, steps=steps,
                       interpret=interpret)
 
