@@ -13,12 +13,17 @@ accumulator in the optimizer state (so nothing extra in checkpoints). Micro-batc
 Randomness is a pure function of the state: the "quant" key of step s, micro-batch i is
 fold_in(fold_in(run_key, s), i), so a resumed run replays exactly the keys of an uninterrupted one.
 The state is donated: the step updates params and optimizer state in place.
+
+Equal (config, task, mesh) give the very same jitted functions (a small LRU cache of this pure builder), so a
+second `train()` in one process (a resumed run, a sweep repeating a config, tests) does not compile again.
 """
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import optax
 
 from qjax.train import mesh as mesh_lib
@@ -90,8 +95,13 @@ def make_train_step(config, task: Task | None = None, mesh=None) -> tuple[Callab
     """
     task = make_task(config) if task is None else task
     mesh = mesh_lib.make_mesh() if mesh is None else mesh
+    mesh_lib.check_batch_size(config.batch_size, config.grad_accum_steps, mesh)
+    return _build_train_step(ml_collections.FrozenConfigDict(config), task, mesh)
+
+
+@functools.lru_cache(maxsize=8)
+def _build_train_step(config: ml_collections.FrozenConfigDict, task: Task, mesh) -> tuple[Callable, Callable]:
     accum = config.grad_accum_steps
-    mesh_lib.check_batch_size(config.batch_size, accum, mesh)
     tx, schedule = make_optimizer(config.optimizer, config.steps)
     replicated, batch_sharding = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)
 
@@ -114,8 +124,11 @@ def make_train_step(config, task: Task | None = None, mesh=None) -> tuple[Callab
     return init_jit, step_jit
 
 
+@functools.lru_cache(maxsize=8)
 def make_eval_step(task: Task, mesh) -> Callable:
-    """eval_step(params, batch, key) -> {"loss", plus aux}: float32 () means over the batch, jitted, no grads."""
+    """eval_step(params, batch, key) -> {"loss", plus aux}: float32 () means over the batch, jitted, no grads.
+
+    `key` is uint32 key data (the "quant" stream of stochastic recipes)."""
     replicated, batch_sharding = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)
 
     def eval_step(params, batch, key):

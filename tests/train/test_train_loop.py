@@ -2,14 +2,19 @@
 
 import io
 import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from train_helpers import tiny_llama_config, tiny_vit_config
 
-from qjax.train import loop, make_mesh, make_task, make_train_step, train
+from qjax.train import loop, train
 
 
 def _bits(tree):
@@ -17,76 +22,68 @@ def _bits(tree):
 
 
 def _records(workdir):
-    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r], [r for r in rows if "eval_loss" in r]
 
 
-def test_llama_loss_falls_and_run_leaves_metrics_and_last_k_checkpoints(token_dir, tmp_path):
-    config = tiny_llama_config(token_dir, steps=12, recipe="int8_rowwise")
-    result = train(config, tmp_path, stream=io.StringIO())
-    records = _records(tmp_path)
-    train_rows = [r for r in records if "loss" in r]
-    eval_rows = [r for r in records if "eval_loss" in r]
+def _checkpoints(workdir):
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir())
+
+
+def _check_resume(config, tmp_path, whole, stop_at, kill_after=None):
+    """Runs `config` to `stop_at`, optionally deletes checkpoints after `kill_after` (a run killed between two
+    saves), restarts it in the same workdir and checks that it ends bit-identical to the uninterrupted `whole`."""
+    pieces = tmp_path / "pieces"
+    first = train(config, pieces, stop_at=stop_at, stream=io.StringIO())
+    assert int(first.state.step) == stop_at and _checkpoints(pieces)[-1] == stop_at
+    if kill_after is not None:
+        for step in _checkpoints(pieces):
+            if step > kill_after:
+                shutil.rmtree(pieces / "checkpoints" / str(step))
+    out = io.StringIO()
+    resumed = train(config, pieces, stream=out)
+    assert f"resumed at step {kill_after or stop_at}" in out.getvalue()
+    assert int(resumed.state.step) == config.steps
+    assert jax.tree.structure(resumed.state) == jax.tree.structure(whole.state)
+    for a, b in zip(_bits(resumed.state), _bits(whole.state)):  # params, optimizer state, step, key
+        np.testing.assert_array_equal(a, b)
+    assert resumed.train_metrics["loss"] == whole.train_metrics["loss"]
+    assert resumed.eval_metrics == {**whole.eval_metrics, "time": resumed.eval_metrics["time"]}
+    assert _records(pieces)[0][-1]["step"] == config.steps  # the restart appended to the same metrics file
+
+
+def test_llama_int8_run_falls_and_resumes_bit_identically(token_dir, tmp_path):
+    # Quantized GEMMs, 8-bit Adam states and gradient accumulation together.
+    config = tiny_llama_config(token_dir, steps=12, recipe="int8_rowwise", grad_accum_steps=2, checkpoint_every=4)
+    config.optimizer.name = "adamw_8bit"
+    whole = train(config, tmp_path / "whole", stream=io.StringIO())
+    train_rows, eval_rows = _records(tmp_path / "whole")
     assert [r["step"] for r in train_rows] == [2, 4, 6, 8, 10, 12]
     assert [r["step"] for r in eval_rows] == [3, 6, 9, 12]
     assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 0.5, [r["loss"] for r in train_rows]
     assert eval_rows[-1]["eval_loss"] < eval_rows[0]["eval_loss"]
-    assert all(r["throughput"] > 0 for r in train_rows[1:])
-    assert int(result.state.step) == 12 and result.train_metrics["step"] == 12
-    # checkpoint_every=2, keep_checkpoints=2: only the last two remain, and no temporary directories.
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["10", "12"]
-    assert json.loads((tmp_path / "config.json").read_text())["recipe"] == "int8_rowwise"
+    assert all(r["throughput"] > 0 and r["lr"] > 0 for r in train_rows[1:])
+    assert _checkpoints(tmp_path / "whole") == [8, 12]  # keep_checkpoints=2, no temporary directories left
+    assert json.loads((tmp_path / "whole/config.json").read_text())["recipe"] == "int8_rowwise"
+    # Killed at step 9: the newest checkpoint (8) was saved mid-run, asynchronously, before later steps donated
+    # the state's buffers, so this also checks that saving copies the arrays first.
+    _check_resume(config, tmp_path, whole, stop_at=10, kill_after=8)
 
 
-def test_vit_loss_falls(tmp_path):
-    result = train(tiny_vit_config(steps=12, log_every=4), tmp_path, stream=io.StringIO())
-    train_rows = [r for r in _records(tmp_path) if "loss" in r]
-    assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 0.05, [r["loss"] for r in train_rows]
-    assert 0.0 <= result.eval_metrics["eval_accuracy"] <= 1.0 and result.eval_metrics["step"] == 12
-
-
-@pytest.mark.parametrize("recipe, optimizer, accum", [("bf16", "adamw", 1), ("int8_rowwise", "adamw_8bit", 2)])
-def test_resumed_run_is_bit_identical(token_dir, tmp_path, recipe, optimizer, accum):
-    config = tiny_llama_config(token_dir, steps=6, recipe=recipe, grad_accum_steps=accum, checkpoint_every=0)
-    config.optimizer.name = optimizer
+def test_vit_run_falls_resumes_bit_identically_and_stops_on_nan(tmp_path):
+    config = tiny_vit_config(steps=12, log_every=4, checkpoint_every=0)
+    config.optimizer.lr = 1e-2
     whole = train(config, tmp_path / "whole", stream=io.StringIO())
-
-    first = train(config, tmp_path / "pieces", stop_at=4, stream=io.StringIO())  # the "killed" run
-    assert int(first.state.step) == 4
-    assert sorted(p.name for p in (tmp_path / "pieces/checkpoints").iterdir()) == ["4"]
-    resumed = train(config, tmp_path / "pieces", stream=io.StringIO())
-    assert int(resumed.state.step) == 6
-    assert jax.tree.structure(resumed.state) == jax.tree.structure(whole.state)
-    for a, b in zip(_bits(resumed.state), _bits(whole.state)):
-        np.testing.assert_array_equal(a, b)
-    assert resumed.train_metrics["loss"] == whole.train_metrics["loss"]
-    assert resumed.eval_metrics["eval_loss"] == whole.eval_metrics["eval_loss"]
+    train_rows, _ = _records(tmp_path / "whole")
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 0.2, [r["loss"] for r in train_rows]
+    assert 0.0 <= whole.eval_metrics["eval_accuracy"] <= 1.0 and whole.eval_metrics["step"] == 12
+    assert _checkpoints(tmp_path / "whole") == [12]  # checkpoint_every=0: only at the end
+    _check_resume(config, tmp_path, whole, stop_at=5)
+    _check_nan_stops_the_run(config, tmp_path / "nan")  # same config: reuses the compiled step
 
 
-def test_grad_accumulation_equals_the_big_batch_step(token_dir):
-    # float32 compute and a huge eps make the update ~ lr * grad, so parameters compare the gradients themselves.
-    config = tiny_llama_config(token_dir, steps=3)
-    config.model.compute_dtype = "float32"
-    config.optimizer.eps, config.optimizer.weight_decay, config.optimizer.grad_clip = 1e3, 0.0, 0.0
-    task = make_task(config, vocab_size=256)
-    tokens = jax.random.randint(jax.random.key(1), (config.batch_size, config.seq_len + 1), 0, 256)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    results = {}
-    for accum in (1, 4):
-        config.grad_accum_steps = accum
-        init_state, train_step = make_train_step(config, task, make_mesh())
-        state0 = init_state()
-        before = jax.tree.map(np.asarray, state0.params)
-        state, metrics = train_step(state0, batch)
-        results[accum] = (jax.tree.map(lambda a, b: np.asarray(a) - b, state.params, before), metrics)
-    (delta1, m1), (delta4, m4) = results[1], results[4]
-    np.testing.assert_allclose(m4["loss"], m1["loss"], rtol=1e-6)
-    np.testing.assert_allclose(m4["grad_norm"], m1["grad_norm"], rtol=1e-5)
-    assert float(m1["grad_norm"]) > 0
-    for a, b in zip(jax.tree.leaves(delta4), jax.tree.leaves(delta1)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-10)
-
-
-def test_nan_loss_stops_the_run_without_saving(tmp_path, monkeypatch):
+def _check_nan_stops_the_run(config, workdir):
+    """A NaN batch at step index 1 makes the loss NaN: train() raises at the next log point and saves nothing."""
     real_make_dataset = loop.make_dataset
 
     def poisoned(config):
@@ -102,7 +99,57 @@ def test_nan_loss_stops_the_run_without_saving(tmp_path, monkeypatch):
         dataset.batch = batch
         return dataset
 
-    monkeypatch.setattr(loop, "make_dataset", poisoned)
-    with pytest.raises(FloatingPointError, match="loss is nan at step 2"):
-        train(tiny_vit_config(steps=6, log_every=2, checkpoint_every=2), tmp_path, stream=io.StringIO())
-    assert not list((tmp_path / "checkpoints").iterdir())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "make_dataset", poisoned)
+        with pytest.raises(FloatingPointError, match=f"loss is nan at step {config.log_every}"):
+            train(config, workdir, stream=io.StringIO())
+    assert not list((workdir / "checkpoints").iterdir())
+
+
+_ACCUM_AND_DATA_PARALLEL = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    from train_helpers import tiny_llama_config
+    from qjax.train import make_mesh, make_task, make_train_step
+    assert len(jax.devices()) == 2, jax.devices()
+    mesh1, mesh2 = make_mesh(jax.devices()[:1]), make_mesh()
+    # float32 compute and a huge eps make the update ~ lr * grad / eps, so parameters compare the gradients.
+    config = tiny_llama_config(sys.argv[1], steps=3)
+    config.model.compute_dtype = "float32"
+    config.optimizer.lr, config.optimizer.eps, config.optimizer.weight_decay, config.optimizer.grad_clip = (
+        1.0, 1e3, 0.0, 0.0)
+    task = make_task(config, vocab_size=256)
+    tokens = np.asarray(jax.random.randint(jax.random.key(1), (config.batch_size, config.seq_len + 1), 0, 256))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    init_state, step_1dev = make_train_step(config, task, mesh1)
+    config.grad_accum_steps = 4
+    _, step_accum_2dev = make_train_step(config, task, mesh2)
+    state = init_state()
+    before = jax.tree.map(np.array, state.params)
+    on2 = lambda s: jax.device_put(jax.tree.map(jnp.copy, s), jax.sharding.NamedSharding(mesh2, jax.sharding.PartitionSpec()))
+    accum_state = on2(state)  # a copy: the steps donate their input state
+    ref, m_ref = step_1dev(state, batch)
+    accum, m_accum = step_accum_2dev(accum_state, batch)
+    assert len(accum.params["embed"]["embedding"].sharding.device_set) == 2  # replicated on both devices
+    assert float(m_ref["grad_norm"]) > 0
+    np.testing.assert_allclose(m_accum["loss"], m_ref["loss"], rtol=1e-6)
+    np.testing.assert_allclose(m_accum["grad_norm"], m_ref["grad_norm"], rtol=1e-5)
+    for a, b, p in zip(jax.tree.leaves(accum.params), jax.tree.leaves(ref.params), jax.tree.leaves(before)):
+        assert np.any(np.asarray(b) != p), "the step must move every tensor"
+        # atol: a few float32 ulps of params near 1 (norm scales); a wrong mean would be off by a factor of 4.
+        np.testing.assert_allclose(np.asarray(a) - p, np.asarray(b) - p, rtol=1e-3, atol=3e-7)
+    print("ok")
+""")
+
+
+def test_accumulated_data_parallel_step_equals_the_big_batch_step(token_dir):
+    """4 accumulated micro-batches, each split over 2 CPU devices' "data" axis, give the single-device big-batch
+    update (XLA_FLAGS must be set before jax starts, hence a subprocess)."""
+    here = pathlib.Path(__file__).resolve().parent
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHONPATH": os.pathsep.join([str(here), str(here.parents[1])])}
+    result = subprocess.run([sys.executable, "-c", _ACCUM_AND_DATA_PARALLEL, token_dir], capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
