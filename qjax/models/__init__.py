@@ -1,20 +1,20 @@
 """Flax models whose projections run quantized GEMMs per a qjax recipe: Llama (language) and ViT (images).
 
-  import jax, jax.numpy as jnp, optax
+  import jax, jax.numpy as jnp
   from qjax import models
 
   config = models.llama_config("tiny", recipe="int8_rowwise")       # presets: models.LLAMA_SIZES
   model = models.Llama(config)
   tokens = jnp.zeros((2, 16), jnp.int32)
-  params = model.init(jax.random.key(0), tokens)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
   loss_fn = lambda p, key: models.lm_loss(
       model.apply({"params": p}, tokens, rngs={"quant": key})[:, :-1], tokens[:, 1:])
-  grads = jax.grad(loss_fn)(params, jax.random.key(1))              # int8 fwd, dgrad and wgrad GEMMs
+  grads = jax.jit(jax.grad(loss_fn))(params, jax.random.key(1))     # int8 fwd, dgrad and wgrad GEMMs
   print(models.num_params(params), models.layer_recipes(config)["lm_head"].name)   # the LM head stays bf16
 
   vit = models.ViT(models.vit_config("digits", recipe="fp8_rowwise"))
   images = jnp.zeros((8, 8, 8, 1), jnp.float32)
-  logits = vit.apply(vit.init(jax.random.key(0), images), images)  # (8, 10) float32
+  logits = jax.jit(vit.apply)(jax.jit(vit.init)(jax.random.key(0), images), images)   # (8, 10) float32
 
 The "quant" RNG stream is needed only by recipes with stochastic rounding (`qjax.with_stochastic_gradients`).
 """
