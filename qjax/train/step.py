@@ -115,7 +115,7 @@ def _build_train_step(config: ml_collections.FrozenConfigDict, task: Task, mesh)
         loss, aux, grads = _loss_and_grads(task, state.params, batch, step_key, accum, mesh)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step), **aux}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step), **aux}
         return TrainState(state.step + 1, params, opt_state, state.key), metrics
 
     init_jit = jax.jit(init_state, out_shardings=replicated)
