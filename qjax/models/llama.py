@@ -222,6 +222,8 @@ class Llama(nn.Module):
         compute = jnp.dtype(c.compute_dtype)
         embed = nn.Embed(c.vocab_size, c.dim, param_dtype=jnp.dtype(c.param_dtype), embedding_init=_init(c),
                          name="embed")
+        # The residual stream stays in the compute dtype (half the bytes of float32 per layer boundary); norms and
+        # RoPE compute in float32 internally.
         x = embed(tokens).astype(compute)
         positions = jnp.arange(tokens.shape[1])
         block = nn.remat(Block) if c.remat else Block

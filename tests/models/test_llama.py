@@ -64,26 +64,48 @@ def _init(config, tokens, seed=1):
     return jax.jit(init, compiler_options=FAST_COMPILE)(jax.random.key(seed))
 
 
+def _random_params(config, tokens, seed=1):
+    """Random parameters of the right shapes without compiling init (for tests of structural properties)."""
+    shapes = jax.eval_shape(models.Llama(config).init, jax.random.key(0), tokens)["params"]
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.1, s.shape), s.dtype), shapes)
+
+
+def _adamw_losses(value_and_grad, params, steps=8, learning_rate=1e-2):
+    """Losses over `steps` AdamW steps on the fixed batch, reusing the test's compiled value_and_grad."""
+    tx = optax.adamw(learning_rate)
+    update = jax.jit(lambda grads, state, params: tx.update(grads, state, params))
+    opt_state, losses = jax.jit(tx.init)(params), []
+    for i in range(steps):
+        loss, grads = value_and_grad(params, jax.random.key(i))
+        updates, opt_state = update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+    return losses
+
+
 def _flat(tree):
     return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
 
 
 @pytest.fixture(scope="module")
 def reference():
-    """float32 compute, no quantization: the loss and gradients each recipe is compared with."""
+    """The bf16 baseline (bf16 compute, no quantization): the loss and gradients each recipe is compared with."""
     params = _init(BLOCK_TILED, TOKENS)
-    loss, grads = _value_and_grad(dataclasses.replace(BLOCK_TILED, compute_dtype="float32"))(
+    loss, grads = _value_and_grad(dataclasses.replace(BLOCK_TILED, recipe=qjax.recipe("bf16")))(
         params, jax.random.key(2))
     return params, loss, grads
 
 
 @pytest.mark.parametrize("name", list(qjax.RECIPES) + ["int8_rowwise_sr"])
-def test_every_recipe_trains_close_to_float32(name, reference):
+def test_every_recipe_trains_close_to_bf16(name, reference):
     params, ref_loss, ref_grads = reference
     recipe = SR_INT8 if name == "int8_rowwise_sr" else qjax.recipe(name)
     config = dataclasses.replace(BLOCK_TILED, recipe=recipe)
+    # Traced afresh (the jitted step may come from a cache, and intercepts only see a trace).
+    used, _ = _used_recipes(jax.eval_shape, jax.value_and_grad(_loss_fn(config)), params, jax.random.key(3))
     step = _value_and_grad(config)
-    used, (loss, grads) = _used_recipes(step, params, jax.random.key(3))
+    loss, grads = step(params, jax.random.key(3))
 
     # Each layer ran the recipe the filter promises: the LM head in bf16, and under block-scaled recipes also the
     # 128 -> 64 k/v projections (64 features cannot be tiled by 128).
@@ -98,9 +120,13 @@ def test_every_recipe_trains_close_to_float32(name, reference):
     assert all(g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g))) and bool(jnp.any(g != 0))
                for g in jax.tree.leaves(grads))
     assert abs(float(loss) - float(ref_loss)) < 0.01
-    # DESIGN.md §5 asks int8 GEMMs for > 20 dB and fp8 ones for >= 17 dB; the whole model (bf16 compute included)
-    # keeps that order.
+    # DESIGN.md §5 asks int8 GEMMs for > 20 dB and fp8 ones for >= 17 dB (against float32); the whole model keeps
+    # that order against its bf16 run. (For "bf16" itself the comparison is with the same computation.)
     assert snr_db(_flat(ref_grads), _flat(grads)) > (25 if "fp8" not in name else 17)
+    if name == "int8_rowwise":  # and it trains: a few AdamW steps on this batch lower the loss
+        losses = _adamw_losses(step, params)
+        assert losses[0] == pytest.approx(np.log(BLOCK_TILED.vocab_size), abs=0.1)  # small init: uniform predictions
+        assert losses[-1] < 0.8 * losses[0]
     if recipe.needs_key:  # stochastic rounding: the same key gives the same gradients, another key others
         same = step(params, jax.random.key(3))[1]
         other = step(params, jax.random.key(4))[1]
@@ -156,7 +182,7 @@ def test_tied_embeddings_share_the_parameter():
     config = models.llama_config("tiny", n_layers=1, tie_embeddings=True, compute_dtype="float32")
     model = models.Llama(config)
     tokens = jnp.array([[1, 2, 3, 4, 5, 6]])  # token 200 never appears in the input
-    params = _init(config, tokens)
+    params = _random_params(config, tokens)
     untied = jax.eval_shape(models.Llama(dataclasses.replace(config, tie_embeddings=False)).init,
                             jax.random.key(0), tokens)
     assert models.num_params(untied) - models.num_params(params) == 256 * 64
@@ -175,7 +201,7 @@ def test_causal_gqa_and_remat():
     gqa = models.llama_config("tiny", n_layers=1, compute_dtype="float32")
     tokens = jax.random.randint(jax.random.key(0), (1, 12), 0, 256)
     pair = jnp.concatenate([tokens, tokens.at[0, 7].set((tokens[0, 7] + 1) % 256)])
-    params = _init(gqa, tokens)
+    params = _random_params(gqa, tokens)
     run = lambda c, p: jax.jit(models.Llama(c).apply, compiler_options=FAST_COMPILE)({"params": p}, pair)
     logits = run(gqa, params)
     np.testing.assert_array_equal(logits[0, :7], logits[1, :7])
@@ -223,21 +249,6 @@ def test_rope():
     np.testing.assert_allclose(q[5], expected, rtol=1e-5, atol=1e-6)
     assert jax.eval_shape(lambda x: apply_rope(x, positions, theta=theta), x.astype(jnp.bfloat16)).dtype == \
         jnp.bfloat16
-
-
-def test_loss_decreases_with_adamw(reference):
-    params = reference[0]
-    value_and_grad = _value_and_grad(dataclasses.replace(BLOCK_TILED, recipe=qjax.recipe("int8_rowwise")))
-    tx = optax.adamw(1e-2)
-    update = jax.jit(lambda grads, state, params: tx.update(grads, state, params))
-    opt_state, losses = jax.jit(tx.init)(params), []
-    for i in range(8):
-        loss, grads = value_and_grad(params, jax.random.key(i))
-        updates, opt_state = update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        losses.append(float(loss))
-    assert losses[0] == pytest.approx(np.log(BLOCK_TILED.vocab_size), abs=0.1)  # small init: uniform predictions
-    assert losses[-1] < 0.8 * losses[0]
 
 
 def test_lm_loss_num_params_and_flops():
