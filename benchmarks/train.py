@@ -66,6 +66,7 @@ def measure_row(row: str, args) -> dict:
     for field, value in (TINYLLAMA.items() if args.size == "1b" else ()):
         setattr(config.model, field, value)
     config.model.remat = args.remat
+    config.min_features = args.min_features
     del config.recipe  # the config file's field is a recipe name; rows need Recipe objects (variants, backend)
     config.recipe = row_recipe(row)
     config.seq_len, config.batch_size = args.seq, args.batch
@@ -106,6 +107,7 @@ def run_row_subprocess(row: str, args) -> dict:
     argv = [sys.executable, os.path.abspath(__file__), "--child", row, "--size", args.size, "--batch",
             str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     argv += ["--remat"] if args.remat else []
+    argv += ["--min-features", str(args.min_features)]
     print(f"{row}: running...", flush=True)
     proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -130,7 +132,8 @@ def table(results: list[dict], peer: dict, args) -> str:
         mfu = f"{r['mfu']:.2f}" if r.get("mfu") else "–"
         lines.append(f"| {r['row']} | {row_recipe(r['row']).name} | {r['tokens_per_s']:,.0f} | {speedup} | "
                      f"{r['step_ms']:.1f} | {peak} | {mfu} |")
-    notes = [f"Llama {args.size} (batch {args.batch} x seq {args.seq}, remat={args.remat}), random tokens, optax "
+    notes = [f"Llama {args.size} (batch {args.batch} x seq {args.seq}, remat={args.remat}, min_features="
+             f"{args.min_features}), random tokens, optax "
              f"AdamW fp32 states, LM head in bf16; median of {args.steps} steps after {args.warmup} warm-up; "
              "one subprocess per row."]
     if peer.get("results"):
@@ -161,6 +164,8 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--remat", action="store_true", help="rematerialize each block (less memory, more FLOPs)")
+    parser.add_argument("--min-features", type=int, default=0,
+                        help="keep projections narrower than this in bf16 (e.g. 512: the 1B model's 256-wide k/v)")
     parser.add_argument("--small", action="store_true", help="tiny model, tiny batch (default without a GPU)")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--peer-python", help="interpreter with torch + torchao (default $QJAX_TORCH_PYTHON or this)")

@@ -9,6 +9,7 @@ import pytest
 
 import qjax
 from qjax import kernels
+from helpers import snr_db
 
 DIMS = (((1,), (1,)), ((), ()))
 
@@ -39,7 +40,12 @@ def test_pallas_backend_matches_xla_through_the_vjp(name):
         return (y, *vjp(g))
 
     for got, want in zip(run("pallas"), run("xla")):
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
+        if kernels.on_hopper_gpu() and name.startswith("fp8"):
+            # Hopper's fp8 wgmma accumulates each 128-long block with reduced precision (hence the promotion to
+            # f32 every 128 of K); the reference dequantizes and multiplies in f32: they agree to ~1e-3 relative.
+            assert snr_db(want, got) > 45, snr_db(want, got)
+        else:
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
 
 
 def test_pallas_backend_rejects_what_the_kernel_cannot_run():
