@@ -23,7 +23,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qjax import optim  # noqa: E402
 from qjax.kernels import on_hopper_gpu  # noqa: E402
-from qjax.optim import blockwise, fused_adam  # noqa: E402
+from qjax.optim import blockwise  # noqa: E402
 
 
 def llama_shapes(d=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000):

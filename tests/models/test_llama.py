@@ -7,9 +7,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from helpers import snr_db
+from helpers import adamw_losses, flat, snr_db
 
 import qjax
 from qjax import models
@@ -71,23 +70,6 @@ def _random_params(config, tokens, seed=1):
     return jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.1, s.shape), s.dtype), shapes)
 
 
-def _adamw_losses(value_and_grad, params, steps=8, learning_rate=1e-2):
-    """Losses over `steps` AdamW steps on the fixed batch, reusing the test's compiled value_and_grad."""
-    tx = optax.adamw(learning_rate)
-    update = jax.jit(lambda grads, state, params: tx.update(grads, state, params))
-    opt_state, losses = jax.jit(tx.init)(params), []
-    for i in range(steps):
-        loss, grads = value_and_grad(params, jax.random.key(i))
-        updates, opt_state = update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        losses.append(float(loss))
-    return losses
-
-
-def _flat(tree):
-    return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
-
-
 @pytest.fixture(scope="module")
 def reference():
     """The bf16 baseline (bf16 compute, no quantization): the loss and gradients each recipe is compared with."""
@@ -122,16 +104,16 @@ def test_every_recipe_trains_close_to_bf16(name, reference):
     assert abs(float(loss) - float(ref_loss)) < 0.01
     # DESIGN.md §5 asks int8 GEMMs for > 20 dB and fp8 ones for >= 17 dB (against float32); the whole model keeps
     # that order against its bf16 run. (For "bf16" itself the comparison is with the same computation.)
-    assert snr_db(_flat(ref_grads), _flat(grads)) > (25 if "fp8" not in name else 17)
+    assert snr_db(flat(ref_grads), flat(grads)) > (25 if "fp8" not in name else 17)
     if name == "int8_rowwise":  # and it trains: a few AdamW steps on this batch lower the loss
-        losses = _adamw_losses(step, params)
+        losses = adamw_losses(step, params, steps=8, learning_rate=1e-2)
         assert losses[0] == pytest.approx(np.log(BLOCK_TILED.vocab_size), abs=0.1)  # small init: uniform predictions
         assert losses[-1] < 0.8 * losses[0]
     if recipe.needs_key:  # stochastic rounding: the same key gives the same gradients, another key others
         same = step(params, jax.random.key(3))[1]
         other = step(params, jax.random.key(4))[1]
-        np.testing.assert_array_equal(_flat(grads), _flat(same))
-        assert not np.array_equal(_flat(grads), _flat(other))
+        np.testing.assert_array_equal(flat(grads), flat(same))
+        assert not np.array_equal(flat(grads), flat(other))
 
 
 def test_block_recipe_needs_token_count_multiple_of_128():

@@ -7,9 +7,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-from helpers import snr_db
+from helpers import adamw_losses, flat, snr_db
 
 import qjax
 from qjax import models
@@ -54,23 +53,6 @@ def _used_recipes(fn, *args):
     return used, out
 
 
-def _adamw_losses(value_and_grad, params, steps=5, learning_rate=3e-3):
-    """Losses over `steps` AdamW steps on the fixed batch, reusing the test's compiled value_and_grad."""
-    tx = optax.adamw(learning_rate)
-    update = jax.jit(lambda grads, state, params: tx.update(grads, state, params))
-    opt_state, losses = jax.jit(tx.init)(params), []
-    for i in range(steps):
-        loss, grads = value_and_grad(params, jax.random.key(i))
-        updates, opt_state = update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        losses.append(float(loss))
-    return losses
-
-
-def _flat(tree):
-    return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
-
-
 @pytest.fixture(scope="module")
 def reference():
     """Params with a random (not zero-initialised) head, so every parameter gets a gradient; f32 loss and grads."""
@@ -96,13 +78,13 @@ def test_recipes_train_close_to_float32(name, reference):
     assert {layer for layer, r in used.items() if r == "bf16"} == {"head"}  # patch_embed quantized here
     assert all(bool(jnp.all(jnp.isfinite(g))) and bool(jnp.any(g != 0)) for g in jax.tree.leaves(grads))
     assert abs(float(loss) - float(ref_loss)) < 0.02
-    assert snr_db(_flat(ref_grads), _flat(grads)) > (25 if "int8" in name else 17)
+    assert snr_db(flat(ref_grads), flat(grads)) > (25 if "int8" in name else 17)
     if name == "int8_rowwise":  # and it trains: a few AdamW steps on this batch lower the loss
-        losses = _adamw_losses(_value_and_grad(config), params)
+        losses = adamw_losses(_value_and_grad(config), params, steps=5, learning_rate=3e-3)
         assert losses[-1] < 0.5 * losses[0]
     if config.recipe.needs_key:
         other = _value_and_grad(config)(params, jax.random.key(4))[1]
-        assert not np.array_equal(_flat(grads), _flat(other))
+        assert not np.array_equal(flat(grads), flat(other))
 
 
 def test_every_recipe_traces():
