@@ -5,8 +5,10 @@ Any dot_general is first viewed as a batched "TN" GEMM, both operands laid out c
 which is the layout cuBLAS runs 8-bit GEMMs fastest in (DESIGN.md §3). Each operand is quantized in the layout its
 GEMM reads (see `qjax.recipes`), the GEMM runs on the 8-bit codes (int8 -> int32, fp8 -> f32), and the scales are
 applied after it. The custom VJP saves only the quantized operands the backward GEMMs need, already in their layout:
-w as (K, N) for dgrad and x as (K, M) for wgrad. Block-scaled recipes run here as dequantize + f32 GEMM (exact
-reference semantics, not fast: the block-scaled kernel replaces it).
+w as (K, N) for dgrad and x as (K, M) for wgrad. Each input is quantized once for both GEMMs that read it
+(`qjax.quantize.quantize_pair`), and every GEMM goes through `qjax.kernels.scaled_matmul.quantized_matmul`: the
+Pallas kernels where the recipe's backend selects them, XLA otherwise (block-scaled recipes then run the reference
+dequantize + f32 GEMM: exact, slow).
 """
 
 import dataclasses

@@ -22,13 +22,17 @@ def on_hopper_gpu() -> bool:
 
 def use_kernel(backend: str) -> tuple[bool, bool]:
     """(run the kernel?, interpret it?) for a recipe backend: "pallas" always runs it (interpreted off a Hopper
-    GPU), "auto" only compiled on a Hopper GPU, "xla" never."""
+    GPU), "auto" only compiled on a single Hopper GPU, "xla" never.
+
+    "auto" stays on XLA when several devices are visible: the kernels are custom calls without a partitioning
+    rule, so inside a jit sharded over a mesh XLA would gather their operands onto every device.
+    """
     if backend == "xla":
         return False, False
     hopper = on_hopper_gpu()
     if backend == "pallas":
         return True, not hopper
-    return hopper, False
+    return hopper and jax.device_count() == 1, False
 
 
 def quantize_kernel_unsupported(x, spec, spec_t) -> str | None:

@@ -31,7 +31,7 @@ def scaled_matmul(a: QTensor, b: QTensor, out_dtype, precise_accumulation: bool 
     off for dgrad and wgrad, whose contracting dims (N, and M = all tokens) are long.
     """
     dims = _contract_last(a.data.ndim)
-    if a.granularity in ("1x128", "128x128"):
+    if a.granularity in ("1x128", "128x128") or b.granularity in ("1x128", "128x128"):
         out = lax.dot_general(dequantize(a), dequantize(b), dims, lax.Precision.HIGHEST,
                               preferred_element_type=jnp.float32)
         return out.astype(out_dtype)
@@ -48,15 +48,15 @@ def scaled_matmul(a: QTensor, b: QTensor, out_dtype, precise_accumulation: bool 
 
 
 # Largest K for which an int32 sum of K products of int8 codes (|code| <= 127) cannot overflow.
-_INT32_SAFE_K = (2**31 - 1) // 127**2
+INT32_SAFE_K = (2**31 - 1) // 127**2
 
 
 def _int8_matmul(a, b, dims):
     """int8 (B?, M, K) x (B?, N, K) -> float32 (B?, M, N), exact: int32 accumulation in K-chunks that cannot overflow
     (wgrad contracts over every token, which can exceed 133,143), chunk sums added in float32."""
     k = a.shape[-1]
-    chunk = 1 << (_INT32_SAFE_K.bit_length() - 1)  # 131072: keeps slices aligned
-    if k <= _INT32_SAFE_K:
+    chunk = 1 << (INT32_SAFE_K.bit_length() - 1)  # 131072: keeps slices aligned
+    if k <= INT32_SAFE_K:
         return lax.dot_general(a, b, dims, preferred_element_type=jnp.int32).astype(jnp.float32)
     parts = [lax.dot_general(a[..., i:i + chunk], b[..., i:i + chunk], dims, preferred_element_type=jnp.int32)
              for i in range(0, k, chunk)]

@@ -46,11 +46,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from qjax.kernels.scaled_matmul import INT32_SAFE_K
 from qjax.quantize import QTensor
 
 _SMEM_BYTES = 232_448  # shared memory per block on H100/H200
 _SMEM_MARGIN = 1024  # barriers and allocator alignment: measured 100-1100 bytes over `smem_bytes`
-_INT32_SAFE_K = (2**31 - 1) // 127**2  # longest K whose int32 sum of int8 products cannot overflow
 _BLOCK_K = 128  # K per block scale ("1x128", "128x128")
 _EPI_TILE_M = 64
 _EPI_ROW_BYTES = 128  # epilogue SMEM tiles are 128-byte rows (one 128B swizzle)
@@ -133,7 +133,7 @@ def _mode(a: QTensor, b: QTensor, precise_accumulation: bool) -> str:
         return "block"
     if jnp.dtype(a.data.dtype) in _FP8 and precise_accumulation:
         return "promote"
-    if jnp.dtype(a.data.dtype) == jnp.int8 and a.data.shape[-1] > _INT32_SAFE_K:
+    if jnp.dtype(a.data.dtype) == jnp.int8 and a.data.shape[-1] > INT32_SAFE_K:
         return "promote"
     return "row"
 

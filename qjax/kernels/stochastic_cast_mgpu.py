@@ -121,12 +121,6 @@ def cast_codes(y, fmt: formats.Format, *, may_be_inf: bool):
 # ------------------------------------------------------------------------------------------------------ kernel
 
 
-def on_hopper_gpu() -> bool:
-    """Whether the default device is an NVIDIA Hopper GPU (H100 / H200, compute capability 9.x)."""
-    from qjax.optim.fused_adam import on_hopper_gpu as _on_hopper
-    return _on_hopper()
-
-
 def resolve_interpret(interpret):
     """None / False -> compiled Mosaic GPU; True -> the CPU interpreter's default params; params pass through."""
     if interpret is True:

@@ -38,7 +38,7 @@ def check_config(config) -> None:
     if task not in TASKS:
         raise ConfigError(f"config.task must be one of {TASKS}, got {task!r}")
     try:
-        qjax.recipe(config.get("recipe"))
+        recipe = qjax.recipe(config.get("recipe"))
     except ValueError as e:
         raise ConfigError(f"config.recipe: {e}") from None
     sizes = LLAMA_SIZES if task == "lm" else VIT_SIZES
@@ -50,6 +50,13 @@ def check_config(config) -> None:
         _positive_int(config, name)
     if task == "lm":
         _positive_int(config, "seq_len")
+        block_scaled = any(g is not None and g.is_block_scaled for g in (recipe.fwd, recipe.dgrad, recipe.wgrad))
+        if block_scaled and config.batch_size % config.grad_accum_steps == 0:
+            tokens = config.batch_size // config.grad_accum_steps * config.seq_len
+            if tokens % 128:
+                raise ConfigError(f"recipe {recipe.name!r} is block-scaled: wgrad contracts over the tokens of a "
+                                  f"micro-batch, batch_size / grad_accum_steps * seq_len = {tokens}, which must be a "
+                                  "multiple of 128; change batch_size, grad_accum_steps or seq_len")
     for name in ("eval_every", "eval_batches", "checkpoint_every"):
         _positive_int(config, name, minimum=0)  # 0 turns it off
     _positive_int(config, "seed", minimum=0)

@@ -1,8 +1,8 @@
 """Data parallelism over a `jax.sharding.Mesh`: one "data" axis over all devices, batch split, params replicated.
 
 XLA is the distributed engine: the train step is jitted with these shardings, and the gradient all-reduce over the
-"data" axis is inserted by the compiler. On several hosts call `jax.distributed.initialize()` first; then
-`jax.devices()` lists every host's devices and the same code runs.
+"data" axis is inserted by the compiler. Single host only for now: the loop puts the whole global batch on the
+mesh from one process (several hosts would need `jax.make_array_from_process_local_data` and per-host data).
 """
 
 import jax

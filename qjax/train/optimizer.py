@@ -6,7 +6,8 @@
     lr(step) = linear warmup from 0 to `lr` over `warmup_steps`, then cosine decay to `lr * min_lr_ratio` at
     `total_steps`; the update of step s (0-based) uses lr(s + 1), so no step is wasted on lr = 0.
 
-Weight decay applies to matrices only (ndim >= 2), not to norm scales and biases, as in nanoGPT and most LLM recipes.
+Weight decay applies to every parameter with ndim >= 2 (weight matrices, and also the token embedding and the ViT's
+position embedding and class token), not to norm scales and biases, as in nanoGPT.
 
 Gradient accumulation is not done here (no optax.MultiSteps): the train step averages the gradients of its
 micro-batches with `lax.scan` inside one jitted call (see `qjax.train.step`), so one train step is always one

@@ -24,9 +24,12 @@ def test_auto_is_xla_off_gpu_and_pallas_interprets():
     if not kernels.on_hopper_gpu():
         assert kernels.use_kernel("auto") == (False, False)
         assert kernels.use_kernel("pallas") == (True, True)
+    else:
+        assert kernels.use_kernel("auto") == (jax.device_count() == 1, False)
+        assert kernels.use_kernel("pallas") == (True, False)
 
 
-@pytest.mark.parametrize("name", ["int8_rowwise", "fp8_blockwise"])
+@pytest.mark.parametrize("name", ["int8_rowwise", "fp8_tensorwise", "fp8_blockwise"])
 def test_pallas_backend_matches_xla_through_the_vjp(name):
     """Forward, dgrad and wgrad through the kernel (interpreted on CPU) equal the XLA path up to f32 rounding."""
     kx, kw, kg = jax.random.split(jax.random.key(3), 3)

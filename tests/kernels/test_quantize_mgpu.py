@@ -15,7 +15,7 @@ import pytest
 
 from qjax import formats
 from qjax.kernels import quantize_mgpu
-from qjax.kernels.stochastic_cast_mgpu import on_hopper_gpu
+from qjax.kernels import on_hopper_gpu
 from qjax.quantize import QuantSpec, quantize_with_seed
 
 ROW_SEED, COL_SEED = np.uint32(0x1234567), np.uint32(4242)

@@ -13,7 +13,7 @@ import pytest
 
 from qjax import formats, stochastic
 from qjax.kernels import stochastic_cast_mgpu
-from qjax.kernels.stochastic_cast_mgpu import on_hopper_gpu
+from qjax.kernels import on_hopper_gpu
 
 SEED = np.uint32(0xC0FFEE)
 TARGETS = [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8]

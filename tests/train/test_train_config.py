@@ -70,6 +70,8 @@ def test_model_field_override_changes_only_that_field(token_dir):
     (dict(data_path="/nonexistent/shakespeare"),
      "python -m qjax.data.prepare shakespeare --out /nonexistent/shakespeare"),
     (dict(task="speech"), "config.task must be one of"),
+    (dict(recipe="fp8_blockwise", batch_size=4, grad_accum_steps=2, seq_len=96),
+     r"batch_size / grad_accum_steps \* seq_len = 192, which must be a multiple of 128"),
 ])
 def test_bad_config_fields_are_named(token_dir, change, match):
     config = tiny_llama_config(token_dir)

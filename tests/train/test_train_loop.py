@@ -1,5 +1,6 @@
 """train(): losses fall, metrics and checkpoints are written, a resumed run is bit-identical, accumulation is exact."""
 
+import copy
 import io
 import json
 import os
@@ -79,11 +80,14 @@ def test_vit_run_falls_resumes_bit_identically_and_stops_on_nan(tmp_path):
     assert 0.0 <= whole.eval_metrics["eval_accuracy"] <= 1.0 and whole.eval_metrics["step"] == 12
     assert _checkpoints(tmp_path / "whole") == [12]  # checkpoint_every=0: only at the end
     _check_resume(config, tmp_path, whole, stop_at=5)
-    _check_nan_stops_the_run(config, tmp_path / "nan")  # same config: reuses the compiled step
+    _check_nan_stops_the_run(config, tmp_path / "nan")
 
 
 def _check_nan_stops_the_run(config, workdir):
-    """A NaN batch at step index 1 makes the loss NaN: train() raises at the next log point and saves nothing."""
+    """A NaN batch at step index 1 makes step 2's loss NaN; step 2 is a checkpoint step (not a log step), so
+    train() must raise there instead of saving the NaN state."""
+    config = copy.deepcopy(config)
+    config.checkpoint_every = 2
     real_make_dataset = loop.make_dataset
 
     def poisoned(config):
@@ -101,7 +105,8 @@ def _check_nan_stops_the_run(config, workdir):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loop, "make_dataset", poisoned)
-        with pytest.raises(FloatingPointError, match=f"loss is nan at step {config.log_every}"):
+        assert config.log_every != 2
+        with pytest.raises(FloatingPointError, match="loss is nan at step 2"):
             train(config, workdir, stream=io.StringIO())
     assert not list((workdir / "checkpoints").iterdir())
 
