@@ -56,3 +56,14 @@ def test_pallas_backend_rejects_what_the_kernel_cannot_run():
     x = jnp.ones((2, 128, 256))
     with pytest.raises(ValueError, match="batched operands"):
         qjax.dot_general(x, x, (((2,), (2,)), ((0,), (0,))), recipe=r)
+
+
+def test_reference_takes_the_block_path_when_either_operand_is_block_scaled():
+    """A row-scaled lhs with a 1x128 rhs (the kernel accepts the mix) multiplies the dequantized operands."""
+    from qjax.kernels.scaled_matmul import scaled_matmul
+
+    kx, kw = jax.random.split(jax.random.key(5))
+    a = qjax.quantize(jax.random.normal(kx, (4, 256)), qjax.QuantSpec("int8", "row"))
+    b = qjax.quantize(jax.random.normal(kw, (8, 256)), qjax.QuantSpec("int8", "1x128"))
+    want = jnp.dot(qjax.dequantize(a), qjax.dequantize(b).T, precision="highest")
+    np.testing.assert_allclose(scaled_matmul(a, b, jnp.float32), want, rtol=1e-5, atol=1e-5)
