@@ -52,7 +52,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax import formats, stochastic
 from qjax.kernels.stochastic_cast_mgpu import cast_codes, is_finite, resolve_interpret, round_to_grid
-from qjax.quantize import QTensor, QuantSpec, quantize_with_seed, scale_from_amax
+from qjax.quantize import QTensor, QuantSpec, scale_from_amax
 
 TILE = 128
 _CHUNK = 64  # rows of a tile held in registers at a time (WGMMA layout: multiples of 64); bounds register use
@@ -436,57 +436,3 @@ def quantize_kernel(x: jax.Array, spec: QuantSpec, seed=None, *, interpret=False
 
 
 # ---------------------------------------------------------------------------------------------------- benchmark
-
-
-def _benchmark_main(m: int = 16384, k: int = 4096, iters: int = 20):
-    """Bandwidth table on a GPU: (bytes read + written) / time of the kernels, XLA's fusion of the reference, and a
-    plain XLA copy (x * s) as the device's copy bandwidth. Prints as it goes; a failing case prints its error."""
-    import time
-
-    from qjax.kernels import stochastic_cast_mgpu
-
-    def timed(fn, *args):
-        jax.block_until_ready(fn(*args))  # compile + warm up
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
-
-    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, x ({m}, {k})", flush=True)
-    x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
-    x32 = x.astype(jnp.float32)
-    seed = jnp.uint32(7)
-    n = m * k
-    int8_row, e4m3_block = QuantSpec("int8", "row"), QuantSpec("e4m3", "1x128")
-    reference_pair = lambda spec: jax.jit(lambda x, s: (quantize_with_seed(x, spec, s),
-                                                        quantize_with_seed(x.T, spec, s)))
-    # name -> (function, args, bytes the function must move at least, bytes our kernels actually move)
-    pair = lambda spec, tiles: jax.jit(lambda x, s: quantize_pair(x, spec, spec, s, s, tiles_per_program=tiles))
-    sr_cast = lambda x, s: stochastic_cast_mgpu.stochastic_cast(x, jnp.bfloat16, s)
-    # name -> (function, args, bytes the function must move at least, bytes our kernels actually move)
-    cases = {"copy bf16 (XLA x * s)": (jax.jit(lambda x, s: x * s), (x, jnp.bfloat16(1)), 4 * n, 4 * n)}
-    for tiles in (1, 2, 4, 8):
-        cases[f"int8 row, both layouts: kernels, {tiles} tiles"] = (pair(int8_row, tiles), (x, seed), 4 * n, 6 * n)
-    cases["int8 row, both layouts: XLA reference"] = (reference_pair(int8_row), (x, seed), 4 * n, None)
-    for tiles in (1, 2, 4, 8):
-        cases[f"e4m3 1x128 + 128x1: kernel, {tiles} tiles"] = (pair(e4m3_block, tiles), (x, seed), 4 * n + n // 16,
-                                                                4 * n + n // 16)
-    cases["e4m3 1x128 + 128x1: XLA reference"] = (reference_pair(e4m3_block), (x, seed), 4 * n + n // 16, None)
-    cases["copy f32 (XLA x * s)"] = (jax.jit(lambda x, s: x * s), (x32, jnp.float32(1)), 8 * n, 8 * n)
-    cases["SR cast f32 -> bf16: kernel"] = (jax.jit(sr_cast), (x32, seed), 6 * n, 6 * n)
-    cases["SR cast f32 -> bf16: XLA reference"] = (
-        jax.jit(lambda x, s: stochastic.stochastic_round_with_seed(x, jnp.bfloat16, s)), (x32, seed), 6 * n, None)
-    print(f"{'case':44s} {'time ms':>9s} {'min bytes GB/s':>15s} {'moved GB/s':>11s}", flush=True)
-    for name, (fn, args, min_bytes, moved_bytes) in cases.items():
-        try:
-            t = timed(fn, *args)
-            moved = f"{moved_bytes / t / 1e9:11.0f}" if moved_bytes else f"{'':11s}"
-            print(f"{name:44s} {t * 1e3:9.3f} {min_bytes / t / 1e9:15.0f} {moved}", flush=True)
-        except Exception as e:  # keep measuring the other cases
-            print(f"{name:44s} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
-
-
-if __name__ == "__main__":
-    _benchmark_main()
