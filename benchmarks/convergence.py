@@ -4,7 +4,7 @@
   python benchmarks/convergence.py --size 125m --seq-len 1024 --batch-size 32 --steps 2000     # on a GPU
 
 Each recipe trains from the same seed, data order and schedule (`qjax.train.train`, workdir
-runs/convergence/<recipe>; an existing finished run is reused). Prints the final eval loss per recipe and its
+runs/convergence/<size-steps-batch-seq-lr>/<recipe>; a finished run with the same settings is reused). Prints the final eval loss per recipe and its
 relative difference to bf16 (target: within 1%), appends the table to RESULTS.md, and plots the train and eval
 loss curves to benchmarks/convergence.png when matplotlib is installed (`pip install -e ".[plot]"`).
 Needs the corpus: `make data` (or python -m qjax.data.prepare shakespeare --out data/shakespeare).
@@ -85,7 +85,10 @@ def main():
         if args.lr:
             config.optimizer.lr = args.lr
         config.eval_every = max(config.steps // 6, 1)
-        workdir = pathlib.Path(args.workdir) / recipe
+        # One workdir per recipe and run shape: a finished run with the same settings is reused, never a different one.
+        tag = (f"{config.model.size}-steps{config.steps}-b{config.batch_size}-t{config.seq_len}"
+               f"-lr{config.optimizer.lr:g}")
+        workdir = pathlib.Path(args.workdir) / tag / recipe
         print(f"== {recipe} -> {workdir}", flush=True)
         train(config, str(workdir))
         curves[recipe] = read_metrics(workdir)
