@@ -4,9 +4,10 @@
   python benchmarks/convergence.py --size 125m --seq-len 1024 --batch-size 32 --steps 2000     # on a GPU
 
 Each recipe trains from the same seed, data order and schedule (`qjax.train.train`, workdir
-runs/convergence/<size-steps-batch-seq-lr>/<recipe>; a finished run with the same settings is reused). Prints the final eval loss per recipe and its
-relative difference to bf16 (target: within 1%), appends the table to RESULTS.md, and plots the train and eval
-loss curves to benchmarks/convergence.png when matplotlib is installed (`pip install -e ".[plot]"`).
+runs/convergence/<size-steps-batch-seq-lr>/<recipe>; a finished run with the same settings is reused). Prints the
+final eval loss per recipe and its relative difference to bf16 (target: within 1%), appends the table to
+RESULTS.md, and plots the train and eval loss curves to benchmarks/convergence.png when matplotlib is installed
+(`pip install -e ".[plot]"`).
 Needs the corpus: `make data` (or python -m qjax.data.prepare shakespeare --out data/shakespeare).
 """
 
