@@ -198,12 +198,12 @@ def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None
         q = quantize_with_seed(x, spec, seed, operand=operands[0])
         return q, QTensor(_swap_last(q.data), q.scale, q.granularity)
     if spec is not None and spec_t is not None and x.ndim == 2:
-        from qjax import kernels  # the kernels package imports this module
+        from qjax import kernels  # imported here: the kernels import this module
         run_kernel, interpret = kernels.use_kernel(backend)
         if run_kernel:
-            reason = kernels.quantize_kernel_unsupported(x, spec, spec_t)
+            from qjax.kernels import quantize_mgpu
+            reason = quantize_mgpu.supports(x, spec, spec_t)
             if reason is None:
-                from qjax.kernels import quantize_mgpu
                 return quantize_mgpu.quantize_pair(x, spec, spec_t, seed, seed_t, interpret=interpret)
             if backend == "pallas":
                 raise ValueError(f"backend 'pallas': the fused quantize kernel cannot run this case ({reason}); use "

@@ -34,11 +34,3 @@ def use_kernel(backend: str) -> tuple[bool, bool]:
         return True, not hopper
     return hopper and jax.device_count() == 1, False
 
-
-def quantize_kernel_unsupported(x, spec, spec_t) -> str | None:
-    """Why the fused quantize kernel cannot produce both layouts of x, or None if it can."""
-    try:
-        from qjax.kernels import quantize_mgpu
-    except ImportError as e:
-        return f"kernel module unavailable: {e}"
-    return quantize_mgpu.supports(x, spec, spec_t)

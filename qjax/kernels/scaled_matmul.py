@@ -68,8 +68,9 @@ def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation:
     """The GEMM `qjax.dot_general` runs: the Mosaic GPU kernel where `backend` asks for it and it supports the case,
     else the reference `scaled_matmul`. Same arguments and result as `scaled_matmul` (see `qjax.Recipe.backend`).
 
-    The kernel is 2-D; batched operands (B, M, K) take the reference. fp8 GEMMs that need precise accumulation
-    promote their partial sums to float32 every 128 of K in the kernel (XLA: Precision.HIGHEST).
+    The kernel is 2-D; batched operands (B, M, K) take the reference. fp8 row/tensor GEMMs that need precise
+    accumulation stay on cuBLAS (Precision.HIGHEST) under "auto"; under "pallas" the kernel promotes their partial
+    sums to float32 every 128 of K.
     """
     run_kernel, interpret = kernels.use_kernel(backend)
     block = a.granularity in ("1x128", "128x128") or b.granularity in ("1x128", "128x128")
@@ -80,9 +81,10 @@ def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation:
         run_kernel = False
     if not run_kernel:
         return scaled_matmul(a, b, out_dtype, precise_accumulation)
-    reason = _kernel_unsupported(a, b, out_dtype)
+    from qjax.kernels import scaled_matmul_mgpu  # imported here: Mosaic GPU is only needed when it runs
+
+    reason = "batched operands" if a.data.ndim != 2 else scaled_matmul_mgpu.supports(a, b, out_dtype)
     if reason is None:
-        from qjax.kernels import scaled_matmul_mgpu  # imported here: Mosaic GPU is only needed when it runs
         return scaled_matmul_mgpu.scaled_matmul_kernel(a, b, out_dtype, precise_accumulation=precise_accumulation,
                                                         interpret=interpret)
     if backend == "pallas":
@@ -90,12 +92,3 @@ def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation:
                          "'auto' to fall back to XLA")
     return scaled_matmul(a, b, out_dtype, precise_accumulation)
 
-
-def _kernel_unsupported(a: QTensor, b: QTensor, out_dtype) -> str | None:
-    if a.data.ndim != 2:
-        return "batched operands"
-    try:
-        from qjax.kernels import scaled_matmul_mgpu
-    except ImportError as e:
-        return f"kernel module unavailable: {e}"
-    return scaled_matmul_mgpu.supports(a, b, out_dtype)
