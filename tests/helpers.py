@@ -1,8 +1,11 @@
 """Helpers shared by the tests (importable as `helpers`: pyproject adds tests/ to the path)."""
 
+import flax.linen as nn
 import jax
 import numpy as np
 import optax
+
+import qjax
 
 
 def snr_db(reference, output) -> float:
@@ -29,3 +32,19 @@ def adamw_losses(value_and_grad, params, steps, learning_rate):
 def flat(tree) -> np.ndarray:
     """All leaves of a pytree as one float64 vector."""
     return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
+
+
+def used_recipes(fn, *args):
+    """Runs `fn(*args)` -> ({layer name: recipe name} for every qjax.DotGeneral the model really called, output)."""
+    used = {}
+
+    def record(next_fun, call_args, kwargs, context):
+        if isinstance(context.module, qjax.DotGeneral) and context.method_name == "__call__":
+            path = context.module.path
+            name = "/".join(path[:-1] if path[-1].startswith("DotGeneral") else path)
+            used[name] = context.module.recipe.name
+        return next_fun(*call_args, **kwargs)
+
+    with nn.intercept_methods(record):
+        out = fn(*args)
+    return used, out

@@ -3,12 +3,11 @@
 import dataclasses
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import adamw_losses, flat, snr_db
+from helpers import adamw_losses, flat, snr_db, used_recipes
 
 import qjax
 from qjax import models
@@ -41,22 +40,6 @@ def _value_and_grad(config):
     return jax.jit(jax.value_and_grad(_loss_fn(config)), compiler_options=FAST_COMPILE)
 
 
-def _used_recipes(fn, *args):
-    """Runs `fn(*args)` and returns {layer name: recipe name} for every qjax.DotGeneral the model really called."""
-    used = {}
-
-    def record(next_fun, call_args, kwargs, context):
-        if isinstance(context.module, qjax.DotGeneral) and context.method_name == "__call__":
-            path = context.module.path
-            name = "/".join(path[:-1] if path[-1].startswith("DotGeneral") else path)
-            used[name] = context.module.recipe.name
-        return next_fun(*call_args, **kwargs)
-
-    with nn.intercept_methods(record):
-        out = fn(*args)
-    return used, out
-
-
 def _init(config, tokens, seed=1):
     """Parameters from a jitted init (eager init compiles every initializer op separately: slow on CPU)."""
     init = lambda key: models.Llama(config).init(key, tokens)["params"]
@@ -85,7 +68,7 @@ def test_every_recipe_trains_close_to_bf16(name, reference):
     recipe = SR_INT8 if name == "int8_rowwise_sr" else qjax.recipe(name)
     config = dataclasses.replace(BLOCK_TILED, recipe=recipe)
     # Traced afresh (the jitted step may come from a cache, and intercepts only see a trace).
-    used, _ = _used_recipes(jax.eval_shape, jax.value_and_grad(_loss_fn(config)), params, jax.random.key(3))
+    used, _ = used_recipes(jax.eval_shape, jax.value_and_grad(_loss_fn(config)), params, jax.random.key(3))
     step = _value_and_grad(config)
     loss, grads = step(params, jax.random.key(3))
 
@@ -150,7 +133,7 @@ def test_filter_and_tied_head():
         for keep, head in ((("lm_head",), "bf16"), ((), "int8_rowwise"), ((r"layers_\d+/mlp",), "int8_rowwise")):
             config = models.llama_config("tiny", recipe="int8_rowwise", tie_embeddings=tie, keep_high_precision=keep)
             model = models.Llama(config)
-            used, variables = _used_recipes(jax.eval_shape, model.init, jax.random.key(0), tokens)
+            used, variables = used_recipes(jax.eval_shape, model.init, jax.random.key(0), tokens)
             assert used["lm_head"] == head
             mlp = "bf16" if keep and "mlp" in keep[0] else "int8_rowwise"
             assert used["layers_1/mlp/up_proj"] == mlp and used["layers_1/attn/q_proj"] == "int8_rowwise"

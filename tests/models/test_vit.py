@@ -3,12 +3,11 @@
 import dataclasses
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import adamw_losses, flat, snr_db
+from helpers import adamw_losses, flat, snr_db, used_recipes
 
 import qjax
 from qjax import models
@@ -39,20 +38,6 @@ def _value_and_grad(config):
     return jax.jit(jax.value_and_grad(_loss_fn(config)), compiler_options=FAST_COMPILE)
 
 
-def _used_recipes(fn, *args):
-    """Runs `fn(*args)` and returns {layer name: recipe name} for every qjax.DotGeneral the model really called."""
-    used = {}
-
-    def record(next_fun, call_args, kwargs, context):
-        if isinstance(context.module, qjax.DotGeneral) and context.method_name == "__call__":
-            used["/".join(context.module.path[:-1])] = context.module.recipe.name
-        return next_fun(*call_args, **kwargs)
-
-    with nn.intercept_methods(record):
-        out = fn(*args)
-    return used, out
-
-
 @pytest.fixture(scope="module")
 def reference():
     """Params with a random (not zero-initialised) head, so every parameter gets a gradient; f32 loss and grads."""
@@ -72,7 +57,7 @@ def test_recipes_train_close_to_float32(name, reference):
     recipe = qjax.with_stochastic_gradients(qjax.recipe("fp8_blockwise")) if name.endswith("_sr") else name
     config = dataclasses.replace(BLOCK_TILED, recipe=qjax.recipe(recipe))
     # Traced afresh (the jitted function may come from a cache, and intercepts only see a trace).
-    used, _ = _used_recipes(jax.eval_shape, jax.value_and_grad(_loss_fn(config)), params, jax.random.key(3))
+    used, _ = used_recipes(jax.eval_shape, jax.value_and_grad(_loss_fn(config)), params, jax.random.key(3))
     loss, grads = _value_and_grad(config)(params, jax.random.key(3))
     assert used == {layer: r.name for layer, r in models.layer_recipes(config).items()}
     assert {layer for layer, r in used.items() if r == "bf16"} == {"head"}  # patch_embed quantized here
@@ -93,7 +78,7 @@ def test_every_recipe_traces():
     for recipe in recipes:
         config = dataclasses.replace(BLOCK_TILED, recipe=recipe)
         params = jax.eval_shape(models.ViT(config).init, jax.random.key(0), IMAGES)["params"]
-        used, (loss, grads) = _used_recipes(jax.eval_shape, jax.value_and_grad(_loss_fn(config)), params,
+        used, (loss, grads) = used_recipes(jax.eval_shape, jax.value_and_grad(_loss_fn(config)), params,
                                             jax.random.key(1))
         assert used == {layer: r.name for layer, r in models.layer_recipes(config).items()}
         assert len(used) == 8 and used["layers_0/mlp/fc1"] == recipe.name and used["head"] == "bf16"
@@ -109,7 +94,7 @@ def test_every_recipe_traces():
 def test_default_filter_shapes_and_dtypes():
     config = models.vit_config("digits", recipe="int8_rowwise")
     images = jnp.zeros((4, 8, 8, 1))
-    used, variables = _used_recipes(jax.eval_shape, models.ViT(config).init, jax.random.key(0), images)
+    used, variables = used_recipes(jax.eval_shape, models.ViT(config).init, jax.random.key(0), images)
     assert {layer for layer, r in used.items() if r == "bf16"} == {"patch_embed", "head"}
     assert used["layers_3/attn/q_proj"] == "int8_rowwise" and len(used) == 2 + 6 * config.n_layers
     out = jax.eval_shape(models.ViT(config).apply, variables, images)
