@@ -30,9 +30,6 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def all_steps(self) -> list[int]:
-        return sorted(self._manager.all_steps())
-
     def save(self, step: int, state) -> None:
         """Save `state` as checkpoint `step` (asynchronous; see module docstring). Saving a step twice is a no-op."""
         if step in self._manager.all_steps():
@@ -52,10 +49,6 @@ class Checkpointer:
         """The newest checkpoint restored into `abstract_state`'s layout, or None if there is none."""
         step = self.latest_step()
         return None if step is None else self.restore(step, abstract_state)
-
-    def wait(self) -> None:
-        """Block until background writes are finished."""
-        self._manager.wait_until_finished()
 
     def close(self) -> None:
         self._manager.wait_until_finished()

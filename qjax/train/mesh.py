@@ -40,8 +40,3 @@ def check_batch_size(batch_size: int, grad_accum_steps: int, mesh: Mesh) -> None
             f"config.batch_size={batch_size!r} must be a positive multiple of grad_accum_steps ({grad_accum_steps}) "
             f"x devices ({devices}) = {grad_accum_steps * devices}, so every micro-batch splits evenly over the "
             "devices; change config.batch_size or config.grad_accum_steps")
-
-
-def shard_batch(batch: dict, mesh: Mesh) -> dict:
-    """Put a host batch (dict of numpy arrays, leading dim = batch) on the mesh, split over "data"."""
-    return jax.device_put(batch, batch_sharding(mesh))
