@@ -10,7 +10,6 @@ read + written, grads read, every state array read + written (divided by the ste
 """
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qjax import optim  # noqa: E402
 from qjax.kernels import on_hopper_gpu  # noqa: E402
 from qjax.optim import blockwise  # noqa: E402
+from common import append_results  # noqa: E402
 
 
 def llama_shapes(d=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000):
@@ -100,10 +100,7 @@ def main():
         print(f"{name:28s} {state_bytes / 2**30:8.3f} GiB  {state_bytes / base_bytes:6.4f}  {ms:9.2f} ms  "
               f"{ms / base_ms:5.2f}x  {moved / ms / 1e6:8.1f} GB/s", flush=True)
 
-    device = jax.devices()[0].device_kind
-    table = [f"\n## optim: AdamW state bytes and step time — {device}, {datetime.date.today()}, jax {jax.__version__}"
-             f"{' (small pytree)' if small else ''}\n",
-             f"{n_params / 1e9:.3f}B float32 params ({'small' if small else 'TinyLlama 1.1B'} shapes), float32 grads, "
+    table = [f"{n_params / 1e9:.3f}B float32 params ({'small' if small else 'TinyLlama 1.1B'} shapes), float32 grads, "
              f"median of {args.iters} steps after 3 warm-up.\n",
              "| optimizer | state bytes | ratio vs fp32 AdamW state | step ms | ratio vs optax.adamw | achieved GB/s |",
              "|---|---|---|---|---|---|"]
@@ -112,10 +109,7 @@ def main():
     text = "\n".join(table) + "\n"
     print(text)
     if (on_gpu and not args.small) or args.write:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-        with open(path, "a") as f:
-            f.write(text)
-        print(f"appended to {path}")
+        append_results("optim: AdamW state bytes and step time" + (" (small pytree)" if small else ""), text)
 
 
 if __name__ == "__main__":
