@@ -25,6 +25,7 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 
 ROWS = ("bf16", "int8_fwd", "int8_fwd_dgrad", "int8_rowwise", "int8_fwd_dgrad_sr", "int8_rowwise_sr",
         "fp8_tensorwise", "fp8_blockwise", "int8_rowwise@xla", "fp8_tensorwise@xla")
@@ -109,6 +110,7 @@ def run_row_subprocess(row: str, args) -> dict:
     argv += ["--remat"] if args.remat else []
     argv += ["--min-features", str(args.min_features)]
     print(f"{row}: running...", flush=True)
+    start = time.perf_counter()
     proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     result = json.loads(lines[-1]) if lines else {"row": row, "error": f"exited {proc.returncode}, no result"}
@@ -116,7 +118,8 @@ def run_row_subprocess(row: str, args) -> dict:
         print(f"{row}: FAILED {result['error']}", flush=True)
     else:
         print(f"{row}: {result['tokens_per_s']:,.0f} tok/s, {result['step_ms']:.1f} ms/step, loss "
-              f"{result['loss_first']:.3f} -> {result['loss_last']:.3f}", flush=True)
+              f"{result['loss_first']:.3f} -> {result['loss_last']:.3f} ({time.perf_counter() - start:.0f} s with "
+              "compilation)", flush=True)
     return result
 
 
@@ -165,7 +168,7 @@ def parse_args():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--remat", action="store_true", help="rematerialize each block (less memory, more FLOPs)")
     parser.add_argument("--min-features", type=int, default=0,
-                        help="keep projections narrower than this in bf16 (e.g. 512: the 1B model's 256-wide k/v)")
+                        help="keep projections with fewer features in or out than this in bf16")
     parser.add_argument("--small", action="store_true", help="tiny model, tiny batch (default without a GPU)")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--peer-python", help="interpreter with torch + torchao (default $QJAX_TORCH_PYTHON or this)")

@@ -1,7 +1,7 @@
 """Pieces shared by the Llama and ViT models: config validation, quantized projections, attention dispatch.
 
 Every projection of a model is an `nn.Dense` whose `dot_general_cls` is `qjax.DotGeneral` with the recipe
-`qjax.recipe_for_layer` picks for that layer's name (its module path, e.g. "layers_0/attn/q_proj") and feature
+`qjax.recipe_for_layer` picks for that layer's name (its module path, e.g. "layers_0/attn/qkv_proj") and feature
 sizes. A config describes its projections with `config.projections()`, so `layer_recipes(config)` tells which
 recipe each layer runs without building the model.
 """
@@ -69,7 +69,7 @@ def recipe_for(config, layer_name: str, features_in: int, features_out: int) -> 
 
 
 def layer_name(module: nn.Module, name: str) -> str:
-    """The name the high-precision filter matches: the child's module path, e.g. "layers_0/attn/q_proj"."""
+    """The name the high-precision filter matches: the child's module path, e.g. "layers_0/attn/qkv_proj"."""
     return "/".join(module.path + (name,))
 
 

@@ -6,14 +6,19 @@
   logits = model.apply({"params": params}, tokens, rngs={"quant": key})  # float32 (B, T, vocab_size)
   loss = lm_loss(logits[:, :-1], tokens[:, 1:])
 
-Every projection (q/k/v/o, gate/up/down, lm_head) runs its three GEMMs per `config.recipe`, except layers whose
+Every projection (qkv, o, gate_up, down, lm_head) runs its three GEMMs per `config.recipe`, except layers whose
 name matches a regex in `config.keep_high_precision` (default: the LM head), layers narrower than
 `config.min_features`, and layers a block-scaled recipe cannot tile; those run in bf16 (`qjax.recipe_for_layer`).
 Attention scores and values stay in the compute dtype. Parameter tree (names are what the filter matches):
 
   embed/embedding (vocab, dim)
-  layers_{i}/attn_norm/scale, layers_{i}/attn/{q,k,v,o}_proj/kernel, layers_{i}/mlp_norm/scale,
-  layers_{i}/mlp/{gate,up,down}_proj/kernel, norm/scale, lm_head/kernel (dim, vocab; absent when tied)
+  layers_{i}/attn_norm/scale, layers_{i}/attn/{qkv,o}_proj/kernel, layers_{i}/mlp_norm/scale,
+  layers_{i}/mlp/{gate_up,down}_proj/kernel, norm/scale, lm_head/kernel (dim, vocab; absent when tied)
+
+q, k and v are one projection (kernel columns [q | k | v]) and so are gate and up ([gate | up]): each input is
+quantized once instead of three (two) times, and one wide GEMM runs where there were narrow ones (the 1B shape's
+k and v project 2048 -> 256). Per-output-channel scales make the fused layer compute what separate ones would; a
+row scale of the fused output's gradient spans all of its columns.
 """
 
 import dataclasses
@@ -40,7 +45,7 @@ class LlamaConfig:
       tie_embeddings: the LM head reuses the embedding table (logits = h @ embeddingᵀ).
       rope_theta, norm_eps: RoPE base and RMSNorm epsilon.
       recipe: a recipe name (see `qjax.RECIPES`) or a `qjax.Recipe`.
-      keep_high_precision: regexes searched in layer names (e.g. "layers_0/attn/q_proj", "lm_head"); matching
+      keep_high_precision: regexes searched in layer names (e.g. "layers_0/attn/qkv_proj", "lm_head"); matching
         layers run in bf16, like torchao's module_filter_fn.
       min_features: layers with min(features_in, features_out) below this run in bf16.
       compute_dtype, param_dtype: "float32", "bfloat16" or "float16".
@@ -88,10 +93,8 @@ class LlamaConfig:
     def projections(self) -> dict[str, tuple[int, int]]:
         """{layer name: (features_in, features_out)} for every GEMM with a weight, the (tied or not) LM head too."""
         kv = self.n_kv_heads * self.head_dim
-        per_layer = {"attn/q_proj": (self.dim, self.dim), "attn/k_proj": (self.dim, kv),
-                     "attn/v_proj": (self.dim, kv), "attn/o_proj": (self.dim, self.dim),
-                     "mlp/gate_proj": (self.dim, self.ffn_dim), "mlp/up_proj": (self.dim, self.ffn_dim),
-                     "mlp/down_proj": (self.ffn_dim, self.dim)}
+        per_layer = {"attn/qkv_proj": (self.dim, self.dim + 2 * kv), "attn/o_proj": (self.dim, self.dim),
+                     "mlp/gate_up_proj": (self.dim, 2 * self.ffn_dim), "mlp/down_proj": (self.ffn_dim, self.dim)}
         out = {f"layers_{i}/{name}": shape for i in range(self.n_layers) for name, shape in per_layer.items()}
         out["lm_head"] = (self.dim, self.vocab_size)
         return out
@@ -168,9 +171,9 @@ class Attention(nn.Module):
         kv = c.n_kv_heads * c.head_dim
         proj = lambda name, f_in, f_out, residual=False: layers.dense(
             self, c, name, f_in, f_out, use_bias=False, kernel_init=_init(c, residual))
-        q = proj("q_proj", c.dim, c.dim)(x).reshape(b, t, c.n_heads, c.head_dim)
-        k = proj("k_proj", c.dim, kv)(x).reshape(b, t, c.n_kv_heads, c.head_dim)
-        v = proj("v_proj", c.dim, kv)(x).reshape(b, t, c.n_kv_heads, c.head_dim)
+        q, k, v = jnp.split(proj("qkv_proj", c.dim, c.dim + 2 * kv)(x), [c.dim, c.dim + kv], axis=-1)
+        q = q.reshape(b, t, c.n_heads, c.head_dim)
+        k, v = k.reshape(b, t, c.n_kv_heads, c.head_dim), v.reshape(b, t, c.n_kv_heads, c.head_dim)
         q, k = apply_rope(q, positions, theta=c.rope_theta), apply_rope(k, positions, theta=c.rope_theta)
         out = layers.attention(c, q, k, v, is_causal=True)
         return proj("o_proj", c.dim, c.dim, residual=True)(out)
@@ -186,7 +189,8 @@ class MLP(nn.Module):
         c = self.config
         proj = lambda name, f_in, f_out, residual=False: layers.dense(
             self, c, name, f_in, f_out, use_bias=False, kernel_init=_init(c, residual))
-        hidden = nn.silu(proj("gate_proj", c.dim, c.ffn_dim)(x)) * proj("up_proj", c.dim, c.ffn_dim)(x)
+        gate, up = jnp.split(proj("gate_up_proj", c.dim, 2 * c.ffn_dim)(x), 2, axis=-1)
+        hidden = nn.silu(gate) * up
         return proj("down_proj", c.ffn_dim, c.dim, residual=True)(hidden)
 
 

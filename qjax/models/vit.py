@@ -11,7 +11,7 @@ high-precision filter too (by default it, and the classification "head", stay in
 LayerNorm, multi-head attention (scores in the compute dtype), LayerNorm, GELU MLP. Parameter tree:
 
   patch_embed/{kernel,bias}, cls_token (pool="cls" only), pos_embed (1, tokens, dim),
-  layers_{i}/attn_norm, layers_{i}/attn/{q,k,v,o}_proj, layers_{i}/mlp_norm, layers_{i}/mlp/{fc1,fc2},
+  layers_{i}/attn_norm, layers_{i}/attn/{qkv,o}_proj, layers_{i}/mlp_norm, layers_{i}/mlp/{fc1,fc2},
   norm, head/{kernel,bias}
 """
 
@@ -85,8 +85,7 @@ class ViTConfig:
 
     def projections(self) -> dict[str, tuple[int, int]]:
         """{layer name: (features_in, features_out)} for every GEMM with a weight."""
-        per_layer = {"attn/q_proj": (self.dim, self.dim), "attn/k_proj": (self.dim, self.dim),
-                     "attn/v_proj": (self.dim, self.dim), "attn/o_proj": (self.dim, self.dim),
+        per_layer = {"attn/qkv_proj": (self.dim, 3 * self.dim), "attn/o_proj": (self.dim, self.dim),
                      "mlp/fc1": (self.dim, self.mlp_dim), "mlp/fc2": (self.mlp_dim, self.dim)}
         out = {"patch_embed": (self.patch_features, self.dim)}
         out.update({f"layers_{i}/{name}": shape for i in range(self.n_layers) for name, shape in per_layer.items()})
@@ -136,10 +135,15 @@ class Attention(nn.Module):
         c = self.config
         b, s, _ = x.shape
         heads = lambda y: y.reshape(b, s, c.n_heads, c.dim // c.n_heads)
-        proj = lambda name: layers.dense(self, c, name, c.dim, c.dim, use_bias=True,
-                                         kernel_init=nn.initializers.xavier_uniform())
-        q, k, v = (heads(proj(name)(x)) for name in ("q_proj", "k_proj", "v_proj"))
-        return proj("o_proj")(layers.attention(c, q, k, v, is_causal=False))
+        # One qkv projection (columns [q | k | v]): the input is quantized once, not three times. Xavier-uniform
+        # on the fused (dim, 3 dim) kernel would see fan_out 3 dim; scale 2 gives each third the limit sqrt(3 / dim)
+        # a separate (dim, dim) xavier-uniform kernel has.
+        qkv = layers.dense(self, c, "qkv_proj", c.dim, 3 * c.dim, use_bias=True,
+                           kernel_init=nn.initializers.variance_scaling(2.0, "fan_avg", "uniform"))(x)
+        q, k, v = (heads(y) for y in jnp.split(qkv, 3, axis=-1))
+        out = layers.attention(c, q, k, v, is_causal=False)
+        return layers.dense(self, c, "o_proj", c.dim, c.dim, use_bias=True,
+                            kernel_init=nn.initializers.xavier_uniform())(out)
 
 
 class MLP(nn.Module):

@@ -72,14 +72,11 @@ def test_every_recipe_trains_close_to_bf16(name, reference):
     step = _value_and_grad(config)
     loss, grads = step(params, jax.random.key(3))
 
-    # Each layer ran the recipe the filter promises: the LM head in bf16, and under block-scaled recipes also the
-    # 128 -> 64 k/v projections (64 features cannot be tiled by 128).
+    # Each layer ran the recipe the filter promises: the LM head in bf16, every other layer quantized (the fused
+    # 128 -> 128 + 2 * 64 qkv projection tiles by 128 where separate 64-wide k/v projections would not).
     assert used == {layer: r.name for layer, r in models.layer_recipes(config).items()}
-    block_scaled = recipe.fwd is not None and recipe.fwd.is_block_scaled
-    expected_bf16 = {"lm_head"} | ({"layers_0/attn/k_proj", "layers_0/attn/v_proj"} if block_scaled else set())
-    if name == "bf16":
-        expected_bf16 = set(used)
-    assert len(used) == 8 and {layer for layer, r in used.items() if r == "bf16"} == expected_bf16
+    expected_bf16 = set(used) if name == "bf16" else {"lm_head"}
+    assert len(used) == 5 and {layer for layer, r in used.items() if r == "bf16"} == expected_bf16
 
     assert jax.tree.structure(grads) == jax.tree.structure(params)
     assert all(g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g))) and bool(jnp.any(g != 0))
@@ -116,7 +113,8 @@ def test_shapes_dtypes_and_parameter_names():
     assert jax.eval_shape(model.apply, variables, tokens).shape == (3, 10, config.vocab_size)
     assert jax.eval_shape(model.apply, variables, tokens).dtype == jnp.float32
     assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params))
-    assert params["layers_1"]["attn"]["k_proj"]["kernel"].shape == (64, 2 * 16)  # 2 KV heads of 16
+    assert params["layers_1"]["attn"]["qkv_proj"]["kernel"].shape == (64, 64 + 2 * 2 * 16)  # q, 2 KV heads of 16
+    assert params["layers_1"]["mlp"]["gate_up_proj"]["kernel"].shape == (64, 2 * 128)
     assert params["layers_0"]["mlp"]["down_proj"]["kernel"].shape == (128, 64)
     assert params["lm_head"]["kernel"].shape == (64, 256)
     # Every projection the config lists exists with its (features_in, features_out) as the kernel shape.
@@ -136,11 +134,12 @@ def test_filter_and_tied_head():
             used, variables = used_recipes(jax.eval_shape, model.init, jax.random.key(0), tokens)
             assert used["lm_head"] == head
             mlp = "bf16" if keep and "mlp" in keep[0] else "int8_rowwise"
-            assert used["layers_1/mlp/up_proj"] == mlp and used["layers_1/attn/q_proj"] == "int8_rowwise"
+            assert used["layers_1/mlp/gate_up_proj"] == mlp and used["layers_1/attn/qkv_proj"] == "int8_rowwise"
             assert ("lm_head" in variables["params"]) == (not tie)
-    small = models.llama_config("tiny", recipe="int8_rowwise", min_features=64)  # k/v project 64 -> 32
-    assert {n for n, r in models.layer_recipes(small).items() if r.name == "bf16"} == {
-        "lm_head", "layers_0/attn/k_proj", "layers_0/attn/v_proj", "layers_1/attn/k_proj", "layers_1/attn/v_proj"}
+    # Every tiny projection has 64 features on one side: min_features=64 quantizes them, 65 keeps them in bf16.
+    bf16_layers = lambda n: {name for name, r in models.layer_recipes(
+        models.llama_config("tiny", recipe="int8_rowwise", min_features=n)).items() if r.name == "bf16"}
+    assert bf16_layers(64) == {"lm_head"} and len(bf16_layers(65)) == 1 + 4 * 2
 
 
 def test_tied_embeddings_share_the_parameter():
@@ -176,13 +175,14 @@ def test_causal_gqa_and_remat():
     group = gqa.n_heads // gqa.n_kv_heads  # query head h reads KV head h // group
 
     def repeat_kv(path, x):
-        names = [getattr(p, "key", None) for p in path]
-        if "k_proj" in names or "v_proj" in names:
-            return jnp.repeat(x.reshape(gqa.dim, gqa.n_kv_heads, gqa.head_dim), group, axis=1).reshape(gqa.dim, -1)
-        return x
+        if "qkv_proj" not in [getattr(p, "key", None) for p in path]:
+            return x
+        q, k, v = jnp.split(x, [gqa.dim, gqa.dim + gqa.n_kv_heads * gqa.head_dim], axis=-1)
+        repeat = lambda y: jnp.repeat(y.reshape(gqa.dim, gqa.n_kv_heads, gqa.head_dim), group, axis=1)
+        return jnp.concatenate([q, repeat(k).reshape(gqa.dim, -1), repeat(v).reshape(gqa.dim, -1)], axis=-1)
 
     mha_params = jax.tree_util.tree_map_with_path(repeat_kv, params)
-    assert mha_params["layers_0"]["attn"]["k_proj"]["kernel"].shape == (64, 64)
+    assert mha_params["layers_0"]["attn"]["qkv_proj"]["kernel"].shape == (64, 3 * 64)
     np.testing.assert_allclose(logits, run(mha, mha_params), atol=1e-5, rtol=1e-5)
 
     # remat wraps each block in jax.checkpoint and keeps the parameter names (checkpoints stay loadable).

@@ -81,7 +81,7 @@ def test_every_recipe_traces():
         used, (loss, grads) = used_recipes(jax.eval_shape, jax.value_and_grad(_loss_fn(config)), params,
                                             jax.random.key(1))
         assert used == {layer: r.name for layer, r in models.layer_recipes(config).items()}
-        assert len(used) == 8 and used["layers_0/mlp/fc1"] == recipe.name and used["head"] == "bf16"
+        assert len(used) == 6 and used["layers_0/mlp/fc1"] == recipe.name and used["head"] == "bf16"
         assert loss.shape == () and loss.dtype == jnp.float32
         assert jax.tree.map(lambda g: (g.shape, g.dtype), grads) == jax.tree.map(lambda p: (p.shape, p.dtype), params)
     # With a class token, 32 images are 32 x (4 patches + 1) = 160 tokens: a block-scaled wgrad cannot tile them.
@@ -96,7 +96,7 @@ def test_default_filter_shapes_and_dtypes():
     images = jnp.zeros((4, 8, 8, 1))
     used, variables = used_recipes(jax.eval_shape, models.ViT(config).init, jax.random.key(0), images)
     assert {layer for layer, r in used.items() if r == "bf16"} == {"patch_embed", "head"}
-    assert used["layers_3/attn/q_proj"] == "int8_rowwise" and len(used) == 2 + 6 * config.n_layers
+    assert used["layers_3/attn/qkv_proj"] == "int8_rowwise" and len(used) == 2 + 4 * config.n_layers
     out = jax.eval_shape(models.ViT(config).apply, variables, images)
     assert out.shape == (4, 10) and out.dtype == jnp.float32
     params = variables["params"]
