@@ -51,16 +51,15 @@ def row_recipe(row: str):
     return dataclasses.replace(recipe, backend=backend) if backend else recipe
 
 
-def measure_row(row: str, args) -> dict:
-    """Runs in the child process: tokens/s, step ms, peak memory, MFU and the loss over the timed steps."""
-    import jax
+def build_row(row: str, args):
+    """(train_state, train_step, batch, task) for one row: the model per --size, random tokens (batch, seq)."""
     import numpy as np
 
-    from common import REPO, time_ms
+    from common import REPO
 
     sys.path.insert(0, str(REPO))  # the configs/ package
     from configs import llama_base
-    from qjax.train import make_train_step, make_task, peak_flops
+    from qjax.train import make_task, make_train_step
 
     config = llama_base.get_config()
     config.model.size = args.size
@@ -74,10 +73,20 @@ def measure_row(row: str, args) -> dict:
     config.steps = 1000  # the LR schedule's length; irrelevant to the timing
     task = make_task(config)
     init_state, train_step = make_train_step(config, task)
-    state = init_state()
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, task.model_config.vocab_size, (args.batch, args.seq + 1), dtype=np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    return init_state(), train_step, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, task
+
+
+def measure_row(row: str, args) -> dict:
+    """Runs in the child process: tokens/s, step ms, peak memory, MFU and the loss over the timed steps."""
+    import jax
+    import numpy as np
+
+    from common import time_ms
+    from qjax.train import peak_flops
+
+    state, train_step, batch, task = build_row(row, args)
     losses = []
 
     def step(state):

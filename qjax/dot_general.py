@@ -92,8 +92,8 @@ class _Layout:
     def lhs_from_mk(self, x):
         return self._unview(x, self.lhs_shape, self.lhs_batch + self.lhs_free + self.lhs_contract)
 
-    def rhs_from_nk(self, x):
-        return self._unview(x, self.rhs_shape, self.rhs_batch + self.rhs_free + self.rhs_contract)
+    def rhs_from_kn(self, x):
+        return self._unview(x, self.rhs_shape, self.rhs_batch + self.rhs_contract + self.rhs_free)
 
 
 def _swap_last(x):
@@ -149,11 +149,15 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
             dx = _high_precision_matmul(g_mn, layout.rhs_kn(w_res), lhs_dtype, precision)
         else:
             dx = gemm(gq_dgrad, w_res, lhs_dtype, precise_accumulation=True)
+        # wgrad is computed as dw^T = x^T g, (K, M) x (N, M) -> (K, N): the layout of a Dense kernel (in, out), so
+        # the gradient reaches the optimizer untransposed. (As g^T x -> (N, K), XLA fused the transpose into the
+        # AdamW update of every weight, which then read params and both moments transposed and copied them:
+        # ~38 ms of a 217 ms 1.1B Llama step on an H100.) The GEMM's two operands play symmetric roles.
         if wgrad is None:
-            dw = _high_precision_matmul(_swap_last(g_mn), layout.lhs_km(x_res), rhs_dtype, precision)
+            dw = _high_precision_matmul(layout.lhs_km(x_res), _swap_last(g_mn), rhs_dtype, precision)
         else:
-            dw = gemm(gq_wgrad, x_res, rhs_dtype, precise_accumulation=True)
-        return layout.lhs_from_mk(dx), layout.rhs_from_nk(dw), None
+            dw = gemm(x_res, gq_wgrad, rhs_dtype, precise_accumulation=True)
+        return layout.lhs_from_mk(dx), layout.rhs_from_kn(dw), None
 
     @jax.custom_vjp
     def quantized_dot(lhs, rhs, seeds):

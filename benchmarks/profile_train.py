@@ -1,0 +1,117 @@
+"""Where a train step's GPU time goes: profile one row of benchmarks/train.py and print its top kernels.
+
+  python benchmarks/profile_train.py --row int8_rowwise             # ~1.1B Llama, batch 8 x 2048, on a GPU
+  python benchmarks/profile_train.py --row bf16 --small             # tiny model (CPU: host ops, no GPU events)
+
+Runs --warmup steps, then --steps steps under `jax.profiler.trace`, reads the trace's `*.trace.json.gz` (written by
+jax itself, no TensorBoard plugin needed) and sums the duration of every device event per HLO op. Prints per step:
+the total device time, a breakdown by category (cuBLAS/cuDNN GEMMs, Pallas kernels, attention, XLA fusions) and
+the --top ops with their kernel names (--dump-hlo writes the optimized HLO those fusion names come from).
+The trace folder (--trace-dir) can be opened in Perfetto or TensorBoard.
+"""
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import tempfile
+
+from train import ROWS, build_row
+
+# Category by kernel-name substring, first match wins (cuBLAS/cuDNN/Mosaic GPU naming as seen on Hopper).
+CATEGORIES = (("attention", ("fmha", "flash", "cudnn", "sdpa")),
+              ("gemm (cuBLAS, XLA Triton)", ("gemm", "nvjet", "xmma", "cutlass", "cublas")),
+              ("pallas", ("mosaic", "pallas", "qjax")),
+              ("copy/memset", ("memcpy", "memset")))
+
+
+def category(kernel: str, hlo_op: str) -> str:
+    text = f"{kernel} {hlo_op}".lower()
+    for name, needles in CATEGORIES:
+        if any(n in text for n in needles):
+            return name
+    return "xla fusion / other"
+
+
+def device_ops(trace_dir: pathlib.Path) -> dict:
+    """{hlo op or kernel name: [total us, count, kernel name]} over the device events of the newest trace."""
+    trace_file = max(trace_dir.glob("plugins/profile/*/*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    events = json.load(gzip.open(trace_file))["traceEvents"]
+    device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                   and "/device:" in e["args"].get("name", "") and "CPU" not in e["args"]["name"]}
+    # A GPU's process also holds derived lines ("XLA Ops", "XLA Modules", "Steps") that repeat the kernels' time:
+    # count the CUDA stream lines only.
+    stream_tids = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+                   and e["pid"] in device_pids and e["args"].get("name", "").startswith("Stream")}
+    ops = collections.defaultdict(lambda: [0.0, 0, ""])
+    for e in events:
+        if e.get("ph") != "X" or (e.get("pid"), e.get("tid")) not in stream_tids:
+            continue
+        # Under CUDA graphs every kernel's hlo_op is the command buffer: key by the kernel's own name, which for
+        # XLA's kernels is the fusion's name in the optimized HLO.
+        hlo_op = e.get("args", {}).get("hlo_op", "")
+        key = e["name"] if not hlo_op or hlo_op.startswith("command_buffer") else hlo_op
+        ops[key][0] += e.get("dur", 0.0)
+        ops[key][1] += 1
+        ops[key][2] = e["name"]
+    return dict(ops)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--row", default="int8_rowwise", choices=ROWS)
+    parser.add_argument("--size", default=None, help="model preset: 1b (default) or tiny (--small)")
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--steps", type=int, default=3, help="profiled steps (after --warmup)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--remat", action="store_true")
+    parser.add_argument("--min-features", type=int, default=0)
+    parser.add_argument("--small", action="store_true", help="tiny model, tiny batch")
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--trace-dir", help="where the trace goes (default: a temporary folder)")
+    parser.add_argument("--dump-hlo", help="also write the step's optimized HLO to this file (maps fusion names to ops)")
+    args = parser.parse_args()
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+
+    import jax
+
+    args.size = args.size or ("tiny" if args.small else "1b")
+    args.batch = args.batch or (2 if args.small else 8)
+    args.seq = args.seq or (64 if args.small else 2048)
+    state, train_step, batch, _ = build_row(args.row, args)
+    if args.dump_hlo:
+        pathlib.Path(args.dump_hlo).write_text(train_step.lower(state, batch).compile().as_text())
+    for _ in range(args.warmup):
+        state, metrics = train_step(state, batch)
+    jax.block_until_ready(state)
+    trace_dir = pathlib.Path(args.trace_dir or tempfile.mkdtemp(prefix="qjax_profile_"))
+    with jax.profiler.trace(str(trace_dir)):
+        for _ in range(args.steps):
+            state, metrics = train_step(state, batch)
+        jax.block_until_ready((state, metrics))
+
+    ops = device_ops(trace_dir)
+    total = sum(us for us, _, _ in ops.values()) / args.steps
+    print(f"{args.row}: Llama {args.size}, batch {args.batch} x seq {args.seq}, {jax.devices()[0].device_kind}; "
+          f"trace in {trace_dir}")
+    if not ops:
+        print("no device events in the trace (a CPU run records host ops only)")
+        return
+    by_category = collections.Counter()
+    for key, (us, _, kernel) in ops.items():
+        by_category[category(kernel, key)] += us / args.steps
+    print(f"\ndevice time per step: {total / 1e3:.2f} ms (sum over events; streams may overlap)\n")
+    print("| category | ms / step | share |\n|---|---:|---:|")
+    for name, us in by_category.most_common():
+        print(f"| {name} | {us / 1e3:.2f} | {us / total:.1%} |")
+    print(f"\n| hlo op | kernel | ms / step | calls / step | share |\n|---|---|---:|---:|---:|")
+    for key, (us, count, kernel) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        print(f"| {key[:60]} | {kernel[:70]} | {us / args.steps / 1e3:.3f} | {count / args.steps:g} | "
+              f"{us / args.steps / total:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
