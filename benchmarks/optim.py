@@ -51,13 +51,13 @@ def time_optimizer(tx, params, grads, iters, dump_path=None):
 
     step = jax.jit(step, donate_argnums=(0, 1))
     p = jax.tree.map(jnp.copy, params)
-    compiled = step.lower(p, state, grads).compile()
-    hlo = compiled.as_text()
+    step = step.lower(p, state, grads).compile()  # compiled once: the HLO and cost analysis are of what runs
+    hlo = step.as_text()
     if dump_path:
         os.makedirs(os.path.dirname(dump_path), exist_ok=True)
         with open(dump_path, "w") as f:
             f.write(hlo)
-    cost = compiled.cost_analysis()
+    cost = step.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     # Kernel launches: fusions and custom calls (Pallas kernels, cuBLAS) of the entry computation.
     entry = hlo[hlo.find("ENTRY"):]
@@ -104,7 +104,9 @@ def main():
 
     rows, base_ms, base_bytes = [], None, None
     for name, make, use_kernel in configs:
-        dump = os.path.join(args.dump_hlo, name.replace(" ", "_").replace("(", "").replace(")", "") + ".hlo") if args.dump_hlo else None
+        dump = None
+        if args.dump_hlo:
+            dump = os.path.join(args.dump_hlo, name.replace(" ", "_").replace("(", "").replace(")", "") + ".hlo")
         ms, state_bytes, kernels, xla_bytes = time_optimizer(make(use_kernel), params, grads, args.iters, dump)
         base_ms = base_ms or ms
         base_bytes = base_bytes or state_bytes

@@ -17,7 +17,7 @@ import json
 import pathlib
 import tempfile
 
-from train import ROWS, build_row
+from train import ROWS, add_model_args, build_row, resolve_model_args
 
 # Category by kernel-name substring, first match wins (cuBLAS/cuDNN/Mosaic GPU naming as seen on Hopper).
 CATEGORIES = (("attention", ("fmha", "flash", "cudnn", "sdpa")),
@@ -61,14 +61,9 @@ def device_ops(trace_dir: pathlib.Path) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--row", default="int8_rowwise", choices=ROWS)
-    parser.add_argument("--size", default=None, help="model preset: 1b (default) or tiny (--small)")
-    parser.add_argument("--batch", type=int)
-    parser.add_argument("--seq", type=int)
+    add_model_args(parser)
     parser.add_argument("--steps", type=int, default=3, help="profiled steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--remat", action="store_true")
-    parser.add_argument("--min-features", type=int, default=0)
-    parser.add_argument("--small", action="store_true", help="tiny model, tiny batch")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--trace-dir", help="where the trace goes (default: a temporary folder)")
     parser.add_argument("--dump-hlo", help="also write the step's optimized HLO to this file (maps fusion names to ops)")
@@ -78,12 +73,11 @@ def main():
 
     import jax
 
-    args.size = args.size or ("tiny" if args.small else "1b")
-    args.batch = args.batch or (2 if args.small else 8)
-    args.seq = args.seq or (64 if args.small else 2048)
+    resolve_model_args(args)
     state, train_step, batch, _ = build_row(args.row, args)
+    train_step = train_step.lower(state, batch).compile()  # compiled once, for the HLO dump and the steps
     if args.dump_hlo:
-        pathlib.Path(args.dump_hlo).write_text(train_step.lower(state, batch).compile().as_text())
+        pathlib.Path(args.dump_hlo).write_text(train_step.as_text())
     for _ in range(args.warmup):
         state, metrics = train_step(state, batch)
     jax.block_until_ready(state)

@@ -167,18 +167,34 @@ def table(results: list[dict], peer: dict, args) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
 
 
-def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="*", choices=ROWS, help=f"default: {' '.join(DEFAULT_ROWS)}")
+def add_model_args(parser):
+    """The flags that pick a row's model and batch (shared with benchmarks/profile_train.py)."""
     parser.add_argument("--size", default=None, help="model preset: 1b (default on GPU) or tiny (--small)")
     parser.add_argument("--batch", type=int)
     parser.add_argument("--seq", type=int)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--remat", action="store_true", help="rematerialize each block (less memory, more FLOPs)")
     parser.add_argument("--min-features", type=int, default=0,
                         help="keep projections with fewer features in or out than this in bf16")
     parser.add_argument("--small", action="store_true", help="tiny model, tiny batch (default without a GPU)")
+
+
+def resolve_model_args(args) -> bool:
+    """Fills --size/--batch/--seq defaults: tiny on CPU or with --small, the 1.1B shape otherwise. Returns small."""
+    import jax
+
+    small = args.small or jax.default_backend() != "gpu"
+    args.size = args.size or ("tiny" if small else "1b")
+    args.batch = args.batch or (2 if small else 8)
+    args.seq = args.seq or (64 if small else 2048)
+    return small
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="*", choices=ROWS, help=f"default: {' '.join(DEFAULT_ROWS)}")
+    add_model_args(parser)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--peer-python", help="interpreter with torch + torchao (default $QJAX_TORCH_PYTHON or this)")
     parser.add_argument("--no-append", action="store_true")
@@ -199,10 +215,7 @@ def main():
     from common import append_results, device_kind
     from torch_peer import run_torch_peer
 
-    small = args.small or jax.default_backend() != "gpu"
-    args.size = args.size or ("tiny" if small else "1b")
-    args.batch = args.batch or (2 if small else 8)
-    args.seq = args.seq or (64 if small else 2048)
+    small = resolve_model_args(args)
     if small:
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
     rows = args.rows or DEFAULT_ROWS
