@@ -2,10 +2,15 @@
 
   tx = qjax.optim.adamw_8bit(learning_rate=schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
   state = tx.init(params); updates, state = tx.update(grads, state, params); params = optax.apply_updates(...)
+  params, state = qjax.optim.apply_gradients(tx, grads, state, params)     # the same step, fused where possible
 
 All three are `optax.chain(scale_by_quantized_adam(config, ...), add_decayed_weights(wd, mask),
 scale_by_learning_rate(lr))`, exactly how `optax.adamw` is built, so they compose with `optax.chain`, clipping,
-schedules, `optax.MultiSteps`, sharded params and orbax like any optax optimizer.
+schedules, `optax.MultiSteps`, sharded params and orbax like any optax optimizer. They are returned as a
+`QuantizedAdamW`, an optax GradientTransformation (init, update) with a third field `step`: `apply_gradients`
+calls it, and with `use_kernel=True` (e4m3 states) it updates each eligible tensor's param and moments in one fused
+kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param); every other tensor, and every
+tensor without `use_kernel`, takes exactly the optax path.
 
 Per tensor, with t the step (1-based) and g the gradient in float32 (torchao `low_bit_optim` semantics):
   m_old, v_old = dequantize(state)                     float32
@@ -24,7 +29,7 @@ it gives a zero direction (0 / (0 + eps)), and otherwise m, v decay as in fp32 A
 """
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +49,8 @@ class StateConfig:
       mu_format, nu_format: state formats from `blockwise.STATE_FORMATS` (m is signed, v is non-negative).
       block_size: elements per absmax/scale block (per COAT group for "e4m3_dre").
       min_quantized_size: tensors smaller than this keep float32 states.
-      use_kernel: True runs e4m3 states through the fused Mosaic GPU kernel (opt-in, see
-        `qjax.optim.fused_adam` for its status), False the jnp reference.
+      use_kernel: True: `apply_gradients` runs e4m3 states through the fused Mosaic GPU step kernel (interpreted
+        off a Hopper GPU: slow, for tests; see `qjax.optim.fused_adam`). `tx.update` always runs the jnp reference.
     """
 
     mu_format: str
@@ -64,6 +69,10 @@ class StateConfig:
             raise ValueError(f"min_quantized_size must be a non-negative int, got {self.min_quantized_size!r}")
         if not isinstance(self.use_kernel, bool):
             raise ValueError(f"use_kernel must be True or False, got {self.use_kernel!r}")
+        if self.use_kernel and not (self.mu_format == self.nu_format == "e4m3" and self.block_size in (128, 256)):
+            raise ValueError(f"use_kernel=True: the fused kernel supports e4m3 states (adamw_fp8 without dynamic "
+                             f"range expansion) with block_size 128 or 256, got mu {self.mu_format!r}, nu "
+                             f"{self.nu_format!r}, block {self.block_size}; use use_kernel=False")
 
     def quantizes(self, shape) -> bool:
         return blockwise.can_quantize(tuple(shape), self.block_size, self.min_quantized_size)
@@ -119,8 +128,6 @@ def scale_by_quantized_adam(config: StateConfig, b1: float = 0.9, b2: float = 0.
         raise ValueError(f"b1 and b2 must be in [0, 1), got b1={b1}, b2={b2}")
     if eps < 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
-    from qjax.optim import fused_adam  # late import: fused_adam imports this module
-
     def init_fn(params):
         return QuantizedAdamState(
             count=jnp.zeros((), jnp.int32),
@@ -135,7 +142,7 @@ def scale_by_quantized_adam(config: StateConfig, b1: float = 0.9, b2: float = 0.
         bc2_sqrt = jnp.sqrt(1 - jnp.float32(b2) ** t)
 
         g_leaves, treedef = jax.tree.flatten(updates)
-        out = [fused_adam.adam_update(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt)
+        out = [update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt)
                for g, mu, nu in zip(g_leaves, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu))]
         new_updates = treedef.unflatten([d.astype(g.dtype) for (d, _, _), g in zip(out, g_leaves)])
         new_mu = treedef.unflatten([o[1] for o in out])
@@ -145,19 +152,81 @@ def scale_by_quantized_adam(config: StateConfig, b1: float = 0.9, b2: float = 0.
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+class QuantizedAdamW(NamedTuple):
+    """What adamw_8bit / _4bit / _fp8 return: an optax GradientTransformation (`init`, `update`) plus
+    `step(grads, state, params) -> (params, state)`, the step `apply_gradients` runs (module docstring)."""
+
+    init: Callable
+    update: Callable
+    step: Callable
+
+
+def apply_gradients(tx, grads, opt_state, params):
+    """One optimizer step -> (new params, new opt_state); the same result as `tx.update` + `optax.apply_updates`.
+
+    Any optax transformation works. For a `QuantizedAdamW` made with `use_kernel=True`, each float32 tensor with
+    e4m3 states is updated by one fused kernel that reads and writes param, gradient and states once (see
+    `qjax.optim.fused_adam`; on a GPU its results may differ from the optax path by float32 rounding).
+    """
+    if isinstance(tx, QuantizedAdamW):
+        return tx.step(grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def _decay_per_leaf(weight_decay: float, mask, params) -> list:
+    """Each param leaf's weight decay (0 where `mask` is False), as optax.masked applies the mask (tree prefix)."""
+    if mask is None:
+        return [weight_decay] * len(jax.tree.leaves(params))
+    mask_tree = mask(params) if callable(mask) else mask
+    per_leaf = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: weight_decay if m else 0.0, sub), mask_tree,
+                            params)
+    return jax.tree.leaves(per_leaf)
+
+
 def _adamw(config, learning_rate, b1, b2, eps, weight_decay, mask):
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-    return optax.chain(
+    chain = optax.chain(
         scale_by_quantized_adam(config, b1, b2, eps),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )
 
+    def step(grads, state, params):
+        updates, new_state = chain.update(grads, state, params)
+        new_params = optax.apply_updates(params, updates)
+        if not config.use_kernel:
+            return new_params, new_state
+        from qjax.kernels import on_hopper_gpu  # late imports: fused_adam imports this module
+        from qjax.optim import fused_adam
+
+        # The optax results of the tensors the kernel takes are left unused, and XLA removes their computation.
+        adam_state, _, lr_state = state
+        t = optax.safe_increment(adam_state.count).astype(jnp.float32)
+        bc1, bc2_sqrt = 1 - jnp.float32(b1) ** t, jnp.sqrt(1 - jnp.float32(b2) ** t)
+        lr = learning_rate(lr_state.count) if callable(learning_rate) else learning_rate
+        step_size = jnp.asarray(-1 * lr, jnp.float32)
+        p_leaves, treedef = jax.tree.flatten(params)
+        leaves = [p_leaves, treedef.flatten_up_to(grads), treedef.flatten_up_to(adam_state.mu),
+                  treedef.flatten_up_to(adam_state.nu), treedef.flatten_up_to(new_params),
+                  treedef.flatten_up_to(new_state[0].mu), treedef.flatten_up_to(new_state[0].nu)]
+        interpret = None if on_hopper_gpu() else True
+        outs = []
+        for p, g, mu, nu, p_new, mu_new, nu_new, wd in zip(*leaves, _decay_per_leaf(weight_decay, mask, params)):
+            if fused_adam.kernel_eligible(p, g, mu, nu):
+                p_new, mu_new, nu_new = fused_adam.fused_step_fp8(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt,
+                                                                  step_size, wd, interpret=interpret)
+            outs.append((p_new, mu_new, nu_new))
+        new_params, new_mu, new_nu = (treedef.unflatten([o[i] for o in outs]) for i in range(3))
+        return new_params, (new_state[0]._replace(mu=new_mu, nu=new_nu), *new_state[1:])
+
+    return QuantizedAdamW(chain.init, chain.update, step)
+
 
 def adamw_8bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
                mask=None, block_size: int = 256, min_quantized_size: int = 4096,
-               use_kernel: bool = False) -> optax.GradientTransformation:
+               use_kernel: bool = False) -> QuantizedAdamW:
     """AdamW with 8-bit states: blocks of 256, fp32 absmax, m on the signed and v on the unsigned dynamic tree map.
 
     State: 2 bytes + 8 / block_size bytes per element (0.254x fp32 AdamW at block 256). `learning_rate` is a float
@@ -169,7 +238,7 @@ def adamw_8bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1
 
 def adamw_4bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
                mask=None, block_size: int = 128, min_quantized_size: int = 4096,
-               use_kernel: bool = False) -> optax.GradientTransformation:
+               use_kernel: bool = False) -> QuantizedAdamW:
     """AdamW with 4-bit states: blocks of 128, two codes per byte; m on the 3-exponent-bit signed dynamic map, v on
     the linear map 1/16..1 (no zero). State: 1 byte + 8 / block_size bytes per element (0.133x fp32 AdamW)."""
     config = StateConfig("dynamic_signed_4bit", "linear_unsigned_4bit", block_size, min_quantized_size, use_kernel)
@@ -178,7 +247,7 @@ def adamw_4bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1
 
 def adamw_fp8(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
               mask=None, block_size: int | None = None, dynamic_range_expansion: bool = False,
-              min_quantized_size: int = 4096, use_kernel: bool = False) -> optax.GradientTransformation:
+              min_quantized_size: int = 4096, use_kernel: bool = False) -> QuantizedAdamW:
     """AdamW with e4m3 states: blocks of 256 with scale = absmax / 448 (torchao), or with
     `dynamic_range_expansion=True` COAT's per-group (128) expansion storing (codes, scale, k, c).
 

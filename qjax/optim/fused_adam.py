@@ -1,37 +1,45 @@
-"""Fused quantized-Adam update: a Pallas Mosaic GPU kernel for e4m3 states, the jnp reference elsewhere.
+"""Fused AdamW step for e4m3 states: one Mosaic GPU kernel per tensor writes the new param and moments.
 
-`adam_update(g, mu, nu, config, ...)` -> (direction f32, new mu, new nu) for one tensor; `adam.update_reference` is
-the jnp reference (dequantize, `adam.adam_math` in float32, requantize as separate XLA ops).
+`fused_step_fp8(p, g, mu, nu, ...)` -> (new p, new mu, new nu) does, for one float32 param with `Fp8State` moments
+(codes float8_e4m3fn (n, B), scale f32 (n,) = absmax / 448, see `blockwise`), exactly what
+`qjax.optim.adamw_fp8`'s optax chain followed by `optax.apply_updates` does to it; `fused_step_reference` is that
+computation in jnp (the test reference). Why a kernel: through optax, the step writes an update tensor and reads it
+back (`apply_updates` is a separate pass), 28 bytes per float32 param with fp32 states, and XLA splits the block
+absmax from the quantization (~24 bytes with e4m3 states, no faster than fp32 AdamW). The kernel reads param, grad,
+codes and scales once and writes param, codes and scales once: 16 bytes per param.
 
-`adam_update_fp8_kernel` does the same for `Fp8State` moments (format "e4m3": codes float8_e4m3fn (n, B), scale f32
-(n,) = absmax / 448, see `blockwise`) in one pass over the tensor. The tensor is viewed as n blocks of B = block_size
-elements, i.e. an (n, B) array; each program handles one tile of R = 4096 // B consecutive blocks (R rows x B
-columns; fewer rows when n is not a multiple of R, and the wrapper pads n to a multiple of 4 rows):
+The tensor is viewed as n blocks of B elements, an (n, B) array, cut into tiles of R = 4096 // B rows (fewer when n
+is not a multiple); each program runs a 4-slot TMA pipeline over `steps` (<= 4) consecutive tiles:
 
-  GMEM -> SMEM (TMA): g (R, B) f32/bf16/f16, m codes (R, B) e4m3, m scale (R,), v codes, v scale
-  registers:          m_old = codes * scale, v_old likewise; adam_math (the reference's own function) -> direction,
-                      m, v; per row: absmax (NaN-propagating), scale = absmax / 448 (1 for all-zero rows),
-                      codes = e4m3(clip(x / scale, -448, 448))
-  SMEM -> GMEM (TMA): direction (R, B) f32, new m codes + scale, new v codes + scale
+  GMEM -> SMEM (TMA, up to 3 tiles ahead of the one computed): p (R, B) f32, g (R, B) f32, m codes (R, B),
+                                                               m scale (R,), v codes, v scale
+  registers: m_old = codes * scale (same for v); adam.adam_math -> direction, m, v; u = direction + wd * p;
+             p = p + (-lr) * u; per row: absmax (NaN-propagating), scale = absmax / 448 (1 for all-zero rows),
+             codes = e4m3(clip(x / scale, -448, 448))
+  SMEM (in place) -> GMEM (TMA): p, m codes + scale, v codes + scale, written over the inputs (mutable refs:
+                                 the kernel's outputs alias them, so a donated step updates params in place)
 
 Register layout: one TILED layout for every (R, B) array: each of the 4 warps owns whole rows, its 32 lanes hold 4
-consecutive columns each (128 columns per register sweep), so a warp's SMEM access is one contiguous 512-byte (f32)
-or 128-byte (e4m3) run (no bank conflicts) and the per-row absmax is a warp shuffle reduction, never cross-warp.
-The reduced (R,) layout holds the per-row scales.
+consecutive columns each (128 columns per register sweep), so a warp's SMEM access is one contiguous run (no bank
+conflicts) and the per-row absmax is a warp shuffle reduction, never cross-warp.
 
-Bit-exactness with the reference: the kernel calls `adam.adam_math`, divides and multiplies in the reference's order,
-and clamps to +-448 before the e4m3 cast (Mosaic GPU's cast saturates, XLA's does not; after the clamp they agree).
-The absmax is a max over the int32 bit patterns of |x| (monotone for non-negative floats; NaN patterns sort above
-Inf), so NaN propagates without relying on the max instruction's NaN semantics, then NaN is made canonical.
-Under the CPU interpreter the kernel's XLA ops equal the reference's bit for bit. On the GPU, XLA and Mosaic GPU may
-contract a*b+c into FMAs differently, so m, v can differ by an ulp and, rarely, a code by one e4m3 step (see
+Bit-exactness with the reference: the kernel calls `adam.adam_math`, does the weight decay and learning-rate ops in
+optax's order, and clamps to +-448 before the e4m3 cast (Mosaic GPU's cast saturates, XLA's does not; after the
+clamp they agree). The absmax is a max over the int32 bit patterns of |x| (monotone for non-negative floats; NaN
+patterns sort above Inf), so NaN propagates without relying on the max instruction's NaN semantics. Under the CPU
+interpreter the kernel's XLA ops equal the jitted reference bit for bit. Compiled on a GPU, XLA and Mosaic GPU may
+contract a*b+c into FMAs differently, so values can differ by an ulp and, rarely, a code by one e4m3 step (see
 tests/optim/test_fused_kernel.py).
 
-The dispatcher (`adam_update`) takes the kernel only when `config.use_kernel` is True (under the Mosaic GPU
-interpreter off a Hopper GPU: slow, for tests). It is opt-in because on an H200 (2026-11-22, jax 0.11.2) it compiled
-and ran but measured no faster than XLA's fusion of the reference (15.9 vs 16.2 ms for a 1.1B-parameter AdamW step)
-and its GPU tests did not yet pass their ulp-level tolerances (see tests/optim/test_fused_kernel.py). Other formats
-(8/4-bit code books, e4m3 with expansion) always take the reference.
+Which tensors take the kernel (`kernel_eligible`): float32 param and gradient, e4m3 moments of block 128 or 256,
+n % 4 == 0 (the layout's 4-row tiles; no padding pass). Everything else stays on the optax path. Other formats
+(8/4-bit code books, e4m3 with expansion) have no kernel yet.
+
+Measured (H100, jax 0.11.2, 2026-11-23, benchmarks/optim.py, 1.1B float32 params): 11.9-12.9 ms per step vs 13.7 ms
+for optax.adamw with fp32 states (0.87-0.94x) and 15.7 ms for the XLA-fused adamw_fp8 (jnp). The same pipeline
+with the math removed (a pure copy of the same bytes) takes 11.8 ms, ~1.5 TB/s: the data movement, not the math,
+bounds it; the <= 0.8x target needs a faster pipeline (fewer, larger TMA copies per byte are the next thing to try).
+Without the in-place refs, XLA copied every kernel output into the donated buffers (+12 bytes per param: 20 ms).
 """
 
 import functools
@@ -42,15 +50,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from qjax.kernels import on_hopper_gpu
+from qjax.kernels.quantize_mgpu import steps_per_program
 from qjax.optim import adam, blockwise
 
 _E4M3_MAX = 448.0  # formats.E4M3.max_value; blockwise's scale is absmax / this
-_TILE_ELEMENTS = 4096  # elements per program: R = 4096 // B rows; ~12 bytes each in SMEM (48 KiB at f32 grads)
+_TILE_ELEMENTS = 1024  # elements per tile: 10 KiB of SMEM per slot
+_SLOTS = 4  # tiles in SMEM per program: up to 3 load ahead while one is computed (memory-level parallelism)
+_MIN_SCALE_SLOT = 32  # f32 entries: 128 bytes, the alignment TMA needs in SMEM
+_MAX_STEPS = 4  # tiles per program: many short programs keep every SM busy (H100 sweep, benchmarks/RESULTS.md)
 _LANE_COLUMNS = 128  # a warp sweeps 32 lanes x 4 columns per register
 _WARPS = 4
 _MAX_BLOCK = 256  # a TMA box has at most 256 elements per dimension, and one block is one row of the box
-_GRAD_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 # (R, B) arrays: tiles of 4 rows x 128 columns; warps split the 4 rows, lanes the 128 columns in vectors of 4.
 _LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((_WARPS, _LANE_COLUMNS), (4,))), warp_dims=(-3,), lane_dims=(-2,),
@@ -58,10 +68,24 @@ _LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((_WARPS, _LANE_COLUMNS), (4,))), warp
 _ROW_LAYOUT = _LAYOUT.reduce(1)  # (R,) per-row values (scales), replicated over a warp's lanes
 
 
-def kernel_supports(config) -> bool:
-    """Whether the fused kernel handles this StateConfig's quantized tensors (e4m3 m and v, block 128 or 256)."""
-    return config.mu_format == "e4m3" and config.nu_format == "e4m3" and config.block_size in (_LANE_COLUMNS,
-                                                                                               _MAX_BLOCK)
+def kernel_eligible(p, g, mu, nu) -> bool:
+    """Whether one tensor's step can run in the kernel (module docstring); otherwise it takes the optax path."""
+    return (isinstance(mu, blockwise.Fp8State) and isinstance(nu, blockwise.Fp8State)
+            and mu.codes.shape[1] in (_LANE_COLUMNS, _MAX_BLOCK) and mu.codes.shape[0] % _WARPS == 0
+            and jnp.dtype(p.dtype) == jnp.float32 and jnp.dtype(g.dtype) == jnp.float32)
+
+
+def _param_update(p, direction, step_size, weight_decay: float):
+    """optax's add_decayed_weights, scale_by_learning_rate and apply_updates on float32 arrays, in their order."""
+    u = direction + jnp.float32(weight_decay) * p if weight_decay else direction  # optax skips a zero decay
+    return p + step_size * u
+
+
+def fused_step_reference(p, g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float):
+    """jnp reference of one tensor's fused step, any state format: `adam.update_reference`, then the param update.
+    Args as in `fused_step_fp8`, plus the `adam.StateConfig`."""
+    direction, mu, nu = adam.update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt)
+    return _param_update(p, direction, step_size, weight_decay), mu, nu
 
 
 def _row_absmax(x: jax.Array) -> jax.Array:
@@ -86,112 +110,109 @@ def _quantize_rows(x: jax.Array):
     return y.astype(jnp.float8_e4m3fn), scale
 
 
-def _tile_update(coef_ref, g_s, mc_s, ms_s, vc_s, vs_s, d_s, mc_out, ms_out, vc_out, vs_out, *, b1, b2, eps):
-    """One tile in SMEM: the Adam step of `adam.update_reference` on (R, B) arrays."""
+def _tile_step(coef_ref, p_s, g_s, mc_s, ms_s, vc_s, vs_s, *, b1, b2, eps, weight_decay):
+    """One tile in SMEM, updated in place: the fused step of `fused_step_reference` on (R, B) arrays."""
     def load_state(codes_ref, scale_ref):
         codes = plgpu.load(codes_ref, layout=_LAYOUT).astype(jnp.float32)
         return codes * _broadcast_rows(plgpu.load(scale_ref, layout=_ROW_LAYOUT), codes.shape)
 
+    p = plgpu.load(p_s, layout=_LAYOUT)
     g = plgpu.load(g_s, layout=_LAYOUT)
-    bc1, bc2_sqrt = coef_ref[0], coef_ref[1]
+    bc1, bc2_sqrt, step_size = coef_ref[0], coef_ref[1], coef_ref[2]
     direction, m, v = adam.adam_math(g, load_state(mc_s, ms_s), load_state(vc_s, vs_s), b1, b2, eps, bc1, bc2_sqrt)
-    d_s[...] = direction
-    mc_out[...], ms_out[...] = _quantize_rows(m)
-    vc_out[...], vs_out[...] = _quantize_rows(v)
+    p_s[...] = _param_update(p, direction, step_size, weight_decay)
+    mc_s[...], ms_s[...] = _quantize_rows(m)
+    vc_s[...], vs_s[...] = _quantize_rows(v)
 
 
-def _rows_per_program(n_rows: int, block_size: int) -> int:
+def _tile_rows(n_rows: int, block_size: int) -> int:
     rows = _TILE_ELEMENTS // block_size
-    while n_rows % rows:  # n_rows is a multiple of 4 (padded) and rows a power of two >= 4
+    while n_rows % rows:  # n_rows is a multiple of 4 and rows a power of two >= 4
         rows //= 2
     return rows
 
 
-@functools.partial(jax.jit, static_argnames=("b1", "b2", "eps", "interpret"))
-def _fp8_kernel_call(g2, m_codes, m_scale, v_codes, v_scale, coef, *, b1, b2, eps, interpret):
-    n_rows, block = g2.shape
-    rows = _rows_per_program(n_rows, block)
-    codes = jax.ShapeDtypeStruct((n_rows, block), jnp.float8_e4m3fn)
-    scales = jax.ShapeDtypeStruct((n_rows,), jnp.float32)
-    out_type = (jax.ShapeDtypeStruct((n_rows, block), jnp.float32), codes, scales, codes, scales)
-    # SMEM tiles: inputs (g, m codes, m scale, v codes, v scale), then outputs (direction, m codes, ..., v scale).
-    tile = lambda dtype: plgpu.SMEM((rows, block), dtype)
-    state_tiles = (tile(jnp.float8_e4m3fn), plgpu.SMEM((rows,), jnp.float32)) * 2
-    scratch = (tile(g2.dtype), *state_tiles, tile(jnp.float32), *state_tiles, plgpu.Barrier(num_barriers=5))
+@functools.partial(jax.jit, static_argnames=("b1", "b2", "eps", "weight_decay", "interpret"))
+def _fp8_step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, b1, b2, eps, weight_decay, interpret):
+    n_rows, block = p2.shape
+    rows = _tile_rows(n_rows, block)
+    steps = steps_per_program(n_rows // rows, _MAX_STEPS)
+    inputs = (p2, g2, m_codes, m_scale, v_codes, v_scale)
+    written = (0, 2, 3, 4, 5)  # updated in place: their SMEM tiles hold the outputs after the tile step
+    # Two or more tiles per input. A TMA destination in SMEM must be 128-byte aligned, so each slot of the (R,) f32
+    # scales takes at least 32 entries (R can be 4).
+    n_slots = min(_SLOTS, steps)
+    slot_rows = lambda a: rows if a.ndim == 2 else max(rows, _MIN_SCALE_SLOT)
+    slots = tuple(plgpu.SMEM((n_slots, slot_rows(a), *a.shape[1:]), a.dtype) for a in inputs)
+    scratch = (*slots, plgpu.Barrier(num_arrivals=len(inputs), num_barriers=n_slots))
 
-    def body(coef_ref, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, d_ref, mco_ref, mso_ref, vco_ref, vso_ref, *scratch_refs):
-        *buffers, barriers = scratch_refs
-        in_smem, out_smem = buffers[:5], buffers[5:]
-        tile_rows = pl.ds(lax.axis_index("tile") * rows, rows)
-        # One barrier per input: the five TMA loads fly together, then the tile is computed and stored.
-        for i, (src, dst) in enumerate(zip((g_ref, mc_ref, ms_ref, vc_ref, vs_ref), in_smem)):
-            plgpu.copy_gmem_to_smem(src.at[tile_rows], dst, barriers.at[i])
-        for i in range(5):
-            plgpu.barrier_wait(barriers.at[i])
-        _tile_update(coef_ref, *in_smem, *out_smem, b1=b1, b2=b2, eps=eps)
-        plgpu.commit_smem()  # make the register->SMEM stores visible to the TMA engine
-        for src, dst in zip(out_smem, (d_ref, mco_ref, mso_ref, vco_ref, vso_ref)):
-            plgpu.copy_smem_to_gmem(src, dst.at[tile_rows])
+    def body(coef_ref, *refs):
+        gmem, smem, barriers = refs[:len(inputs)], refs[len(inputs):-1], refs[-1]
+        first = lax.axis_index("program") * steps
+        tile_rows = lambda t: pl.ds((first + t) * rows, rows)
+        slot_tile = lambda ref, slot: ref.at[slot, pl.ds(0, rows)]
+
+        def load(t, slot):
+            for src, dst in zip(gmem, smem):
+                plgpu.copy_gmem_to_smem(src.at[tile_rows(t)], slot_tile(dst, slot), barriers.at[slot])
+
+        for t in range(n_slots - 1):
+            load(t, t)
+
+        @pl.loop(0, steps)
+        def _(t):
+            slot = lax.rem(t, n_slots)
+            # Tile t + n_slots - 1 loads into the slot of tile t - 1, whose stores must have read it first.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            @pl.when(t + n_slots - 1 < steps)
+            def _():
+                load(t + n_slots - 1, lax.rem(t + n_slots - 1, n_slots))
+
+            plgpu.barrier_wait(barriers.at[slot])
+            tile = [slot_tile(ref, slot) for ref in smem]
+            _tile_step(coef_ref, *tile, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+            plgpu.commit_smem()  # register -> SMEM stores visible to the TMA engine
+            for i in written:
+                plgpu.copy_smem_to_gmem(tile[i], gmem[i].at[tile_rows(t)])
+
         plgpu.wait_smem_to_gmem(0)
 
-    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(n_rows // rows,), grid_names=("tile",),
-                        interpret=interpret)(coef, g2, m_codes, m_scale, v_codes, v_scale)
+    # The param and state arrays go in as mutable refs, updated in place (the kernel's aliased outputs): with the
+    # step's params and state donated, XLA then writes them where they are instead of copying each kernel output
+    # into the donated buffer (12 more bytes moved per param).
+    refs = [jax.new_ref(a) if i in written else a for i, a in enumerate(inputs)]
+    plgpu.kernel(body, out_type=(), scratch_types=scratch, grid=(n_rows // rows // steps,), grid_names=("program",),
+                 interpret=interpret)(coef, *refs)
+    return tuple(jax.freeze(refs[i]) for i in written)
 
 
-def adam_update_fp8_kernel(g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, *, interpret=None):
-    """Fused Adam step for one tensor with e4m3 moments (see module docstring); same results as the reference.
+def fused_step_fp8(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float, *, interpret=None):
+    """One tensor's AdamW step with e4m3 moments in one kernel (module docstring); same result as the reference.
 
     Args:
-      g: gradient, float32/bfloat16/float16 of any shape with size == mu's size.
-      mu, nu: `blockwise.Fp8State` (codes float8_e4m3fn (n, B), scale float32 (n,)), B = 128 or 256.
+      p, g: float32 param and gradient of the same shape, size == mu's size.
+      mu, nu: `blockwise.Fp8State` (codes float8_e4m3fn (n, B), scale float32 (n,)), B = 128 or 256, n % 4 == 0.
       b1, b2, eps: Python floats. bc1, bc2_sqrt: float32 scalars 1 - b1**t and sqrt(1 - b2**t).
+      step_size: float32 scalar, -learning_rate at this step. weight_decay: Python float (0: none, as optax).
       interpret: None runs the compiled kernel (needs a Hopper GPU); True or a `plgpu.InterpretGPUParams` runs it
         under the Mosaic GPU interpreter (CPU).
     Returns:
-      (direction float32 of g's shape, new mu Fp8State, new nu Fp8State).
+      (new param float32 of p's shape, new mu Fp8State, new nu Fp8State).
     """
-    for name, state in (("mu", mu), ("nu", nu)):
-        if not isinstance(state, blockwise.Fp8State):
-            raise TypeError(f"{name} must be a blockwise.Fp8State (format 'e4m3'), got {type(state).__name__}")
+    if not kernel_eligible(p, g, mu, nu):
+        raise ValueError(f"fused_step_fp8 needs float32 p and g and Fp8State moments of block {_LANE_COLUMNS} or "
+                         f"{_MAX_BLOCK} with a multiple of {_WARPS} blocks; got p {p.dtype}, g {g.dtype}, mu "
+                         f"{type(mu).__name__}, nu {type(nu).__name__}")
     n_blocks, block = mu.codes.shape
-    if nu.codes.shape != (n_blocks, block) or mu.shape != nu.shape:
-        raise ValueError(f"mu and nu differ: codes {mu.codes.shape} vs {nu.codes.shape}, shape {mu.shape} vs "
-                         f"{nu.shape}")
-    if block not in (_LANE_COLUMNS, _MAX_BLOCK):
-        raise ValueError(f"the fused kernel needs block_size {_LANE_COLUMNS} or {_MAX_BLOCK}, got {block}")
-    if tuple(g.shape) != tuple(mu.shape):
-        raise ValueError(f"gradient shape {g.shape} != state shape {mu.shape}")
-    if jnp.dtype(g.dtype) not in _GRAD_DTYPES:
-        raise TypeError(f"gradient dtype must be one of {[str(d) for d in _GRAD_DTYPES]}, got {g.dtype}")
+    if nu.codes.shape != (n_blocks, block) or mu.shape != nu.shape or p.shape != mu.shape or g.shape != p.shape:
+        raise ValueError(f"shapes differ: p {p.shape}, g {g.shape}, mu {mu.shape} {mu.codes.shape}, nu {nu.shape} "
+                         f"{nu.codes.shape}")
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
-
-    g2 = g.reshape(n_blocks, block)
-    arrays = [g2, mu.codes, mu.scale, nu.codes, nu.scale]
-    pad = -n_blocks % _WARPS  # the layout tiles 4 rows at a time; padded rows are zeros (scale 1), sliced off below
-    if pad:
-        arrays = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1), constant_values=1 if a.ndim == 1 else 0)
-                  for a in arrays]
-    coef = jnp.stack([jnp.asarray(bc1, jnp.float32), jnp.asarray(bc2_sqrt, jnp.float32)])
-    outs = _fp8_kernel_call(*arrays, coef, b1=float(b1), b2=float(b2), eps=float(eps), interpret=interpret)
-    direction, m_codes, m_scale, v_codes, v_scale = (o[:n_blocks] for o in outs) if pad else outs
-    return (direction.reshape(g.shape), blockwise.Fp8State(m_codes, m_scale, mu.shape),
+    coef = jnp.stack([jnp.asarray(c, jnp.float32) for c in (bc1, bc2_sqrt, step_size)])
+    p_new, m_codes, m_scale, v_codes, v_scale = _fp8_step_call(
+        p.reshape(n_blocks, block), g.reshape(n_blocks, block), mu.codes, mu.scale, nu.codes, nu.scale, coef,
+        b1=float(b1), b2=float(b2), eps=float(eps), weight_decay=float(weight_decay), interpret=interpret)
+    return (p_new.reshape(p.shape), blockwise.Fp8State(m_codes, m_scale, mu.shape),
             blockwise.Fp8State(v_codes, v_scale, nu.shape))
-
-
-def adam_update(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt):
-    """One tensor's Adam update (see `adam` module docstring); picks the kernel or the jnp reference.
-
-    config.use_kernel: True -> the kernel (interpreted off a Hopper GPU), NotImplementedError for formats it does
-    not support; False -> the reference. Tensors kept in float32 (small or ragged) always take the reference.
-    """
-    quantized = blockwise.is_quantized(mu)
-    if config.use_kernel and quantized and not kernel_supports(config):
-        raise NotImplementedError(
-            f"the fused Mosaic GPU Adam kernel supports e4m3 states (adamw_fp8 without dynamic range expansion) "
-            f"with block_size 128 or 256; got mu {config.mu_format!r}, nu {config.nu_format!r}, "
-            f"block {config.block_size}. Use use_kernel=False (the jnp reference)")
-    if config.use_kernel and quantized and jnp.dtype(g.dtype) in _GRAD_DTYPES:
-        interpret = None if on_hopper_gpu() else True
-        return adam_update_fp8_kernel(g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, interpret=interpret)
-    return adam.update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt)
