@@ -1,4 +1,4 @@
-"""AdamW with low-precision states as optax GradientTransformations: adamw_8bit, adamw_4bit, adamw_fp8.
+"""AdamW with low-precision states as optax transformations: adamw_8bit, adamw_4bit, adamw_fp8.
 
   tx = qjax.optim.adamw_8bit(learning_rate=schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
   state = tx.init(params); updates, state = tx.update(grads, state, params); params = optax.apply_updates(...)
@@ -7,10 +7,13 @@
 All three are `optax.chain(scale_by_quantized_adam(config, ...), add_decayed_weights(wd, mask),
 scale_by_learning_rate(lr))`, exactly how `optax.adamw` is built, so they compose with `optax.chain`, clipping,
 schedules, `optax.MultiSteps`, sharded params and orbax like any optax optimizer. They are returned as a
-`QuantizedAdamW`, an optax GradientTransformation (init, update) with a third field `step`: `apply_gradients`
-calls it, and with `use_kernel=True` (e4m3 states) it updates each eligible tensor's param and moments in one fused
-kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param); every other tensor, and every
-tensor without `use_kernel`, takes exactly the optax path.
+`QuantizedAdamW`, a NamedTuple (init, update, step) that optax accepts wherever it takes a transformation (it is not
+an `optax.GradientTransformation` instance). `apply_gradients` calls `step`, and with `use_kernel=True` (e4m3 states,
+on a single Hopper GPU) it updates each eligible tensor's param and moments in one fused kernel
+(`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param); every other tensor, and every tensor
+without `use_kernel`, takes exactly the optax path. Only a bare `QuantizedAdamW` passed to `apply_gradients` takes
+the kernel: inside `optax.chain` (e.g. after clipping) or `optax.MultiSteps` it is an ordinary optax optimizer, and
+`train.py` (which chains clipping) does not use the kernel.
 
 Per tensor, with t the step (1-based) and g the gradient in float32 (torchao `low_bit_optim` semantics):
   m_old, v_old = dequantize(state)                     float32
@@ -49,8 +52,8 @@ class StateConfig:
       mu_format, nu_format: state formats from `blockwise.STATE_FORMATS` (m is signed, v is non-negative).
       block_size: elements per absmax/scale block (per COAT group for "e4m3_dre").
       min_quantized_size: tensors smaller than this keep float32 states.
-      use_kernel: True: `apply_gradients` runs e4m3 states through the fused Mosaic GPU step kernel (interpreted
-        off a Hopper GPU: slow, for tests; see `qjax.optim.fused_adam`). `tx.update` always runs the jnp reference.
+      use_kernel: True: `apply_gradients` runs e4m3 states through the fused Mosaic GPU step kernel on a single
+        Hopper GPU (elsewhere the optax path; see `qjax.optim.fused_adam`). `tx.update` always runs the reference.
     """
 
     mu_format: str
@@ -178,7 +181,7 @@ def _decay_per_leaf(weight_decay: float, mask, params) -> list:
     """Each param leaf's weight decay (0 where `mask` is False), as optax.masked applies the mask (tree prefix)."""
     if mask is None:
         return [weight_decay] * len(jax.tree.leaves(params))
-    mask_tree = mask(params) if callable(mask) else mask
+    mask_tree = mask(params) if callable(mask) else mask  # optax calls it on the updates: same structure
     per_leaf = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: weight_decay if m else 0.0, sub), mask_tree,
                             params)
     return jax.tree.leaves(per_leaf)
@@ -187,6 +190,7 @@ def _decay_per_leaf(weight_decay: float, mask, params) -> list:
 def _adamw(config, learning_rate, b1, b2, eps, weight_decay, mask):
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    weight_decay = float(weight_decay)  # a Python float: optax skips a zero decay only then, and so does the kernel
     chain = optax.chain(
         scale_by_quantized_adam(config, b1, b2, eps),
         optax.add_decayed_weights(weight_decay, mask),
@@ -198,8 +202,11 @@ def _adamw(config, learning_rate, b1, b2, eps, weight_decay, mask):
         new_params = optax.apply_updates(params, updates)
         if not config.use_kernel:
             return new_params, new_state
-        from qjax.kernels import on_hopper_gpu  # late imports: fused_adam imports this module
-        from qjax.optim import fused_adam
+        from qjax.optim import fused_adam  # late import: fused_adam imports this module
+
+        run_kernel, interpret = fused_adam.kernel_mode()
+        if not run_kernel:
+            return new_params, new_state
 
         # The optax results of the tensors the kernel takes are left unused, and XLA removes their computation.
         adam_state, _, lr_state = state
@@ -211,7 +218,6 @@ def _adamw(config, learning_rate, b1, b2, eps, weight_decay, mask):
         leaves = [p_leaves, treedef.flatten_up_to(grads), treedef.flatten_up_to(adam_state.mu),
                   treedef.flatten_up_to(adam_state.nu), treedef.flatten_up_to(new_params),
                   treedef.flatten_up_to(new_state[0].mu), treedef.flatten_up_to(new_state[0].nu)]
-        interpret = None if on_hopper_gpu() else True
         outs = []
         for p, g, mu, nu, p_new, mu_new, nu_new, wd in zip(*leaves, _decay_per_leaf(weight_decay, mask, params)):
             if fused_adam.kernel_eligible(p, g, mu, nu):
@@ -225,23 +231,21 @@ def _adamw(config, learning_rate, b1, b2, eps, weight_decay, mask):
 
 
 def adamw_8bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
-               mask=None, block_size: int = 256, min_quantized_size: int = 4096,
-               use_kernel: bool = False) -> QuantizedAdamW:
+               mask=None, block_size: int = 256, min_quantized_size: int = 4096) -> QuantizedAdamW:
     """AdamW with 8-bit states: blocks of 256, fp32 absmax, m on the signed and v on the unsigned dynamic tree map.
 
     State: 2 bytes + 8 / block_size bytes per element (0.254x fp32 AdamW at block 256). `learning_rate` is a float
     or an optax schedule; `mask` as in `optax.adamw` (which params get weight decay).
     """
-    config = StateConfig("dynamic_signed_8bit", "dynamic_unsigned_8bit", block_size, min_quantized_size, use_kernel)
+    config = StateConfig("dynamic_signed_8bit", "dynamic_unsigned_8bit", block_size, min_quantized_size)
     return _adamw(config, learning_rate, b1, b2, eps, weight_decay, mask)
 
 
 def adamw_4bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
-               mask=None, block_size: int = 128, min_quantized_size: int = 4096,
-               use_kernel: bool = False) -> QuantizedAdamW:
+               mask=None, block_size: int = 128, min_quantized_size: int = 4096) -> QuantizedAdamW:
     """AdamW with 4-bit states: blocks of 128, two codes per byte; m on the 3-exponent-bit signed dynamic map, v on
     the linear map 1/16..1 (no zero). State: 1 byte + 8 / block_size bytes per element (0.133x fp32 AdamW)."""
-    config = StateConfig("dynamic_signed_4bit", "linear_unsigned_4bit", block_size, min_quantized_size, use_kernel)
+    config = StateConfig("dynamic_signed_4bit", "linear_unsigned_4bit", block_size, min_quantized_size)
     return _adamw(config, learning_rate, b1, b2, eps, weight_decay, mask)
 
 

@@ -8,8 +8,9 @@ back (`apply_updates` is a separate pass), 28 bytes per float32 param with fp32 
 absmax from the quantization (~24 bytes with e4m3 states, no faster than fp32 AdamW). The kernel reads param, grad,
 codes and scales once and writes param, codes and scales once: 16 bytes per param.
 
-The tensor is viewed as n blocks of B elements, an (n, B) array, cut into tiles of R = 4096 // B rows (fewer when n
-is not a multiple); each program runs a 4-slot TMA pipeline over `steps` (<= 4) consecutive tiles:
+The tensor is viewed as n blocks of B elements, an (n, B) array, cut into tiles of R = 1024 // B rows (fewer when n
+is not a multiple); each program runs a TMA pipeline over `steps` (the largest divisor of the tile count <= 4)
+consecutive tiles, with min(4, steps) SMEM slots (a slot is reloaded only once its stores have read it):
 
   GMEM -> SMEM (TMA, up to 3 tiles ahead of the one computed): p (R, B) f32, g (R, B) f32, m codes (R, B),
                                                                m scale (R,), v codes, v scale
@@ -50,6 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from qjax import kernels
 from qjax.kernels.quantize_mgpu import steps_per_program
 from qjax.optim import adam, blockwise
 
@@ -66,6 +68,14 @@ _MAX_BLOCK = 256  # a TMA box has at most 256 elements per dimension, and one bl
 _LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((_WARPS, _LANE_COLUMNS), (4,))), warp_dims=(-3,), lane_dims=(-2,),
                              vector_dim=-1)
 _ROW_LAYOUT = _LAYOUT.reduce(1)  # (R,) per-row values (scales), replicated over a warp's lanes
+
+
+def kernel_mode() -> tuple[bool, bool]:
+    """(run the kernel?, interpret it?) for `use_kernel=True`: compiled on a single Hopper GPU, else not at all.
+
+    Several devices keep the optax path: the kernel is a custom call without a partitioning rule (sharded params
+    would be gathered). Tests patch this to (True, True) to run the kernel under the Mosaic GPU interpreter."""
+    return kernels.use_kernel("auto")
 
 
 def kernel_eligible(p, g, mu, nu) -> bool:
@@ -162,11 +172,10 @@ def _fp8_step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, b1, b2, 
         @pl.loop(0, steps)
         def _(t):
             slot = lax.rem(t, n_slots)
-            # Tile t + n_slots - 1 loads into the slot of tile t - 1, whose stores must have read it first.
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
             @pl.when(t + n_slots - 1 < steps)
             def _():
+                # Tile t + n_slots - 1 loads into the slot of tile t - 1, whose stores must have read it first.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 load(t + n_slots - 1, lax.rem(t + n_slots - 1, n_slots))
 
             plgpu.barrier_wait(barriers.at[slot])

@@ -165,4 +165,4 @@ def test_bad_arguments_raise():
     with pytest.raises(TypeError, match="dynamic_range_expansion"):
         optim.adamw_fp8(1e-3, dynamic_range_expansion="yes")
     with pytest.raises(ValueError, match="use_kernel"):
-        optim.adamw_8bit(1e-3, use_kernel="auto")
+        optim.adamw_fp8(1e-3, use_kernel="auto")
