@@ -121,6 +121,12 @@ def update_reference(g, mu, nu, config: StateConfig, b1, b2, eps, bc1, bc2_sqrt)
             _store(v, nu, config.nu_format, config.block_size))
 
 
+def _bias_corrections(count, b1: float, b2: float):
+    """float32 1 - b1**t and sqrt(1 - b2**t) for the 1-based step t = count."""
+    t = count.astype(jnp.float32)
+    return 1 - jnp.float32(b1) ** t, jnp.sqrt(1 - jnp.float32(b2) ** t)
+
+
 def scale_by_quantized_adam(config: StateConfig, b1: float = 0.9, b2: float = 0.999,
                             eps: float = 1e-8) -> optax.GradientTransformation:
     """Adam's direction (no lr, no weight decay) with states stored per `config` (module docstring).
@@ -140,9 +146,7 @@ def scale_by_quantized_adam(config: StateConfig, b1: float = 0.9, b2: float = 0.
     def update_fn(updates, state, params=None):
         del params
         count = optax.safe_increment(state.count)
-        t = count.astype(jnp.float32)
-        bc1 = 1 - jnp.float32(b1) ** t
-        bc2_sqrt = jnp.sqrt(1 - jnp.float32(b2) ** t)
+        bc1, bc2_sqrt = _bias_corrections(count, b1, b2)
 
         g_leaves, treedef = jax.tree.flatten(updates)
         out = [update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt)
@@ -210,8 +214,7 @@ def _adamw(config, learning_rate, b1, b2, eps, weight_decay, mask):
 
         # The optax results of the tensors the kernel takes are left unused, and XLA removes their computation.
         adam_state, _, lr_state = state
-        t = optax.safe_increment(adam_state.count).astype(jnp.float32)
-        bc1, bc2_sqrt = 1 - jnp.float32(b1) ** t, jnp.sqrt(1 - jnp.float32(b2) ** t)
+        bc1, bc2_sqrt = _bias_corrections(optax.safe_increment(adam_state.count), b1, b2)
         lr = learning_rate(lr_state.count) if callable(learning_rate) else learning_rate
         step_size = jnp.asarray(-1 * lr, jnp.float32)
         p_leaves, treedef = jax.tree.flatten(params)

@@ -53,6 +53,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax import kernels
 from qjax.kernels.quantize_mgpu import steps_per_program
+from qjax.kernels.stochastic_cast_mgpu import resolve_interpret
 from qjax.optim import adam, blockwise
 
 _E4M3_MAX = 448.0  # formats.E4M3.max_value; blockwise's scale is absmax / this
@@ -204,8 +205,8 @@ def fused_step_fp8(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_d
       mu, nu: `blockwise.Fp8State` (codes float8_e4m3fn (n, B), scale float32 (n,)), B = 128 or 256, n % 4 == 0.
       b1, b2, eps: Python floats. bc1, bc2_sqrt: float32 scalars 1 - b1**t and sqrt(1 - b2**t).
       step_size: float32 scalar, -learning_rate at this step. weight_decay: Python float (0: none, as optax).
-      interpret: None runs the compiled kernel (needs a Hopper GPU); True or a `plgpu.InterpretGPUParams` runs it
-        under the Mosaic GPU interpreter (CPU).
+      interpret: None / False runs the compiled kernel (needs a Hopper GPU); True or a `plgpu.InterpretGPUParams`
+        runs it under the Mosaic GPU interpreter (CPU).
     Returns:
       (new param float32 of p's shape, new mu Fp8State, new nu Fp8State).
     """
@@ -217,8 +218,7 @@ def fused_step_fp8(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_d
     if nu.codes.shape != (n_blocks, block) or mu.shape != nu.shape or p.shape != mu.shape or g.shape != p.shape:
         raise ValueError(f"shapes differ: p {p.shape}, g {g.shape}, mu {mu.shape} {mu.codes.shape}, nu {nu.shape} "
                          f"{nu.codes.shape}")
-    if interpret is True:
-        interpret = plgpu.InterpretGPUParams()
+    interpret = resolve_interpret(interpret)
     coef = jnp.stack([jnp.asarray(c, jnp.float32) for c in (bc1, bc2_sqrt, step_size)])
     p_new, m_codes, m_scale, v_codes, v_scale = _fp8_step_call(
         p.reshape(n_blocks, block), g.reshape(n_blocks, block), mu.codes, mu.scale, nu.codes, nu.scale, coef,
