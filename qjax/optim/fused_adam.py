@@ -9,37 +9,33 @@ absmax from the quantization (~24 bytes with e4m3 states, no faster than fp32 Ad
 codes and scales once and writes param, codes and scales once: 16 bytes per param.
 
 The tensor is viewed as n blocks of B elements, an (n, B) array, cut into tiles of R = 1024 // B rows (fewer when n
-is not a multiple); each program runs a TMA pipeline over `steps` (the largest divisor of the tile count <= 4)
-consecutive tiles, with min(4, steps) SMEM slots (a slot is reloaded only once its stores have read it):
+is not a multiple); one program per tile, with no shared memory:
 
-  GMEM -> SMEM (TMA, up to 3 tiles ahead of the one computed): p (R, B) f32, g (R, B) f32, m codes (R, B),
-                                                               m scale (R,), v codes, v scale
+  GMEM -> registers (vector loads): p (R, B) f32, g (R, B) f32, m codes (R, B), m scale (R,), v codes, v scale
   registers: m_old = codes * scale (same for v); adam.adam_math -> direction, m, v; u = direction + wd * p;
              p = p + (-lr) * u; per row: absmax (NaN-propagating), scale = absmax / 448 (1 for all-zero rows),
              codes = e4m3(clip(x / scale, -448, 448))
-  SMEM (in place) -> GMEM (TMA): p, m codes + scale, v codes + scale, written over the inputs (mutable refs:
-                                 the kernel's outputs alias them, so a donated step updates params in place)
+  registers -> GMEM (vector stores): p, m codes + scale, v codes + scale, written over the inputs (mutable refs:
+                                      the kernel's outputs alias them, so a donated step updates params in place)
 
-Register layout: one TILED layout for every (R, B) array: each of the 4 warps owns whole rows, its 32 lanes hold 4
-consecutive columns each (128 columns per register sweep), so a warp's SMEM access is one contiguous run (no bank
-conflicts) and the per-row absmax is a warp shuffle reduction, never cross-warp.
+Why no TMA pipeline: the first version staged tiles through SMEM with TMA copies, several tiles per program, and
+moved ~1.5 TB/s even with the math removed; a million small register-only programs let the hardware hide the memory
+latency through occupancy instead (H100 sweep, benchmarks/RESULTS.md).
 
 Bit-exactness with the reference: the kernel calls `adam.adam_math`, does the weight decay and learning-rate ops in
 optax's order, and clamps to +-448 before the e4m3 cast (Mosaic GPU's cast saturates, XLA's does not; after the
 clamp they agree). The absmax is a max over the int32 bit patterns of |x| (monotone for non-negative floats; NaN
 patterns sort above Inf), so NaN propagates without relying on the max instruction's NaN semantics. Under the CPU
 interpreter the kernel's XLA ops equal the jitted reference bit for bit. Compiled on a GPU, XLA and Mosaic GPU may
-contract a*b+c into FMAs differently, so values can differ by an ulp and, rarely, a code by one e4m3 step (see
+contract a*b+c into FMAs differently, so values can differ by an ulp and, rarely, a code by an e4m3 step or two (see
 tests/optim/test_fused_kernel.py).
 
 Which tensors take the kernel (`kernel_eligible`): float32 param and gradient, e4m3 moments of block 128 or 256,
 n % 4 == 0 (the layout's 4-row tiles; no padding pass). Everything else stays on the optax path. Other formats
 (8/4-bit code books, e4m3 with expansion) have no kernel yet.
 
-Measured (H100, jax 0.11.2, 2026-11-23, benchmarks/optim.py, 1.1B float32 params): 11.9-12.9 ms per step vs 13.7 ms
-for optax.adamw with fp32 states (0.87-0.94x) and 15.7 ms for the XLA-fused adamw_fp8 (jnp). The same pipeline
-with the math removed (a pure copy of the same bytes) takes 11.8 ms, ~1.5 TB/s: the data movement, not the math,
-bounds it; the <= 0.8x target needs a faster pipeline (fewer, larger TMA copies per byte are the next thing to try).
+Measured (H100, jax 0.11.2, 2026-11-23, 1.1B float32 params, one process): 10.96 ms per step vs 14.88 ms for
+optax.adamw with fp32 states (0.74x); the TMA-pipelined version took 12.6 ms there and 11.9 ms as a pure copy.
 Without the in-place refs, XLA copied every kernel output into the donated buffers (+12 bytes per param: 20 ms).
 """
 
@@ -52,18 +48,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax import kernels
-from qjax.kernels.quantize_mgpu import steps_per_program
 from qjax.kernels.stochastic_cast_mgpu import resolve_interpret
 from qjax.optim import adam, blockwise
 
 _E4M3_MAX = 448.0  # formats.E4M3.max_value; blockwise's scale is absmax / this
-_TILE_ELEMENTS = 1024  # elements per tile: 10 KiB of SMEM per slot
-_SLOTS = 4  # tiles in SMEM per program: up to 3 load ahead while one is computed (memory-level parallelism)
-_MIN_SCALE_SLOT = 32  # f32 entries: 128 bytes, the alignment TMA needs in SMEM
-_MAX_STEPS = 4  # tiles per program: many short programs keep every SM busy (H100 sweep, benchmarks/RESULTS.md)
+_TILE_ELEMENTS = 1024  # elements per program (a million programs for 1B params: best in the H100 sweep)
 _LANE_COLUMNS = 128  # a warp sweeps 32 lanes x 4 columns per register
 _WARPS = 4
-_MAX_BLOCK = 256  # a TMA box has at most 256 elements per dimension, and one block is one row of the box
+_MAX_BLOCK = 256  # blockwise's default; larger blocks would only need more rows per warp
 
 # (R, B) arrays: tiles of 4 rows x 128 columns; warps split the 4 rows, lanes the 128 columns in vectors of 4.
 _LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((_WARPS, _LANE_COLUMNS), (4,))), warp_dims=(-3,), lane_dims=(-2,),
@@ -121,14 +113,20 @@ def _quantize_rows(x: jax.Array):
     return y.astype(jnp.float8_e4m3fn), scale
 
 
-def _tile_step(coef_ref, p_s, g_s, mc_s, ms_s, vc_s, vs_s, *, b1, b2, eps, weight_decay):
-    """One tile in SMEM, updated in place: the fused step of `fused_step_reference` on (R, B) arrays."""
-    def load_state(codes_ref, scale_ref):
-        codes = plgpu.load(codes_ref, layout=_LAYOUT).astype(jnp.float32)
-        return codes * _broadcast_rows(plgpu.load(scale_ref, layout=_ROW_LAYOUT), codes.shape)
+def _load(ref, layout):
+    # optimized=False: Mosaic GPU's "optimized" (bank-conflict-free) transfers are for SMEM only; from GMEM each
+    # register is one vector load, and a warp's loads are contiguous.
+    return plgpu.load(ref, layout=layout, optimized=False)
 
-    p = plgpu.load(p_s, layout=_LAYOUT)
-    g = plgpu.load(g_s, layout=_LAYOUT)
+
+def _tile_step(coef_ref, p_s, g_s, mc_s, ms_s, vc_s, vs_s, *, b1, b2, eps, weight_decay):
+    """One tile in GMEM, updated in place: the fused step of `fused_step_reference` on (R, B) arrays."""
+    def load_state(codes_ref, scale_ref):
+        codes = _load(codes_ref, _LAYOUT).astype(jnp.float32)
+        return codes * _broadcast_rows(_load(scale_ref, _ROW_LAYOUT), codes.shape)
+
+    p = _load(p_s, _LAYOUT)
+    g = _load(g_s, _LAYOUT)
     bc1, bc2_sqrt, step_size = coef_ref[0], coef_ref[1], coef_ref[2]
     direction, m, v = adam.adam_math(g, load_state(mc_s, ms_s), load_state(vc_s, vs_s), b1, b2, eps, bc1, bc2_sqrt)
     p_s[...] = _param_update(p, direction, step_size, weight_decay)
@@ -147,53 +145,18 @@ def _tile_rows(n_rows: int, block_size: int) -> int:
 def _fp8_step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, b1, b2, eps, weight_decay, interpret):
     n_rows, block = p2.shape
     rows = _tile_rows(n_rows, block)
-    steps = steps_per_program(n_rows // rows, _MAX_STEPS)
     inputs = (p2, g2, m_codes, m_scale, v_codes, v_scale)
-    written = (0, 2, 3, 4, 5)  # updated in place: their SMEM tiles hold the outputs after the tile step
-    # Two or more tiles per input. A TMA destination in SMEM must be 128-byte aligned, so each slot of the (R,) f32
-    # scales takes at least 32 entries (R can be 4).
-    n_slots = min(_SLOTS, steps)
-    slot_rows = lambda a: rows if a.ndim == 2 else max(rows, _MIN_SCALE_SLOT)
-    slots = tuple(plgpu.SMEM((n_slots, slot_rows(a), *a.shape[1:]), a.dtype) for a in inputs)
-    scratch = (*slots, plgpu.Barrier(num_arrivals=len(inputs), num_barriers=n_slots))
+    written = (0, 2, 3, 4, 5)  # updated in place
 
     def body(coef_ref, *refs):
-        gmem, smem, barriers = refs[:len(inputs)], refs[len(inputs):-1], refs[-1]
-        first = lax.axis_index("program") * steps
-        tile_rows = lambda t: pl.ds((first + t) * rows, rows)
-        slot_tile = lambda ref, slot: ref.at[slot, pl.ds(0, rows)]
-
-        def load(t, slot):
-            for src, dst in zip(gmem, smem):
-                plgpu.copy_gmem_to_smem(src.at[tile_rows(t)], slot_tile(dst, slot), barriers.at[slot])
-
-        for t in range(n_slots - 1):
-            load(t, t)
-
-        @pl.loop(0, steps)
-        def _(t):
-            slot = lax.rem(t, n_slots)
-            @pl.when(t + n_slots - 1 < steps)
-            def _():
-                # Tile t + n_slots - 1 loads into the slot of tile t - 1, whose stores must have read it first.
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                load(t + n_slots - 1, lax.rem(t + n_slots - 1, n_slots))
-
-            plgpu.barrier_wait(barriers.at[slot])
-            tile = [slot_tile(ref, slot) for ref in smem]
-            _tile_step(coef_ref, *tile, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-            plgpu.commit_smem()  # register -> SMEM stores visible to the TMA engine
-            for i in written:
-                plgpu.copy_smem_to_gmem(tile[i], gmem[i].at[tile_rows(t)])
-
-        plgpu.wait_smem_to_gmem(0)
+        tile = pl.ds(lax.axis_index("program") * rows, rows)
+        _tile_step(coef_ref, *(ref.at[tile] for ref in refs), b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
 
     # The param and state arrays go in as mutable refs, updated in place (the kernel's aliased outputs): with the
     # step's params and state donated, XLA then writes them where they are instead of copying each kernel output
     # into the donated buffer (12 more bytes moved per param).
     refs = [jax.new_ref(a) if i in written else a for i, a in enumerate(inputs)]
-    plgpu.kernel(body, out_type=(), scratch_types=scratch, grid=(n_rows // rows // steps,), grid_names=("program",),
-                 interpret=interpret)(coef, *refs)
+    plgpu.kernel(body, out_type=(), grid=(n_rows // rows,), grid_names=("program",), interpret=interpret)(coef, *refs)
     return tuple(jax.freeze(refs[i]) for i in written)
 
 
