@@ -17,7 +17,7 @@ import json
 import pathlib
 import tempfile
 
-from train import ROWS, add_model_args, build_row, resolve_model_args
+from train import add_model_args, build_row, resolve_model_args, row_name
 
 # Category by kernel-name substring, first match wins (cuBLAS/cuDNN/Mosaic GPU naming as seen on Hopper).
 CATEGORIES = (("attention", ("fmha", "flash", "cudnn", "sdpa")),
@@ -60,7 +60,7 @@ def device_ops(trace_dir: pathlib.Path) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--row", default="int8_rowwise", choices=ROWS)
+    parser.add_argument("--row", default="int8_rowwise", type=row_name)
     add_model_args(parser)
     parser.add_argument("--steps", type=int, default=3, help="profiled steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=2)

@@ -4,15 +4,15 @@
   python benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --no-peer
   python benchmarks/train.py --small                        # tiny model; the default when no GPU is present
 
-One row = one jitted train step of `qjax.train.make_train_step` (forward, backward, grad clipping, optax AdamW
-with fp32 states; the LM head stays in bf16 as in every qjax config) on random tokens, timed over --steps steps
+One row = one jitted train step of `qjax.train.make_train_step` (forward, backward, grad clipping, AdamW; the LM head stays in bf16 as in every qjax config) on random tokens, timed over --steps steps
 after --warmup. Each row runs in its own subprocess so that its peak device memory is its own (JAX cannot reset the
 allocator's peak) and nothing compiled for one row stays resident during the next.
 
 Rows (--rows): bf16; int8 fwd only; int8 fwd+dgrad; int8_rowwise (all three GEMMs); the last two with stochastic
 rounding of the gradient operand (`qjax.with_stochastic_gradients`; forward-only int8 has no gradient operand to
 round); fp8_tensorwise; fp8_blockwise; and "<recipe>@xla" rows that force the XLA path (no Pallas kernels) to show
-what the kernels buy. Then, unless --no-peer, Hugging Face LlamaForCausalLM of the same shape under torch.compile
+what the kernels buy. A row may name an optimizer after "+" ("int8_rowwise+adamw_fp8": e4m3 AdamW states through
+the fused step kernel); without one it is optax AdamW with fp32 states. Then, unless --no-peer, Hugging Face LlamaForCausalLM of the same shape under torch.compile
 (bf16, torchao float8 tensorwise / rowwise, int8 mixed precision) in a subprocess (benchmarks/torch_peer.py).
 """
 
@@ -35,11 +35,26 @@ PEER_VARIANTS = ("bf16", "float8_tensorwise", "float8_rowwise", "int8_mixed_prec
 TINYLLAMA = dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000)
 
 
+def row_name(row: str) -> str:
+    """argparse type of a row: one of ROWS, optionally "+<optimizer>" (one of qjax.train.OPTIMIZERS)."""
+    from qjax.train import OPTIMIZERS
+
+    recipe_row, _, optimizer = row.partition("+")
+    if recipe_row not in ROWS or (optimizer and optimizer not in OPTIMIZERS):
+        raise argparse.ArgumentTypeError(f"unknown row {row!r}: use one of {', '.join(ROWS)}, optionally followed by "
+                                         f"+ and one of {', '.join(OPTIMIZERS)}")
+    return row
+
+
+def row_optimizer(row: str) -> str:
+    return row.partition("+")[2] or "adamw"
+
+
 def row_recipe(row: str):
-    """The qjax.Recipe a row name stands for ("name@xla": that recipe with backend "xla")."""
+    """The qjax.Recipe a row name stands for ("name@xla": that recipe with backend "xla"; "+optimizer" ignored)."""
     import qjax
 
-    name, _, backend = row.partition("@")
+    name, _, backend = row.partition("+")[0].partition("@")
     int8 = qjax.recipe("int8_rowwise")
     recipes = {
         "int8_fwd": dataclasses.replace(int8, name="int8_fwd", dgrad=None, wgrad=None),
@@ -69,6 +84,7 @@ def build_row(row: str, args):
     config.min_features = args.min_features
     del config.recipe  # the config file's field is a recipe name; rows need Recipe objects (variants, backend)
     config.recipe = row_recipe(row)
+    config.optimizer.name = row_optimizer(row)
     config.seq_len, config.batch_size = args.seq, args.batch
     config.steps = 1000  # the LR schedule's length; irrelevant to the timing
     task = make_task(config)
@@ -134,19 +150,21 @@ def run_row_subprocess(row: str, args) -> dict:
 
 def table(results: list[dict], peer: dict, args) -> str:
     base = next((r for r in results if r["row"] == "bf16" and "error" not in r), None)
-    lines = ["| row | recipe | tokens/s | vs qjax bf16 | step ms | peak GB | MFU |", "|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| row | recipe | optimizer | tokens/s | vs qjax bf16 | step ms | peak GB | MFU |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['row']} | failed: {r['error'][:120]} | | | | | |")
+            lines.append(f"| {r['row']} | failed: {r['error'][:120]} | | | | | | |")
             continue
         speedup = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "–"
         peak = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") else "–"
         mfu = f"{r['mfu']:.2f}" if r.get("mfu") else "–"
-        lines.append(f"| {r['row']} | {row_recipe(r['row']).name} | {r['tokens_per_s']:,.0f} | {speedup} | "
+        lines.append(f"| {r['row']} | {row_recipe(r['row']).name} | {row_optimizer(r['row'])} | "
+                     f"{r['tokens_per_s']:,.0f} | {speedup} | "
                      f"{r['step_ms']:.1f} | {peak} | {mfu} |")
     notes = [f"Llama {args.size} (batch {args.batch} x seq {args.seq}, remat={args.remat}, min_features="
-             f"{args.min_features}), random tokens, optax "
-             f"AdamW fp32 states, LM head in bf16; median of {args.steps} steps after {args.warmup} warm-up; "
+             f"{args.min_features}), random tokens, AdamW "
+             f"(adamw: optax, fp32 states; adamw_fp8: qjax, e4m3 states, fused step kernel), LM head in bf16; median of {args.steps} steps after {args.warmup} warm-up; "
              "one subprocess per row."]
     if peer.get("results"):
         torch_bf16 = peer["results"].get("bf16", {}).get("tokens_per_s")
@@ -191,7 +209,9 @@ def resolve_model_args(args) -> bool:
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="*", choices=ROWS, help=f"default: {' '.join(DEFAULT_ROWS)}")
+    parser.add_argument("--rows", nargs="*", type=row_name, metavar="ROW[+OPTIMIZER]",
+                        help=f"rows: {' '.join(ROWS)}, each optionally +OPTIMIZER (adamw_8bit, adamw_4bit, "
+                             f"adamw_fp8; default adamw); default rows: {' '.join(DEFAULT_ROWS)}")
     add_model_args(parser)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)

@@ -7,7 +7,7 @@ Public API:
   make_eval_step(task, mesh), TrainState, TrainResult
   make_task(config, vocab_size=, num_classes=, image_shape=) -> Task    model + loss from a config
   check_config(config), ConfigError                       config validation with messages that say the fix
-  make_optimizer(opt_config, total_steps), OPTIMIZERS     AdamW (fp32 / 8-bit / 4-bit / fp8 states) + schedule
+  make_optimizer(opt_config, total_steps), OPTIMIZERS     Optimizer: clipping + AdamW (fp32 / 8-bit / 4-bit / fp8) + lr
   Checkpointer                                            orbax CheckpointManager wrapper (keep last K, atomic)
   ProgressMeter, peak_flops                               progress line, metrics.jsonl, MFU
   make_mesh                                               the "data" mesh (batch split, params replicated)

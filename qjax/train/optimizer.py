@@ -1,8 +1,13 @@
 """The optimizer of a training run, from its config: AdamW (fp32 or low-bit states), warmup + cosine LR, clipping.
 
-  tx, schedule = make_optimizer(config.optimizer, total_steps=config.steps)
+  optimizer = make_optimizer(config.optimizer, total_steps=config.steps)
+  opt_state = optimizer.init(params)
+  params, opt_state = optimizer.step(grads, opt_state, params)
 
     clip_by_global_norm(grad_clip)  ->  AdamW (optax.adamw or qjax.optim.adamw_8bit / _4bit / _fp8)
+    The clipping is applied to the gradients before the AdamW step, not chained into it, so that the step is a bare
+    AdamW: `qjax.optim.apply_gradients` then runs adamw_fp8 through the fused step kernel (one Mosaic GPU kernel
+    per float32 tensor; only on a single Hopper GPU, elsewhere the same math through optax).
     lr(step) = linear warmup from 0 to `lr` over `warmup_steps`, then cosine decay to `lr * min_lr_ratio` at
     `total_steps`; the update of step s (0-based) uses lr(s + 1), so no step is wasted on lr = 0.
 
@@ -14,7 +19,7 @@ micro-batches with `lax.scan` inside one jitted call (see `qjax.train.step`), so
 optimizer update, the schedule's count equals the train step, and checkpoints hold no accumulator buffer.
 """
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -72,8 +77,26 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
-def make_optimizer(opt, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(optax transformation, lr schedule) from an optimizer config.
+class Optimizer(NamedTuple):
+    """A run's optimizer: `tx` the AdamW (an optax transformation or a `qjax.optim.QuantizedAdamW`), `grad_clip`
+    the global-norm bound applied before it (None: off), `schedule` the lr per 0-based train step."""
+
+    tx: Any
+    grad_clip: float | None
+    schedule: optax.Schedule
+
+    def init(self, params):
+        return self.tx.init(params)
+
+    def step(self, grads, opt_state, params):
+        """(grads, opt_state, params) -> (new params, new opt_state): clip, then one AdamW step."""
+        if self.grad_clip:
+            grads, _ = optax.clip_by_global_norm(self.grad_clip).update(grads, optax.EmptyState())
+        return qoptim.apply_gradients(self.tx, grads, opt_state, params)
+
+
+def make_optimizer(opt, total_steps: int) -> Optimizer:
+    """The `Optimizer` of an optimizer config.
 
     Args:
       opt: a ConfigDict / dataclass / dict with name (one of OPTIMIZERS), lr, warmup_steps, b1, b2, eps,
@@ -86,9 +109,10 @@ def make_optimizer(opt, total_steps: int) -> tuple[optax.GradientTransformation,
                   eps=float(_get(opt, "eps")), weight_decay=float(_get(opt, "weight_decay")), mask=_decay_mask)
     name = _get(opt, "name")
     if name == "adamw":
-        adam = optax.adamw(**kwargs)
+        tx = optax.adamw(**kwargs)
+    elif name == "adamw_fp8":
+        tx = qoptim.adamw_fp8(**kwargs, use_kernel=True)  # the fused step where it can run (module docstring)
     else:
-        adam = getattr(qoptim, name)(**kwargs)
+        tx = getattr(qoptim, name)(**kwargs)
     clip = _get(opt, "grad_clip")
-    tx = optax.chain(optax.clip_by_global_norm(float(clip)), adam) if clip else adam
-    return tx, schedule
+    return Optimizer(tx, float(clip) if clip else None, schedule)

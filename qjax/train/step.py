@@ -102,20 +102,20 @@ def make_train_step(config, task: Task | None = None, mesh=None) -> tuple[Callab
 @functools.lru_cache(maxsize=8)
 def _build_train_step(config: ml_collections.FrozenConfigDict, task: Task, mesh) -> tuple[Callable, Callable]:
     accum = config.grad_accum_steps
-    tx, schedule = make_optimizer(config.optimizer, config.steps)
+    optimizer = make_optimizer(config.optimizer, config.steps)
     replicated, batch_sharding = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)
 
     def init_state() -> TrainState:
         init_key, run_key = jax.random.split(jax.random.key(config.seed))
         params = task.init(init_key)
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), jax.random.key_data(run_key))
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+                          jax.random.key_data(run_key))
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
         loss, aux, grads = _loss_and_grads(task, state.params, batch, step_key, accum, mesh)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step), **aux}
+        params, opt_state = optimizer.step(grads, state.opt_state, state.params)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": optimizer.schedule(state.step), **aux}
         return TrainState(state.step + 1, params, opt_state, state.key), metrics
 
     init_jit = jax.jit(init_state, out_shardings=replicated)
