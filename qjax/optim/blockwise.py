@@ -145,12 +145,14 @@ def unpack_4bit(packed: jax.Array) -> jax.Array:
     return jnp.stack([packed >> 4, packed & jnp.uint8(15)], axis=-1).reshape(*packed.shape[:-1], -1)
 
 
-def _quantize_codebook(blocks: jax.Array, absmax: jax.Array, qmap_name: str, shape) -> CodebookState:
-    """Nearest code of x / absmax (see module docstring)."""
+def quantize_codebook(x: jax.Array, qmap_name: str, block_size: int) -> CodebookState:
+    """float tensor -> CodebookState: absmax per block, nearest code of x / absmax (see module docstring)."""
+    blocks = _blocks(x, block_size)
+    absmax = block_absmax(blocks)
     codes = maps.encode_nearest(blocks / _safe(absmax)[:, None], maps.get_map(qmap_name))
     if CODEBOOK_FORMATS[qmap_name] == 4:
         codes = pack_4bit(codes)
-    return CodebookState(codes, absmax, tuple(shape), qmap_name)
+    return CodebookState(codes, absmax, tuple(x.shape), qmap_name)
 
 
 def dequantize_codebook(q: CodebookState) -> jax.Array:
@@ -158,11 +160,12 @@ def dequantize_codebook(q: CodebookState) -> jax.Array:
     return (maps.decode(codes, maps.get_map(q.qmap)) * q.absmax[:, None]).reshape(q.shape)
 
 
-def _quantize_fp8(blocks: jax.Array, absmax: jax.Array, shape) -> Fp8State:
-    """scale = absmax / 448 per block, codes = e4m3(x / scale), round to nearest even."""
-    scale = _safe(absmax / jnp.float32(_E4M3_MAX))
+def quantize_fp8(x: jax.Array, block_size: int) -> Fp8State:
+    """float tensor -> Fp8State: scale = absmax / 448 per block, codes = e4m3(x / scale), round to nearest even."""
+    blocks = _blocks(x, block_size)
+    scale = _safe(block_absmax(blocks) / jnp.float32(_E4M3_MAX))
     codes = formats.saturating_cast(blocks / scale[:, None], formats.E4M3)
-    return Fp8State(codes, scale, tuple(shape))
+    return Fp8State(codes, scale, tuple(x.shape))
 
 
 def dequantize_fp8(q: Fp8State) -> jax.Array:
@@ -188,15 +191,16 @@ def expansion_params(blocks: jax.Array):
     return k.astype(jnp.float32), centre.astype(jnp.float32), big
 
 
-def _quantize_fp8_expanded(blocks: jax.Array, params, shape) -> Fp8ExpandedState:
-    """COAT dynamic range expansion with `expansion_params` (k, c, max), then e4m3 with absmax scaling."""
-    k, centre, big = params
+def quantize_fp8_expanded(x: jax.Array, block_size: int) -> Fp8ExpandedState:
+    """float tensor -> Fp8ExpandedState (COAT dynamic range expansion, then e4m3 with absmax scaling)."""
+    blocks = _blocks(x, block_size)
+    k, centre, big = expansion_params(blocks)
     expanded = jnp.sign(blocks) * (jnp.abs(blocks) / centre[:, None]) ** k[:, None]
     # NaN blocks: big is NaN, so the scale is NaN and the block decodes to NaN.
     scale = _safe(jnp.where(big == 0, 0.0, (big / centre) ** k / jnp.float32(_E4M3_MAX)))
     codes = formats.saturating_cast(expanded / scale[:, None], formats.E4M3)
     expand = jnp.round(k * _EXPAND_STEPS).astype(jnp.uint8)
-    return Fp8ExpandedState(codes, scale, expand, centre.astype(jnp.bfloat16), tuple(shape))
+    return Fp8ExpandedState(codes, scale, expand, centre.astype(jnp.bfloat16), tuple(x.shape))
 
 
 def dequantize_fp8_expanded(q: Fp8ExpandedState) -> jax.Array:
@@ -206,29 +210,15 @@ def dequantize_fp8_expanded(q: Fp8ExpandedState) -> jax.Array:
     return x.reshape(q.shape)
 
 
-def block_stats(x: jax.Array, fmt: str, block_size: int):
-    """What `quantize` needs from a whole block before it encodes any element: float32 (n,) absmax for the code
-    books and e4m3, the `expansion_params` (k, c, max) for e4m3_dre.
-
-    Computing them separately lets a caller read its inputs twice instead of writing x (see `qjax.optim.adam`).
-    """
-    blocks = _blocks(x, block_size)
-    return expansion_params(blocks) if fmt == "e4m3_dre" else block_absmax(blocks)
-
-
 @functools.partial(jax.jit, static_argnames=("fmt", "block_size"))
-def quantize(x: jax.Array, fmt: str, block_size: int, stats=None) -> QuantizedTensor:
-    """Quantizes float tensor `x` (size % block_size == 0) to state format `fmt` (one of STATE_FORMATS).
-
-    `stats`: `block_stats(x, fmt, block_size)` if already computed (None: computed here)."""
+def quantize(x: jax.Array, fmt: str, block_size: int) -> QuantizedTensor:
+    """Quantizes float tensor `x` (size % block_size == 0) to state format `fmt` (one of STATE_FORMATS)."""
     check_format(fmt, block_size)
-    blocks = _blocks(x, block_size)
-    stats = block_stats(x, fmt, block_size) if stats is None else stats
     if fmt == "e4m3":
-        return _quantize_fp8(blocks, stats, x.shape)
+        return quantize_fp8(x, block_size)
     if fmt == "e4m3_dre":
-        return _quantize_fp8_expanded(blocks, stats, x.shape)
-    return _quantize_codebook(blocks, stats, fmt, x.shape)
+        return quantize_fp8_expanded(x, block_size)
+    return quantize_codebook(x, fmt, block_size)
 
 
 @jax.jit

@@ -103,7 +103,7 @@ def _broadcast_rows(row: jax.Array, shape) -> jax.Array:
 
 
 def _quantize_rows(x: jax.Array):
-    """f32 (R, B) -> (e4m3 codes (R, B), scale f32 (R,)): `blockwise.quantize(x, "e4m3", B)` row by row."""
+    """f32 (R, B) -> (e4m3 codes (R, B), scale f32 (R,)): `blockwise.quantize_fp8` row by row."""
     absmax = _row_absmax(x)
     scale = absmax / jnp.float32(_E4M3_MAX)
     scale = jnp.where(scale == 0, jnp.float32(1), scale)

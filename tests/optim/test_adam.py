@@ -42,6 +42,19 @@ def test_state_bytes_ratio():
     assert ratios["4bit"] <= 0.14, ratios
 
 
+@pytest.mark.parametrize("fmt", blockwise.STATE_FORMATS)
+def test_zero_state_equals_quantized_zeros(fmt):
+    """init builds the state from one quantized zero block (no compile-time folding): the same as quantizing zeros."""
+    config = adam.StateConfig("e4m3", fmt, 128)  # the format under test as nu's (any format may store v)
+    param = jnp.ones((48, 256))
+    state = adam.init_moment(param, fmt, config)
+    expected = blockwise.quantize(jnp.zeros(param.shape), fmt, 128)
+    assert jax.tree.structure(state) == jax.tree.structure(expected) and state.shape == param.shape
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
 def test_small_and_ragged_tensors_keep_fp32_state():
     params = {"small": jnp.zeros(4095), "ragged": jnp.zeros((65, 100)), "big": jnp.zeros((64, 64))}
     state = optim.adamw_8bit(1e-3).init(params)[0]
