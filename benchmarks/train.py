@@ -4,16 +4,18 @@
   python benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --no-peer
   python benchmarks/train.py --small                        # tiny model; the default when no GPU is present
 
-One row = one jitted train step of `qjax.train.make_train_step` (forward, backward, grad clipping, AdamW; the LM head stays in bf16 as in every qjax config) on random tokens, timed over --steps steps
-after --warmup. Each row runs in its own subprocess so that its peak device memory is its own (JAX cannot reset the
-allocator's peak) and nothing compiled for one row stays resident during the next.
+One row = one jitted train step of `qjax.train.make_train_step` (forward, backward, grad clipping, AdamW; the LM
+head stays in bf16 as in every qjax config) on random tokens, timed over --steps steps after --warmup. Each row runs
+in its own subprocess so that its peak device memory is its own (JAX cannot reset the allocator's peak) and nothing
+compiled for one row stays resident during the next.
 
 Rows (--rows): bf16; int8 fwd only; int8 fwd+dgrad; int8_rowwise (all three GEMMs); the last two with stochastic
 rounding of the gradient operand (`qjax.with_stochastic_gradients`; forward-only int8 has no gradient operand to
 round); fp8_tensorwise; fp8_blockwise; and "<recipe>@xla" rows that force the XLA path (no Pallas kernels) to show
-what the kernels buy. A row may name an optimizer after "+" ("int8_rowwise+adamw_fp8": e4m3 AdamW states through
-the fused step kernel); without one it is optax AdamW with fp32 states. Then, unless --no-peer, Hugging Face LlamaForCausalLM of the same shape under torch.compile
-(bf16, torchao float8 tensorwise / rowwise, int8 mixed precision) in a subprocess (benchmarks/torch_peer.py).
+what the kernels buy. A row may name an optimizer after "+" ("int8_rowwise+adamw_fp8": e4m3 AdamW states through the
+fused step kernel); without one it is optax AdamW with fp32 states. Then, unless --no-peer, Hugging Face
+LlamaForCausalLM of the same shape under torch.compile (bf16, torchao float8 tensorwise / rowwise, int8 mixed
+precision) in a subprocess (benchmarks/torch_peer.py).
 """
 
 import os
@@ -160,12 +162,11 @@ def table(results: list[dict], peer: dict, args) -> str:
         peak = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") else "–"
         mfu = f"{r['mfu']:.2f}" if r.get("mfu") else "–"
         lines.append(f"| {r['row']} | {row_recipe(r['row']).name} | {row_optimizer(r['row'])} | "
-                     f"{r['tokens_per_s']:,.0f} | {speedup} | "
-                     f"{r['step_ms']:.1f} | {peak} | {mfu} |")
+                     f"{r['tokens_per_s']:,.0f} | {speedup} | {r['step_ms']:.1f} | {peak} | {mfu} |")
     notes = [f"Llama {args.size} (batch {args.batch} x seq {args.seq}, remat={args.remat}, min_features="
-             f"{args.min_features}), random tokens, AdamW "
-             f"(adamw: optax, fp32 states; adamw_fp8: qjax, e4m3 states, fused step kernel), LM head in bf16; median of {args.steps} steps after {args.warmup} warm-up; "
-             "one subprocess per row."]
+             f"{args.min_features}), random tokens, AdamW (adamw: optax, fp32 states; adamw_fp8: qjax, e4m3 states, "
+             f"fused step kernel), LM head in bf16; median of {args.steps} steps after {args.warmup} warm-up; one "
+             "subprocess per row."]
     if peer.get("results"):
         torch_bf16 = peer["results"].get("bf16", {}).get("tokens_per_s")
         lines += ["", "| torch peer (HF LlamaForCausalLM, torch.compile) | tokens/s | vs torch bf16 | vs qjax bf16 | "

@@ -186,7 +186,7 @@ def _swizzled(dtype):
     return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
 
 
-def steps_per_program(k_tiles: int, steps: int) -> int:
+def _steps_per_program(k_tiles: int, steps: int) -> int:
     """The largest divisor of k_tiles that is <= steps (each program pipelines that many tiles along K)."""
     steps = max(1, min(steps, k_tiles))
     while k_tiles % steps:
@@ -236,7 +236,7 @@ def _run_tiles(step_body, x, seeds, inputs, in_streams, out_type, out_streams, *
     Mosaic GPU interpreter cannot run; this loop has no predicated copies, so the tests run it.)"""
     m, k = x.shape
     k_tiles = k // TILE
-    steps = steps_per_program(k_tiles, steps)
+    steps = _steps_per_program(k_tiles, steps)
     in_streams = [_Stream((TILE, TILE), x.dtype, _tile_region(False), swizzled=True), *in_streams]
     n_in, n_out = len(in_streams), len(out_streams)
     tile_loads = sum(stream.per_tile for stream in in_streams)

@@ -18,6 +18,10 @@ is not a multiple); one program per tile, with no shared memory:
   registers -> GMEM (vector stores): p, m codes + scale, v codes + scale, written over the inputs (mutable refs:
                                       the kernel's outputs alias them, so a donated step updates params in place)
 
+Register layout: one TILED layout for every (R, B) array: each of the 4 warps owns whole rows, its 32 lanes hold 4
+consecutive columns each (128 columns per register sweep), so a warp's loads and stores are contiguous runs
+(coalesced) and the per-row absmax is a warp shuffle reduction, never cross-warp.
+
 Why no TMA pipeline: the first version staged tiles through SMEM with TMA copies, several tiles per program, and
 moved ~1.5 TB/s even with the math removed; a million small register-only programs let the hardware hide the memory
 latency through occupancy instead (H100 sweep, benchmarks/RESULTS.md).
