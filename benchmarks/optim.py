@@ -2,6 +2,7 @@
 
   python benchmarks/optim.py            # TinyLlama-shaped 1.1B float32 pytree (GPU); appends to benchmarks/RESULTS.md
   python benchmarks/optim.py --small    # a 2-layer d=256 pytree (auto-on without a GPU); prints only, unless --write
+  python benchmarks/optim.py --rows optax fp8_kernel    # some rows only (optax.adamw always runs first: the baseline)
 
 Params and grads are float32 (so optax.adamw's states are float32, the baseline the ratios refer to). One step is
 `qjax.optim.apply_gradients` (= `tx.update` + `optax.apply_updates`; for adamw_fp8(use_kernel=True) the fused step
@@ -25,6 +26,9 @@ from qjax import optim  # noqa: E402
 from qjax.kernels import on_hopper_gpu  # noqa: E402
 from qjax.optim import blockwise  # noqa: E402
 from common import append_results  # noqa: E402
+
+
+ROWS = ("optax", "8bit", "4bit", "fp8", "fp8_kernel", "fp8_dre")
 
 
 def llama_shapes(d=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000):
@@ -77,6 +81,7 @@ def main():
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--dump-hlo", help="directory to write each row's optimized HLO to")
     parser.add_argument("--write", action="store_true", help="append to RESULTS.md even with --small / no GPU")
+    parser.add_argument("--rows", nargs="+", choices=ROWS, help=f"rows to run (default: all): {' '.join(ROWS)}")
     args = parser.parse_args()
     on_gpu = jax.default_backend() == "gpu"
     small = args.small or not on_gpu
@@ -87,16 +92,19 @@ def main():
     param_bytes = 4 * n_params
 
     lr = optax.warmup_cosine_decay_schedule(0.0, 3e-4, 100, 10_000)
+    rows = set(args.rows or ROWS) | {"optax"}
     configs = [("optax.adamw (fp32 states)", lambda k: optax.adamw(lr, weight_decay=0.01), None)]
-    for name, make in [("adamw_8bit", lambda k: optim.adamw_8bit(lr, weight_decay=0.01)),
-                       ("adamw_4bit", lambda k: optim.adamw_4bit(lr, weight_decay=0.01)),
-                       ("adamw_fp8", lambda k: optim.adamw_fp8(lr, weight_decay=0.01, use_kernel=k)),
-                       ("adamw_fp8 +DRE", lambda k: optim.adamw_fp8(lr, weight_decay=0.01, use_kernel=k,
+    for row, name, make in [
+            ("8bit", "adamw_8bit", lambda k: optim.adamw_8bit(lr, weight_decay=0.01)),
+            ("4bit", "adamw_4bit", lambda k: optim.adamw_4bit(lr, weight_decay=0.01)),
+            ("fp8", "adamw_fp8", lambda k: optim.adamw_fp8(lr, weight_decay=0.01, use_kernel=k)),
+            ("fp8_dre", "adamw_fp8 +DRE", lambda k: optim.adamw_fp8(lr, weight_decay=0.01, use_kernel=k,
                                                                     dynamic_range_expansion=True))]:
-        configs.append((f"{name} (jnp)", make, False))
+        if row in rows:
+            configs.append((f"{name} (jnp)", make, False))
         # The fused Mosaic GPU step (qjax.optim.fused_adam) covers e4m3 states without expansion; off-GPU it would
         # run under the interpreter, far too slowly to time, so its row needs a Hopper GPU.
-        if name == "adamw_fp8" and on_hopper_gpu():
+        if row == "fp8" and "fp8_kernel" in rows and on_hopper_gpu():
             configs.append((f"{name} (fused step kernel)", make, True))
 
     rows, base_ms, base_bytes = [], None, None
