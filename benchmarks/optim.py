@@ -92,7 +92,7 @@ def main():
     param_bytes = 4 * n_params
 
     lr = optax.warmup_cosine_decay_schedule(0.0, 3e-4, 100, 10_000)
-    rows = set(args.rows or ROWS) | {"optax"}
+    selected = set(args.rows or ROWS) | {"optax"}
     configs = [("optax.adamw (fp32 states)", lambda k: optax.adamw(lr, weight_decay=0.01), None)]
     for row, name, make in [
             ("8bit", "adamw_8bit", lambda k: optim.adamw_8bit(lr, weight_decay=0.01)),
@@ -100,12 +100,15 @@ def main():
             ("fp8", "adamw_fp8", lambda k: optim.adamw_fp8(lr, weight_decay=0.01, use_kernel=k)),
             ("fp8_dre", "adamw_fp8 +DRE", lambda k: optim.adamw_fp8(lr, weight_decay=0.01, use_kernel=k,
                                                                     dynamic_range_expansion=True))]:
-        if row in rows:
+        if row in selected:
             configs.append((f"{name} (jnp)", make, False))
         # The fused Mosaic GPU step (qjax.optim.fused_adam) covers e4m3 states without expansion; off-GPU it would
         # run under the interpreter, far too slowly to time, so its row needs a Hopper GPU.
-        if row == "fp8" and "fp8_kernel" in rows and on_hopper_gpu():
-            configs.append((f"{name} (fused step kernel)", make, True))
+        if row == "fp8" and "fp8_kernel" in selected:
+            if on_hopper_gpu():
+                configs.append((f"{name} (fused step kernel)", make, True))
+            else:
+                print("fp8_kernel: skipped, the fused step kernel needs a Hopper GPU", flush=True)
 
     rows, base_ms, base_bytes = [], None, None
     for name, make, use_kernel in configs:

@@ -41,8 +41,8 @@ def row_name(row: str) -> str:
     """argparse type of a row: one of ROWS, optionally "+<optimizer>" (one of qjax.train.OPTIMIZERS)."""
     from qjax.train import OPTIMIZERS
 
-    recipe_row, _, optimizer = row.partition("+")
-    if recipe_row not in ROWS or (optimizer and optimizer not in OPTIMIZERS):
+    recipe_row, plus, optimizer = row.partition("+")
+    if recipe_row not in ROWS or (plus and optimizer not in OPTIMIZERS):
         raise argparse.ArgumentTypeError(f"unknown row {row!r}: use one of {', '.join(ROWS)}, optionally followed by "
                                          f"+ and one of {', '.join(OPTIMIZERS)}")
     return row
@@ -163,10 +163,12 @@ def table(results: list[dict], peer: dict, args) -> str:
         mfu = f"{r['mfu']:.2f}" if r.get("mfu") else "–"
         lines.append(f"| {r['row']} | {row_recipe(r['row']).name} | {row_optimizer(r['row'])} | "
                      f"{r['tokens_per_s']:,.0f} | {speedup} | {r['step_ms']:.1f} | {peak} | {mfu} |")
+    optimizers = {row_optimizer(r["row"]) for r in results}
+    about = {"adamw": "adamw: optax, fp32 states", "adamw_fp8": "adamw_fp8: e4m3 states, fused step kernel on one "
+             "Hopper GPU", "adamw_8bit": "adamw_8bit: 8-bit states", "adamw_4bit": "adamw_4bit: 4-bit states"}
     notes = [f"Llama {args.size} (batch {args.batch} x seq {args.seq}, remat={args.remat}, min_features="
-             f"{args.min_features}), random tokens, AdamW (adamw: optax, fp32 states; adamw_fp8: qjax, e4m3 states, "
-             f"fused step kernel), LM head in bf16; median of {args.steps} steps after {args.warmup} warm-up; one "
-             "subprocess per row."]
+             f"{args.min_features}), random tokens, AdamW ({'; '.join(about[o] for o in sorted(optimizers))}), "
+             f"LM head in bf16; median of {args.steps} steps after {args.warmup} warm-up; one subprocess per row."]
     if peer.get("results"):
         torch_bf16 = peer["results"].get("bf16", {}).get("tokens_per_s")
         lines += ["", "| torch peer (HF LlamaForCausalLM, torch.compile) | tokens/s | vs torch bf16 | vs qjax bf16 | "
@@ -211,8 +213,8 @@ def resolve_model_args(args) -> bool:
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="*", type=row_name, metavar="ROW[+OPTIMIZER]",
-                        help=f"rows: {' '.join(ROWS)}, each optionally +OPTIMIZER (adamw_8bit, adamw_4bit, "
-                             f"adamw_fp8; default adamw); default rows: {' '.join(DEFAULT_ROWS)}")
+                        help=f"rows: {' '.join(ROWS)}, each optionally +OPTIMIZER (qjax.train.OPTIMIZERS; default "
+                             f"adamw); default rows: {' '.join(DEFAULT_ROWS)}")
     add_model_args(parser)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)

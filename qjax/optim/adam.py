@@ -12,8 +12,8 @@ an `optax.GradientTransformation` instance). `apply_gradients` calls `step`, and
 on a single Hopper GPU) it updates each eligible tensor's param and moments in one fused kernel
 (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param); every other tensor, and every tensor
 without `use_kernel`, takes exactly the optax path. Only a bare `QuantizedAdamW` passed to `apply_gradients` takes
-the kernel: inside `optax.chain` (e.g. after clipping) or `optax.MultiSteps` it is an ordinary optax optimizer, and
-`train.py` (which chains clipping) does not use the kernel.
+the kernel: inside `optax.chain` (e.g. after clipping) or `optax.MultiSteps` it is an ordinary optax optimizer
+(`qjax.train` clips the gradients before the step instead, so its adamw_fp8 runs the kernel).
 
 Per tensor, with t the step (1-based) and g the gradient in float32 (torchao `low_bit_optim` semantics):
   m_old, v_old = dequantize(state)                     float32

@@ -60,7 +60,7 @@ _E4M3_MAX = 448.0  # formats.E4M3.max_value; blockwise's scale is absmax / this
 _TILE_ELEMENTS = 1024  # elements per program (a million programs for 1B params: best in the H100 sweep)
 _LANE_COLUMNS = 128  # a warp sweeps 32 lanes x 4 columns per register
 _WARPS = 4
-_MAX_BLOCK = 256  # blockwise's default; larger blocks would only need more rows per warp
+_MAX_BLOCK = 256  # a 1024-element tile must hold a row per warp (4 rows of <= 256); blockwise's default
 
 # (R, B) arrays: tiles of 4 rows x 128 columns; warps split the 4 rows, lanes the 128 columns in vectors of 4.
 _LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((_WARPS, _LANE_COLUMNS), (4,))), warp_dims=(-3,), lane_dims=(-2,),
@@ -124,19 +124,21 @@ def _load(ref, layout):
     return plgpu.load(ref, layout=layout, optimized=False)
 
 
-def _tile_step(coef_ref, p_s, g_s, mc_s, ms_s, vc_s, vs_s, *, b1, b2, eps, weight_decay):
+def _tile_step(coef_ref, p_ref, g_ref, m_codes_ref, m_scale_ref, v_codes_ref, v_scale_ref, *, b1, b2, eps,
+               weight_decay):
     """One tile in GMEM, updated in place: the fused step of `fused_step_reference` on (R, B) arrays."""
     def load_state(codes_ref, scale_ref):
         codes = _load(codes_ref, _LAYOUT).astype(jnp.float32)
         return codes * _broadcast_rows(_load(scale_ref, _ROW_LAYOUT), codes.shape)
 
-    p = _load(p_s, _LAYOUT)
-    g = _load(g_s, _LAYOUT)
+    p = _load(p_ref, _LAYOUT)
+    g = _load(g_ref, _LAYOUT)
     bc1, bc2_sqrt, step_size = coef_ref[0], coef_ref[1], coef_ref[2]
-    direction, m, v = adam.adam_math(g, load_state(mc_s, ms_s), load_state(vc_s, vs_s), b1, b2, eps, bc1, bc2_sqrt)
-    p_s[...] = _param_update(p, direction, step_size, weight_decay)
-    mc_s[...], ms_s[...] = _quantize_rows(m)
-    vc_s[...], vs_s[...] = _quantize_rows(v)
+    m_old, v_old = load_state(m_codes_ref, m_scale_ref), load_state(v_codes_ref, v_scale_ref)
+    direction, m, v = adam.adam_math(g, m_old, v_old, b1, b2, eps, bc1, bc2_sqrt)
+    p_ref[...] = _param_update(p, direction, step_size, weight_decay)
+    m_codes_ref[...], m_scale_ref[...] = _quantize_rows(m)
+    v_codes_ref[...], v_scale_ref[...] = _quantize_rows(v)
 
 
 def _tile_rows(n_rows: int, block_size: int) -> int:

@@ -7,7 +7,7 @@ Public API:
   make_eval_step(task, mesh), TrainState, TrainResult
   make_task(config, vocab_size=, num_classes=, image_shape=) -> Task    model + loss from a config
   check_config(config), ConfigError                       config validation with messages that say the fix
-  make_optimizer(opt_config, total_steps), OPTIMIZERS     Optimizer: clipping + AdamW (fp32 / 8-bit / 4-bit / fp8) + lr
+  make_optimizer(opt_config, total_steps) -> Optimizer    clipping + AdamW (fp32 / 8-bit / 4-bit / fp8) + lr; OPTIMIZERS
   Checkpointer                                            orbax CheckpointManager wrapper (keep last K, atomic)
   ProgressMeter, peak_flops                               progress line, metrics.jsonl, MFU
   make_mesh                                               the "data" mesh (batch split, params replicated)
@@ -20,12 +20,12 @@ from qjax.train.config import ConfigError, check_config
 from qjax.train.loop import TrainResult, train
 from qjax.train.mesh import make_mesh
 from qjax.train.metrics import ProgressMeter, peak_flops
-from qjax.train.optimizer import OPTIMIZERS, make_optimizer
+from qjax.train.optimizer import OPTIMIZERS, Optimizer, make_optimizer
 from qjax.train.step import TrainState, make_eval_step, make_train_step
 from qjax.train.task import Task, make_task
 
 __all__ = [
-    "Checkpointer", "ConfigError", "OPTIMIZERS", "ProgressMeter", "Task", "TrainResult", "TrainState",
+    "Checkpointer", "ConfigError", "OPTIMIZERS", "Optimizer", "ProgressMeter", "Task", "TrainResult", "TrainState",
     "check_config", "make_eval_step", "make_mesh", "make_optimizer", "make_task", "make_train_step", "peak_flops",
     "train",
 ]

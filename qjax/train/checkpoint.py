@@ -40,10 +40,17 @@ class Checkpointer:
         """The state saved at `step`, with the structure, dtypes and shardings of `abstract_state`.
 
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with `sharding` set (e.g. from `jax.eval_shape` of
-        the init function); restoring into a different model or optimizer raises orbax's error naming the
-        mismatching entry.
+        the init function). A checkpoint of another model or optimizer, or of an older layout of the train state
+        (before 2026-11-23 the optimizer state nested grad clipping's empty state: `optax.chain(clip, adamw)`),
+        raises ValueError naming the checkpoint and orbax's mismatching entry.
         """
-        return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+        try:
+            return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+        except ValueError as e:
+            raise ValueError(f"checkpoint {step} in {self.directory} does not fit this run's train state (another "
+                             "model, optimizer or grad-clipping setting, or a layout from an older qjax): train in a "
+                             f"new workdir, or restore with the config and qjax version that wrote it. orbax: {e}"
+                             ) from e
 
     def restore_latest(self, abstract_state):
         """The newest checkpoint restored into `abstract_state`'s layout, or None if there is none."""

@@ -73,9 +73,9 @@ def _assert_identical(out, ref):
 
 @interpreter_only
 @pytest.mark.parametrize("shape,step,weight_decay", [
-    ((64, 256), 1, 0.01),       # 64 blocks: 16 tiles of 4 blocks, 4 programs of 4 pipelined tiles
-    ((24, 256), 7, 0.0),        # 24 blocks: 6 tiles, 2 programs of 3; no weight decay (optax skips the add)
-    ((20, 16, 16), 100, 0.1),   # 20 blocks: 5 tiles, one per program (5 has no divisor in 2..4)
+    ((64, 256), 1, 0.01),       # 64 blocks: 16 programs, one tile of 4 blocks each
+    ((24, 256), 7, 0.0),        # 24 blocks: 6 programs; no weight decay (optax skips the add)
+    ((20, 16, 16), 100, 0.1),   # 20 blocks of a 3-d param: 5 programs
 ])
 def test_kernel_matches_reference(shape, step, weight_decay):
     p, g, mu, nu = _inputs(shape, seed=step)
@@ -85,9 +85,10 @@ def test_kernel_matches_reference(shape, step, weight_decay):
 
 
 @interpreter_only
-def test_block_128():
+@pytest.mark.parametrize("shape", [(40, 128), (44, 128)])  # 8-row tiles; 44 blocks: 4-row tiles (44 % 8 != 0)
+def test_block_128(shape):
     config = adam.StateConfig("e4m3", "e4m3", 128)
-    p, g, mu, nu = _inputs((44, 128), seed=3, block_size=128)  # 44 blocks: 4-row tiles, not 8
+    p, g, mu, nu = _inputs(shape, seed=3, block_size=128)
     c = _coefficients(3)
     _assert_identical(_kernel(p, g, mu, nu, *c), _reference(p, g, mu, nu, *c, config=config))
 
@@ -253,14 +254,16 @@ def _assert_close_gpu(out, ref, label):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,step", [((2048, 5632), 1), ((4096, 2048), 50), ((1000, 256 + 256 * 3), 10),
-                                        ((7, 1024, 256), 3)])
-def test_gpu_kernel_matches_reference(shape, step):
+@pytest.mark.parametrize("shape,step,block", [((2048, 5632), 1, 256), ((4096, 2048), 50, 256),
+                                              ((1000, 256 + 256 * 3), 10, 256), ((7, 1024, 256), 3, 256),
+                                              ((4096, 1024), 5, 128), ((1100, 128), 2, 128)])
+def test_gpu_kernel_matches_reference(shape, step, block):
     assert on_hopper_gpu(), jax.devices()
-    p, g, mu, nu = _inputs(shape, seed=step)
+    p, g, mu, nu = _inputs(shape, seed=step, block_size=block)
     c = _coefficients(step)
     out = jax.jit(_kernel)(p, g, mu, nu, *c)
-    _assert_close_gpu(out, _reference(p, g, mu, nu, *c), f"{shape} step {step}")
+    config = adam.StateConfig("e4m3", "e4m3", block)
+    _assert_close_gpu(out, _reference(p, g, mu, nu, *c, config=config), f"{shape} block {block} step {step}")
 
 
 @pytest.mark.gpu

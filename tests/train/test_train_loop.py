@@ -158,3 +158,19 @@ def test_accumulated_data_parallel_step_equals_the_big_batch_step(token_dir):
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
+
+
+def test_checkpoint_of_another_state_layout_gives_a_clear_error(tmp_path):
+    """A checkpoint whose tree differs from the run's train state (e.g. the pre-2026-11-23 optimizer state that
+    nested grad clipping's empty state) raises a ValueError that says what to do, not only orbax's message."""
+    from qjax.train import Checkpointer
+    from qjax.train.checkpoint import abstract_like
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    old = {"params": np.zeros(4, np.float32), "opt_state": (np.zeros(1, np.float32), np.ones(4, np.float32))}
+    checkpointer = Checkpointer(tmp_path / "ckpt", keep=1)
+    checkpointer.save(1, old)
+    checkpointer.close()
+    new = {"params": np.zeros(4, np.float32), "opt_state": (np.ones(4, np.float32),)}
+    with pytest.raises(ValueError, match="does not fit this run's train state.*new workdir"):
+        Checkpointer(tmp_path / "ckpt", keep=1).restore_latest(abstract_like(new, sharding))
