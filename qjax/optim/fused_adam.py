@@ -38,8 +38,8 @@ Which tensors take the kernel (`kernel_eligible`): float32 param and gradient, e
 n % 4 == 0 (the layout's 4-row tiles; no padding pass). Everything else stays on the optax path. Other formats
 (8/4-bit code books, e4m3 with expansion) have no kernel yet.
 
-Measured (H100, jax 0.11.2, 2026-11-23, 1.1B float32 params, optax.adamw in the same process): 0.72x-0.83x of
-optax.adamw's step time over six samples on four machines (e.g. 10.60 vs 14.78 ms, 11.82 vs 14.37 ms); the
+Measured (H100, jax 0.11.2, 2026-11-23, 1.1B float32 params, optax.adamw in the same process): 0.72x-0.90x of
+optax.adamw's step time, median 0.79x over eight samples on five machines (e.g. 10.60 vs 14.78 ms); the
 TMA-pipelined version took 12.6 ms where this one took 11.0, and 11.9 ms even as a pure copy.
 Without the in-place refs, XLA copied every kernel output into the donated buffers (+12 bytes per param: 20 ms).
 """
