@@ -6,9 +6,11 @@
 
 Params and grads are float32 (so optax.adamw's states are float32, the baseline the ratios refer to). One step is
 `qjax.optim.apply_gradients` (= `tx.update` + `optax.apply_updates`; for adamw_fp8(use_kernel=True) the fused step
-kernel) under one jit with params and state donated; step ms is the median of --iters
-timed steps after warm-up, each ended by block_until_ready. Achieved GB/s counts the bytes a step must move: params
-read + written, grads read, every state array read + written (divided by the step time).
+kernel) under one jit with params and state donated. All optimizers are compiled and kept resident, then timed in
+--rounds rounds of --iters steps each, round-robin, so that a GPU's clock drift during the run (the same step has
+measured 16% apart minutes later) hits every row alike; step ms is the median of a row's timed steps, each ended by
+block_until_ready. Achieved GB/s counts the bytes a step must move: params read + written, grads read, every state
+array read + written (divided by the step time).
 """
 
 import argparse
@@ -47,38 +49,50 @@ def make_tree(shapes, key, scale):
     return {name: jax.random.normal(k, shape, jnp.float32) * scale for k, (name, shape) in zip(keys, shapes.items())}
 
 
-def time_optimizer(tx, params, grads, iters, dump_path=None):
-    state = tx.init(params)
+class Prepared:
+    """One optimizer's compiled step and its carried (params, state), warmed up; see `prepare`."""
 
-    step = jax.jit(lambda p, s, g: optim.apply_gradients(tx, g, s, p), donate_argnums=(0, 1))
-    p = jax.tree.map(jnp.copy, params)
-    step = step.lower(p, state, grads).compile()  # compiled once: the HLO and cost analysis are of what runs
-    hlo = step.as_text()
-    if dump_path:
-        os.makedirs(os.path.dirname(dump_path), exist_ok=True)
-        with open(dump_path, "w") as f:
-            f.write(hlo)
-    cost = step.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    # Kernel launches: fusions and custom calls (Pallas kernels, cuBLAS) of the entry computation.
-    entry = hlo[hlo.find("ENTRY"):]
-    kernels = sum(entry.count(op) for op in (" fusion(", " custom-call("))
-    for _ in range(3):
-        p, state = step(p, state, grads)
-    jax.block_until_ready((p, state))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        p, state = step(p, state, grads)
-        jax.block_until_ready((p, state))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3, blockwise.nbytes(state), kernels, (cost or {}).get("bytes accessed")
+    def __init__(self, tx, params, grads, dump_path=None):
+        state = tx.init(params)
+        step = jax.jit(lambda p, s, g: optim.apply_gradients(tx, g, s, p), donate_argnums=(0, 1))
+        self.params = jax.tree.map(jnp.copy, params)
+        self.step = step.lower(self.params, state, grads).compile()  # compiled once: the HLO is of what runs
+        hlo = self.step.as_text()
+        if dump_path:
+            os.makedirs(os.path.dirname(dump_path), exist_ok=True)
+            with open(dump_path, "w") as f:
+                f.write(hlo)
+        cost = self.step.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        self.xla_bytes = (cost or {}).get("bytes accessed")
+        # Kernel launches: fusions and custom calls (Pallas kernels, cuBLAS) of the entry computation.
+        entry = hlo[hlo.find("ENTRY"):]
+        self.kernels = sum(entry.count(op) for op in (" fusion(", " custom-call("))
+        self.state_bytes = blockwise.nbytes(state)
+        self.state = state
+        self.times = []
+        self.run(grads, 3)
+
+    def run(self, grads, steps: int, timed: bool = False) -> None:
+        """`steps` optimizer steps (params and state donated and carried); with `timed`, records each one's time."""
+        for _ in range(steps):
+            start = time.perf_counter()
+            self.params, self.state = self.step(self.params, self.state, grads)
+            jax.block_until_ready((self.params, self.state))
+            if timed:
+                self.times.append(time.perf_counter() - start)
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.times) * 1e3
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="small pytree (auto-on when no GPU is present)")
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=2, help="timed steps per optimizer per round")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds over all optimizers (interleaved, so that clock drift hits every row alike)")
     parser.add_argument("--dump-hlo", help="directory to write each row's optimized HLO to")
     parser.add_argument("--write", action="store_true", help="append to RESULTS.md even with --small / no GPU")
     parser.add_argument("--rows", nargs="+", choices=ROWS, help=f"rows to run (default: all): {' '.join(ROWS)}")
@@ -110,17 +124,22 @@ def main():
             else:
                 print("fp8_kernel: skipped, the fused step kernel needs a Hopper GPU", flush=True)
 
-    rows, base_ms, base_bytes = [], None, None
+    prepared = []
     for name, make, use_kernel in configs:
         dump = None
         if args.dump_hlo:
             dump = os.path.join(args.dump_hlo, name.replace(" ", "_").replace("(", "").replace(")", "") + ".hlo")
-        ms, state_bytes, kernels, xla_bytes = time_optimizer(make(use_kernel), params, grads, args.iters, dump)
-        base_ms = base_ms or ms
-        base_bytes = base_bytes or state_bytes
+        prepared.append(Prepared(make(use_kernel), params, grads, dump))
+    for _ in range(args.rounds):
+        for bench in prepared:
+            bench.run(grads, args.iters, timed=True)
+
+    rows, base_ms, base_bytes = [], prepared[0].median_ms, prepared[0].state_bytes
+    for (name, _, use_kernel), bench in zip(configs, prepared):
+        ms, state_bytes, kernels = bench.median_ms, bench.state_bytes, bench.kernels
         moved = 3 * param_bytes + 2 * state_bytes  # params read+write, grads read, states read+write
         # XLA's cost analysis does not count custom calls (the fused kernel): no ratio for rows that have them.
-        xla_ratio = xla_bytes / moved if xla_bytes and not use_kernel else float("nan")
+        xla_ratio = bench.xla_bytes / moved if bench.xla_bytes and not use_kernel else float("nan")
         rows.append((name, state_bytes, state_bytes / base_bytes, ms, ms / base_ms, moved / ms / 1e6, kernels,
                      xla_ratio))
         print(f"{name:28s} {state_bytes / 2**30:8.3f} GiB  {state_bytes / base_bytes:6.4f}  {ms:9.2f} ms  "
@@ -128,7 +147,8 @@ def main():
               "the minimum", flush=True)
 
     table = [f"{n_params / 1e9:.3f}B float32 params ({'small' if small else 'TinyLlama 1.1B'} shapes), float32 grads, "
-             f"median of {args.iters} steps after 3 warm-up.\n",
+             f"median of {args.rounds} x {args.iters} steps per optimizer after 3 warm-up, the "
+             f"optimizers interleaved round by round (all resident at once).\n",
              "| optimizer | state bytes | ratio vs fp32 AdamW state | step ms | ratio vs optax.adamw | achieved GB/s | "
              "kernels | XLA bytes / minimum |",
              "|---|---|---|---|---|---|---|---|"]
