@@ -96,20 +96,13 @@ def fused_step_reference(p, g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt, step_
     return _param_update(p, direction, step_size, weight_decay), mu, nu
 
 
-def _row_absmax(x: jax.Array) -> jax.Array:
-    """max |x| over axis 1 of f32 (R, B), NaN (canonical) where a row holds NaN, like `blockwise.block_absmax`."""
-    bits = lax.bitcast_convert_type(jnp.abs(x), jnp.int32)  # order of non-negative floats; NaN above Inf
-    absmax = lax.bitcast_convert_type(jnp.max(bits, axis=1), jnp.float32)
-    return jnp.where(absmax != absmax, jnp.float32(jnp.nan), absmax)
-
-
 def _broadcast_rows(row: jax.Array, shape) -> jax.Array:
     return plgpu.layout_cast(lax.broadcast_in_dim(row, shape, (0,)), _LAYOUT)
 
 
 def _quantize_rows(x: jax.Array):
     """f32 (R, B) -> (e4m3 codes (R, B), scale f32 (R,)): `blockwise.quantize_fp8` row by row."""
-    absmax = _row_absmax(x)
+    absmax = blockwise.block_absmax(x)  # NaN-propagating bit-pattern max, per row
     scale = absmax / jnp.float32(_E4M3_MAX)
     scale = jnp.where(scale == 0, jnp.float32(1), scale)
     # x / scale is finite or NaN here (an Inf element makes the scale Inf: Inf / Inf = NaN), so the clamp alone
