@@ -8,8 +8,8 @@ All three are `optax.chain(scale_by_quantized_adam(config, ...), add_decayed_wei
 scale_by_learning_rate(lr))`, exactly how `optax.adamw` is built, so they compose with `optax.chain`, clipping,
 schedules, `optax.MultiSteps`, sharded params and orbax like any optax optimizer. They are returned as a
 `QuantizedAdamW`, a NamedTuple (init, update, step) that optax accepts wherever it takes a transformation (it is not
-an `optax.GradientTransformation` instance). `apply_gradients` calls `step`, and with `use_kernel=True` (e4m3 states,
-on a single Hopper GPU) it updates each eligible tensor's param and moments in one fused kernel
+an `optax.GradientTransformation` instance). `apply_gradients` calls `step`, and with `use_kernel=True` (e4m3 or
+8-bit states, on a single Hopper GPU) it updates each eligible tensor's param and moments in one fused kernel
 (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param); every other tensor, and every tensor
 without `use_kernel`, takes exactly the optax path. Only a bare `QuantizedAdamW` passed to `apply_gradients` takes
 the kernel: inside `optax.chain` (e.g. after clipping) or `optax.MultiSteps` it is an ordinary optax optimizer
@@ -53,8 +53,8 @@ class StateConfig:
       mu_format, nu_format: state formats from `blockwise.STATE_FORMATS` (m is signed, v is non-negative).
       block_size: elements per absmax/scale block (per COAT group for "e4m3_dre").
       min_quantized_size: tensors smaller than this keep float32 states.
-      use_kernel: True: `apply_gradients` runs e4m3 states through the fused Mosaic GPU step kernel on a single
-        Hopper GPU (elsewhere the optax path; see `qjax.optim.fused_adam`). `tx.update` always runs the reference.
+      use_kernel: True: `apply_gradients` runs e4m3 and 8-bit states through the fused Mosaic GPU step kernel on a
+        single Hopper GPU (elsewhere the optax path; see `qjax.optim.fused_adam`). `tx.update` always runs the reference.
     """
 
     mu_format: str
@@ -73,10 +73,14 @@ class StateConfig:
             raise ValueError(f"min_quantized_size must be a non-negative int, got {self.min_quantized_size!r}")
         if not isinstance(self.use_kernel, bool):
             raise ValueError(f"use_kernel must be True or False, got {self.use_kernel!r}")
-        if self.use_kernel and not (self.mu_format == self.nu_format == "e4m3" and self.block_size in (128, 256)):
+        from qjax.optim import fused_adam  # late import: fused_adam imports this module
+
+        if self.use_kernel and not ((self.mu_format, self.nu_format) in fused_adam.KERNEL_FORMATS
+                                    and self.block_size in (128, 256)):
             raise ValueError(f"use_kernel=True: the fused kernel supports e4m3 states (adamw_fp8 without dynamic "
-                             f"range expansion) with block_size 128 or 256, got mu {self.mu_format!r}, nu "
-                             f"{self.nu_format!r}, block {self.block_size}; use use_kernel=False")
+                             f"range expansion) and adamw_8bit's states, with block_size 128 or 256; got mu "
+                             f"{self.mu_format!r}, nu {self.nu_format!r}, block {self.block_size}; use "
+                             "use_kernel=False")
 
     def quantizes(self, shape) -> bool:
         return blockwise.can_quantize(tuple(shape), self.block_size, self.min_quantized_size)
@@ -177,7 +181,7 @@ def apply_gradients(tx, grads, opt_state, params):
     """One optimizer step -> (new params, new opt_state); the same result as `tx.update` + `optax.apply_updates`.
 
     Any optax transformation works. For a `QuantizedAdamW` made with `use_kernel=True`, each float32 tensor with
-    e4m3 states is updated by one fused kernel that reads and writes param, gradient and states once (see
+    e4m3 or 8-bit states is updated by one fused kernel that reads and writes param, gradient and states once (see
     `qjax.optim.fused_adam`; on a GPU its results may differ from the optax path by float32 rounding).
     """
     if isinstance(tx, QuantizedAdamW):
@@ -211,7 +215,7 @@ def _adamw(config, learning_rate, b1, b2, eps, weight_decay, mask):
         new_params = optax.apply_updates(params, updates)
         if not config.use_kernel:
             return new_params, new_state
-        from qjax.optim import fused_adam  # late import: fused_adam imports this module
+        from qjax.optim import fused_adam  # late import, as in StateConfig
 
         run_kernel, interpret = fused_adam.kernel_mode()
         if not run_kernel:
@@ -229,8 +233,8 @@ def _adamw(config, learning_rate, b1, b2, eps, weight_decay, mask):
         outs = []
         for p, g, mu, nu, p_new, mu_new, nu_new, wd in zip(*leaves, _decay_per_leaf(weight_decay, mask, params)):
             if fused_adam.kernel_eligible(p, g, mu, nu):
-                p_new, mu_new, nu_new = fused_adam.fused_step_fp8(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt,
-                                                                  step_size, wd, interpret=interpret)
+                p_new, mu_new, nu_new = fused_adam.fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size,
+                                                              wd, interpret=interpret)
             outs.append((p_new, mu_new, nu_new))
         new_params, new_mu, new_nu = (treedef.unflatten([o[i] for o in outs]) for i in range(3))
         return new_params, (new_state[0]._replace(mu=new_mu, nu=new_nu), *new_state[1:])
@@ -239,13 +243,15 @@ def _adamw(config, learning_rate, b1, b2, eps, weight_decay, mask):
 
 
 def adamw_8bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
-               mask=None, block_size: int = 256, min_quantized_size: int = 4096) -> QuantizedAdamW:
+               mask=None, block_size: int = 256, min_quantized_size: int = 4096,
+               use_kernel: bool = False) -> QuantizedAdamW:
     """AdamW with 8-bit states: blocks of 256, fp32 absmax, m on the signed and v on the unsigned dynamic tree map.
 
     State: 2 bytes + 8 / block_size bytes per element (0.254x fp32 AdamW at block 256). `learning_rate` is a float
-    or an optax schedule; `mask` as in `optax.adamw` (which params get weight decay).
+    or an optax schedule; `mask` as in `optax.adamw` (which params get weight decay); `use_kernel` as in
+    `StateConfig` (the fused step in `apply_gradients`).
     """
-    config = StateConfig("dynamic_signed_8bit", "dynamic_unsigned_8bit", block_size, min_quantized_size)
+    config = StateConfig("dynamic_signed_8bit", "dynamic_unsigned_8bit", block_size, min_quantized_size, use_kernel)
     return _adamw(config, learning_rate, b1, b2, eps, weight_decay, mask)
 
 

@@ -1,20 +1,25 @@
-"""Fused AdamW step for e4m3 states: one Mosaic GPU kernel per tensor writes the new param and moments.
+"""Fused AdamW step for e4m3 or 8-bit states: one Mosaic GPU kernel per tensor writes the new param and moments.
 
-`fused_step_fp8(p, g, mu, nu, ...)` -> (new p, new mu, new nu) does, for one float32 param with `Fp8State` moments
-(codes float8_e4m3fn (n, B), scale f32 (n,) = absmax / 448, see `blockwise`), exactly what
-`qjax.optim.adamw_fp8`'s optax chain followed by `optax.apply_updates` does to it; `fused_step_reference` is that
-computation in jnp (the test reference). Why a kernel: through optax, the step writes an update tensor and reads it
-back (`apply_updates` is a separate pass), 28 bytes per float32 param with fp32 states, and XLA splits the block
-absmax from the quantization (~24 bytes with e4m3 states, no faster than fp32 AdamW). The kernel reads param, grad,
-codes and scales once and writes param, codes and scales once: 16 bytes per param.
+`fused_step(p, g, mu, nu, ...)` -> (new p, new mu, new nu) does, for one float32 param with quantized moments, exactly
+what `qjax.optim.adamw_fp8` / `adamw_8bit`'s optax chain followed by `optax.apply_updates` does to it;
+`fused_step_reference` is that computation in jnp (the test reference). State formats (`KERNEL_FORMATS`):
+  e4m3:  `Fp8State` m and v, codes float8_e4m3fn (n, B), scale f32 (n,) = absmax / 448 (see `blockwise`)
+  8-bit: `CodebookState` m on the signed, v on the unsigned dynamic map, codes uint8 (n, B), absmax f32 (n,); the
+         kernel decodes and encodes the codes arithmetically (`maps.decode_gather_free`,
+         `maps.encode_nearest_gather_free`: Mosaic GPU has no gather), bit-equal to the table lookups.
+Why a kernel: through optax, the step writes an update tensor and reads it back (`apply_updates` is a separate pass),
+28 bytes per float32 param with fp32 states, and XLA splits the block absmax from the quantization (~24 bytes with
+e4m3 states, no faster than fp32 AdamW; the 8-bit jnp path moves more and gathers from the code books). The kernel
+reads param, grad, codes and scales once and writes param, codes and scales once: 16 bytes per param.
 
 The tensor is viewed as n blocks of B elements, an (n, B) array, cut into tiles of R = 1024 // B rows (fewer when n
 is not a multiple); one program per tile, with no shared memory:
 
   GMEM -> registers (vector loads): p (R, B) f32, g (R, B) f32, m codes (R, B), m scale (R,), v codes, v scale
-  registers: m_old = codes * scale (same for v); adam.adam_math -> direction, m, v; u = direction + wd * p;
-             p = p + (-lr) * u; per row: absmax (NaN-propagating), scale = absmax / 448 (1 for all-zero rows),
-             codes = e4m3(clip(x / scale, -448, 448))
+  registers: m_old = decode(codes) * scale (same for v); adam.adam_math -> direction, m, v;
+             u = direction + wd * p; p = p + (-lr) * u; per row: absmax (NaN-propagating), then
+             e4m3: scale = absmax / 448 (1 for all-zero rows), codes = e4m3(clip(x / scale, -448, 448))
+             8-bit: codes = nearest code of x / absmax (absmax 1 for all-zero rows), absmax stored
   registers -> GMEM (vector stores): p, m codes + scale, v codes + scale, written over the inputs (mutable refs:
                                       the kernel's outputs alias them, so a donated step updates params in place)
 
@@ -34,9 +39,9 @@ interpreter the kernel's XLA ops equal the jitted reference bit for bit. Compile
 contract a*b+c into FMAs differently, so values can differ by an ulp and, rarely, a code by an e4m3 step or two (see
 tests/optim/test_fused_kernel.py).
 
-Which tensors take the kernel (`kernel_eligible`): float32 param and gradient, e4m3 moments of block 128 or 256,
-n % 4 == 0 (the layout's 4-row tiles; no padding pass). Everything else stays on the optax path. Other formats
-(8/4-bit code books, e4m3 with expansion) have no kernel yet.
+Which tensors take the kernel (`kernel_eligible`): float32 param and gradient, moments in one of `KERNEL_FORMATS`
+with blocks of 128 or 256, n % 4 == 0 (the layout's 4-row tiles; no padding pass). Everything else stays on the
+optax path. Other formats (4-bit code books, e4m3 with expansion) have no kernel yet.
 
 Measured (H100, jax 0.11.2, 2026-11-23, 1.1B float32 params, optax.adamw in the same process): 0.72x-0.90x of
 optax.adamw's step time, median 0.79x over eight samples on five machines (e.g. 10.60 vs 14.78 ms); the
@@ -54,7 +59,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax import kernels
 from qjax.kernels.stochastic_cast_mgpu import resolve_interpret
-from qjax.optim import adam, blockwise
+from qjax.optim import adam, blockwise, maps
 
 _E4M3_MAX = 448.0  # formats.E4M3.max_value; blockwise's scale is absmax / this
 _TILE_ELEMENTS = 1024  # elements per program (a million programs for 1B params: best in the H100 sweep)
@@ -67,6 +72,9 @@ _LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((_WARPS, _LANE_COLUMNS), (4,))), warp
                              vector_dim=-1)
 _ROW_LAYOUT = _LAYOUT.reduce(1)  # (R,) per-row values (scales), replicated over a warp's lanes
 
+# (m format, v format) pairs the kernel reads and writes: "e4m3" (Fp8State) or a code book's map (CodebookState).
+KERNEL_FORMATS = (("e4m3", "e4m3"), ("dynamic_signed_8bit", "dynamic_unsigned_8bit"))
+
 
 def kernel_mode() -> tuple[bool, bool]:
     """(run the kernel?, interpret it?) for `use_kernel=True`: compiled on a single Hopper GPU, else not at all.
@@ -76,9 +84,22 @@ def kernel_mode() -> tuple[bool, bool]:
     return kernels.use_kernel("auto")
 
 
+def state_format(state) -> str | None:
+    """The kernel's name for a moment's format ("e4m3" or an 8-bit map name), None for any other state."""
+    if isinstance(state, blockwise.Fp8State):
+        return "e4m3"
+    if isinstance(state, blockwise.CodebookState) and blockwise.CODEBOOK_FORMATS[state.qmap] == 8:
+        return state.qmap
+    return None
+
+
+def _scale(state) -> jax.Array:
+    return state.scale if isinstance(state, blockwise.Fp8State) else state.absmax
+
+
 def kernel_eligible(p, g, mu, nu) -> bool:
     """Whether one tensor's step can run in the kernel (module docstring); otherwise it takes the optax path."""
-    return (isinstance(mu, blockwise.Fp8State) and isinstance(nu, blockwise.Fp8State)
+    return ((state_format(mu), state_format(nu)) in KERNEL_FORMATS
             and mu.codes.shape[1] in (_LANE_COLUMNS, _MAX_BLOCK) and mu.codes.shape[0] % _WARPS == 0
             and jnp.dtype(p.dtype) == jnp.float32 and jnp.dtype(g.dtype) == jnp.float32)
 
@@ -100,9 +121,18 @@ def _broadcast_rows(row: jax.Array, shape) -> jax.Array:
     return plgpu.layout_cast(lax.broadcast_in_dim(row, shape, (0,)), _LAYOUT)
 
 
-def _quantize_rows(x: jax.Array):
-    """f32 (R, B) -> (e4m3 codes (R, B), scale f32 (R,)): `blockwise.quantize_fp8` row by row."""
+def _dequantize_rows(codes: jax.Array, scale: jax.Array, fmt: str) -> jax.Array:
+    """codes (R, B) e4m3 or uint8, scale f32 (R,) -> f32 (R, B): `blockwise.dequantize` row by row."""
+    values = codes.astype(jnp.float32) if fmt == "e4m3" else maps.decode_gather_free(codes, maps.get_map(fmt))
+    return values * _broadcast_rows(scale, codes.shape)
+
+
+def _quantize_rows(x: jax.Array, fmt: str):
+    """f32 (R, B) -> (codes (R, B), scale f32 (R,)): `blockwise.quantize_fp8` / `quantize_codebook` row by row."""
     absmax = blockwise.block_absmax(x)  # NaN-propagating bit-pattern max, per row
+    if fmt != "e4m3":
+        divisor = jnp.where(absmax == 0, jnp.float32(1), absmax)  # |x / absmax| <= 1: the gather-free encoder's domain
+        return maps.encode_nearest_gather_free(x / _broadcast_rows(divisor, x.shape), maps.get_map(fmt)), absmax
     scale = absmax / jnp.float32(_E4M3_MAX)
     scale = jnp.where(scale == 0, jnp.float32(1), scale)
     # x / scale is finite or NaN here (an Inf element makes the scale Inf: Inf / Inf = NaN), so the clamp alone
@@ -117,21 +147,23 @@ def _load(ref, layout):
     return plgpu.load(ref, layout=layout, optimized=False)
 
 
-def _tile_step(coef_ref, p_ref, g_ref, m_codes_ref, m_scale_ref, v_codes_ref, v_scale_ref, *, b1, b2, eps,
-               weight_decay):
+def _tile_step(coef_ref, p_ref, g_ref, m_codes_ref, m_scale_ref, v_codes_ref, v_scale_ref, *, formats, b1, b2,
+               eps, weight_decay):
     """One tile in GMEM, updated in place: the fused step of `fused_step_reference` on (R, B) arrays."""
-    def load_state(codes_ref, scale_ref):
-        codes = _load(codes_ref, _LAYOUT).astype(jnp.float32)
-        return codes * _broadcast_rows(_load(scale_ref, _ROW_LAYOUT), codes.shape)
+    m_format, v_format = formats
+
+    def load_state(codes_ref, scale_ref, fmt):
+        return _dequantize_rows(_load(codes_ref, _LAYOUT), _load(scale_ref, _ROW_LAYOUT), fmt)
 
     p = _load(p_ref, _LAYOUT)
     g = _load(g_ref, _LAYOUT)
     bc1, bc2_sqrt, step_size = coef_ref[0], coef_ref[1], coef_ref[2]
-    m_old, v_old = load_state(m_codes_ref, m_scale_ref), load_state(v_codes_ref, v_scale_ref)
+    m_old = load_state(m_codes_ref, m_scale_ref, m_format)
+    v_old = load_state(v_codes_ref, v_scale_ref, v_format)
     direction, m, v = adam.adam_math(g, m_old, v_old, b1, b2, eps, bc1, bc2_sqrt)
     p_ref[...] = _param_update(p, direction, step_size, weight_decay)
-    m_codes_ref[...], m_scale_ref[...] = _quantize_rows(m)
-    v_codes_ref[...], v_scale_ref[...] = _quantize_rows(v)
+    m_codes_ref[...], m_scale_ref[...] = _quantize_rows(m, m_format)
+    v_codes_ref[...], v_scale_ref[...] = _quantize_rows(v, v_format)
 
 
 def _tile_rows(n_rows: int, block_size: int) -> int:
@@ -141,8 +173,8 @@ def _tile_rows(n_rows: int, block_size: int) -> int:
     return rows
 
 
-@functools.partial(jax.jit, static_argnames=("b1", "b2", "eps", "weight_decay", "interpret"))
-def _fp8_step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, b1, b2, eps, weight_decay, interpret):
+@functools.partial(jax.jit, static_argnames=("formats", "b1", "b2", "eps", "weight_decay", "interpret"))
+def _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, formats, b1, b2, eps, weight_decay, interpret):
     n_rows, block = p2.shape
     rows = _tile_rows(n_rows, block)
     inputs = (p2, g2, m_codes, m_scale, v_codes, v_scale)
@@ -150,7 +182,8 @@ def _fp8_step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, b1, b2, 
 
     def body(coef_ref, *refs):
         tile = pl.ds(lax.axis_index("program") * rows, rows)
-        _tile_step(coef_ref, *(ref.at[tile] for ref in refs), b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+        _tile_step(coef_ref, *(ref.at[tile] for ref in refs), formats=formats, b1=b1, b2=b2, eps=eps,
+                   weight_decay=weight_decay)
 
     # The param and state arrays go in as mutable refs, updated in place (the kernel's aliased outputs): with the
     # step's params and state donated, XLA then writes them where they are instead of copying each kernel output
@@ -160,31 +193,40 @@ def _fp8_step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, b1, b2, 
     return tuple(jax.freeze(refs[i]) for i in written)
 
 
-def fused_step_fp8(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float, *, interpret=None):
-    """One tensor's AdamW step with e4m3 moments in one kernel (module docstring); same result as the reference.
+def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float, *, interpret=None):
+    """One tensor's AdamW step with quantized moments in one kernel (module docstring); same result as the reference.
 
     Args:
       p, g: float32 param and gradient of the same shape, size == mu's size.
-      mu, nu: `blockwise.Fp8State` (codes float8_e4m3fn (n, B), scale float32 (n,)), B = 128 or 256, n % 4 == 0.
+      mu, nu: moments in one of `KERNEL_FORMATS`: `blockwise.Fp8State` (codes float8_e4m3fn (n, B), scale float32
+        (n,)) or 8-bit `blockwise.CodebookState` (codes uint8 (n, B), absmax float32 (n,)); B = 128 or 256,
+        n % 4 == 0.
       b1, b2, eps: Python floats. bc1, bc2_sqrt: float32 scalars 1 - b1**t and sqrt(1 - b2**t).
       step_size: float32 scalar, -learning_rate at this step. weight_decay: Python float (0: none, as optax).
       interpret: None / False runs the compiled kernel (needs a Hopper GPU); True or a `plgpu.InterpretGPUParams`
         runs it under the Mosaic GPU interpreter (CPU).
     Returns:
-      (new param float32 of p's shape, new mu Fp8State, new nu Fp8State).
+      (new param float32 of p's shape, new mu, new nu) of mu's and nu's types.
     """
     if not kernel_eligible(p, g, mu, nu):
-        raise ValueError(f"fused_step_fp8 needs float32 p and g and Fp8State moments of block {_LANE_COLUMNS} or "
-                         f"{_MAX_BLOCK} with a multiple of {_WARPS} blocks; got p {p.dtype}, g {g.dtype}, mu "
-                         f"{type(mu).__name__}, nu {type(nu).__name__}")
+        raise ValueError(f"fused_step needs float32 p and g and moments in {KERNEL_FORMATS} with blocks of "
+                         f"{_LANE_COLUMNS} or {_MAX_BLOCK}, a multiple of {_WARPS} blocks; got p {p.dtype}, g "
+                         f"{g.dtype}, mu {type(mu).__name__} {state_format(mu)}, nu {type(nu).__name__} "
+                         f"{state_format(nu)}")
     n_blocks, block = mu.codes.shape
     if nu.codes.shape != (n_blocks, block) or mu.shape != nu.shape or p.shape != mu.shape or g.shape != p.shape:
         raise ValueError(f"shapes differ: p {p.shape}, g {g.shape}, mu {mu.shape} {mu.codes.shape}, nu {nu.shape} "
                          f"{nu.codes.shape}")
     interpret = resolve_interpret(interpret)
     coef = jnp.stack([jnp.asarray(c, jnp.float32) for c in (bc1, bc2_sqrt, step_size)])
-    p_new, m_codes, m_scale, v_codes, v_scale = _fp8_step_call(
-        p.reshape(n_blocks, block), g.reshape(n_blocks, block), mu.codes, mu.scale, nu.codes, nu.scale, coef,
-        b1=float(b1), b2=float(b2), eps=float(eps), weight_decay=float(weight_decay), interpret=interpret)
-    return (p_new.reshape(p.shape), blockwise.Fp8State(m_codes, m_scale, mu.shape),
-            blockwise.Fp8State(v_codes, v_scale, nu.shape))
+    p_new, m_codes, m_scale, v_codes, v_scale = _step_call(
+        p.reshape(n_blocks, block), g.reshape(n_blocks, block), mu.codes, _scale(mu), nu.codes, _scale(nu), coef,
+        formats=(state_format(mu), state_format(nu)), b1=float(b1), b2=float(b2), eps=float(eps),
+        weight_decay=float(weight_decay), interpret=interpret)
+    return p_new.reshape(p.shape), _with_state(mu, m_codes, m_scale), _with_state(nu, v_codes, v_scale)
+
+
+def _with_state(like, codes, scale):
+    if isinstance(like, blockwise.Fp8State):
+        return blockwise.Fp8State(codes, scale, like.shape)
+    return blockwise.CodebookState(codes, scale, like.shape, like.qmap)

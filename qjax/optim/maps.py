@@ -107,6 +107,7 @@ class _Encoder:
     nearest_shift: float  # floor(G - nearest_shift) = c with the nearest code in {c, c + 1}
     first_tie_shift: float  # floor(G - first_tie_shift) = c with the first tied code in {c, c + 1} (x > 1)
     mirrored: bool  # signed map: code j < size - 1 holds -(value of code size - 2 - j)
+    exponent_bits: int  # dynamic map's E (its levels); 0 for a linear map
     table: np.ndarray  # float32 (2 * size,): pair thresholds T_0..T_{size-2}, 1.0 (unused), then the map itself
 
 
@@ -153,13 +154,14 @@ def _dynamic_encoder(qmap: np.ndarray, signed: bool, exponent_bits: int) -> _Enc
         offset.append(start - n / 9.0)  # global position: start of the level + p
         start += n
     bounds = tuple(float(np.float32(10.0 ** (i - exponent_bits))) for i in range(1, exponent_bits))
-    return _Encoder(qmap.size, bounds, tuple(scale), tuple(offset), 0.6, 0.0, signed, _table(qmap))
+    return _Encoder(qmap.size, bounds, tuple(scale), tuple(offset), 0.6, 0.0, signed, exponent_bits,
+                    _table(qmap))
 
 
 def _linear_encoder(qmap: np.ndarray, include_zero: bool) -> _Encoder:
     # value j = (j + first) / steps sits at position G = t * steps - first = j; boundaries at j + 0.5.
     steps, first = (qmap.size - 1, 0) if include_zero else (qmap.size, 1)
-    return _Encoder(qmap.size, (), (float(steps),), (float(-first),), 0.0, -0.5, False, _table(qmap))
+    return _Encoder(qmap.size, (), (float(steps),), (float(-first),), 0.0, -0.5, False, 0, _table(qmap))
 
 
 def _table(qmap: np.ndarray) -> np.ndarray:
@@ -181,6 +183,24 @@ def _encoder_for(key: bytes, size: int) -> _Encoder:
                      f"and linear_map(n, include_zero) only; got another map of {size} values")
 
 
+def _encoder(qmap) -> _Encoder:
+    table = np.asarray(qmap, np.float32)
+    size = table.shape[0]
+    if table.ndim != 1 or size < 2 or size & (size - 1):
+        raise ValueError(f"map size must be a power of two, got shape {table.shape}")
+    return _encoder_for(table.tobytes(), size)
+
+
+def _position(magnitude: jax.Array, enc: _Encoder) -> jax.Array:
+    """The affine position G of float32 magnitudes on their level (see `_Encoder`)."""
+    scale = jnp.float32(enc.level_scale[0])
+    offset = jnp.float32(enc.level_offset[0])
+    for bound, s, o in zip(enc.level_bounds, enc.level_scale[1:], enc.level_offset[1:]):
+        above = magnitude >= bound
+        scale, offset = jnp.where(above, jnp.float32(s), scale), jnp.where(above, jnp.float32(o), offset)
+    return magnitude * scale + offset
+
+
 def encode_nearest(x: jax.Array, qmap) -> jax.Array:
     """Nearest code of each element of float32 `x` in the sorted map `qmap` (2**bits values): uint8, x's shape.
 
@@ -198,11 +218,8 @@ def encode_nearest(x: jax.Array, qmap) -> jax.Array:
     >= about (x - d) - ulp(d) / 2, so the same position arithmetic on that target gives a pair {c, c + 1} holding
     it, and comparing fl(x - qmap[c]) with d picks one.
     """
-    table = np.asarray(qmap, np.float32)
-    size = table.shape[0]
-    if table.ndim != 1 or size < 2 or size & (size - 1):
-        raise ValueError(f"map size must be a power of two, got shape {table.shape}")
-    enc = _encoder_for(table.tobytes(), size)
+    enc = _encoder(qmap)
+    size = enc.size
     x = jnp.asarray(x).astype(jnp.float32)
 
     beyond = x > 1  # 1.0 is every map's last value; beyond it distances can tie
@@ -210,15 +227,9 @@ def encode_nearest(x: jax.Array, qmap) -> jax.Array:
     half_ulp = lax.bitcast_convert_type(lax.bitcast_convert_type(d, jnp.int32) & 0x7F800000, jnp.float32) * 2.0**-24
     target = jnp.where(beyond, (x - d) - half_ulp, x)  # x - d is exact (Sterbenz); the sum only needs ~1e-7
 
-    magnitude = jnp.abs(target)
-    scale = jnp.float32(enc.level_scale[0])
-    offset = jnp.float32(enc.level_offset[0])
-    for bound, s, o in zip(enc.level_bounds, enc.level_scale[1:], enc.level_offset[1:]):
-        above = magnitude >= bound
-        scale, offset = jnp.where(above, jnp.float32(s), scale), jnp.where(above, jnp.float32(o), offset)
     shift = jnp.where(beyond, jnp.float32(enc.first_tie_shift), jnp.float32(enc.nearest_shift))
     # Clip before the int cast (Inf/huge targets); NaN targets give garbage codes, replaced by 0 below.
-    position = jnp.clip(magnitude * scale + offset - shift, -1.0, float(size))
+    position = jnp.clip(_position(jnp.abs(target), enc) - shift, -1.0, float(size))
     c = jnp.floor(position).astype(jnp.int32)
     negative = target < 0
     if enc.mirrored:  # pair {c, c+1} of |t| mirrors to {size-3-c, size-2-c}; a single code c to size-2-c
@@ -245,3 +256,69 @@ def encode_brute_force(x: jax.Array, qmap) -> jax.Array:
 def decode(codes: jax.Array, qmap) -> jax.Array:
     """codes (uint8, any shape) -> float32 map values of the same shape."""
     return jnp.asarray(qmap, jnp.float32)[codes.astype(jnp.int32)]
+
+
+# Gather-free decoding and encoding, for kernels: Mosaic GPU has no gather, so a kernel cannot index the table.
+
+
+def _dynamic_encoder_of(qmap) -> _Encoder:
+    enc = _encoder(qmap)
+    if not enc.exponent_bits:
+        raise ValueError("the gather-free decode and encode cover the dynamic maps (dynamic_map(signed, bits - 1, "
+                         "bits)) only; got a linear map")
+    return enc
+
+
+def decode_gather_free(codes: jax.Array, qmap) -> jax.Array:
+    """`decode` of a dynamic map without indexing the table: integer codes (any shape) -> float32, bit-equal.
+
+    With m the 1-based index of a positive value (level i holds n = 2**floor(log2 m) values if signed, m = k + n
+    for the level's k-th value; unsigned levels hold 2n values, and m counts from 2), the defining formula
+    10**(i - E + 1) * (0.1 + 0.9 (k + 0.5) / n_i) is N / D with the odd integer N = 2 n_i + 18 k + 9 = 18 m - 16 n + 9
+    and D = 5**(E - i) * 2**(E + 1) (signed) or 2**(E + 2) (unsigned), both exact in float32: one IEEE division
+    gives the correctly rounded value, which is the table's (tests check every code of every dynamic map).
+    """
+    enc = _dynamic_encoder_of(qmap)
+    exponents, half = enc.exponent_bits, enc.size // 2
+    c = codes.astype(jnp.int32)
+    if enc.mirrored:  # codes below half - 1 mirror the positive values; half - 1 is 0, size - 1 is 1.0
+        m = jnp.where(c < half - 1, half - 2 - c, c - half) + 1
+        zero, one, level_shift = 0, half, 0
+    else:  # code 0 is 0, size - 1 is 1.0
+        m = c + 1
+        zero, one, level_shift = 1, enc.size, 1
+    m_float = m.astype(jnp.float32)  # < 2**24: exact
+    n = lax.bitcast_convert_type(lax.bitcast_convert_type(m_float, jnp.int32) & 0x7F800000, jnp.float32)
+    numerator = 18 * m_float - 16 * n + 9
+    power_of_two = 2 ** (exponents + 1 + level_shift)
+    denominator = jnp.float32(5**exponents * power_of_two)
+    for i in range(1, exponents):
+        denominator = jnp.where(n >= 2 ** (i + level_shift), jnp.float32(5 ** (exponents - i) * power_of_two),
+                                denominator)
+    value = jnp.where(m == zero, 0.0, jnp.where(m == one, 1.0, numerator / denominator))
+    return jnp.where(c < half - 1, -value, value) if enc.mirrored else value
+
+
+def encode_nearest_gather_free(x: jax.Array, qmap) -> jax.Array:
+    """`encode_nearest` for |x| <= 1 and NaN (values over their block's absmax) without a table: uint8, x's shape.
+
+    The candidate pair {c, c + 1} comes from the same position arithmetic; instead of the gathered threshold, both
+    codes are decoded (`decode_gather_free`) and their float32 distances to x compared, which is the brute-force
+    argmin's own comparison (ties to the lower code). Beyond +-1 the answer is a nearest code but not necessarily
+    the first tied one that `encode_nearest` returns. floor is int(position + 1) - 1 (Mosaic GPU has no floor op):
+    off by one only where the rounding of the sum reaches an integer, and there both pairs hold the nearest code
+    (every nearest-code boundary is >= 0.15 from an integer position, see `_dynamic_encoder`).
+    """
+    enc = _dynamic_encoder_of(qmap)
+    size = enc.size
+    x = jnp.asarray(x).astype(jnp.float32)
+    position = jnp.clip(_position(jnp.abs(x), enc) - enc.nearest_shift, -1.0, float(size))
+    c = (position + 1).astype(jnp.int32) - 1
+    if enc.mirrored:
+        c = jnp.where(x < 0, size - 3 - c, c)
+    else:
+        c = jnp.where(x < 0, 0, c)
+    c = jnp.clip(c, 0, size - 2)
+    up = jnp.abs(x - decode_gather_free(c + 1, qmap)) < jnp.abs(x - decode_gather_free(c, qmap))
+    code = c + up.astype(jnp.int32)
+    return jnp.where(jnp.isnan(x), 0, code).astype(jnp.uint8)
