@@ -5,7 +5,7 @@ Public API:
   adamw_4bit(learning_rate, ...)            AdamW, m on the 4-bit dynamic map, v on the linear map, blocks of 128
   adamw_fp8(learning_rate, ..., dynamic_range_expansion=False)   AdamW, e4m3 states (COAT expansion optional)
   apply_gradients(tx, grads, state, params) one step -> (params, state): tx.update + optax.apply_updates, fused into
-                                            one kernel per tensor for adamw_fp8(use_kernel=True) (QuantizedAdamW)
+                                            one kernel per tensor for adamw_8bit / adamw_fp8(use_kernel=True)
   scale_by_quantized_adam(config, ...)      the shared Adam core; StateConfig says how m and v are stored
   QuantizedAdamState                        its state (count, mu, nu), a plain pytree
   CodebookState, Fp8State, Fp8ExpandedState quantized state tensors (pytrees: orbax and sharding work)

@@ -112,7 +112,7 @@ def _param_update(p, direction, step_size, weight_decay: float):
 
 def fused_step_reference(p, g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float):
     """jnp reference of one tensor's fused step, any state format: `adam.update_reference`, then the param update.
-    Args as in `fused_step_fp8`, plus the `adam.StateConfig`."""
+    Args as in `fused_step`, plus the `adam.StateConfig`."""
     direction, mu, nu = adam.update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt)
     return _param_update(p, direction, step_size, weight_decay), mu, nu
 

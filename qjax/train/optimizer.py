@@ -6,8 +6,8 @@
 
     clip_by_global_norm(grad_clip)  ->  AdamW (optax.adamw or qjax.optim.adamw_8bit / _4bit / _fp8)
     The clipping is applied to the gradients before the AdamW step, not chained into it, so that the step is a bare
-    AdamW: `qjax.optim.apply_gradients` then runs adamw_fp8 through the fused step kernel (one Mosaic GPU kernel
-    per float32 tensor; only on a single Hopper GPU, elsewhere the same math through optax).
+    AdamW: `qjax.optim.apply_gradients` then runs adamw_8bit and adamw_fp8 through the fused step kernel (one
+    Mosaic GPU kernel per float32 tensor; only on a single Hopper GPU, elsewhere the same math through optax).
     lr(step) = linear warmup from 0 to `lr` over `warmup_steps`, then cosine decay to `lr * min_lr_ratio` at
     `total_steps`; the update of step s (0-based) uses lr(s + 1), so no step is wasted on lr = 0.
 
@@ -110,8 +110,8 @@ def make_optimizer(opt, total_steps: int) -> Optimizer:
     name = _get(opt, "name")
     if name == "adamw":
         tx = optax.adamw(**kwargs)
-    elif name == "adamw_fp8":
-        tx = qoptim.adamw_fp8(**kwargs, use_kernel=True)  # the fused step where it can run (module docstring)
+    elif name in ("adamw_8bit", "adamw_fp8"):
+        tx = getattr(qoptim, name)(**kwargs, use_kernel=True)  # the fused step where it can run (module docstring)
     else:
         tx = getattr(qoptim, name)(**kwargs)
     clip = _get(opt, "grad_clip")

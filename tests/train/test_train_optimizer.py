@@ -62,14 +62,15 @@ def test_grad_clip_bounds_the_clipped_gradient():
     np.testing.assert_allclose(float(clipped), 1.0, rtol=1e-3)
 
 
-def test_adamw_fp8_step_runs_the_fused_kernel_after_clipping(monkeypatch):
-    """train's adamw_fp8 clips first and then takes the fused step kernel (forced on here, Mosaic GPU interpreter):
+@pytest.mark.parametrize("name", ["adamw_fp8", "adamw_8bit"])
+def test_low_bit_step_runs_the_fused_kernel_after_clipping(monkeypatch, name):
+    """train's adamw_fp8 / adamw_8bit clip first and then takes the fused step kernel (forced on here, Mosaic GPU interpreter):
     the same states and, to float32 rounding, the same params as the optax path, both moved by the clipped
     gradient. With b1 = b2 = 0 and eps = 1e3 Adam's direction is g / (|g| + 1e3): proportional to what arrives."""
     calls = []
-    real = fused_adam.fused_step_fp8
-    monkeypatch.setattr(fused_adam, "fused_step_fp8", lambda p, *a, **k: calls.append(p.shape) or real(p, *a, **k))
-    optimizer = make_optimizer(_opt(name="adamw_fp8", grad_clip=0.5, b1=0.0, b2=0.0, eps=1e3, weight_decay=0.0),
+    real = fused_adam.fused_step
+    monkeypatch.setattr(fused_adam, "fused_step", lambda p, *a, **k: calls.append(p.shape) or real(p, *a, **k))
+    optimizer = make_optimizer(_opt(name=name, grad_clip=0.5, b1=0.0, b2=0.0, eps=1e3, weight_decay=0.0),
                                total_steps=10)
     params = {"w": jnp.zeros((32, 256)), "scale": jnp.zeros(256)}  # zeros: the new params are the update itself
     grads = {"w": jax.random.normal(jax.random.key(0), (32, 256)) * 0.01, "scale": jnp.full(256, 0.01)}
