@@ -300,14 +300,15 @@ def decode_gather_free(codes: jax.Array, qmap) -> jax.Array:
 
 
 def encode_nearest_gather_free(x: jax.Array, qmap) -> jax.Array:
-    """`encode_nearest` for |x| <= 1 and NaN (values over their block's absmax) without a table: uint8, x's shape.
+    """`encode_nearest` for |x| < 2 and NaN (values times their block's 1 / absmax) without a table: uint8, x's shape.
 
     The candidate pair {c, c + 1} comes from the same position arithmetic; instead of the gathered threshold, both
     codes are decoded (`decode_gather_free`) and their float32 distances to x compared, which is the brute-force
-    argmin's own comparison (ties to the lower code). Beyond +-1 the answer is a nearest code but not necessarily
-    the first tied one that `encode_nearest` returns. floor is int(position + 1) - 1 (Mosaic GPU has no floor op):
-    off by one only where the rounding of the sum reaches an integer, and there both pairs hold the nearest code
-    (every nearest-code boundary is >= 0.15 from an integer position, see `_dynamic_encoder`).
+    argmin's own comparison (ties to the lower code). For x > 1 this is a nearest code, and the first tied one that
+    `encode_nearest` returns while |x| < 2 (far beyond 1, distances to several codes round alike). floor is
+    int(position + 1) - 1 (Mosaic GPU has no floor op): off by one only where the rounding of the sum reaches an
+    integer, and there both pairs hold the nearest code (every nearest-code boundary is >= 0.15 from an integer
+    position, see `_dynamic_encoder`).
     """
     enc = _dynamic_encoder_of(qmap)
     size = enc.size
