@@ -26,6 +26,7 @@ from qjax.optim.sr_params import apply_updates_sr
 __all__ = [
     "CodebookState", "Fp8ExpandedState", "Fp8State", "Int8Dense", "Int8Param", "QuantizedAdamState", "QuantizedAdamW",
     "StateConfig", "adamw_4bit", "adamw_8bit", "adamw_fp8", "apply_gradients", "apply_updates_int8",
-    "apply_updates_sr", "blockwise", "dequantize_params", "fused_adam", "int8_value_and_grad", "maps", "scale_by_quantized_adam", "sr_params",
+    "apply_updates_sr", "blockwise", "dequantize_params", "fused_adam", "int8_value_and_grad", "maps",
+    "scale_by_quantized_adam", "sr_params",
     "to_int8_params",
 ]

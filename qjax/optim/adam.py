@@ -54,7 +54,8 @@ class StateConfig:
       block_size: elements per absmax/scale block (per COAT group for "e4m3_dre").
       min_quantized_size: tensors smaller than this keep float32 states.
       use_kernel: True: `apply_gradients` runs e4m3 and 8-bit states through the fused Mosaic GPU step kernel on a
-        single Hopper GPU (elsewhere the optax path; see `qjax.optim.fused_adam`). `tx.update` always runs the reference.
+        single Hopper GPU (elsewhere the optax path; see `qjax.optim.fused_adam`). `tx.update` always runs the
+        reference.
     """
 
     mu_format: str

@@ -43,10 +43,12 @@ Which tensors take the kernel (`kernel_eligible`): float32 param and gradient, m
 with blocks of 128 or 256, n % 4 == 0 (the layout's 4-row tiles; no padding pass). Everything else stays on the
 optax path. Other formats (4-bit code books, e4m3 with expansion) have no kernel yet.
 
-Measured (H100, jax 0.11.2, 2026-11-23, 1.1B float32 params, optax.adamw in the same process): 0.72x-0.90x of
-optax.adamw's step time, median 0.79x over eight samples on five machines (e.g. 10.60 vs 14.78 ms); the
-TMA-pipelined version took 12.6 ms where this one took 11.0, and 11.9 ms even as a pure copy.
-Without the in-place refs, XLA copied every kernel output into the donated buffers (+12 bytes per param: 20 ms).
+Measured (H100, jax 0.11.2, 2026-11-23, 1.1B float32 params, each timed alternately with optax.adamw; RESULTS.md):
+e4m3 0.77x of optax.adamw's step time (8.53 vs 11.04 ms; earlier samples 0.72x-0.90x), 8-bit 1.33x (14.79 vs 11.12
+ms; its jnp path 2.13x). On one 268M-element tensor the e4m3 kernel moves 3.0 TB/s (16 B/param) and the 8-bit one
+1.3 TB/s: the 8-bit decode/encode arithmetic (~400 operations per element) bounds it. The TMA-pipelined e4m3 version
+took 12.6 ms where this one took 11.0 (then), and 11.9 ms even as a pure copy. Without the in-place refs, XLA copied
+every kernel output into the donated buffers (+12 bytes per param: 20 ms).
 """
 
 import functools
@@ -84,7 +86,7 @@ def kernel_mode() -> tuple[bool, bool]:
     return kernels.use_kernel("auto")
 
 
-def state_format(state) -> str | None:
+def _state_format(state) -> str | None:
     """The kernel's name for a moment's format ("e4m3" or an 8-bit map name), None for any other state."""
     if isinstance(state, blockwise.Fp8State):
         return "e4m3"
@@ -99,7 +101,7 @@ def _scale(state) -> jax.Array:
 
 def kernel_eligible(p, g, mu, nu) -> bool:
     """Whether one tensor's step can run in the kernel (module docstring); otherwise it takes the optax path."""
-    return ((state_format(mu), state_format(nu)) in KERNEL_FORMATS
+    return ((_state_format(mu), _state_format(nu)) in KERNEL_FORMATS
             and mu.codes.shape[1] in (_LANE_COLUMNS, _MAX_BLOCK) and mu.codes.shape[0] % _WARPS == 0
             and jnp.dtype(p.dtype) == jnp.float32 and jnp.dtype(g.dtype) == jnp.float32)
 
@@ -211,8 +213,8 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
     if not kernel_eligible(p, g, mu, nu):
         raise ValueError(f"fused_step needs float32 p and g and moments in {KERNEL_FORMATS} with blocks of "
                          f"{_LANE_COLUMNS} or {_MAX_BLOCK}, a multiple of {_WARPS} blocks; got p {p.dtype}, g "
-                         f"{g.dtype}, mu {type(mu).__name__} {state_format(mu)}, nu {type(nu).__name__} "
-                         f"{state_format(nu)}")
+                         f"{g.dtype}, mu {type(mu).__name__} {_state_format(mu)}, nu {type(nu).__name__} "
+                         f"{_state_format(nu)}")
     n_blocks, block = mu.codes.shape
     if nu.codes.shape != (n_blocks, block) or mu.shape != nu.shape or p.shape != mu.shape or g.shape != p.shape:
         raise ValueError(f"shapes differ: p {p.shape}, g {g.shape}, mu {mu.shape} {mu.codes.shape}, nu {nu.shape} "
@@ -221,7 +223,7 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
     coef = jnp.stack([jnp.asarray(c, jnp.float32) for c in (bc1, bc2_sqrt, step_size)])
     p_new, m_codes, m_scale, v_codes, v_scale = _step_call(
         p.reshape(n_blocks, block), g.reshape(n_blocks, block), mu.codes, _scale(mu), nu.codes, _scale(nu), coef,
-        formats=(state_format(mu), state_format(nu)), b1=float(b1), b2=float(b2), eps=float(eps),
+        formats=(_state_format(mu), _state_format(nu)), b1=float(b1), b2=float(b2), eps=float(eps),
         weight_decay=float(weight_decay), interpret=interpret)
     return p_new.reshape(p.shape), _with_state(mu, m_codes, m_scale), _with_state(nu, v_codes, v_scale)
 

@@ -19,7 +19,9 @@ in float32 first, which can move a value by about one float32 ulp; the code book
 Encoding is nearest-code: `code = argmin_j |x - qmap[j]|` computed in float32, ties to the lower index, which is
 what a brute-force argmin returns. `encode_nearest` gets the same answer arithmetically (the map's level and affine
 position give two candidate codes, one gathered float32 threshold picks one), without a search over the table: on
-a GPU, gathers per element are what a binary search (one per bit) paid for.
+a GPU, gathers per element are what a binary search (one per bit) paid for. Kernels, which cannot gather at all
+(Mosaic GPU), use `decode_gather_free` and `encode_nearest_gather_free` for the dynamic maps: the same results from
+arithmetic alone (one division per decoded code).
 """
 
 import dataclasses

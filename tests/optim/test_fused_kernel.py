@@ -1,9 +1,9 @@
 """The fused Mosaic GPU AdamW step kernel (e4m3 and 8-bit states) against its jitted jnp reference, apply_gradients.
 
 On CPU the kernel runs under the Mosaic GPU interpreter and must equal the reference bit for bit: new param, codes
-(compared as uint8) and scales / absmax (NaN where the reference has NaN). The reference is jitted because that is how the
-optimizer runs it: XLA:CPU's fused code (FMA contraction) differs from op-by-op execution in the last bits, and the
-interpreted kernel equals the fused version. GPU tests (marked) use larger tensors; there XLA and Mosaic GPU may
+(compared as uint8) and scales / absmax (NaN where the reference has NaN). The reference is jitted because that is
+how the optimizer runs it: XLA:CPU's fused code (FMA contraction) differs from op-by-op execution in the last bits,
+and the interpreted kernel equals the fused version. GPU tests (marked) use larger tensors; there XLA and Mosaic GPU may
 contract multiply-adds differently, so values may differ by ulps and a few codes by e4m3 steps or neighbouring 8-bit
 codes (asserted with the bounds below; the mismatch counts are printed).
 """
