@@ -165,7 +165,8 @@ def table(results: list[dict], peer: dict, args) -> str:
                      f"{r['tokens_per_s']:,.0f} | {speedup} | {r['step_ms']:.1f} | {peak} | {mfu} |")
     optimizers = {row_optimizer(r["row"]) for r in results}
     about = {"adamw": "adamw: optax, fp32 states", "adamw_fp8": "adamw_fp8: e4m3 states, fused step kernel on one "
-             "Hopper GPU", "adamw_8bit": "adamw_8bit: 8-bit states", "adamw_4bit": "adamw_4bit: 4-bit states"}
+             "Hopper GPU", "adamw_8bit": "adamw_8bit: 8-bit states, fused step kernel on one Hopper GPU",
+             "adamw_4bit": "adamw_4bit: 4-bit states"}
     notes = [f"Llama {args.size} (batch {args.batch} x seq {args.seq}, remat={args.remat}, min_features="
              f"{args.min_features}), random tokens, AdamW ({'; '.join(about[o] for o in sorted(optimizers))}), "
              f"LM head in bf16; median of {args.steps} steps after {args.warmup} warm-up; one subprocess per row."]
