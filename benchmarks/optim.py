@@ -96,7 +96,7 @@ def main():
     parser.add_argument("--small", action="store_true", help="small pytree (auto-on when no GPU is present)")
     parser.add_argument("--iters", type=int, default=10, help="timed steps per optimizer per round")
     parser.add_argument("--rounds", type=int, default=5,
-                        help="rounds over all optimizers (interleaved, so that clock drift hits every row alike)")
+                        help="rounds of each row alternated with optax.adamw (so that clock drift hits both alike)")
     parser.add_argument("--dump-hlo", help="directory to write each row's optimized HLO to")
     parser.add_argument("--write", action="store_true", help="append to RESULTS.md even with --small / no GPU")
     parser.add_argument("--rows", nargs="+", choices=ROWS, help=f"rows to run (default: all): {' '.join(ROWS)}")

@@ -19,7 +19,7 @@ is not a multiple); one program per tile, with no shared memory:
   registers: m_old = decode(codes) * scale (same for v); adam.adam_math -> direction, m, v;
              u = direction + wd * p; p = p + (-lr) * u; per row: absmax (NaN-propagating), then
              e4m3: scale = absmax / 448 (1 for all-zero rows), codes = e4m3(clip(x / scale, -448, 448))
-             8-bit: codes = nearest code of x / absmax (absmax 1 for all-zero rows), absmax stored
+             8-bit: codes = nearest code of x / absmax (divided by 1 for all-zero rows), absmax stored
   registers -> GMEM (vector stores): p, m codes + scale, v codes + scale, written over the inputs (mutable refs:
                                       the kernel's outputs alias them, so a donated step updates params in place)
 
@@ -36,8 +36,8 @@ optax's order, and clamps to +-448 before the e4m3 cast (Mosaic GPU's cast satur
 clamp they agree). The absmax is a max over the int32 bit patterns of |x| (monotone for non-negative floats; NaN
 patterns sort above Inf), so NaN propagates without relying on the max instruction's NaN semantics. Under the CPU
 interpreter the kernel's XLA ops equal the jitted reference bit for bit. Compiled on a GPU, XLA and Mosaic GPU may
-contract a*b+c into FMAs differently, so values can differ by an ulp and, rarely, a code by an e4m3 step or two (see
-tests/optim/test_fused_kernel.py).
+contract a*b+c into FMAs differently, so values can differ by an ulp and, rarely, a code by one or two steps (e4m3,
+or neighbouring 8-bit codes; see tests/optim/test_fused_kernel.py).
 
 Which tensors take the kernel (`kernel_eligible`): float32 param and gradient, moments in one of `KERNEL_FORMATS`
 with blocks of 128 or 256, n % 4 == 0 (the layout's 4-row tiles; no padding pass). Everything else stays on the

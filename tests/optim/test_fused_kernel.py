@@ -18,7 +18,8 @@ import pytest
 
 from qjax import optim
 from qjax.kernels import on_hopper_gpu
-from qjax.optim import adam, blockwise, fused_adam
+from qjax.kernels.stochastic_cast_mgpu import resolve_interpret
+from qjax.optim import adam, blockwise, fused_adam, maps
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
 FORMATS = {"e4m3": ("e4m3", "e4m3"), "8bit": ("dynamic_signed_8bit", "dynamic_unsigned_8bit")}
@@ -227,6 +228,55 @@ def test_errors():
         fused_adam.fused_step(p.reshape(-1), g, mu, nu, B1, B2, EPS, *c, 0.0, interpret=True)
 
 
+def _codec_in_kernel(codes, x, map_name, interpret):
+    """`maps.decode_gather_free(codes)` and `maps.encode_nearest_gather_free(x)` inside a Mosaic GPU kernel, with the
+    fused step's register layout: codes uint8 (n, 256), x float32 (n, 256), n % 4 == 0 -> (float32, uint8)."""
+    assert codes.shape == x.shape and codes.shape[0] % 4 == 0, (codes.shape, x.shape)
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    qmap = maps.get_map(map_name)
+
+    def body(codes_ref, x_ref, values_ref, encoded_ref):
+        tile = pl.ds(lax.axis_index("program") * 4, 4)
+        values_ref.at[tile][...] = maps.decode_gather_free(
+            fused_adam._load(codes_ref.at[tile], fused_adam._LAYOUT), qmap)
+        encoded_ref.at[tile][...] = maps.encode_nearest_gather_free(
+            fused_adam._load(x_ref.at[tile], fused_adam._LAYOUT), qmap)
+
+    out = (jax.ShapeDtypeStruct(codes.shape, jnp.float32), jax.ShapeDtypeStruct(x.shape, jnp.uint8))
+    return plgpu.kernel(body, out_type=out, grid=(codes.shape[0] // 4,), grid_names=("program",),
+                        interpret=resolve_interpret(interpret))(codes, x)
+
+
+def _check_codec_in_kernel(map_name, interpret):
+    """Decoded codes bit-equal to the table and encoded probes equal to brute force, computed by the kernel (the
+    compiled one on a GPU: catches a division or denormal flush that is not IEEE there)."""
+    qmap = maps.get_map(map_name)
+    mids = ((qmap[:-1].astype(np.float64) + qmap[1:]) / 2).astype(np.float32)
+    near = [qmap, mids]
+    for _ in range(3):  # +- 3 ulps around every map value and decision midpoint
+        near += [np.nextafter(near[-2], np.float32(np.inf)), np.nextafter(near[-1], np.float32(-np.inf))]
+    probes = np.concatenate(near + [np.array([0.0, -0.0, 1.0, -1.0, 1.5, np.nan], np.float32)])
+    probes = np.concatenate([probes, -probes])
+    probes = probes[np.isnan(probes) | (np.abs(probes) < 2)]
+    x = np.zeros(-(-probes.size // 1024) * 1024, np.float32)
+    x[:probes.size] = probes
+    rows = x.size // 256
+    codes = np.tile(np.arange(256, dtype=np.uint8), (rows, 1))  # every code in every row
+    values, encoded = _codec_in_kernel(jnp.asarray(codes), jnp.asarray(x.reshape(rows, 256)), map_name, interpret)
+    np.testing.assert_array_equal(np.asarray(values).view(np.int32), np.tile(qmap, (rows, 1)).view(np.int32))
+    want = np.asarray(maps.encode_brute_force(jnp.asarray(x), qmap))
+    np.testing.assert_array_equal(np.asarray(encoded).reshape(-1), want)
+
+
+@interpreter_only
+@pytest.mark.parametrize("map_name", ["dynamic_signed_8bit", "dynamic_unsigned_8bit"])
+def test_codec_in_kernel(map_name):
+    _check_codec_in_kernel(map_name, interpret=True)
+
+
 # ---------------------------------------------------------------- GPU (H100/H200): compiled kernel vs XLA:GPU jnp
 
 def _ulps(a, b):
@@ -313,7 +363,8 @@ def test_gpu_apply_gradients_uses_kernel_and_tracks_optax(fmt):
     text = jax.jit(lambda p, s, g: optim.apply_gradients(tx, g, s, p)).lower(params, tx.init(params),
                                                                              grads[0]).as_text()
     assert "mosaic_gpu" in text
-    # weight_decay 0.1 on |p| ~ 1: 5 steps of decay move p by ~5e-4, far above the bounds below.
+    # weight_decay 0.1 on |p| ~ 1: 5 steps of decay move p by ~5e-4, above the e4m3 bound below and at the 8-bit
+    # one; a lost decay would also move nearly every param, far beyond the fraction bound.
     (p_kernel, _), (p_ref, _) = (_train(use, params, grads, weight_decay=0.1, fmt=fmt) for use in (True, False))
     diff = np.abs(np.asarray(p_kernel["w"]) - np.asarray(p_ref["w"]))
     # Params move by up to lr * 5 steps = 5e-3. A state code one step off (FMA rounding, rare) changes later
@@ -323,3 +374,10 @@ def test_gpu_apply_gradients_uses_kernel_and_tracks_optax(fmt):
     print(f"{fmt} apply_gradients vs optax path after 5 steps: max |dp| {diff.max():.3g}, "
           f"fraction > 1e-8: {np.mean(diff > 1e-8):.2e}")
     assert np.mean(diff > 1e-8) <= 1e-2 and diff.max() <= bound, (np.mean(diff > 1e-8), diff.max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("map_name", ["dynamic_signed_8bit", "dynamic_unsigned_8bit"])
+def test_gpu_codec_in_kernel(map_name):
+    assert on_hopper_gpu(), jax.devices()
+    _check_codec_in_kernel(map_name, interpret=None)

@@ -125,7 +125,6 @@ def test_encode_other_supported_maps(make):
     np.testing.assert_array_equal(got, _brute_force_chunked(x, qmap))
 
 
-
 _DYNAMIC_MAPS = {"signed 8-bit": maps.DYNAMIC_SIGNED_8BIT, "unsigned 8-bit": maps.DYNAMIC_UNSIGNED_8BIT,
                  "signed 4-bit": maps.DYNAMIC_SIGNED_4BIT, "unsigned 4-bit": maps.dynamic_map(False, 3, 4)}
 
@@ -157,6 +156,7 @@ def test_gather_free_rejects_linear_maps():
         maps.decode_gather_free(jnp.zeros(3, jnp.uint8), maps.LINEAR_UNSIGNED_4BIT)
     with pytest.raises(ValueError, match="dynamic maps"):
         maps.encode_nearest_gather_free(jnp.zeros(3), maps.LINEAR_UNSIGNED_4BIT)
+
 
 def test_pack_4bit_roundtrip():
     codes = jax.random.randint(jax.random.key(2), (5, 128), 0, 16).astype(jnp.uint8)

@@ -66,7 +66,8 @@ def test_grad_clip_bounds_the_clipped_gradient():
 def test_low_bit_step_runs_the_fused_kernel_after_clipping(monkeypatch, name):
     """train's adamw_fp8 / adamw_8bit clip first and then take the fused step kernel (forced on here, Mosaic GPU
     interpreter): the same states and, to float32 rounding, the same params as the optax path, both moved by the
-    clipped gradient. With b1 = b2 = 0 and eps = 1e3 Adam's direction is g / (|g| + 1e3): proportional to what arrives."""
+    clipped gradient. With b1 = b2 = 0 and eps = 1e3 Adam's direction is g / (|g| + 1e3): proportional to what
+    arrives."""
     calls = []
     real = fused_adam.fused_step
     monkeypatch.setattr(fused_adam, "fused_step", lambda p, *a, **k: calls.append(p.shape) or real(p, *a, **k))
