@@ -13,7 +13,7 @@ an `optax.GradientTransformation` instance). `apply_gradients` calls `step`, and
 (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param); every other tensor, and every tensor
 without `use_kernel`, takes exactly the optax path. Only a bare `QuantizedAdamW` passed to `apply_gradients` takes
 the kernel: inside `optax.chain` (e.g. after clipping) or `optax.MultiSteps` it is an ordinary optax optimizer
-(`qjax.train` clips the gradients before the step instead, so its adamw_fp8 runs the kernel).
+(`qjax.train` clips the gradients before the step instead, so its adamw_8bit and adamw_fp8 run the kernel).
 
 Per tensor, with t the step (1-based) and g the gradient in float32 (torchao `low_bit_optim` semantics):
   m_old, v_old = dequantize(state)                     float32
@@ -77,7 +77,7 @@ class StateConfig:
         from qjax.optim import fused_adam  # late import: fused_adam imports this module
 
         if self.use_kernel and not ((self.mu_format, self.nu_format) in fused_adam.KERNEL_FORMATS
-                                    and self.block_size in (128, 256)):
+                                    and self.block_size in fused_adam.KERNEL_BLOCK_SIZES):
             raise ValueError(f"use_kernel=True: the fused kernel supports e4m3 states (adamw_fp8 without dynamic "
                              f"range expansion) and adamw_8bit's states, with block_size 128 or 256; got mu "
                              f"{self.mu_format!r}, nu {self.nu_format!r}, block {self.block_size}; use "
