@@ -220,6 +220,8 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--peer-variants", nargs="+", default=list(PEER_VARIANTS), choices=PEER_VARIANTS,
+                        help="torch peer variants to run (each compiles for minutes on the 1b model)")
     parser.add_argument("--peer-python", help="interpreter with torch + torchao (default $QJAX_TORCH_PYTHON or this)")
     parser.add_argument("--no-append", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -249,7 +251,7 @@ def main():
     if args.peer:
         shape = dict(dim=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000) if args.size == "1b" else {}
         peer = run_torch_peer("llama", python=args.peer_python, batch=args.batch, seq=args.seq, steps=args.steps,
-                              warmup=args.warmup, small=small, variants=list(PEER_VARIANTS), **shape)
+                              warmup=args.warmup, small=small, variants=list(args.peer_variants), **shape)
     report = table(results, peer, args)
     print("\n" + report)
     if not args.no_append:
