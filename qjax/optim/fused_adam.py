@@ -6,7 +6,9 @@ what `qjax.optim.adamw_fp8` / `adamw_8bit`'s optax chain followed by `optax.appl
   e4m3:  `Fp8State` m and v, codes float8_e4m3fn (n, B), scale f32 (n,) = absmax / 448 (see `blockwise`)
   8-bit: `CodebookState` m on the signed, v on the unsigned dynamic map, codes uint8 (n, B), absmax f32 (n,); the
          kernel decodes and encodes the codes arithmetically (`maps.decode_gather_free`,
-         `maps.encode_nearest_gather_free`: Mosaic GPU has no gather), bit-equal to the table lookups.
+         `maps.encode_nearest_gather_free`: Mosaic GPU has no gather): bit-equal to the table lookups under the
+         interpreter; compiled, the GPU's division is within 2 ulp, so decoded values can be 1 ulp off the table and
+         a probe within that of a decision midpoint can take the other nearest-up-to-rounding code.
 Why a kernel: through optax, the step writes an update tensor and reads it back (`apply_updates` is a separate pass),
 28 bytes per float32 param with fp32 states, and XLA splits the block absmax from the quantization (~24 bytes with
 e4m3 states, no faster than fp32 AdamW; the 8-bit jnp path moves more and gathers from the code books). The kernel

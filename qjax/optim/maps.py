@@ -278,7 +278,9 @@ def decode_gather_free(codes: jax.Array, qmap) -> jax.Array:
     for the level's k-th value; unsigned levels hold 2n values, and m counts from 2), the defining formula
     10**(i - E + 1) * (0.1 + 0.9 (k + 0.5) / n_i) is N / D with the odd integer N = 2 n_i + 18 k + 9 = 18 m - 16 n + 9
     and D = 5**(E - i) * 2**(E + 1) (signed) or 2**(E + 2) (unsigned), both exact in float32: one IEEE division
-    gives the correctly rounded value, which is the table's (tests check every code of every dynamic map).
+    gives the correctly rounded value, which is the table's (tests check every code of every dynamic map, on CPU).
+    Compiled for a GPU the division is PTX div.full (Mosaic GPU and XLA:GPU alike), within 2 ulp: on an H100 30%
+    of the signed map's codes came out 1 ulp off (tests/optim/test_fused_kernel.py, test_gpu_codec_in_kernel).
     """
     enc = _dynamic_encoder_of(qmap)
     exponents, half = enc.exponent_bits, enc.size // 2

@@ -29,17 +29,21 @@ def test_auto_is_xla_off_gpu_and_pallas_interprets():
         assert kernels.use_kernel("pallas") == (True, False)
 
 
+@pytest.mark.parametrize("w_layout", ["nk", "kn"])
 @pytest.mark.parametrize("name", ["int8_rowwise", "fp8_tensorwise", "fp8_blockwise"])
-def test_pallas_backend_matches_xla_through_the_vjp(name):
-    """Forward, dgrad and wgrad through the kernel (interpreted on CPU) equal the XLA path up to f32 rounding."""
+def test_pallas_backend_matches_xla_through_the_vjp(name, w_layout):
+    """Forward, dgrad and wgrad through the kernel (interpreted on CPU) equal the XLA path up to f32 rounding; w
+    stored as (N, K), or as (K, N) like a Dense kernel (the quantize kernel then writes the forward's transpose)."""
     kx, kw, kg = jax.random.split(jax.random.key(3), 3)
     x = jax.random.normal(kx, (128, 256), jnp.float32)
     w = jax.random.normal(kw, (128, 256), jnp.float32)
     g = jax.random.normal(kg, (128, 128), jnp.float32)
+    dims = DIMS if w_layout == "nk" else (((1,), (0,)), ((), ()))
+    w = w if w_layout == "nk" else w.T
 
     def run(backend):
         r = dataclasses.replace(qjax.recipe(name), backend=backend)
-        y, vjp = jax.vjp(lambda a, b: qjax.dot_general(a, b, DIMS, recipe=r), x, w)
+        y, vjp = jax.vjp(lambda a, b: qjax.dot_general(a, b, dims, recipe=r), x, w)
         return (y, *vjp(g))
 
     for got, want in zip(run("pallas"), run("xla")):
