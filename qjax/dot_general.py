@@ -78,11 +78,6 @@ class _Layout:
     def rhs_kn(self, rhs):
         return rhs.transpose(self.rhs_batch + self.rhs_contract + self.rhs_free).reshape(*self.batch, self.k, self.n)
 
-    @property
-    def rhs_stored_kn(self):
-        """Whether rhs is laid out as (B?, K, N) in memory (a Dense kernel (in, out)): `rhs_kn` is then a reshape."""
-        return self.rhs_batch + self.rhs_contract + self.rhs_free == tuple(range(len(self.rhs_shape)))
-
     def out_shape(self):
         return (tuple(self.lhs_shape[d] for d in self.lhs_batch) + tuple(self.lhs_shape[d] for d in self.lhs_free)
                 + tuple(self.rhs_shape[d] for d in self.rhs_free))
@@ -126,20 +121,15 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
     def forward_gemm(lhs, rhs, seeds, with_residuals):
         """out, and (with_residuals) what the backward GEMMs read of w and x: quantized in their layouts, or the
         originals for GEMMs in high precision. Each input is quantized once for both GEMMs that read it."""
-        x = layout.lhs_mk(lhs)
+        x, w = layout.lhs_mk(lhs), layout.rhs_nk(rhs)
         x_spec_t = _spec(wgrad, "rhs") if with_residuals else None
         w_spec_t = _spec(dgrad, "rhs") if with_residuals else None
         xq, x_res = quantize_both(x, _spec(fwd, "lhs"), x_spec_t, seeds[_FWD_LHS], seeds[_WGRAD_RHS],
                                   operands=("forward lhs x as (M, K)", "wgrad rhs x as (K, M), M = tokens"))
-        operands = ("forward rhs w as (N, K)", "dgrad rhs w as (K, N)")
-        if layout.rhs_stored_kn:  # quantized as stored: the kernel writes the transpose (no XLA transpose pass)
-            w_res, wq = quantize_both(layout.rhs_kn(rhs), w_spec_t, _spec(fwd, "rhs"), seeds[_DGRAD_RHS],
-                                      seeds[_FWD_RHS], operands=operands[::-1])
-        else:
-            wq, w_res = quantize_both(layout.rhs_nk(rhs), _spec(fwd, "rhs"), w_spec_t, seeds[_FWD_RHS],
-                                      seeds[_DGRAD_RHS], operands=operands)
+        wq, w_res = quantize_both(w, _spec(fwd, "rhs"), w_spec_t, seeds[_FWD_RHS], seeds[_DGRAD_RHS],
+                                  operands=("forward rhs w as (N, K)", "dgrad rhs w as (K, N)"))
         if fwd is None:
-            out = _high_precision_matmul(x, layout.rhs_nk(rhs), out_dtype, precision)
+            out = _high_precision_matmul(x, w, out_dtype, precision)
         else:
             out = gemm(xq, wq, out_dtype)
         residuals = (rhs if w_spec_t is None else w_res, lhs if x_spec_t is None else x_res)

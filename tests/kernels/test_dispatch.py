@@ -33,7 +33,7 @@ def test_auto_is_xla_off_gpu_and_pallas_interprets():
 @pytest.mark.parametrize("name", ["int8_rowwise", "fp8_tensorwise", "fp8_blockwise"])
 def test_pallas_backend_matches_xla_through_the_vjp(name, w_layout):
     """Forward, dgrad and wgrad through the kernel (interpreted on CPU) equal the XLA path up to f32 rounding; w
-    stored as (N, K), or as (K, N) like a Dense kernel (the quantize kernel then writes the forward's transpose)."""
+    stored as (N, K), or as (K, N) like a Dense kernel."""
     kx, kw, kg = jax.random.split(jax.random.key(3), 3)
     x = jax.random.normal(kx, (128, 256), jnp.float32)
     w = jax.random.normal(kw, (128, 256), jnp.float32)
