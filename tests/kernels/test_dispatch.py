@@ -1,6 +1,7 @@
 """Recipe.backend: which GEMM implementation qjax.dot_general runs, and that the kernel path agrees with XLA."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,9 @@ def test_pallas_backend_matches_xla_through_the_vjp(name, w_layout):
     dims = DIMS if w_layout == "nk" else (((1,), (0,)), ((), ()))
     w = w if w_layout == "nk" else w.T
 
+    # Jitted: eagerly, the main thread dispatched the next op while the interpreted kernel's callback threads
+    # dispatched theirs, and the two deadlocked in about one run in three (jax 0.11.2, CPU).
+    @functools.partial(jax.jit, static_argnums=0)
     def run(backend):
         r = dataclasses.replace(qjax.recipe(name), backend=backend)
         y, vjp = jax.vjp(lambda a, b: qjax.dot_general(a, b, dims, recipe=r), x, w)
