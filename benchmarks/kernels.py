@@ -2,7 +2,7 @@
 bandwidth against a copy.
 
   python benchmarks/kernels.py gemm [--sizes 4096 8192] [--cases int8_row fp8_block] [--sweep]
-  python benchmarks/kernels.py quantize
+  python benchmarks/kernels.py quantize [--shapes 16384x2048 16384x11264]
 
 Each kernel's output is checked against its reference before it is timed (GEMM: relative error column; quantize:
 the kernels' GPU tests in tests/kernels). Prints tables; the end-to-end numbers are benchmarks/matmul.py and
@@ -96,51 +96,81 @@ def gemm_table(argv):
                 say(f"{name:16} {n:5} FAILED: {type(e).__name__}: {str(e)[:400]}")
 
 
-def quantize_table(m: int = 16384, k: int = 4096, iters: int = 20):
-    """Bandwidth table on a GPU: (bytes read + written) / time of the kernels, XLA's fusion of the reference, and a
-    plain XLA copy (x * s) as the device's copy bandwidth. Prints as it goes; a failing case prints its error."""
-    def timed(fn, *args):
-        jax.block_until_ready(fn(*args))  # compile + warm up
-        times = []
-        for _ in range(iters):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times.append(time.perf_counter() - start)
-        return sorted(times)[len(times) // 2]
+def quantize_table(argv):
+    """GPU: device time of the quantize kernels against XLA's copy of the same x, at the shapes of the 1.1B Llama.
 
-    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, x ({m}, {k})", flush=True)
-    x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
-    x32 = x.astype(jnp.float32)
-    seed = jnp.uint32(7)
-    n = m * k
+    python benchmarks/kernels.py quantize [--shapes 16384x2048 16384x11264] [--interpret]
+
+    Each case is dispatched --calls times back to back and timed to the last result (median of --rounds): one call
+    at a time would time the host's dispatch (~60 us) rather than the kernel. GB/s counts the bytes the case must
+    move; "x copy" is the time over XLA's x * 2 (read + write of x) in the same process. Kernel outputs are the GPU
+    tests' business (tests/kernels, bit-exact against the reference); here the one- and two-slot tile kernels are
+    checked equal to each other before they are timed.
+    """
+    parser = argparse.ArgumentParser(prog="kernels.py quantize", description=quantize_table.__doc__)
+    parser.add_argument("--shapes", nargs="+", default=["16384x2048", "16384x5632", "16384x11264"])
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--interpret", action="store_true", help="CPU smoke test of this script (times meaningless)")
+    args = parser.parse_args(argv)
+    if jax.devices()[0].platform != "gpu" and not args.interpret:
+        sys.exit("the benchmark needs a Hopper GPU (or --interpret with small --shapes, e.g. 256x256)")
+    interpret = stochastic_cast_mgpu.resolve_interpret(args.interpret)  # the private _tile_call takes it resolved
+
+    def seconds(fn, *xs):
+        jax.block_until_ready(fn(*xs))  # compile + warm up
+        samples = []
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            jax.block_until_ready([fn(*xs) for _ in range(args.calls)])
+            samples.append((time.perf_counter() - start) / args.calls)
+        return statistics.median(samples)
+
     int8_row, e4m3_block = QuantSpec("int8", "row"), QuantSpec("e4m3", "1x128")
-    reference_pair = lambda spec: jax.jit(lambda x, s: (quantize_with_seed(x, spec, s),
-                                                        quantize_with_seed(x.T, spec, s)))
-    # name -> (function, args, bytes the function must move at least, bytes our kernels actually move)
-    pair = lambda spec, tiles: jax.jit(lambda x, s: quantize_mgpu.quantize_pair(x, spec, spec, s, s,
-                                                                               tiles_per_program=tiles))
-    sr_cast = lambda x, s: stochastic_cast_mgpu.stochastic_cast(x, jnp.bfloat16, s)
-    # name -> (function, args, bytes the function must move at least, bytes our kernels actually move)
-    cases = {"copy bf16 (XLA x * s)": (jax.jit(lambda x, s: x * s), (x, jnp.bfloat16(1)), 4 * n, 4 * n)}
-    for tiles in (1, 2, 4, 8):
-        cases[f"int8 row, both layouts: kernels, {tiles} tiles"] = (pair(int8_row, tiles), (x, seed), 4 * n, 6 * n)
-    cases["int8 row, both layouts: XLA reference"] = (reference_pair(int8_row), (x, seed), 4 * n, None)
-    for tiles in (1, 2, 4, 8):
-        cases[f"e4m3 1x128 + 128x1: kernel, {tiles} tiles"] = (pair(e4m3_block, tiles), (x, seed), 4 * n + n // 16,
-                                                                4 * n + n // 16)
-    cases["e4m3 1x128 + 128x1: XLA reference"] = (reference_pair(e4m3_block), (x, seed), 4 * n + n // 16, None)
-    cases["copy f32 (XLA x * s)"] = (jax.jit(lambda x, s: x * s), (x32, jnp.float32(1)), 8 * n, 8 * n)
-    cases["SR cast f32 -> bf16: kernel"] = (jax.jit(sr_cast), (x32, seed), 6 * n, 6 * n)
-    cases["SR cast f32 -> bf16: XLA reference"] = (
-        jax.jit(lambda x, s: stochastic.stochastic_round_with_seed(x, jnp.bfloat16, s)), (x32, seed), 6 * n, None)
-    print(f"{'case':44s} {'time ms':>9s} {'min bytes GB/s':>15s} {'moved GB/s':>11s}", flush=True)
-    for name, (fn, args, min_bytes, moved_bytes) in cases.items():
-        try:
-            t = timed(fn, *args)
-            moved = f"{moved_bytes / t / 1e9:11.0f}" if moved_bytes else f"{'':11s}"
-            print(f"{name:44s} {t * 1e3:9.3f} {min_bytes / t / 1e9:15.0f} {moved}", flush=True)
-        except Exception as e:  # keep measuring the other cases
-            print(f"{name:44s} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    seed = jnp.uint32(7)
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; {args.calls} calls back to back, median of "
+          f"{args.rounds}", flush=True)
+    print(f"{'x':>13} {'case':46} {'us':>9} {'GB/s':>7} {'x copy':>7}", flush=True)
+    for shape in args.shapes:
+        m, k = (int(d) for d in shape.split("x"))
+        x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+        n = m * k
+        pair = lambda spec: jax.jit(lambda x: quantize_mgpu.quantize_pair(x, spec, spec, seed, seed,
+                                                                         interpret=interpret))
+        reference = lambda spec: jax.jit(lambda x: (quantize_with_seed(x, spec, seed),
+                                                    quantize_with_seed(x.T, spec, seed)))
+        inverse_rows, inverse_cols = jnp.full((m,), 10.0), jnp.full((k,), 10.0)
+        side = quantize_mgpu._Side.of(int8_row)
+        tiles = {slots: jax.jit(lambda x, slots=slots: quantize_mgpu._tile_call(
+            x, jnp.zeros((2,), jnp.uint32), inverse_rows, inverse_cols, row=side, col=side,
+            steps=quantize_mgpu.TILES_PER_PROGRAM, out_slots=slots, interpret=interpret)) for slots in (1, 2)}
+        one, two = (jax.tree.leaves(tiles[slots](x)) for slots in (1, 2))
+        if not all(bool(jnp.all(a == b)) for a, b in zip(one, two)):
+            print(f"{shape:>13} one- and two-slot tile kernels DIFFER: not timed", flush=True)
+            continue
+        # name -> (function, bytes it must move: x read (2 B/element) once per pass, 8-bit outputs written)
+        cases = {"copy: XLA x * 2": (jax.jit(lambda x: x * 2), 4 * n),
+                 "read: XLA row max": (jax.jit(lambda x: jnp.max(x, axis=1)), 2 * n),
+                 "amax kernel (row + column amax)": (jax.jit(functools.partial(
+                     quantize_mgpu.amax_pair, interpret=interpret)), 2 * n),
+                 "tile kernel int8 row pair, 1 out slot": (tiles[1], 4 * n),
+                 "tile kernel int8 row pair, 2 out slots": (tiles[2], 4 * n),
+                 "int8 row pair: amax + tile kernels": (pair(int8_row), 6 * n),
+                 "int8 row pair: XLA reference": (reference(int8_row), 6 * n),
+                 "e4m3 1x128 + 128x1 pair: tile kernel": (pair(e4m3_block), 4 * n + n // 16),
+                 "e4m3 1x128 + 128x1 pair: XLA reference": (reference(e4m3_block), 4 * n + n // 16),
+                 "SR cast bf16 -> e5m2: kernel": (jax.jit(lambda x: stochastic_cast_mgpu.stochastic_cast(
+                     x, jnp.float8_e5m2, seed, interpret=interpret)), 3 * n),
+                 "SR cast bf16 -> e5m2: XLA reference": (jax.jit(lambda x: stochastic.stochastic_round_with_seed(
+                     x, jnp.float8_e5m2, seed)), 3 * n)}
+        copy = None
+        for name, (fn, moved) in cases.items():
+            try:
+                t = seconds(fn, x)
+                copy = copy or t
+                print(f"{shape:>13} {name:46} {t * 1e6:9.1f} {moved / t / 1e9:7.0f} {t / copy:7.2f}", flush=True)
+            except Exception as e:  # keep measuring the other cases
+                print(f"{shape:>13} {name:46} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
 def main():
@@ -149,7 +179,7 @@ def main():
     if sys.argv[1] == "gemm":
         gemm_table(sys.argv[2:])
     else:
-        quantize_table()
+        quantize_table(sys.argv[2:])
 
 
 if __name__ == "__main__":

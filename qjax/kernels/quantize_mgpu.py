@@ -296,9 +296,10 @@ def _run_tiles(step_body, x, seeds, inputs, in_streams, out_type, out_streams, *
                             seeds, x, *inputs)
 
 
-@functools.partial(jax.jit, static_argnames=("row", "col", "steps", "interpret"))
-def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, steps, interpret):
+@functools.partial(jax.jit, static_argnames=("row", "col", "steps", "out_slots", "interpret"))
+def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, steps, out_slots=1, interpret):
     """The tile kernel. row_inv (M,) / col_inv (K,): f32 inverse scales for sides without blocks (else unused).
+    out_slots: SMEM slots per output (see `_run_tiles`); 1, the default, measured faster (benchmarks/kernels.py).
 
     Returns [row codes (M, K), row block scales (K/128, M)?, col codes (K, M)?, col block scales (M/128, K)?]."""
     m, k = x.shape
@@ -334,7 +335,7 @@ def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, ste
 
     # One output slot: the two sides' codes then need 32 KB of SMEM instead of 64, and two programs fit an SM
     # (H100, 16384 x 11264 bf16: 453 -> 327 us, 1.71x -> 1.25x the time of an XLA copy; RESULTS.md, 2026-11-23).
-    return _run_tiles(step, x, seeds, inverses, in_streams, out_type, out_streams, steps=steps, out_slots=1,
+    return _run_tiles(step, x, seeds, inverses, in_streams, out_type, out_streams, steps=steps, out_slots=out_slots,
                       interpret=interpret)
 
 
