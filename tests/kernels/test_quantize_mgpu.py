@@ -67,10 +67,13 @@ def assert_same_qtensor(got, want, compiled):
 def _check_pair(x, row_spec, col_spec):
     compiled = on_hopper_gpu()
     interpret = None if compiled else True
+    # Jitted: run eagerly, interpreted kernels can deadlock with the next eager op (benchmarks/NOTES.md).
     if col_spec is None:
-        got_row, got_col = quantize_mgpu.quantize_kernel(x, row_spec, ROW_SEED, interpret=interpret), None
+        got_row = jax.jit(lambda x: quantize_mgpu.quantize_kernel(x, row_spec, ROW_SEED, interpret=interpret))(x)
+        got_col = None
     else:
-        got_row, got_col = quantize_mgpu.quantize_pair(x, row_spec, col_spec, ROW_SEED, COL_SEED, interpret=interpret)
+        got_row, got_col = jax.jit(lambda x: quantize_mgpu.quantize_pair(x, row_spec, col_spec, ROW_SEED, COL_SEED,
+                                                                         interpret=interpret))(x)
     want_row = jax.jit(lambda x: quantize_with_seed(x, row_spec, ROW_SEED))(x)
     assert_same_qtensor(got_row, want_row, compiled)
     if col_spec is None:
@@ -125,7 +128,7 @@ def test_pair_matches_reference(shape, dtype, row_spec, col_spec, specials):
 
 def test_amax_pair_is_the_row_and_column_amax():
     x = _input((128, 256), jnp.bfloat16, "e4m3", specials=True)
-    row_amax, col_amax = quantize_mgpu.amax_pair(x, interpret=None if on_hopper_gpu() else True)
+    row_amax, col_amax = jax.jit(lambda x: quantize_mgpu.amax_pair(x, interpret=None if on_hopper_gpu() else True))(x)
     magnitude = jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x.astype(jnp.float32)))
     np.testing.assert_array_equal(np.asarray(row_amax), np.asarray(magnitude.max(axis=1)))
     np.testing.assert_array_equal(np.asarray(col_amax), np.asarray(magnitude.max(axis=0)))

@@ -55,7 +55,9 @@ def _magnitude(a: QTensor, b: QTensor) -> np.ndarray:
 
 
 def _kernel(a, b, out_dtype, config=SMALL, **kwargs):
-    out = mgpu.scaled_matmul_kernel(a, b, out_dtype, config=config, interpret=INTERPRET, **kwargs)
+    # Jitted: run eagerly, interpreted kernels can deadlock with the next eager op (benchmarks/NOTES.md).
+    out = jax.jit(lambda a, b: mgpu.scaled_matmul_kernel(a, b, out_dtype, config=config, interpret=INTERPRET,
+                                                         **kwargs))(a, b)
     assert out.shape == (a.shape[0], b.shape[0]) and out.dtype == jnp.dtype(out_dtype)
     return np.asarray(out.astype(jnp.float32), np.float64)
 

@@ -41,8 +41,10 @@ def _reference(p, g, mu, nu, bc1, bc2_sqrt, step_size, config=_config(), weight_
 
 def _kernel(p, g, mu, nu, bc1, bc2_sqrt, step_size, weight_decay=0.01):
     interpret = None if on_hopper_gpu() else True
-    return fused_adam.fused_step(p, g, mu, nu, B1, B2, EPS, bc1, bc2_sqrt, step_size, weight_decay,
-                                 interpret=interpret)
+    # Jitted: run eagerly, interpreted kernels can deadlock with the next eager op (benchmarks/NOTES.md).
+    step = lambda p, g, mu, nu, *c: fused_adam.fused_step(p, g, mu, nu, B1, B2, EPS, *c, weight_decay,
+                                                          interpret=interpret)
+    return jax.jit(step)(p, g, mu, nu, bc1, bc2_sqrt, step_size)
 
 
 def _inputs(shape, seed=0, block_size=256, zero_states=False, fmt="e4m3"):
