@@ -102,8 +102,9 @@ def quantize_table(argv):
     python benchmarks/kernels.py quantize [--shapes 16384x2048 16384x11264] [--interpret]
 
     Each case is dispatched --calls times back to back and timed to the last result (median of --rounds): one call
-    at a time would time the host's dispatch (~60 us) rather than the kernel. GB/s counts the bytes the case must
-    move; "x copy" is the time over XLA's x * 2 (read + write of x) in the same process. Kernel outputs are the GPU
+    at a time would time the host's dispatch (~60 us) rather than the kernel. GB/s: the bytes the kernels move (x
+    read once per pass, so twice for a row-scaled pair; 8-bit outputs written once; XLA rows counted the same) over
+    the time; "x copy": the time over XLA's x * 2 (read + write of x) in the same process. Kernel outputs are the GPU
     tests' business (tests/kernels, bit-exact against the reference); here the one- and two-slot tile kernels are
     checked equal to each other before they are timed.
     """
@@ -148,7 +149,7 @@ def quantize_table(argv):
         if not all(bool(jnp.all(a == b)) for a, b in zip(one, two)):
             print(f"{shape:>13} one- and two-slot tile kernels DIFFER: not timed", flush=True)
             continue
-        # name -> (function, bytes it must move: x read (2 B/element) once per pass, 8-bit outputs written)
+        # name -> (function, bytes moved: x (2 B/element) read once per pass, 8-bit outputs written once)
         cases = {"copy: XLA x * 2": (jax.jit(lambda x: x * 2), 4 * n),
                  "read: XLA row max": (jax.jit(lambda x: jnp.max(x, axis=1)), 2 * n),
                  "amax kernel (row + column amax)": (jax.jit(functools.partial(
@@ -167,8 +168,9 @@ def quantize_table(argv):
         for name, (fn, moved) in cases.items():
             try:
                 t = seconds(fn, x)
-                copy = copy or t
-                print(f"{shape:>13} {name:46} {t * 1e6:9.1f} {moved / t / 1e9:7.0f} {t / copy:7.2f}", flush=True)
+                copy = t if name.startswith("copy") else copy
+                ratio = f"{t / copy:7.2f}" if copy else f"{'-':>7}"
+                print(f"{shape:>13} {name:46} {t * 1e6:9.1f} {moved / t / 1e9:7.0f} {ratio}", flush=True)
             except Exception as e:  # keep measuring the other cases
                 print(f"{shape:>13} {name:46} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
