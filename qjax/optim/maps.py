@@ -21,7 +21,7 @@ what a brute-force argmin returns. `encode_nearest` gets the same answer arithme
 position give two candidate codes, one gathered float32 threshold picks one), without a search over the table: on
 a GPU, gathers per element are what a binary search (one per bit) paid for. Kernels, which cannot gather at all
 (Mosaic GPU), use `decode_gather_free` and `encode_nearest_gather_free` for the dynamic maps: the same results from
-arithmetic alone (one division per decoded code).
+arithmetic alone (one division per decoded code) wherever float32 division is IEEE; a GPU's is within 2 ulp.
 """
 
 import dataclasses
@@ -272,7 +272,8 @@ def _dynamic_encoder_of(qmap) -> _Encoder:
 
 
 def decode_gather_free(codes: jax.Array, qmap) -> jax.Array:
-    """`decode` of a dynamic map without indexing the table: integer codes (any shape) -> float32, bit-equal.
+    """`decode` of a dynamic map without indexing the table: integer codes (any shape) -> float32, bit-equal with
+    IEEE division (on a GPU within 2 ulp, see below).
 
     With m the 1-based index of a positive value (level i holds n = 2**floor(log2 m) values if signed, m = k + n
     for the level's k-th value; unsigned levels hold 2n values, and m counts from 2), the defining formula
