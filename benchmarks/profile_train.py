@@ -5,8 +5,9 @@
 
 Runs --warmup steps, then --steps steps under `jax.profiler.trace`, reads the trace's `*.trace.json.gz` (written by
 jax itself, no TensorBoard plugin needed) and sums the duration of every device event per HLO op. Prints per step:
-the total device time, a breakdown by category (cuBLAS/cuDNN GEMMs, Pallas kernels, attention, XLA fusions) and
-the --top ops with their kernel names (--dump-hlo writes the optimized HLO those fusion names come from).
+the total device time, the idle time between kernels (host dispatch, launch latency), a breakdown by category (cuBLAS/cuDNN GEMMs, Pallas kernels, attention, XLA fusions) and
+the --top ops with their kernel names (--dump-hlo writes the optimized HLO those fusion names come from) and the
+--top longest idle gaps.
 The trace folder (--trace-dir) can be opened in Perfetto or TensorBoard.
 """
 
@@ -34,8 +35,8 @@ def category(kernel: str, hlo_op: str) -> str:
     return "xla fusion / other"
 
 
-def device_ops(trace_dir: pathlib.Path) -> dict:
-    """{hlo op or kernel name: [total us, count, kernel name]} over the device events of the newest trace."""
+def device_events(trace_dir: pathlib.Path) -> list[tuple[float, float, str, str]]:
+    """(start us, duration us, hlo op or kernel name, kernel name) of every kernel on a CUDA stream, newest trace."""
     trace_file = max(trace_dir.glob("plugins/profile/*/*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
     events = json.load(gzip.open(trace_file))["traceEvents"]
     device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
@@ -44,7 +45,7 @@ def device_ops(trace_dir: pathlib.Path) -> dict:
     # count the CUDA stream lines only.
     stream_tids = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
                    and e["pid"] in device_pids and e["args"].get("name", "").startswith("Stream")}
-    ops = collections.defaultdict(lambda: [0.0, 0, ""])
+    out = []
     for e in events:
         if e.get("ph") != "X" or (e.get("pid"), e.get("tid")) not in stream_tids:
             continue
@@ -52,11 +53,32 @@ def device_ops(trace_dir: pathlib.Path) -> dict:
         # XLA's kernels is the fusion's name in the optimized HLO.
         hlo_op = e.get("args", {}).get("hlo_op", "")
         key = e["name"] if not hlo_op or hlo_op.startswith("command_buffer") else hlo_op
-        ops[key][0] += e.get("dur", 0.0)
+        out.append((float(e["ts"]), float(e.get("dur", 0.0)), key, e["name"]))
+    return sorted(out)
+
+
+def device_ops(events) -> dict:
+    """{hlo op or kernel name: [total us, count, kernel name]} over `device_events`."""
+    ops = collections.defaultdict(lambda: [0.0, 0, ""])
+    for _, dur, key, kernel in events:
+        ops[key][0] += dur
         ops[key][1] += 1
-        ops[key][2] = e["name"]
+        ops[key][2] = kernel
     return dict(ops)
 
+
+def idle_gaps(events) -> tuple[float, float, list[tuple[float, str, str, str]]]:
+    """Span from the first kernel's start to the last one's end, the time no kernel ran in it (us), and the gaps
+    between kernels as (us, op before, op after, kernel after), largest first. Idle time is what a faster kernel cannot
+    win back: host dispatch, synchronisation, launch latency."""
+    gaps, busy_until, previous = [], None, ""
+    for start, dur, key, kernel in events:
+        if busy_until is not None and start > busy_until:
+            gaps.append((start - busy_until, previous, key, kernel))
+        if busy_until is None or start + dur >= busy_until:
+            busy_until, previous = start + dur, key
+    span = busy_until - events[0][0]
+    return span, sum(g[0] for g in gaps), sorted(gaps, reverse=True)
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,7 +109,8 @@ def main():
             state, metrics = train_step(state, batch)
         jax.block_until_ready((state, metrics))
 
-    ops = device_ops(trace_dir)
+    events = device_events(trace_dir)
+    ops = device_ops(events)
     total = sum(us for us, _, _ in ops.values()) / args.steps
     print(f"{args.row}: Llama {args.size}, batch {args.batch} x seq {args.seq}, {jax.devices()[0].device_kind}; "
           f"trace in {trace_dir}")
@@ -97,14 +120,24 @@ def main():
     by_category = collections.Counter()
     for key, (us, _, kernel) in ops.items():
         by_category[category(kernel, key)] += us / args.steps
-    print(f"\ndevice time per step: {total / 1e3:.2f} ms (sum over events; streams may overlap)\n")
-    print("| category | ms / step | share |\n|---|---:|---:|")
+    span, idle, gaps = idle_gaps(events)
+    print(f"\ndevice time per step: {total / 1e3:.2f} ms (sum over events; streams may overlap); first kernel to last: "
+          f"{span / args.steps / 1e3:.2f} ms, of it idle (no kernel running) {idle / args.steps / 1e3:.2f} ms in "
+          f"{len(gaps) / args.steps:g} gaps; gaps over 5 us: {sum(g[0] for g in gaps if g[0] > 5) / args.steps / 1e3:.2f}"
+          f" ms\n")
+    idle_before = collections.Counter()  # idle time by the category of the kernel that ends the gap
+    for gap, _, key, kernel in gaps:
+        idle_before[category(kernel, key)] += gap / args.steps
+    print("| category | ms / step | share | idle before its kernels, ms / step |\n|---|---:|---:|---:|")
     for name, us in by_category.most_common():
-        print(f"| {name} | {us / 1e3:.2f} | {us / total:.1%} |")
+        print(f"| {name} | {us / 1e3:.2f} | {us / total:.1%} | {idle_before[name] / 1e3:.2f} |")
     print(f"\n| hlo op | kernel | ms / step | calls / step | share |\n|---|---|---:|---:|---:|")
     for key, (us, count, kernel) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"| {key[:60]} | {kernel[:70]} | {us / args.steps / 1e3:.3f} | {count / args.steps:g} | "
               f"{us / args.steps / total:.1%} |")
+    print(f"\n| idle gap (us) | previous kernel | next kernel |\n|---:|---|---|")
+    for gap, before, after, _ in gaps[:args.top]:
+        print(f"| {gap:.1f} | {before[:60]} | {after[:60]} |")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
   python benchmarks/train.py --small                        # tiny model; the default when no GPU is present
 
 One row = one jitted train step of `qjax.train.make_train_step` (forward, backward, grad clipping, AdamW; the LM
-head stays in bf16 as in every qjax config) on random tokens, timed over --steps steps after --warmup. Each row runs
+head stays in bf16 as in every qjax config) on random tokens, timed as --steps steps queued back to back (the
+throughput a training loop sees; rounds of them, median) and as steps each waited for. Each row runs
 in its own subprocess so that its peak device memory is its own (JAX cannot reset the allocator's peak) and nothing
 compiled for one row stays resident during the next.
 
@@ -34,6 +35,7 @@ ROWS = ("bf16", "int8_fwd", "int8_fwd_dgrad", "int8_rowwise", "int8_fwd_dgrad_sr
 DEFAULT_ROWS = ("bf16", "int8_fwd", "int8_fwd_dgrad", "int8_rowwise", "int8_rowwise_sr", "fp8_tensorwise",
                 "fp8_blockwise", "int8_rowwise@xla")
 PEER_VARIANTS = ("bf16", "float8_tensorwise", "float8_rowwise", "int8_mixed_precision")
+ROUNDS = 3  # throughput: median over this many rounds of --steps steps queued back to back
 TINYLLAMA = dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000)
 
 
@@ -114,11 +116,15 @@ def measure_row(row: str, args) -> dict:
 
     holder = [state]
 
-    def run_one():  # the state is donated: thread it through
+    def run_one():  # the state is donated: thread it through; wait on the loss (never donated)
         holder[0] = step(holder[0])
-        return holder[0].step
+        return losses[-1]
 
-    ms = time_ms(run_one, (), warmup=args.warmup, reps=args.steps)
+    # Throughput as train.py's loop sees it (steps queued back to back, one wait per --steps steps), and with a wait
+    # after every step (adds the host's dispatch latency: ~8 ms for int8_rowwise on an H100; what this benchmark
+    # reported before 2026-11-23).
+    ms = time_ms(run_one, (), warmup=args.warmup, reps=ROUNDS, inner=args.steps)
+    synced_ms = time_ms(run_one, (), warmup=0, reps=args.steps)
     losses = [float(x) for x in losses]
     if not all(np.isfinite(losses)):
         raise RuntimeError(f"non-finite loss: {losses}")
@@ -126,7 +132,7 @@ def measure_row(row: str, args) -> dict:
     stats = device.memory_stats() or {}
     tokens_per_s = args.batch * args.seq / ms * 1e3
     peak = peak_flops(device)
-    return dict(row=row, tokens_per_s=tokens_per_s, step_ms=ms, loss_first=losses[0], loss_last=losses[-1],
+    return dict(row=row, tokens_per_s=tokens_per_s, step_ms=ms, synced_step_ms=synced_ms, loss_first=losses[0], loss_last=losses[-1],
                 peak_mem_gb=stats["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in stats else None,
                 mfu=tokens_per_s * task.flops_per_unit / peak if peak else None, device=device.device_kind)
 
@@ -152,33 +158,38 @@ def run_row_subprocess(row: str, args) -> dict:
 
 def table(results: list[dict], peer: dict, args) -> str:
     base = next((r for r in results if r["row"] == "bf16" and "error" not in r), None)
-    lines = ["| row | recipe | optimizer | tokens/s | vs qjax bf16 | step ms | peak GB | MFU |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| row | recipe | optimizer | tokens/s | vs qjax bf16 | step ms | synced step ms | peak GB | MFU |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['row']} | failed: {r['error'][:120]} | | | | | | |")
+            lines.append(f"| {r['row']} | failed: {r['error'][:120]} | | | | | | | |")
             continue
         speedup = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "–"
         peak = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") else "–"
         mfu = f"{r['mfu']:.2f}" if r.get("mfu") else "–"
         lines.append(f"| {r['row']} | {row_recipe(r['row']).name} | {row_optimizer(r['row'])} | "
-                     f"{r['tokens_per_s']:,.0f} | {speedup} | {r['step_ms']:.1f} | {peak} | {mfu} |")
+                     f"{r['tokens_per_s']:,.0f} | {speedup} | {r['step_ms']:.1f} | {r['synced_step_ms']:.1f} | {peak} | "
+                     f"{mfu} |")
     optimizers = {row_optimizer(r["row"]) for r in results}
     about = {"adamw": "adamw: optax, fp32 states", "adamw_fp8": "adamw_fp8: e4m3 states, fused step kernel on one "
              "Hopper GPU", "adamw_8bit": "adamw_8bit: 8-bit states, fused step kernel on one Hopper GPU",
              "adamw_4bit": "adamw_4bit: 4-bit states"}
     notes = [f"Llama {args.size} (batch {args.batch} x seq {args.seq}, remat={args.remat}, min_features="
              f"{args.min_features}), random tokens, AdamW ({'; '.join(about[o] for o in sorted(optimizers))}), "
-             f"LM head in bf16; median of {args.steps} steps after {args.warmup} warm-up; one subprocess per row."]
+             f"LM head in bf16; one subprocess per row. tokens/s and step ms: {args.steps} steps queued back to back "
+             f"and one wait (as train.py's loop between log lines), median of {ROUNDS} rounds after {args.warmup} "
+             f"warm-up steps; synced step ms: median of {args.steps} steps each waited for (adds host dispatch "
+             "latency). The torch peer is timed the same two ways."]
     if peer.get("results"):
         torch_bf16 = peer["results"].get("bf16", {}).get("tokens_per_s")
         lines += ["", "| torch peer (HF LlamaForCausalLM, torch.compile) | tokens/s | vs torch bf16 | vs qjax bf16 | "
-                  "peak GB |", "|---|---:|---:|---:|---:|"]
+                  "step ms | synced step ms | peak GB |", "|---|---:|---:|---:|---:|---:|---:|"]
         for variant, r in peer["results"].items():
             vs_torch = f"{r['tokens_per_s'] / torch_bf16:.2f}x" if torch_bf16 else "–"
             vs_qjax = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "–"
             peak = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") else "–"
-            lines.append(f"| {variant} | {r['tokens_per_s']:,.0f} | {vs_torch} | {vs_qjax} | {peak} |")
+            lines.append(f"| {variant} | {r['tokens_per_s']:,.0f} | {vs_torch} | {vs_qjax} | {r['step_ms']:.1f} | "
+                         f"{r['synced_step_ms']:.1f} | {peak} |")
         if torch_bf16:
             notes.append("qjax rows against torch bf16 ({:,.0f} tok/s): ".format(torch_bf16) + ", ".join(
                 f"{r['row']} {r['tokens_per_s'] / torch_bf16:.2f}x" for r in results if "error" not in r))
