@@ -36,7 +36,8 @@ def make_dataset(data_config, *, batch_size: int, seq_len: int | None = None, se
       data_config: an ml_collections ConfigDict or a dict with "kind" in KINDS and that kind's fields:
         tokens: path (a directory of shards). digits: image_size (optional). npz: path (a .npz file), image_size.
         tfds: name, data_dir, and optionally image_size, train_split ("train"), test_split ("test"), image_key
-        ("image"), label_key ("label").
+        ("image"), label_key ("label"). A field set to None counts as unset (the configs carry every kind's
+        fields so that the command line can set them).
       batch_size: examples per batch.
       seq_len: tokens per example; required for "tokens", ignored by image kinds.
       seed: seeds the order of training examples.
@@ -53,8 +54,8 @@ def make_dataset(data_config, *, batch_size: int, seq_len: int | None = None, se
     if kind not in KINDS:
         raise ValueError(f"unknown data kind {kind!r}: set data_config.kind to one of {sorted(KINDS)}")
     required, optional = KINDS[kind]
-    fields = {k: v for k, v in data_config.items() if k != "kind"}
-    missing = [k for k in required if fields.get(k) is None]
+    fields = {k: v for k, v in data_config.items() if k != "kind" and v is not None}
+    missing = [k for k in required if k not in fields]
     if missing:
         raise ValueError(f'data kind "{kind}" needs the field(s) {missing}')
     unknown = sorted(set(fields) - set(required) - set(optional))

@@ -17,7 +17,8 @@ TASKS = ("lm", "image")
 _PREPARE_HINTS = {
     "tokens": "make them with `python -m qjax.data.prepare shakespeare --out {path}` (or `python -m "
               "qjax.data.prepare text --out {path} FILE...` for your own text)",
-    "npz": "point config.data.path at an .npz file with 'images' (N, H, W, C) and 'labels' (N,) arrays",
+    "npz": "point config.data.path at an .npz file with train_images / test_images (uint8, (N, H, W, C)) and "
+           "train_labels / test_labels ((N,) integers)",
 }
 
 
@@ -71,6 +72,9 @@ def check_config(config) -> None:
         check_optimizer_config(config.optimizer, config.steps)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if config.optimizer.get("stochastic_rounding") and config.model.get("param_dtype") != "bfloat16":
+        raise ConfigError("config.optimizer.stochastic_rounding rounds bfloat16 params, but config.model.param_dtype "
+                          f"is {config.model.get('param_dtype')!r}: set --config.model.param_dtype=bfloat16")
     check_data_config(config.data)
 
 
@@ -79,9 +83,16 @@ def check_data_config(data) -> None:
     kind = data.get("kind")
     if kind not in KINDS:
         raise ConfigError(f"config.data.kind must be one of {sorted(KINDS)}, got {kind!r}")
+    required, optional = KINDS[kind]
+    missing = [f"config.data.{name}" for name in required if data.get(name) is None]
+    if missing:
+        raise ConfigError(f"config.data.kind={kind!r} needs {', '.join(missing)} (e.g. --{missing[0]}=...)")
+    unused = sorted(f"config.data.{name}" for name, value in data.items()
+                    if name != "kind" and value is not None and name not in required + optional)
+    if unused:
+        raise ConfigError(f"{', '.join(unused)} is not used by config.data.kind={kind!r} (it takes "
+                          f"{', '.join(required + optional) or 'no fields'}): unset it")
     if kind in _PREPARE_HINTS:
         path = data.get("path")
-        if not path:
-            raise ConfigError(f"config.data.path must name the {kind} data for config.data.kind={kind!r}")
         if not os.path.exists(path):
             raise ConfigError(f"config.data.path {path!r} does not exist: " + _PREPARE_HINTS[kind].format(path=path))

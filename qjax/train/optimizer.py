@@ -11,6 +11,11 @@
     lr(step) = linear warmup from 0 to `lr` over `warmup_steps`, then cosine decay to `lr * min_lr_ratio` at
     `total_steps`; the update of step s (0-based) uses lr(s + 1), so no step is wasted on lr = 0.
 
+Options beyond AdamW's hyperparameters: `dynamic_range_expansion` (adamw_fp8 only: COAT's per-group expansion of
+the e4m3 states) and `stochastic_rounding` (params kept in bfloat16, `config.model.param_dtype="bfloat16"`, are
+updated with stochastic rounding by `qjax.optim.apply_updates_sr`: no float32 master copy; the step then goes through
+`tx.update`, never the fused kernel, which updates float32 params only).
+
 Weight decay applies to every parameter with ndim >= 2 (weight matrices, and also the token embedding and the ViT's
 position embedding and class token), not to norm scales and biases, as in nanoGPT.
 
@@ -61,6 +66,12 @@ def check_optimizer_config(opt, total_steps: int) -> None:
     clip = _get(opt, "grad_clip")
     if clip is not None and (not isinstance(clip, (int, float)) or not clip >= 0):
         raise ValueError(f"config.optimizer.grad_clip must be a number >= 0 (0 or None: no clipping), got {clip!r}")
+    for field in ("dynamic_range_expansion", "stochastic_rounding"):
+        if _get(opt, field, False) not in (True, False):
+            raise ValueError(f"config.optimizer.{field} must be True or False, got {_get(opt, field)!r}")
+    if _get(opt, "dynamic_range_expansion", False) and name != "adamw_fp8":
+        raise ValueError(f"config.optimizer.dynamic_range_expansion applies to adamw_fp8 states only, not {name!r}: "
+                         "set config.optimizer.name=adamw_fp8 or leave it False")
 
 
 def make_schedule(opt, total_steps: int) -> optax.Schedule:
@@ -79,20 +90,29 @@ def _decay_mask(params):
 
 class Optimizer(NamedTuple):
     """A run's optimizer: `tx` the AdamW (an optax transformation or a `qjax.optim.QuantizedAdamW`), `grad_clip`
-    the global-norm bound applied before it (None: off), `schedule` the lr per 0-based train step."""
+    the global-norm bound applied before it (None: off), `schedule` the lr per 0-based train step,
+    `stochastic_rounding` whether bfloat16 params are updated with stochastic rounding."""
 
     tx: Any
     grad_clip: float | None
     schedule: optax.Schedule
+    stochastic_rounding: bool = False
 
     def init(self, params):
         return self.tx.init(params)
 
-    def step(self, grads, opt_state, params):
-        """(grads, opt_state, params) -> (new params, new opt_state): clip, then one AdamW step."""
+    def step(self, grads, opt_state, params, key=None):
+        """(grads, opt_state, params) -> (new params, new opt_state): clip, then one AdamW step.
+
+        key: a `jax.random.key`, fresh every step; required when `stochastic_rounding`, unused otherwise."""
         if self.grad_clip:
             grads, _ = optax.clip_by_global_norm(self.grad_clip).update(grads, optax.EmptyState())
-        return qoptim.apply_gradients(self.tx, grads, opt_state, params)
+        if not self.stochastic_rounding:
+            return qoptim.apply_gradients(self.tx, grads, opt_state, params)
+        if key is None:
+            raise ValueError("an optimizer with stochastic_rounding=True needs key= (a fresh jax.random.key per step)")
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return qoptim.apply_updates_sr(params, updates, key), opt_state
 
 
 def make_optimizer(opt, total_steps: int) -> Optimizer:
@@ -100,7 +120,8 @@ def make_optimizer(opt, total_steps: int) -> Optimizer:
 
     Args:
       opt: a ConfigDict / dataclass / dict with name (one of OPTIMIZERS), lr, warmup_steps, b1, b2, eps,
-        weight_decay, grad_clip (0 or None: off) and optionally min_lr_ratio (default 0.1).
+        weight_decay, grad_clip (0 or None: off) and optionally min_lr_ratio (default 0.1),
+        dynamic_range_expansion and stochastic_rounding (default False; module docstring).
       total_steps: the configured length of the run (the cosine ends there, wherever a run is stopped).
     """
     check_optimizer_config(opt, total_steps)
@@ -110,9 +131,12 @@ def make_optimizer(opt, total_steps: int) -> Optimizer:
     name = _get(opt, "name")
     if name == "adamw":
         tx = optax.adamw(**kwargs)
-    elif name in ("adamw_8bit", "adamw_fp8"):
-        tx = getattr(qoptim, name)(**kwargs, use_kernel=True)  # the fused step where it can run (module docstring)
+    elif name == "adamw_fp8":  # the fused step where it can run (module docstring; it has no expanded states)
+        expand = bool(_get(opt, "dynamic_range_expansion", False))
+        tx = qoptim.adamw_fp8(**kwargs, use_kernel=not expand, dynamic_range_expansion=expand)
+    elif name == "adamw_8bit":
+        tx = qoptim.adamw_8bit(**kwargs, use_kernel=True)
     else:
-        tx = getattr(qoptim, name)(**kwargs)
+        tx = qoptim.adamw_4bit(**kwargs)
     clip = _get(opt, "grad_clip")
-    return Optimizer(tx, float(clip) if clip else None, schedule)
+    return Optimizer(tx, float(clip) if clip else None, schedule, bool(_get(opt, "stochastic_rounding", False)))

@@ -11,7 +11,9 @@ accumulator in the optimizer state (so nothing extra in checkpoints). Micro-batc
 ... so that every micro-batch stays split evenly over the "data" devices without moving data between them.
 
 Randomness is a pure function of the state: the "quant" key of step s, micro-batch i is
-fold_in(fold_in(run_key, s), i), so a resumed run replays exactly the keys of an uninterrupted one.
+fold_in(fold_in(run_key, s), i), so a resumed run replays exactly the keys of an uninterrupted one. The key of step s's
+stochastically rounded param update (config.optimizer.stochastic_rounding) is fold_in(fold_in(run_key, s),
+UPDATE_STREAM), a stream no micro-batch index reaches.
 The state is donated: the step updates params and optimizer state in place.
 
 Equal (config, task, mesh) give the very same jitted functions (a small LRU cache of this pure builder), so a
@@ -29,6 +31,8 @@ import optax
 from qjax.train import mesh as mesh_lib
 from qjax.train.optimizer import make_optimizer
 from qjax.train.task import Task, make_task
+
+UPDATE_STREAM = 2**31 - 1  # fold_in index of the param update's key (module docstring)
 
 
 class TrainState(NamedTuple):
@@ -114,7 +118,8 @@ def _build_train_step(config: ml_collections.FrozenConfigDict, task: Task, mesh)
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
         loss, aux, grads = _loss_and_grads(task, state.params, batch, step_key, accum, mesh)
-        params, opt_state = optimizer.step(grads, state.opt_state, state.params)
+        params, opt_state = optimizer.step(grads, state.opt_state, state.params,
+                                           key=jax.random.fold_in(step_key, UPDATE_STREAM))
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": optimizer.schedule(state.step), **aux}
         return TrainState(state.step + 1, params, opt_state, state.key), metrics
 

@@ -9,6 +9,9 @@ from absl import flags
 from ml_collections import config_flags
 from train_helpers import tiny_llama_config, tiny_vit_config
 
+import numpy as np
+
+import qjax
 from qjax.models import LLAMA_SIZES
 from qjax.train import ConfigError, check_config, make_task, train
 
@@ -70,6 +73,7 @@ def test_model_field_override_changes_only_that_field(token_dir):
     (dict(data_path="/nonexistent/shakespeare"),
      "python -m qjax.data.prepare shakespeare --out /nonexistent/shakespeare"),
     (dict(task="speech"), "config.task must be one of"),
+    (dict(optimizer_stochastic_rounding=True), "set --config.model.param_dtype=bfloat16"),
     (dict(recipe="fp8_blockwise", batch_size=4, grad_accum_steps=2, seq_len=96),
      r"batch_size / grad_accum_steps \* seq_len = 192, which must be a multiple of 128"),
 ])
@@ -78,6 +82,8 @@ def test_bad_config_fields_are_named(token_dir, change, match):
     for key, value in change.items():
         if key == "optimizer_name":
             config.optimizer.name = value
+        elif key == "optimizer_stochastic_rounding":
+            config.optimizer.stochastic_rounding = value
         elif key == "warmup_steps":
             config.optimizer.warmup_steps = value
         elif key == "model_size":
@@ -88,6 +94,28 @@ def test_bad_config_fields_are_named(token_dir, change, match):
             setattr(config, key, value)
     with pytest.raises(ConfigError, match=match):
         check_config(config)
+
+
+def test_vit_data_fields_are_set_from_the_command_line(tmp_path):
+    """The locked ViT config carries every image kind's fields, so --config.data.* reaches npz and tfds data."""
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "images.npz", train_images=rng.integers(0, 256, (24, 8, 8, 3), dtype=np.uint8),
+             train_labels=rng.integers(0, 3, 24), test_images=rng.integers(0, 256, (8, 8, 8, 3), dtype=np.uint8),
+             test_labels=rng.integers(0, 3, 8))
+    vit = f"--config={ROOT / 'configs/vit_int8.py'}"
+    config = _load(vit, "--config.data.kind=npz", f"--config.data.path={tmp_path / 'images.npz'}",
+                   "--config.data.image_size=16")
+    check_config(config)
+    dataset = qjax.data.make_dataset(config.data, batch_size=4, seed=0)
+    assert dataset.image_shape == (16, 16, 3) and dataset.num_classes == 3
+    assert dataset.batch(0)["images"].shape == (4, 16, 16, 3)
+
+    tfds_config = _load(vit, "--config.data.kind=tfds", "--config.data.name=cifar10")
+    assert tfds_config.data.name == "cifar10"
+    with pytest.raises(ConfigError, match=r"config.data.kind='tfds' needs config.data.data_dir"):
+        check_config(tfds_config)
+    with pytest.raises(ConfigError, match=r"config.data.path is not used by config.data.kind='digits'"):
+        check_config(_load(vit, f"--config.data.path={tmp_path / 'images.npz'}"))
 
 
 @pytest.mark.parametrize("change, match", [

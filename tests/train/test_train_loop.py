@@ -71,6 +71,19 @@ def test_llama_int8_run_falls_and_resumes_bit_identically(token_dir, tmp_path):
     _check_resume(config, tmp_path, whole, stop_at=10, kill_after=8)
 
 
+def test_bf16_params_with_stochastic_rounding_train_and_resume_bit_identically(token_dir, tmp_path):
+    # No float32 master copy: params live in bfloat16 and each update is rounded with the step's own key, so a
+    # resumed run replays the same roundings.
+    config = tiny_llama_config(token_dir, steps=8, checkpoint_every=4)
+    config.model.param_dtype = "bfloat16"
+    config.optimizer.stochastic_rounding = True
+    whole = train(config, tmp_path / "whole", stream=io.StringIO())
+    assert {leaf.dtype for leaf in jax.tree.leaves(whole.state.params)} == {np.dtype("bfloat16")}
+    train_rows, _ = _records(tmp_path / "whole")
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 0.3, [r["loss"] for r in train_rows]
+    _check_resume(config, tmp_path, whole, stop_at=4)
+
+
 def test_vit_run_falls_resumes_bit_identically_and_stops_on_nan(tmp_path):
     config = tiny_vit_config(steps=12, log_every=4, checkpoint_every=0)
     config.optimizer.lr = 1e-2

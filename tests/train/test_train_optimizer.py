@@ -11,7 +11,7 @@ import optax
 import pytest
 from ml_collections import ConfigDict
 
-from qjax.optim import fused_adam
+from qjax.optim import blockwise, fused_adam
 from qjax.train import ProgressMeter, make_optimizer, peak_flops
 from qjax.train.metrics import check_finite, format_progress
 from qjax.train.optimizer import OPTIMIZERS
@@ -50,6 +50,39 @@ def test_quantized_optimizer_keeps_low_bit_state():
     fp32_tx = make_optimizer(_opt(name="adamw"), total_steps=10)
     fp32_bytes = sum(x.nbytes for x in jax.tree.leaves(fp32_tx.init(params)))
     assert state_bytes < 0.3 * fp32_bytes
+
+
+def test_dynamic_range_expansion_from_config():
+    params = {"w": jnp.ones((64, 128))}
+    is_state = lambda x: isinstance(x, (blockwise.Fp8State, blockwise.Fp8ExpandedState))
+    for expand, kind in ((False, blockwise.Fp8State), (True, blockwise.Fp8ExpandedState)):
+        state = make_optimizer(_opt(name="adamw_fp8", dynamic_range_expansion=expand), 10).init(params)
+        kinds = {type(x) for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)}
+        assert kinds == {kind}
+    with pytest.raises(ValueError, match="dynamic_range_expansion applies to adamw_fp8 states only"):
+        make_optimizer(_opt(name="adamw_8bit", dynamic_range_expansion=True), 10)
+
+
+def test_stochastic_rounding_keeps_updates_below_half_a_bf16_ulp():
+    # Adam's first step moves every element by lr(0) = 1e-3 (no decay on a vector): under half a bf16 ulp of 1.0
+    # (2**-9), so rounding to nearest loses it entirely; stochastic rounding keeps it in expectation.
+    params = {"scale": jnp.ones(8192, jnp.bfloat16)}
+    grads = {"scale": jnp.ones(8192, jnp.bfloat16)}
+    changes = dict(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0, grad_clip=0.0)
+    nearest = make_optimizer(_opt(**changes), 10)
+    new, _ = nearest.step(grads, nearest.init(params), params)
+    np.testing.assert_array_equal(new["scale"], params["scale"])
+
+    sr = make_optimizer(_opt(**changes, stochastic_rounding=True), 10)
+    step = jax.jit(sr.step)
+    new, _ = step(grads, sr.init(params), params, jax.random.key(1))
+    assert new["scale"].dtype == jnp.bfloat16
+    # Each element becomes 1 - 2**-8 with p = 0.256, else stays 1: the mean's std is ~2e-5.
+    np.testing.assert_allclose(float(jnp.mean(new["scale"].astype(jnp.float32))), 1 - 1e-3, atol=1.5e-4)
+    again, _ = step(grads, sr.init(params), params, jax.random.key(1))
+    np.testing.assert_array_equal(again["scale"], new["scale"])  # keyed: reproducible
+    with pytest.raises(ValueError, match="needs key="):
+        sr.step(grads, sr.init(params), params)
 
 
 def test_grad_clip_bounds_the_clipped_gradient():
