@@ -17,8 +17,9 @@ def _bits(a):
 @pytest.mark.parametrize("make", [
     lambda: optim.adamw_8bit(optax.cosine_decay_schedule(1e-3, 100), weight_decay=0.01),
     lambda: optim.adamw_4bit(1e-3),
+    lambda: optim.adamw_fp8(1e-3),
     lambda: optim.adamw_fp8(1e-3, dynamic_range_expansion=True),
-], ids=["8bit", "4bit", "fp8_dre"])
+], ids=["8bit", "4bit", "fp8", "fp8_dre"])
 def test_orbax_roundtrip_and_resume(tmp_path, make):
     tx = make()
     params = {"w": jax.random.normal(jax.random.key(0), (64, 128)), "b": jnp.zeros(16)}

@@ -17,7 +17,8 @@ _SCRIPT = textwrap.dedent("""
     params = {"w1": jax.random.normal(jax.random.key(0), (256, 512)) * 0.1,
               "w2": jax.random.normal(jax.random.key(1), (512, 128)) * 0.1, "b": jnp.zeros(512)}
     specs = {"w1": P("data", "model"), "w2": P("model", None), "b": P("model")}
-    for name, tx in [("8bit", optim.adamw_8bit(1e-3)), ("fp8_dre", optim.adamw_fp8(1e-3, dynamic_range_expansion=True))]:
+    for name, tx in [("8bit", optim.adamw_8bit(1e-3)), ("4bit", optim.adamw_4bit(1e-3)), ("fp8", optim.adamw_fp8(1e-3)),
+                     ("fp8_dre", optim.adamw_fp8(1e-3, dynamic_range_expansion=True))]:
         def run(p, g_scale):
             s = tx.init(p)
             for i in range(3):
@@ -47,4 +48,4 @@ def test_sharded_over_8_cpu_devices_matches_unsharded():
     out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.split() == ["8bit", "ok", "fp8_dre", "ok"], out.stdout
+    assert out.stdout.split() == ["8bit", "ok", "4bit", "ok", "fp8", "ok", "fp8_dre", "ok"], out.stdout
