@@ -1,0 +1,69 @@
+"""A `train.py` process killed (SIGKILL) mid-run and started again ends with exactly the parameters, optimizer state
+and RNG of a run that was never interrupted."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+STEPS, EVERY = 3000, 500  # long enough (seconds on a CPU) that the kill lands between two checkpoints
+
+
+def _command(workdir, token_dir):
+    tiny = dict(size="tiny", n_layers=1, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
+    return ([sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs/llama_int8.py'}",
+             f"--workdir={workdir}", f"--config.data.path={token_dir}", "--config.batch_size=4",
+             "--config.seq_len=32", f"--config.steps={STEPS}", "--config.optimizer.warmup_steps=10",
+             "--config.optimizer.name=adamw_8bit", "--config.log_every=250", "--config.eval_every=0",
+             f"--config.checkpoint_every={EVERY}", "--config.keep_checkpoints=2"]
+            + [f"--config.model.{k}={v}" for k, v in tiny.items()])
+
+
+def _env():
+    return {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def _saved_steps(workdir):
+    directory = workdir / "checkpoints"
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.exists() else []
+
+
+def _final_state(workdir):
+    leaves = jax.tree.leaves(ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(STEPS) / "default"))
+    return [np.asarray(x) for x in leaves]
+
+
+def test_killed_run_restarts_to_the_uninterrupted_result(token_dir, tmp_path):
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_command(killed, token_dir), env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not _saved_steps(killed) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, f"the run ended before it could be killed (raise STEPS): {proc.stderr.read()[-2000:]}"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    at_kill = _saved_steps(killed)
+    assert at_kill and at_kill[-1] < STEPS, at_kill
+
+    restarted = subprocess.run(_command(killed, token_dir), env=_env(), cwd=ROOT, capture_output=True, text=True,
+                               timeout=300)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    resumed_at = max(s for s in at_kill)
+    assert f"resumed at step {resumed_at}" in restarted.stdout, restarted.stdout[-2000:]
+
+    whole = tmp_path / "whole"
+    uninterrupted = subprocess.run(_command(whole, token_dir), env=_env(), cwd=ROOT, capture_output=True, text=True,
+                                   timeout=300)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    got, want = _final_state(killed), _final_state(whole)
+    assert len(got) == len(want) > 10
+    for a, b in zip(got, want):  # params, 8-bit Adam states, step, RNG key: bit for bit
+        np.testing.assert_array_equal(a, b)
