@@ -44,9 +44,21 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else (f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s")
 
 
+BAR_WIDTH = 20
+
+
+def progress_bar(step: int, total_steps: int) -> str:
+    """A text bar of the run's progress, e.g. "[#####---------------]  25%" (one line per log point, so it reads
+    the same in a terminal, a log file or a notebook)."""
+    fraction = min(max(step / total_steps, 0.0), 1.0) if total_steps > 0 else 1.0
+    filled = int(fraction * BAR_WIDTH)
+    return f"[{'#' * filled}{'-' * (BAR_WIDTH - filled)}] {100 * fraction:3.0f}%"
+
+
 def format_progress(record: dict, total_steps: int, unit: str) -> str:
     """The one-line display of a train record (see `ProgressMeter.train`)."""
-    parts = [f"step {record['step']}/{total_steps}", f"loss {record['loss']:.4f}"]
+    parts = [f"step {record['step']}/{total_steps} {progress_bar(record['step'], total_steps)}",
+             f"loss {record['loss']:.4f}"]
     if "lr" in record:
         parts.append(f"lr {record['lr']:.2e}")
     if "throughput" in record:

@@ -140,7 +140,8 @@ def test_progress_line_and_jsonl(tmp_path):
     np.testing.assert_allclose(record["eta_s"], 80 * record["seconds_per_step"], rtol=1e-12)
     meter.eval(20, {"loss": 2.0})
     line = out.getvalue().splitlines()[0]
-    assert line.startswith("step 20/100 | loss 2.5000 | lr 1.00e-03 |") and "MFU" in line and "mem 3.0 GiB" in line
+    assert line.startswith("step 20/100 [####----------------]  20% | loss 2.5000 | lr 1.00e-03 |"), line
+    assert "MFU" in line and "mem 3.0 GiB" in line
     rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [20, 20] and rows[1]["eval_loss"] == 2.0
     assert "MFU" not in format_progress({"step": 1, "loss": 1.0, "throughput": 5.0}, 10, "images")
