@@ -7,8 +7,8 @@
 All three are `optax.chain(scale_by_quantized_adam(config, ...), add_decayed_weights(wd, mask),
 scale_by_learning_rate(lr))`, exactly how `optax.adamw` is built, so they compose with `optax.chain`, clipping,
 schedules, `optax.MultiSteps`, sharded params and orbax like any optax optimizer. They are returned as a
-`QuantizedAdamW`, a NamedTuple (init, update, step) that optax accepts wherever it takes a transformation (it is not
-an `optax.GradientTransformation` instance). `apply_gradients` calls `step`, and with `use_kernel=True` (e4m3 or
+`QuantizedAdamW`: an `optax.GradientTransformation` (init, update) with a `step` attribute besides.
+`apply_gradients` calls `step`, and with `use_kernel=True` (e4m3 or
 8-bit states, on a single Hopper GPU) it updates each eligible tensor's param and moments in one fused kernel
 (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param); every other tensor, and every tensor
 without `use_kernel`, takes exactly the optax path. Only a bare `QuantizedAdamW` passed to `apply_gradients` takes
@@ -169,13 +169,17 @@ def scale_by_quantized_adam(config: StateConfig, b1: float = 0.9, b2: float = 0.
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-class QuantizedAdamW(NamedTuple):
-    """What adamw_8bit / _4bit / _fp8 return: an optax GradientTransformation (`init`, `update`) plus
+class QuantizedAdamW(optax.GradientTransformation):
+    """What adamw_8bit / _4bit / _fp8 return: an `optax.GradientTransformation` (`init`, `update`; isinstance
+    checks and tuple unpacking work as for any optax transformation) that also carries
     `step(grads, state, params) -> (params, state)`, the step `apply_gradients` runs (module docstring)."""
 
-    init: Callable
-    update: Callable
-    step: Callable
+    step: Callable  # set in __new__: a NamedTuple subclass cannot add fields, but may add attributes
+
+    def __new__(cls, init: Callable, update: Callable, step: Callable):
+        self = super().__new__(cls, init, update)
+        self.step = step
+        return self
 
 
 def apply_gradients(tx, grads, opt_state, params):

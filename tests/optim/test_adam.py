@@ -147,6 +147,9 @@ def test_nan_gradient_never_becomes_finite(name):
 
 
 def test_composes_with_chain_schedule_and_multisteps():
+    for tx in (optim.adamw_8bit(1e-3), optim.adamw_4bit(1e-3), optim.adamw_fp8(1e-3)):
+        assert isinstance(tx, optax.GradientTransformation) and callable(tx.step)
+        assert tuple(tx) == (tx.init, tx.update)  # unpacks like any optax transformation
     params = {"w": jax.random.normal(jax.random.key(0), (64, 128))}
     schedule = optax.linear_schedule(1e-3, 1e-4, 10)
     grads = [{"w": jax.random.normal(jax.random.key(i), (64, 128))} for i in (1, 2)]
