@@ -44,7 +44,8 @@ def get_config() -> config_dict.ConfigDict:
 
     config.optimizer = config_dict.ConfigDict({
         "name": "adamw",  # or adamw_8bit, adamw_4bit, adamw_fp8
-        "lr": 1e-3, "warmup_steps": 30, "min_lr_ratio": 0.1,
+        "lr": 1e-3, "warmup_steps": placeholder(int),  # None: min(30, steps // 10)
+        "min_lr_ratio": 0.1,
         "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.05, "grad_clip": 1.0,
         # dynamic_range_expansion: adamw_fp8 only (COAT). stochastic_rounding: update bfloat16 params
         # (--config.model.param_dtype=bfloat16) with stochastic rounding, no float32 master copy.

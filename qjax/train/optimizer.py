@@ -32,10 +32,17 @@ import optax
 from qjax import optim as qoptim
 
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_fp8")
+DEFAULT_WARMUP_STEPS = 30  # warmup_steps=None: this many, or a tenth of a shorter run
 
 
 def _get(cfg, name: str, default: Any = None) -> Any:
     return cfg.get(name, default) if hasattr(cfg, "get") else getattr(cfg, name, default)
+
+
+def warmup_steps(opt, total_steps: int) -> int:
+    """The config's warmup_steps; None means min(DEFAULT_WARMUP_STEPS, total_steps // 10)."""
+    value = _get(opt, "warmup_steps")
+    return min(DEFAULT_WARMUP_STEPS, total_steps // 10) if value is None else value
 
 
 def check_optimizer_config(opt, total_steps: int) -> None:
@@ -48,7 +55,7 @@ def check_optimizer_config(opt, total_steps: int) -> None:
     lr = _get(opt, "lr")
     if not isinstance(lr, (int, float)) or not lr > 0:
         raise ValueError(f"config.optimizer.lr must be a positive number, got {lr!r}")
-    warmup = _get(opt, "warmup_steps", 0)
+    warmup = warmup_steps(opt, total_steps)
     if not isinstance(warmup, int) or not 0 <= warmup < total_steps:
         raise ValueError(f"config.optimizer.warmup_steps must be an int in [0, steps={total_steps}), got {warmup!r}; "
                          "lower it or raise config.steps")
@@ -77,7 +84,7 @@ def check_optimizer_config(opt, total_steps: int) -> None:
 def make_schedule(opt, total_steps: int) -> optax.Schedule:
     """lr as a function of the 0-based train step (module docstring)."""
     lr = float(_get(opt, "lr"))
-    warmup = _get(opt, "warmup_steps", 0)
+    warmup = warmup_steps(opt, total_steps)
     cosine = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=total_steps,
         end_value=lr * float(_get(opt, "min_lr_ratio", 0.1)))
@@ -119,7 +126,8 @@ def make_optimizer(opt, total_steps: int) -> Optimizer:
     """The `Optimizer` of an optimizer config.
 
     Args:
-      opt: a ConfigDict / dataclass / dict with name (one of OPTIMIZERS), lr, warmup_steps, b1, b2, eps,
+      opt: a ConfigDict / dataclass / dict with name (one of OPTIMIZERS), lr, warmup_steps (None:
+        `warmup_steps`'s default), b1, b2, eps,
         weight_decay, grad_clip (0 or None: off) and optionally min_lr_ratio (default 0.1),
         dynamic_range_expansion and stochastic_rounding (default False; module docstring).
       total_steps: the configured length of the run (the cosine ends there, wherever a run is stopped).

@@ -32,6 +32,15 @@ def test_schedule_warms_up_linearly_then_decays_to_the_floor():
     np.testing.assert_allclose(lrs[-1], 1e-3, rtol=1e-5)  # lr * min_lr_ratio at the configured last step
 
 
+def test_default_warmup_is_30_steps_or_a_tenth_of_a_short_run():
+    for total, warmup in ((1000, 30), (20, 2)):
+        schedule = make_optimizer(_opt(warmup_steps=None), total_steps=total).schedule
+        np.testing.assert_allclose(float(schedule(0)), 1e-2 / warmup, rtol=1e-6)  # the update of step 0: lr(1)
+        np.testing.assert_allclose(float(schedule(warmup - 1)), 1e-2, rtol=1e-5)
+    no_warmup = make_optimizer(_opt(warmup_steps=None), total_steps=5).schedule  # 5 // 10 = 0: cosine from step 0
+    assert 0.9e-2 < float(no_warmup(0)) < 1e-2
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_weight_decay_hits_matrices_only(name):
     optimizer = make_optimizer(_opt(name=name), total_steps=10)
