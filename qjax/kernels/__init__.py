@@ -8,6 +8,9 @@
 A recipe's `backend` ("auto", "xla", "pallas") picks between a kernel and its reference (see `qjax.Recipe`).
 """
 
+import functools
+import warnings
+
 import jax
 
 
@@ -32,5 +35,17 @@ def use_kernel(backend: str) -> tuple[bool, bool]:
     hopper = on_hopper_gpu()
     if backend == "pallas":
         return True, not hopper
-    return hopper and jax.device_count() == 1, False
+    if hopper and jax.device_count() > 1:
+        _warn_kernels_off(jax.device_count())
+        return False, False
+    return hopper, False
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_kernels_off(device_count: int) -> None:
+    """Says once per process that "auto" left the kernels off (silently slow otherwise: the XLA path ran an int8
+    linear layer at about half the kernels' speed)."""
+    warnings.warn(f"qjax: {device_count} GPUs are visible, so backend 'auto' runs the XLA path instead of the Pallas "
+                  "kernels (they have no partitioning rule for a mesh yet). For single-GPU training make one GPU "
+                  "visible (CUDA_VISIBLE_DEVICES=0) or use a recipe with backend='pallas'.", stacklevel=3)
 

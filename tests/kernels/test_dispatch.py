@@ -30,6 +30,16 @@ def test_auto_is_xla_off_gpu_and_pallas_interprets():
         assert kernels.use_kernel("pallas") == (True, False)
 
 
+def test_auto_on_several_gpus_says_why_kernels_are_off(monkeypatch):
+    monkeypatch.setattr(kernels, "on_hopper_gpu", lambda: True)
+    monkeypatch.setattr(jax, "device_count", lambda: 2)
+    kernels._warn_kernels_off.cache_clear()
+    with pytest.warns(UserWarning, match="2 GPUs are visible.*CUDA_VISIBLE_DEVICES=0"):
+        assert kernels.use_kernel("auto") == (False, False)
+    assert kernels.use_kernel("pallas") == (True, False)
+    kernels._warn_kernels_off.cache_clear()
+
+
 @pytest.mark.parametrize("w_layout", ["nk", "kn"])
 @pytest.mark.parametrize("name", ["int8_rowwise", "fp8_tensorwise", "fp8_blockwise"])
 def test_pallas_backend_matches_xla_through_the_vjp(name, w_layout):
