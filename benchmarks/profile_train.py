@@ -5,9 +5,9 @@
 
 Runs --warmup steps, then --steps steps under `jax.profiler.trace`, reads the trace's `*.trace.json.gz` (written by
 jax itself, no TensorBoard plugin needed) and sums the duration of every device event per HLO op. Prints per step:
-the total device time, the idle time between kernels (host dispatch, launch latency), a breakdown by category (cuBLAS/cuDNN GEMMs, Pallas kernels, attention, XLA fusions) and
-the --top ops with their kernel names (--dump-hlo writes the optimized HLO those fusion names come from) and the
---top longest idle gaps.
+the total device time, the idle time between kernels (host dispatch, launch latency), a breakdown by category
+(cuBLAS/cuDNN GEMMs, Pallas kernels, attention, XLA fusions), the --top ops with their kernel names (--dump-hlo
+writes the optimized HLO those fusion names come from) and the --top longest idle gaps.
 The trace folder (--trace-dir) can be opened in Perfetto or TensorBoard.
 """
 
@@ -121,9 +121,10 @@ def main():
     for key, (us, _, kernel) in ops.items():
         by_category[category(kernel, key)] += us / args.steps
     span, idle, gaps = idle_gaps(events)
+    over_5us = sum(g[0] for g in gaps if g[0] > 5)
     print(f"\ndevice time per step: {total / 1e3:.2f} ms (sum over events; streams may overlap); first kernel to last: "
           f"{span / args.steps / 1e3:.2f} ms, of it idle (no kernel running) {idle / args.steps / 1e3:.2f} ms in "
-          f"{len(gaps) / args.steps:g} gaps; gaps over 5 us: {sum(g[0] for g in gaps if g[0] > 5) / args.steps / 1e3:.2f}"
+          f"{len(gaps) / args.steps:g} gaps; gaps over 5 us: {over_5us / args.steps / 1e3:.2f}"
           f" ms\n")
     idle_before = collections.Counter()  # idle time by the category of the kernel that ends the gap
     for gap, _, key, kernel in gaps:

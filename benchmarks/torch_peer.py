@@ -254,7 +254,8 @@ def bench_llama(args, torch, device):
             # Model FLOPs per token (PaLM, appendix B): 6 x non-embedding params + 12 x layers x dim x seq.
             flops_per_token = 6 * (n_params - args.vocab * args.dim) + 12 * args.layers * args.dim * args.seq
             results[variant] = dict(tokens_per_s=tokens_per_s, step_ms=ms, synced_step_ms=synced_ms, peak_mem_gb=peak,
-                                    loss_first=first, loss_last=last, model_tflops=tokens_per_s * flops_per_token / 1e12)
+                                    loss_first=first, loss_last=last,
+                                    model_tflops=tokens_per_s * flops_per_token / 1e12)
             _log(f"  {variant:22s} {tokens_per_s:12,.0f} tok/s  {ms:9.2f} ms/step ({synced_ms:.2f} synced)  peak "
                  + (f"{peak:.1f} GB" if peak else "n/a") + f"  loss {first:.3f} -> {last:.3f}")
         except Exception as e:

@@ -132,7 +132,8 @@ def measure_row(row: str, args) -> dict:
     stats = device.memory_stats() or {}
     tokens_per_s = args.batch * args.seq / ms * 1e3
     peak = peak_flops(device)
-    return dict(row=row, tokens_per_s=tokens_per_s, step_ms=ms, synced_step_ms=synced_ms, loss_first=losses[0], loss_last=losses[-1],
+    return dict(row=row, tokens_per_s=tokens_per_s, step_ms=ms, synced_step_ms=synced_ms, loss_first=losses[0],
+                loss_last=losses[-1],
                 peak_mem_gb=stats["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in stats else None,
                 mfu=tokens_per_s * task.flops_per_unit / peak if peak else None, device=device.device_kind)
 
@@ -168,8 +169,8 @@ def table(results: list[dict], peer: dict, args) -> str:
         peak = f"{r['peak_mem_gb']:.1f}" if r.get("peak_mem_gb") else "–"
         mfu = f"{r['mfu']:.2f}" if r.get("mfu") else "–"
         lines.append(f"| {r['row']} | {row_recipe(r['row']).name} | {row_optimizer(r['row'])} | "
-                     f"{r['tokens_per_s']:,.0f} | {speedup} | {r['step_ms']:.1f} | {r['synced_step_ms']:.1f} | {peak} | "
-                     f"{mfu} |")
+                     f"{r['tokens_per_s']:,.0f} | {speedup} | {r['step_ms']:.1f} | {r['synced_step_ms']:.1f} | "
+                     f"{peak} | {mfu} |")
     optimizers = {row_optimizer(r["row"]) for r in results}
     about = {"adamw": "adamw: optax, fp32 states", "adamw_fp8": "adamw_fp8: e4m3 states, fused step kernel on one "
              "Hopper GPU", "adamw_8bit": "adamw_8bit: 8-bit states, fused step kernel on one Hopper GPU",

@@ -7,13 +7,13 @@
 All three are `optax.chain(scale_by_quantized_adam(config, ...), add_decayed_weights(wd, mask),
 scale_by_learning_rate(lr))`, exactly how `optax.adamw` is built, so they compose with `optax.chain`, clipping,
 schedules, `optax.MultiSteps`, sharded params and orbax like any optax optimizer. They are returned as a
-`QuantizedAdamW`: an `optax.GradientTransformation` (init, update) with a `step` attribute besides.
-`apply_gradients` calls `step`, and with `use_kernel=True` (e4m3 or
-8-bit states, on a single Hopper GPU) it updates each eligible tensor's param and moments in one fused kernel
-(`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param); every other tensor, and every tensor
-without `use_kernel`, takes exactly the optax path. Only a bare `QuantizedAdamW` passed to `apply_gradients` takes
-the kernel: inside `optax.chain` (e.g. after clipping) or `optax.MultiSteps` it is an ordinary optax optimizer
-(`qjax.train` clips the gradients before the step instead, so its adamw_8bit and adamw_fp8 run the kernel).
+`QuantizedAdamW`: an `optax.GradientTransformation` (init, update) with a `step` attribute besides. `apply_gradients`
+calls `step`, and with `use_kernel=True` (e4m3 or 8-bit states, on a single Hopper GPU) it updates each eligible
+tensor's param and moments in one fused kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32
+param); every other tensor, and every tensor without `use_kernel`, takes exactly the optax path. Only a bare
+`QuantizedAdamW` passed to `apply_gradients` takes the kernel: inside `optax.chain` (e.g. after clipping) or
+`optax.MultiSteps` it is an ordinary optax optimizer (`qjax.train` clips the gradients before the step instead, so
+its adamw_8bit and adamw_fp8 run the kernel).
 
 Per tensor, with t the step (1-based) and g the gradient in float32 (torchao `low_bit_optim` semantics):
   m_old, v_old = dequantize(state)                     float32

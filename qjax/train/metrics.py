@@ -1,6 +1,7 @@
 """Progress of a run: one line per log interval on stdout and one JSON object per line in <workdir>/metrics.jsonl.
 
-  step 120/300 [########------------]  40% | loss 2.4137 | lr 8.10e-04 | 41,230 tok/s | MFU 37.2% | mem 21.3 GiB | ETA 1m12s
+  step 120/300 [########------------]  40% | loss 2.4137 | lr 8.10e-04 | 41,230 tok/s | MFU 37.2% | mem 21.3 GiB
+    | ETA 1m12s      (one line)
 
 MFU = (training FLOPs per token or image, from the model) x throughput / peak dense bf16 FLOP/s of the devices. The
 peak is known only for the GPUs we run on (H100 / H200: 989 TFLOP/s each); elsewhere MFU is left out rather than

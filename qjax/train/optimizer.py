@@ -126,10 +126,9 @@ def make_optimizer(opt, total_steps: int) -> Optimizer:
     """The `Optimizer` of an optimizer config.
 
     Args:
-      opt: a ConfigDict / dataclass / dict with name (one of OPTIMIZERS), lr, warmup_steps (None:
-        `warmup_steps`'s default), b1, b2, eps,
-        weight_decay, grad_clip (0 or None: off) and optionally min_lr_ratio (default 0.1),
-        dynamic_range_expansion and stochastic_rounding (default False; module docstring).
+      opt: a ConfigDict / dataclass / dict with name (one of OPTIMIZERS), lr, warmup_steps (None: see
+        `warmup_steps`), b1, b2, eps, weight_decay, grad_clip (0 or None: off) and optionally min_lr_ratio (default
+        0.1), dynamic_range_expansion and stochastic_rounding (default False; module docstring).
       total_steps: the configured length of the run (the cosine ends there, wherever a run is stopped).
     """
     check_optimizer_config(opt, total_steps)
