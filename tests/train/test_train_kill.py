@@ -42,14 +42,17 @@ def _final_state(workdir):
 
 def test_killed_run_restarts_to_the_uninterrupted_result(token_dir, tmp_path):
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_command(killed, token_dir), env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 240
-    while not _saved_steps(killed) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert proc.poll() is None, f"the run ended before it could be killed (raise STEPS): {proc.stderr.read()[-2000:]}"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    log = tmp_path / "killed.log"  # a file, not a pipe: a full pipe would stall the run
+    with open(log, "w") as out:
+        proc = subprocess.Popen(_command(killed, token_dir), env=_env(), cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while not _saved_steps(killed) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        running = proc.poll() is None
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert running, f"the run ended before it could be killed (raise STEPS): {log.read_text()[-2000:]}"
     at_kill = _saved_steps(killed)
     assert at_kill and at_kill[-1] < STEPS, at_kill
 
