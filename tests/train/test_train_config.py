@@ -4,12 +4,11 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from absl import flags
 from ml_collections import config_flags
 from train_helpers import tiny_llama_config, tiny_vit_config
-
-import numpy as np
 
 import qjax
 from qjax.models import LLAMA_SIZES
