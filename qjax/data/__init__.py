@@ -29,6 +29,14 @@ KINDS = {
 }
 
 
+def field_problems(kind: str, data_config) -> tuple[list[str], list[str]]:
+    """(missing required fields, fields `kind` does not take) of a data config (a mapping) of a known kind; a field
+    set to None counts as unset."""
+    required, optional = KINDS[kind]
+    fields = [k for k, v in data_config.items() if k != "kind" and v is not None]
+    return [k for k in required if k not in fields], sorted(set(fields) - set(required) - set(optional))
+
+
 def make_dataset(data_config, *, batch_size: int, seq_len: int | None = None, seed: int):
     """Builds the dataset a config describes.
 
@@ -53,14 +61,12 @@ def make_dataset(data_config, *, batch_size: int, seq_len: int | None = None, se
     kind = data_config.get("kind")
     if kind not in KINDS:
         raise ValueError(f"unknown data kind {kind!r}: set data_config.kind to one of {sorted(KINDS)}")
-    required, optional = KINDS[kind]
-    fields = {k: v for k, v in data_config.items() if k != "kind" and v is not None}
-    missing = [k for k in required if k not in fields]
+    missing, unknown = field_problems(kind, data_config)
     if missing:
         raise ValueError(f'data kind "{kind}" needs the field(s) {missing}')
-    unknown = sorted(set(fields) - set(required) - set(optional))
     if unknown:
-        raise ValueError(f'unknown field(s) {unknown} for data kind "{kind}": it takes {list(required + optional)}')
+        raise ValueError(f'unknown field(s) {unknown} for data kind "{kind}": it takes {list(sum(KINDS[kind], ()))}')
+    fields = {k: v for k, v in data_config.items() if k != "kind" and v is not None}
 
     if kind == "tokens":
         if seq_len is None:
@@ -74,4 +80,4 @@ def make_dataset(data_config, *, batch_size: int, seq_len: int | None = None, se
 
 
 __all__ = ["KINDS", "ByteTokenizer", "ImageDataset", "TokenDataset", "load_digits", "load_npz", "load_tfds",
-           "load_tokenizer", "make_dataset", "prepare_text"]
+           "field_problems", "load_tokenizer", "make_dataset", "prepare_text"]

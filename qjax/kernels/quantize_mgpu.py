@@ -299,7 +299,8 @@ def _run_tiles(step_body, x, seeds, inputs, in_streams, out_type, out_streams, *
 @functools.partial(jax.jit, static_argnames=("row", "col", "steps", "out_slots", "interpret"))
 def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, steps, out_slots=1, interpret):
     """The tile kernel. row_inv (M,) / col_inv (K,): f32 inverse scales for sides without blocks (else unused).
-    out_slots: SMEM slots per output (see `_run_tiles`); 1, the default, measured faster (benchmarks/kernels.py).
+    out_slots: SMEM slots per output (see `_run_tiles`); 1, the default, measured faster: 32 KB of SMEM for both
+    sides' codes instead of 64 lets two programs share an SM (H100, 16384 x 11264 bf16: 453 -> 327 us).
 
     Returns [row codes (M, K), row block scales (K/128, M)?, col codes (K, M)?, col block scales (M/128, K)?]."""
     m, k = x.shape
@@ -333,8 +334,6 @@ def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, ste
             scale_ref = out_refs.pop(0) if side.block is not None else None
             _quantize_tile_side(x_smem, side, transposed, inv_ref, codes_ref, scale_ref, seed, row0, col0, n_cols)
 
-    # One output slot: the two sides' codes then need 32 KB of SMEM instead of 64, and two programs fit an SM
-    # (H100, 16384 x 11264 bf16: 453 -> 327 us, 1.71x -> 1.25x the time of an XLA copy; RESULTS.md, 2026-11-23).
     return _run_tiles(step, x, seeds, inverses, in_streams, out_type, out_streams, steps=steps, out_slots=out_slots,
                       interpret=interpret)
 

@@ -8,7 +8,7 @@ can print it as one line instead of a traceback. Model shape fields are checked 
 import os
 
 import qjax
-from qjax.data import KINDS
+from qjax.data import KINDS, field_problems
 from qjax.models import LLAMA_SIZES, VIT_SIZES
 from qjax.train.optimizer import check_optimizer_config
 
@@ -83,15 +83,12 @@ def check_data_config(data) -> None:
     kind = data.get("kind")
     if kind not in KINDS:
         raise ConfigError(f"config.data.kind must be one of {sorted(KINDS)}, got {kind!r}")
-    required, optional = KINDS[kind]
-    missing = [f"config.data.{name}" for name in required if data.get(name) is None]
+    missing, unused = ([f"config.data.{name}" for name in names] for names in field_problems(kind, data))
     if missing:
         raise ConfigError(f"config.data.kind={kind!r} needs {', '.join(missing)} (e.g. --{missing[0]}=...)")
-    unused = sorted(f"config.data.{name}" for name, value in data.items()
-                    if name != "kind" and value is not None and name not in required + optional)
     if unused:
         raise ConfigError(f"{', '.join(unused)} is not used by config.data.kind={kind!r} (it takes "
-                          f"{', '.join(required + optional) or 'no fields'}): unset it")
+                          f"{', '.join(sum(KINDS[kind], ())) or 'no fields'}): unset it")
     if kind in _PREPARE_HINTS:
         path = data.get("path")
         if not os.path.exists(path):
