@@ -5,10 +5,8 @@ what `qjax.optim.adamw_fp8` / `adamw_8bit`'s optax chain followed by `optax.appl
 `fused_step_reference` is that computation in jnp (the test reference). State formats (`KERNEL_FORMATS`):
   e4m3:  `Fp8State` m and v, codes float8_e4m3fn (n, B), scale f32 (n,) = absmax / 448 (see `blockwise`)
   8-bit: `CodebookState` m on the signed, v on the unsigned dynamic map, codes uint8 (n, B), absmax f32 (n,); the
-         kernel decodes and encodes the codes arithmetically (`maps.decode_gather_free`,
-         `maps.encode_nearest_gather_free`: Mosaic GPU has no gather): bit-equal to the table lookups under the
-         interpreter; compiled, the GPU's division is within 2 ulp, so decoded values can be 1 ulp off the table and
-         a probe within that of a decision midpoint can take the other nearest-up-to-rounding code.
+         kernel decodes with one lookup per code and encodes with `maps.encode_unit` (position arithmetic and one
+         lookup) in the map's `maps.codec_table`, read from GMEM per lane (`_lookup`: Mosaic GPU has no gather).
 Why a kernel: through optax, the step writes an update tensor and reads it back (`apply_updates` is a separate pass),
 28 bytes per float32 param with fp32 states, and XLA splits the block absmax from the quantization (~24 bytes with
 e4m3 states, no faster than fp32 AdamW; the 8-bit jnp path moves more and gathers from the code books). The kernel
@@ -61,6 +59,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, memref
 
 from qjax import kernels
 from qjax.kernels.stochastic_cast_mgpu import resolve_interpret
@@ -132,18 +132,39 @@ def _broadcast_rows(row: jax.Array, shape) -> jax.Array:
     return plgpu.layout_cast(lax.broadcast_in_dim(row, shape, (0,)), _LAYOUT)
 
 
-def _dequantize_rows(codes: jax.Array, scale: jax.Array, fmt: str) -> jax.Array:
-    """codes (R, B) e4m3 or uint8, scale f32 (R,) -> f32 (R, B): `blockwise.dequantize` row by row."""
-    values = codes.astype(jnp.float32) if fmt == "e4m3" else maps.decode_gather_free(codes, maps.get_map(fmt))
+def _lookup(table_ref, index: jax.Array, interpret: bool) -> jax.Array:
+    """table_ref float32 (T,) in GMEM, index int32 (R, B) in [0, T) in `_LAYOUT` -> float32 (R, B) table[index].
+
+    Mosaic GPU has no gather: each lane loads its elements one by one (`memref.load` -> ld.global; the 2 KB table
+    stays in L1). The CPU interpreter cannot run `inline_mgpu`, so there the table is loaded whole and gathered."""
+    if interpret:
+        return jnp.take(table_ref[...], index, axis=0)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _LAYOUT),
+                       return_type=plgpu.ShapeDtypeStruct(index.shape, jnp.float32, _LAYOUT))
+    def gather(_, table, idx):
+        return idx.foreach(lambda i, _: memref.load(table, [arith.index_cast(ir.IndexType.get(), i)]),
+                           create_array=True)
+
+    return gather(table_ref, index)
+
+
+def _dequantize_rows(codes: jax.Array, scale: jax.Array, fmt: str, table) -> jax.Array:
+    """codes (R, B) e4m3 or uint8, scale f32 (R,) -> f32 (R, B): `blockwise.dequantize` row by row.
+    table: 8-bit formats' `maps.codec_table` lookup (index -> value), None for e4m3."""
+    if fmt == "e4m3":
+        values = codes.astype(jnp.float32)
+    else:
+        values = table(codes.astype(jnp.int32) + maps.get_map(fmt).size)  # the map's values follow its thresholds
     return values * _broadcast_rows(scale, codes.shape)
 
 
-def _quantize_rows(x: jax.Array, fmt: str):
+def _quantize_rows(x: jax.Array, fmt: str, table):
     """f32 (R, B) -> (codes (R, B), scale f32 (R,)): `blockwise.quantize_fp8` / `quantize_codebook` row by row."""
     absmax = blockwise.block_absmax(x)  # NaN-propagating bit-pattern max, per row
     if fmt != "e4m3":
-        divisor = jnp.where(absmax == 0, jnp.float32(1), absmax)  # |x / absmax| <= 1: the gather-free encoder's domain
-        return maps.encode_nearest_gather_free(x / _broadcast_rows(divisor, x.shape), maps.get_map(fmt)), absmax
+        divisor = jnp.where(absmax == 0, jnp.float32(1), absmax)  # |x / absmax| <= 1: encode_unit's domain
+        return maps.encode_unit(x / _broadcast_rows(divisor, x.shape), maps.get_map(fmt), table), absmax
     scale = absmax / jnp.float32(_E4M3_MAX)
     scale = jnp.where(scale == 0, jnp.float32(1), scale)
     # x / scale is finite or NaN here (an Inf element makes the scale Inf: Inf / Inf = NaN), so the clamp alone
@@ -158,23 +179,26 @@ def _load(ref, layout):
     return plgpu.load(ref, layout=layout, optimized=False)
 
 
-def _tile_step(coef_ref, p_ref, g_ref, m_codes_ref, m_scale_ref, v_codes_ref, v_scale_ref, *, formats, b1, b2,
-               eps, weight_decay):
-    """One tile in GMEM, updated in place: the fused step of `fused_step_reference` on (R, B) arrays."""
+def _tile_step(coef_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_codes_ref, m_scale_ref, v_codes_ref, v_scale_ref,
+               *, formats, b1, b2, eps, weight_decay, interpret):
+    """One tile in GMEM, updated in place: the fused step of `fused_step_reference` on (R, B) arrays.
+    m_table_ref, v_table_ref: the 8-bit formats' `maps.codec_table` (unused for e4m3)."""
     m_format, v_format = formats
+    m_table = functools.partial(_lookup, m_table_ref, interpret=interpret)
+    v_table = functools.partial(_lookup, v_table_ref, interpret=interpret)
 
-    def load_state(codes_ref, scale_ref, fmt):
-        return _dequantize_rows(_load(codes_ref, _LAYOUT), _load(scale_ref, _ROW_LAYOUT), fmt)
+    def load_state(codes_ref, scale_ref, fmt, table):
+        return _dequantize_rows(_load(codes_ref, _LAYOUT), _load(scale_ref, _ROW_LAYOUT), fmt, table)
 
     p = _load(p_ref, _LAYOUT)
     g = _load(g_ref, _LAYOUT)
     bc1, bc2_sqrt, step_size = coef_ref[0], coef_ref[1], coef_ref[2]
-    m_old = load_state(m_codes_ref, m_scale_ref, m_format)
-    v_old = load_state(v_codes_ref, v_scale_ref, v_format)
+    m_old = load_state(m_codes_ref, m_scale_ref, m_format, m_table)
+    v_old = load_state(v_codes_ref, v_scale_ref, v_format, v_table)
     direction, m, v = adam.adam_math(g, m_old, v_old, b1, b2, eps, bc1, bc2_sqrt)
     p_ref[...] = _param_update(p, direction, step_size, weight_decay)
-    m_codes_ref[...], m_scale_ref[...] = _quantize_rows(m, m_format)
-    v_codes_ref[...], v_scale_ref[...] = _quantize_rows(v, v_format)
+    m_codes_ref[...], m_scale_ref[...] = _quantize_rows(m, m_format, m_table)
+    v_codes_ref[...], v_scale_ref[...] = _quantize_rows(v, v_format, v_table)
 
 
 def _tile_rows(n_rows: int, block_size: int) -> int:
@@ -191,16 +215,19 @@ def _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, formats, b1,
     inputs = (p2, g2, m_codes, m_scale, v_codes, v_scale)
     written = (0, 2, 3, 4, 5)  # updated in place
 
-    def body(coef_ref, *refs):
+    def body(coef_ref, m_table_ref, v_table_ref, *refs):
         tile = pl.ds(lax.axis_index("program") * rows, rows)
-        _tile_step(coef_ref, *(ref.at[tile] for ref in refs), formats=formats, b1=b1, b2=b2, eps=eps,
-                   weight_decay=weight_decay)
+        _tile_step(coef_ref, m_table_ref, v_table_ref, *(ref.at[tile] for ref in refs), formats=formats, b1=b1,
+                   b2=b2, eps=eps, weight_decay=weight_decay, interpret=interpret is not None)
 
     # The param and state arrays go in as mutable refs, updated in place (the kernel's aliased outputs): with the
     # step's params and state donated, XLA then writes them where they are instead of copying each kernel output
     # into the donated buffer (12 more bytes moved per param).
     refs = [jax.new_ref(a) if i in written else a for i, a in enumerate(inputs)]
-    plgpu.kernel(body, out_type=(), grid=(n_rows // rows,), grid_names=("program",), interpret=interpret)(coef, *refs)
+    tables = [jnp.asarray(maps.codec_table(maps.get_map(f)) if f != "e4m3" else jnp.zeros(1, jnp.float32))
+              for f in formats]
+    plgpu.kernel(body, out_type=(), grid=(n_rows // rows,), grid_names=("program",), interpret=interpret)(
+        coef, *tables, *refs)
     return tuple(jax.freeze(refs[i]) for i in written)
 
 

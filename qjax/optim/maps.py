@@ -18,10 +18,9 @@ in float32 first, which can move a value by about one float32 ulp; the code book
 
 Encoding is nearest-code: `code = argmin_j |x - qmap[j]|` computed in float32, ties to the lower index, which is
 what a brute-force argmin returns. `encode_nearest` gets the same answer arithmetically (the map's level and affine
-position give two candidate codes, one gathered float32 threshold picks one), without a search over the table: on
-a GPU, gathers per element are what a binary search (one per bit) paid for. Kernels, which cannot gather at all
-(Mosaic GPU), use `decode_gather_free` and `encode_nearest_gather_free` for the dynamic maps: the same results from
-arithmetic alone (one division per decoded code) wherever float32 division is IEEE; a GPU's is within 2 ulp.
+position give two candidate codes, one float32 threshold looked up in `codec_table` picks one), without a search
+over the table: on a GPU, lookups per element are what a binary search (one per bit) paid for. Kernels, which have
+no gather (Mosaic GPU), call `encode_unit` and `codec_table` with their own table lookup.
 """
 
 import dataclasses
@@ -230,22 +229,52 @@ def encode_nearest(x: jax.Array, qmap) -> jax.Array:
     target = jnp.where(beyond, (x - d) - half_ulp, x)  # x - d is exact (Sterbenz); the sum only needs ~1e-7
 
     shift = jnp.where(beyond, jnp.float32(enc.first_tie_shift), jnp.float32(enc.nearest_shift))
-    # Clip before the int cast (Inf/huge targets); NaN targets give garbage codes, replaced by 0 below.
-    position = jnp.clip(_position(jnp.abs(target), enc) - shift, -1.0, float(size))
-    c = jnp.floor(position).astype(jnp.int32)
-    negative = target < 0
-    if enc.mirrored:  # pair {c, c+1} of |t| mirrors to {size-3-c, size-2-c}; a single code c to size-2-c
-        c = jnp.where(negative, size - 3 + beyond.astype(jnp.int32) - c, c)
-    else:  # non-negative map: below it, code 0 is nearest / first tied
-        c = jnp.where(negative, 0, c)
-    c = jnp.clip(c, 0, size - 2 + beyond.astype(jnp.int32))
-
+    c = _pair_start(target, shift, beyond.astype(jnp.int32), enc)
     index = (c + jnp.where(beyond, size, 0)).astype(jnp.uint32)  # unsigned: no negative-index wrap-around ops
     entry = jnp.asarray(enc.table)[index]  # T_c, or qmap[c] beyond 1
     code = jnp.where(beyond, c + (jnp.abs(x - entry) != d), c + (x >= entry))
     # NaN distances make argmin return 0; +Inf ties all distances at Inf (-Inf lands on code 0 by itself).
     code = jnp.where(jnp.isnan(x) | (x == jnp.inf), 0, code)
     return code.astype(jnp.uint8)
+
+
+def _pair_start(target: jax.Array, shift, beyond, enc: _Encoder) -> jax.Array:
+    """int32 c of the code pair {c, c + 1} that holds the answer for float32 `target` (see `encode_nearest`).
+
+    beyond: 1 where the first tied code beyond 1.0 is wanted (then c may be size - 1), else 0. floor is
+    int(position + 1) - 1 (Mosaic GPU has no floor op; position >= -1): off by one only where the rounding of the
+    sum reaches an integer, and there both pairs hold the answer (every decision boundary is >= 0.15 from an integer
+    position, see `_dynamic_encoder`). NaN targets give some c in range (callers replace their code)."""
+    size = enc.size
+    position = jnp.clip(_position(jnp.abs(target), enc) - shift, -1.0, float(size))
+    c = (position + 1).astype(jnp.int32) - 1
+    negative = target < 0
+    if enc.mirrored:  # pair {c, c+1} of |t| mirrors to {size-3-c, size-2-c}; a single code c to size-2-c
+        c = jnp.where(negative, size - 3 + beyond - c, c)
+    else:  # non-negative map: below it, code 0 is nearest / first tied
+        c = jnp.where(negative, 0, c)
+    return jnp.clip(c, 0, size - 2 + beyond)
+
+
+def codec_table(qmap) -> np.ndarray:
+    """float32 (2 * size,) table of a map for `encode_unit`'s and a kernel's lookups: index c < size - 1 holds the
+    threshold T_c between codes c and c + 1 (x >= T_c is nearer c + 1), index size + j holds qmap[j] (decoding)."""
+    return _encoder(qmap).table
+
+
+def encode_unit(x: jax.Array, qmap, lookup=None) -> jax.Array:
+    """`encode_nearest` of float32 x with |x| <= 1 + a few ulps (values times their block's 1 / absmax) or NaN.
+
+    lookup: index (int32, x's shape, in [0, size - 1)) -> float32 `codec_table(qmap)[index]`; default: a jnp
+    gather. Kernels pass their own (Mosaic GPU has no gather). One lookup per element, ~40 elementwise ops.
+    Returns uint8 codes of x's shape; NaN encodes as 0 (the block's NaN absmax keeps it visible)."""
+    enc = _encoder(qmap)
+    if lookup is None:
+        table = jnp.asarray(enc.table)
+        lookup = lambda index: table[index]  # noqa: E731
+    c = _pair_start(x, enc.nearest_shift, 0, enc)  # beyond 1.0 (by an ulp) the pair {size - 2, size - 1} holds 1.0
+    code = c + (x >= lookup(c)).astype(jnp.int32)
+    return jnp.where(jnp.isnan(x), 0, code).astype(jnp.uint8)
 
 
 def encode_brute_force(x: jax.Array, qmap) -> jax.Array:
@@ -258,73 +287,3 @@ def encode_brute_force(x: jax.Array, qmap) -> jax.Array:
 def decode(codes: jax.Array, qmap) -> jax.Array:
     """codes (uint8, any shape) -> float32 map values of the same shape."""
     return jnp.asarray(qmap, jnp.float32)[codes.astype(jnp.int32)]
-
-
-# Gather-free decoding and encoding, for kernels: Mosaic GPU has no gather, so a kernel cannot index the table.
-
-
-def _dynamic_encoder_of(qmap) -> _Encoder:
-    enc = _encoder(qmap)
-    if not enc.exponent_bits:
-        raise ValueError("the gather-free decode and encode cover the dynamic maps (dynamic_map(signed, bits - 1, "
-                         "bits)) only; got a linear map")
-    return enc
-
-
-def decode_gather_free(codes: jax.Array, qmap) -> jax.Array:
-    """`decode` of a dynamic map without indexing the table: integer codes (any shape) -> float32, bit-equal with
-    IEEE division (on a GPU within 2 ulp, see below).
-
-    With m the 1-based index of a positive value (level i holds n = 2**floor(log2 m) values if signed, m = k + n
-    for the level's k-th value; unsigned levels hold 2n values, and m counts from 2), the defining formula
-    10**(i - E + 1) * (0.1 + 0.9 (k + 0.5) / n_i) is N / D with the odd integer N = 2 n_i + 18 k + 9 = 18 m - 16 n + 9
-    and D = 5**(E - i) * 2**(E + 1) (signed) or 2**(E + 2) (unsigned), both exact in float32: one IEEE division
-    gives the correctly rounded value, which is the table's (tests check every code of every dynamic map, on CPU).
-    Compiled for a GPU the division is PTX div.full (Mosaic GPU and XLA:GPU alike), within 2 ulp: on an H100 30%
-    of the signed map's codes came out 1 ulp off (tests/optim/test_fused_kernel.py, test_gpu_codec_in_kernel).
-    """
-    enc = _dynamic_encoder_of(qmap)
-    exponents, half = enc.exponent_bits, enc.size // 2
-    c = codes.astype(jnp.int32)
-    if enc.mirrored:  # codes below half - 1 mirror the positive values; half - 1 is 0, size - 1 is 1.0
-        m = jnp.where(c < half - 1, half - 2 - c, c - half) + 1
-        zero, one, level_shift = 0, half, 0
-    else:  # code 0 is 0, size - 1 is 1.0
-        m = c + 1
-        zero, one, level_shift = 1, enc.size, 1
-    m_float = m.astype(jnp.float32)  # < 2**24: exact
-    n = lax.bitcast_convert_type(lax.bitcast_convert_type(m_float, jnp.int32) & 0x7F800000, jnp.float32)
-    numerator = 18 * m_float - 16 * n + 9
-    power_of_two = 2 ** (exponents + 1 + level_shift)
-    denominator = jnp.float32(5**exponents * power_of_two)
-    for i in range(1, exponents):
-        denominator = jnp.where(n >= 2 ** (i + level_shift), jnp.float32(5 ** (exponents - i) * power_of_two),
-                                denominator)
-    value = jnp.where(m == zero, 0.0, jnp.where(m == one, 1.0, numerator / denominator))
-    return jnp.where(c < half - 1, -value, value) if enc.mirrored else value
-
-
-def encode_nearest_gather_free(x: jax.Array, qmap) -> jax.Array:
-    """`encode_nearest` for |x| < 2 and NaN (values times their block's 1 / absmax) without a table: uint8, x's shape.
-
-    The candidate pair {c, c + 1} comes from the same position arithmetic; instead of the gathered threshold, both
-    codes are decoded (`decode_gather_free`) and their float32 distances to x compared, which is the brute-force
-    argmin's own comparison (ties to the lower code). For x > 1 this is a nearest code, and the first tied one that
-    `encode_nearest` returns while |x| < 2 (far beyond 1, distances to several codes round alike). floor is
-    int(position + 1) - 1 (Mosaic GPU has no floor op): off by one only where the rounding of the sum reaches an
-    integer, and there both pairs hold the nearest code (every nearest-code boundary is >= 0.15 from an integer
-    position, see `_dynamic_encoder`).
-    """
-    enc = _dynamic_encoder_of(qmap)
-    size = enc.size
-    x = jnp.asarray(x).astype(jnp.float32)
-    position = jnp.clip(_position(jnp.abs(x), enc) - enc.nearest_shift, -1.0, float(size))
-    c = (position + 1).astype(jnp.int32) - 1
-    if enc.mirrored:
-        c = jnp.where(x < 0, size - 3 - c, c)
-    else:
-        c = jnp.where(x < 0, 0, c)
-    c = jnp.clip(c, 0, size - 2)
-    up = jnp.abs(x - decode_gather_free(c + 1, qmap)) < jnp.abs(x - decode_gather_free(c, qmap))
-    code = c + up.astype(jnp.int32)
-    return jnp.where(jnp.isnan(x), 0, code).astype(jnp.uint8)

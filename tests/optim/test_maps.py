@@ -125,37 +125,29 @@ def test_encode_other_supported_maps(make):
     np.testing.assert_array_equal(got, _brute_force_chunked(x, qmap))
 
 
-_DYNAMIC_MAPS = {"signed 8-bit": maps.DYNAMIC_SIGNED_8BIT, "unsigned 8-bit": maps.DYNAMIC_UNSIGNED_8BIT,
-                 "signed 4-bit": maps.DYNAMIC_SIGNED_4BIT, "unsigned 4-bit": maps.dynamic_map(False, 3, 4)}
-
-
-@pytest.mark.parametrize("name", sorted(_DYNAMIC_MAPS))
-def test_decode_gather_free_equals_the_table(name):
-    qmap = _DYNAMIC_MAPS[name]
-    codes = jnp.arange(qmap.size, dtype=jnp.uint8).reshape(-1, 4)
-    got = np.asarray(jax.jit(lambda c: maps.decode_gather_free(c, qmap))(codes)).reshape(-1)
-    np.testing.assert_array_equal(got.view(np.int32), qmap.view(np.int32))  # bit for bit (+0, not -0)
-
-
-@pytest.mark.parametrize("name", sorted(_DYNAMIC_MAPS))
-def test_encode_gather_free_equals_brute_force(name):
-    """On its domain |x| < 2 (values times their block's 1 / absmax) and NaN, including the map values, the decision
-    boundaries and decades +- a few ulps, zeros of both signs and 1e6 log-uniform values."""
-    qmap = _DYNAMIC_MAPS[name]
+@pytest.mark.parametrize("name", sorted(maps.MAPS))
+def test_encode_unit_equals_brute_force(name):
+    """On its domain |x| <= 1 (+ a few ulps: values times their block's 1 / absmax, divided on a GPU) and NaN,
+    including the map values, the decision boundaries and decades +- a few ulps, zeros of both signs and 1e6
+    log-uniform values."""
+    qmap = maps.MAPS[name]
     x = _probes(qmap)
-    x = np.concatenate([x[np.abs(x) < 2], np.array([0.0, -0.0, 1.0, -1.0, np.nan, -np.nan], np.float32)])
-    assert np.sum(np.abs(x) > 1) > 100
-    got = np.asarray(jax.jit(lambda v: maps.encode_nearest_gather_free(v, qmap))(jnp.asarray(x)))
+    top = np.float32(1)
+    for _ in range(3):
+        top = np.nextafter(top, np.float32(2))
+    x = np.concatenate([x[np.abs(x) <= top], np.array([0.0, -0.0, 1.0, -1.0, top, -top, np.nan], np.float32)])
+    got = np.asarray(jax.jit(lambda v: maps.encode_unit(v, qmap))(jnp.asarray(x)))
     want = _brute_force_chunked(x, qmap)  # NaN: code 0
     wrong = np.flatnonzero(got != want)
     assert got.dtype == np.uint8 and wrong.size == 0, f"{wrong.size} codes differ, e.g. x={x[wrong[:5]]}"
 
 
-def test_gather_free_rejects_linear_maps():
-    with pytest.raises(ValueError, match="dynamic maps"):
-        maps.decode_gather_free(jnp.zeros(3, jnp.uint8), maps.LINEAR_UNSIGNED_4BIT)
-    with pytest.raises(ValueError, match="dynamic maps"):
-        maps.encode_nearest_gather_free(jnp.zeros(3), maps.LINEAR_UNSIGNED_4BIT)
+def test_codec_table_layout():
+    qmap = maps.DYNAMIC_SIGNED_8BIT
+    table = maps.codec_table(qmap)
+    assert table.dtype == np.float32 and table.shape == (512,)
+    np.testing.assert_array_equal(table[256:], qmap)  # values after the thresholds
+    assert np.all((qmap[:-1] < table[:255]) & (table[:255] <= qmap[1:]))  # T_c between codes c and c + 1
 
 
 def test_pack_4bit_roundtrip():
