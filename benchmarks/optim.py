@@ -6,13 +6,13 @@
 
 Params and grads are float32 (so optax.adamw's states are float32, the baseline the ratios refer to). One step is
 `qjax.optim.apply_gradients` (= `tx.update` + `optax.apply_updates`; for adamw_8bit / adamw_fp8(use_kernel=True)
-the fused step kernel) under one jit with params and state donated. Each row is timed alternately with optax.adamw
-(--rounds rounds of --iters steps), so that a GPU's clock drift during the run (the same step has measured 16% apart
-minutes later) hits both alike, and its ratio is against the baseline's median in those same rounds; only the row
-and the baseline are resident (more resident arrays slowed the fused kernel by up to 2x). Step ms is the median over
-rounds of the mean step time (--iters steps dispatched back to back, then one block_until_ready: waiting after each
-step would add the host's dispatch of ~1000 arrays to it). Achieved GB/s counts the bytes a step must move: params
-read + written, grads read, every state array read + written (divided by the step time).
+the fused step kernel) with params and state donated. Each row is timed alternately with optax.adamw (--rounds
+rounds of --iters steps), so that a GPU's clock drift during the run hits both alike, and its ratio is against the
+baseline's median in those same rounds; only the row and the baseline are resident. A round is one jitted
+`fori_loop` of --iters steps, one dispatch: the GPU's time. Steps dispatched one by one measured the host instead
+(dispatching ~1000 arrays took as long as the step's GPU work, and varied 6-26 ms for the fused-kernel steps;
+`Prepared`). Step ms is the median over rounds of the mean step time. Achieved GB/s counts the bytes a step must
+move: params read + written, grads read, every state array read + written (divided by the step time).
 """
 
 import argparse
@@ -24,6 +24,7 @@ import time
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qjax import optim  # noqa: E402
@@ -52,39 +53,49 @@ def make_tree(shapes, key, scale):
 
 
 class Prepared:
-    """One optimizer's compiled step and its carried (params, state), warmed up; see `prepare`."""
+    """One optimizer's compiled steps and its carried (params, state), warmed up.
 
-    def __init__(self, tx, params, grads, dump_path=None):
+    `step` (one optimizer step) gives the optimized HLO's statistics; `loop` runs `iters` steps in one `fori_loop`,
+    one dispatch, which is what is timed: dispatching a step of ~1000 arrays from the host took 4-6 ms for
+    optax.adamw and 6-26 ms for the fused-kernel steps (H100, 2026-11-24), as long as or longer than their GPU time,
+    so steps dispatched one by one timed the host. In training the optimizer runs inside the train step's single
+    dispatch, which overlaps the model's GPU work."""
+
+    def __init__(self, tx, params, grads, iters: int, dump_path=None):
         state = tx.init(params)
         step = jax.jit(lambda p, s, g: optim.apply_gradients(tx, g, s, p), donate_argnums=(0, 1))
         self.params = jax.tree.map(jnp.copy, params)
-        self.step = step.lower(self.params, state, grads).compile()  # compiled once: the HLO is of what runs
-        hlo = self.step.as_text()
+        compiled = step.lower(self.params, state, grads).compile()
+        hlo = compiled.as_text()
         if dump_path:
             os.makedirs(os.path.dirname(dump_path), exist_ok=True)
             with open(dump_path, "w") as f:
                 f.write(hlo)
-        cost = self.step.cost_analysis()
+        cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         self.xla_bytes = (cost or {}).get("bytes accessed")
         # Kernel launches: fusions and custom calls (Pallas kernels, cuBLAS) of the entry computation.
         entry = hlo[hlo.find("ENTRY"):]
         self.kernels = sum(entry.count(op) for op in (" fusion(", " custom-call("))
         self.state_bytes = blockwise.nbytes(state)
+        self.iters = iters
+
+        def loop(p, s, g):
+            return lax.fori_loop(0, iters, lambda _, carry: optim.apply_gradients(tx, g, carry[1], carry[0]), (p, s))
+
+        self.loop = jax.jit(loop, donate_argnums=(0, 1))
         self.state = state
         self.times = []
-        self.run(grads, 3)
+        self.run(grads)  # compiles and warms up
 
-    def run(self, grads, steps: int, timed: bool = False) -> None:
-        """`steps` optimizer steps (params and state donated and carried) back to back, then one wait; with `timed`,
-        records their mean time. Waiting after each step would add the host's dispatch of ~1000 arrays (several ms)
-        to every step instead of overlapping it with the previous step's GPU work."""
+    def run(self, grads, timed: bool = False) -> None:
+        """`iters` optimizer steps (params and state donated and carried) in one dispatch, then one wait; with
+        `timed`, records their mean time."""
         start = time.perf_counter()
-        for _ in range(steps):
-            self.params, self.state = self.step(self.params, self.state, grads)
+        self.params, self.state = self.loop(self.params, self.state, grads)
         jax.block_until_ready((self.params, self.state))
         if timed:
-            self.times.append((time.perf_counter() - start) / steps)
+            self.times.append((time.perf_counter() - start) / self.iters)
 
     @property
     def median_ms(self) -> float:
@@ -132,7 +143,7 @@ def main():
         dump = None
         if args.dump_hlo:
             dump = os.path.join(args.dump_hlo, name.replace(" ", "_").replace("(", "").replace(")", "") + ".hlo")
-        return Prepared(make(use_kernel), params, grads, dump)
+        return Prepared(make(use_kernel), params, grads, args.iters, dump)
 
     # Each row is timed against optax.adamw in its own rounds, with only the two resident: the fused kernel ran
     # 8.4 ms with its baseline alone and 12.4-16.7 ms with more optimizers' arrays resident (H100, same process).
@@ -142,9 +153,9 @@ def main():
         bench = baseline if use_kernel is None else prepare(name, make, use_kernel)
         first = len(baseline.times)
         for _ in range(args.rounds):
-            baseline.run(grads, args.iters, timed=True)
+            baseline.run(grads, timed=True)
             if bench is not baseline:
-                bench.run(grads, args.iters, timed=True)
+                bench.run(grads, timed=True)
         ms, base_ms = bench.median_ms, statistics.median(baseline.times[first:]) * 1e3
         state_bytes, kernels = bench.state_bytes, bench.kernels
         moved = 3 * param_bytes + 2 * state_bytes  # params read+write, grads read, states read+write
@@ -158,9 +169,10 @@ def main():
         del bench  # frees this row's params and state before the next row
 
     table = [f"{n_params / 1e9:.3f}B float32 params ({'small' if small else 'TinyLlama 1.1B'} shapes), float32 grads. "
-             f"Each row is timed alternately with optax.adamw ({args.rounds} rounds of {args.iters} back-to-back "
-             "steps each, after 3 warm-up; only the two optimizers resident); step ms is the median over rounds of "
-             "the mean step time, the ratio is against optax.adamw's median in the same rounds.\n",
+             f"Each row is timed alternately with optax.adamw ({args.rounds} rounds of {args.iters} steps in one "
+             "jitted fori_loop each, after one warm-up round; only the two optimizers resident); step ms is the "
+             "median over rounds of the mean step time, the ratio is against optax.adamw's median in the same "
+             "rounds.\n",
              "| optimizer | state bytes | ratio vs fp32 AdamW state | step ms | optax.adamw ms (same rounds) | "
              "ratio vs optax.adamw | achieved GB/s | kernels | XLA bytes / minimum |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -251,7 +251,7 @@ def _codec_in_kernel(codes, x, map_name, interpret):
 
     out = (jax.ShapeDtypeStruct(codes.shape, jnp.float32), jax.ShapeDtypeStruct(x.shape, jnp.uint8))
     run = plgpu.kernel(body, out_type=out, grid=(codes.shape[0] // 4,), grid_names=("program",), interpret=params)
-    return jax.jit(run)(jnp.asarray(maps.codec_table(qmap)), codes, x)
+    return jax.jit(run)(fused_adam.code_table(map_name), codes, x)
 
 
 def _check_codec_in_kernel(map_name, interpret):
