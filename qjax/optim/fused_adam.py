@@ -44,12 +44,14 @@ Which tensors take the kernel (`kernel_eligible`): float32 param and gradient, m
 with blocks of 128 or 256, n % 4 == 0 (the layout's 4-row tiles; no padding pass). Everything else stays on the
 optax path. Other formats (4-bit code books, e4m3 with expansion) have no kernel yet.
 
-Measured (H100, jax 0.11.2, 2026-11-23, 1.1B float32 params, each timed alternately with optax.adamw; RESULTS.md):
-e4m3 0.77x of optax.adamw's step time (8.53 vs 11.04 ms; earlier samples 0.72x-0.90x), 8-bit 1.33x (14.79 vs 11.12
-ms; its jnp path 2.13x). On one 268M-element tensor the e4m3 kernel moves 3.0 TB/s (16 B/param) and the 8-bit one
-1.3 TB/s: the 8-bit decode/encode arithmetic (~400 operations per element) bounds it. The TMA-pipelined e4m3 version
-took 12.6 ms where this one took 11.0 (then), and 11.9 ms even as a pure copy. Without the in-place refs, XLA copied
-every kernel output into the donated buffers (+12 bytes per param: 20 ms).
+Measured (H100, jax 0.11.2, 2026-11-24, 1.1B float32 params, GPU time of 10 steps in one jitted fori_loop, each
+row timed alternately with optax.adamw; RESULTS.md): e4m3 0.65x of optax.adamw's step time (7.5 vs 11.6 ms), 8-bit
+0.75x (8.8 vs 11.7 ms; its jnp path 2.1x). The 8-bit codec went from arithmetic (one division per decode, ~400
+operations per element, ALU-bound at 1.33x) to table lookups. Dispatched one step at a time, both kernel steps are
+host-bound (~1000 arrays: 6-26 ms per step), and that is how the tile size (2048 over 1024-8192) and the SMEM table
+(over reading it from L1) were chosen: weak evidence, worth re-sweeping with the fori_loop timing. The TMA-pipelined
+e4m3 version took 12.6 ms where a register-only one took 11.0 (2026-11-23), 11.9 ms even as a pure copy. Without
+the in-place refs, XLA copied every kernel output into the donated buffers (+12 bytes per param: 20 ms).
 """
 
 import dataclasses
@@ -68,8 +70,8 @@ from qjax.kernels.stochastic_cast_mgpu import resolve_interpret
 from qjax.optim import adam, blockwise, maps
 
 _E4M3_MAX = 448.0  # formats.E4M3.max_value; blockwise's scale is absmax / this
-# Elements per program: the fastest in H100 sweeps of 1024..8192 (1.1B tree, 2026-11-24; e4m3 0.67x of optax.adamw
-# at 2048 vs 0.71x at 1024; 8-bit with its tables in SMEM 0.76-0.79x at 2048, with more registers spilled beyond).
+# Elements per program: the fastest in H100 sweeps of 1024..8192 (1.1B tree, 2026-11-24, steps timed one by one,
+# partly host-bound: e4m3 0.67x of optax.adamw at 2048 vs 0.71x at 1024; 8-bit (SMEM tables) 0.76-0.79x at 2048).
 _TILE_ELEMENTS = 2048
 _LANE_COLUMNS = 128  # a warp sweeps 32 lanes x 4 columns per register
 _WARPS = 4
@@ -236,7 +238,7 @@ def _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, formats, b1,
     code_tables = formats[0] != "e4m3"
 
     def body(coef_ref, m_table_ref, v_table_ref, *refs):
-        if code_tables:  # each program copies the two 2 KB tables to SMEM (8-bit: 0.79x vs 0.84x read from L1)
+        if code_tables:  # each program copies the two 2 KB tables to SMEM (lookups: ld.shared)
             *refs, m_table_smem, v_table_smem, barrier = refs
             plgpu.copy_gmem_to_smem(m_table_ref, m_table_smem, barrier.at[0])
             plgpu.copy_gmem_to_smem(v_table_ref, v_table_smem, barrier.at[1])
