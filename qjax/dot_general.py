@@ -9,6 +9,14 @@ w as (K, N) for dgrad and x as (K, M) for wgrad. Each input is quantized once fo
 (`qjax.quantize.quantize_pair`), and every GEMM goes through `qjax.kernels.scaled_matmul.quantized_matmul`: the
 Pallas kernels where the recipe's backend selects them, XLA otherwise (block-scaled recipes then run the reference
 dequantize + f32 GEMM: exact, slow).
+
+Under a mesh (set while tracing: `jax.set_mesh(mesh)` or `jax.sharding.use_abstract_mesh(mesh.abstract_mesh)`; qjax's
+train step does it), a GEMM whose lhs leads with a free dimension divisible by the mesh size runs per device: the
+custom VJP sits inside `jax.shard_map` with lhs split along that dimension over every mesh axis and rhs whole, so the
+kernels (custom calls XLA cannot partition) see device-local arrays. Scales that span tokens (tensor scales, the
+per-feature scales of x and g for wgrad) take their amax over all devices (`lax.pmax`), so they equal the unsharded
+ones; the weight gradient's partial sums are added over devices by the transpose of the rhs's `lax.pcast`.
+Stochastic rounding draws per-device streams (the seed offset by the device index), not the unsharded bits.
 """
 
 import dataclasses
@@ -112,8 +120,10 @@ def _spec(gemm: recipes_lib.GemmSpec | None, side: str) -> QuantSpec | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision):
-    """Builds the custom_vjp function (lhs, rhs, seeds) -> out for one static configuration."""
+def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision,
+                   token_axes: tuple[str, ...] = ()):
+    """Builds the custom_vjp function (lhs, rhs, seeds) -> out for one static configuration. token_axes: inside
+    `_per_device`, the mesh axes the token rows (M) of x and g are split over (see the module docstring)."""
     gemm = functools.partial(quantized_matmul, backend=recipe.backend)
     quantize_both = functools.partial(quantize_pair, backend=recipe.backend)
     fwd, dgrad, wgrad = recipe.fwd, recipe.dgrad, recipe.wgrad
@@ -125,13 +135,14 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
         x_spec_t = _spec(wgrad, "rhs") if with_residuals else None
         w_spec_t = _spec(dgrad, "rhs") if with_residuals else None
         xq, x_res = quantize_both(x, _spec(fwd, "lhs"), x_spec_t, seeds[_FWD_LHS], seeds[_WGRAD_RHS],
-                                  operands=("forward lhs x as (M, K)", "wgrad rhs x as (K, M), M = tokens"))
+                                  operands=("forward lhs x as (M, K)", "wgrad rhs x as (K, M), M = tokens"),
+                                  row_axes=token_axes)
         wq, w_res = quantize_both(w, _spec(fwd, "rhs"), w_spec_t, seeds[_FWD_RHS], seeds[_DGRAD_RHS],
                                   operands=("forward rhs w as (N, K)", "dgrad rhs w as (K, N)"))
         if fwd is None:
             out = _high_precision_matmul(x, w, out_dtype, precision)
         else:
-            out = gemm(xq, wq, out_dtype)
+            out = _varying(gemm(xq, wq, out_dtype), token_axes)
         residuals = (rhs if w_spec_t is None else w_res, lhs if x_spec_t is None else x_res)
         return out.reshape(layout.out_shape()), residuals
 
@@ -144,7 +155,8 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
         g_mn = layout.out_mn(g)
         gq_dgrad, gq_wgrad = quantize_both(g_mn, _spec(dgrad, "lhs"), _spec(wgrad, "lhs"), seeds[_DGRAD_LHS],
                                            seeds[_WGRAD_LHS], operands=("dgrad lhs g as (M, N)",
-                                                                        "wgrad lhs g as (N, M)"))
+                                                                        "wgrad lhs g as (N, M)"),
+                                           row_axes=token_axes)
         if dgrad is None:
             dx = _high_precision_matmul(g_mn, layout.rhs_kn(w_res), lhs_dtype, precision)
         else:
@@ -157,7 +169,7 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
             dw = _high_precision_matmul(layout.lhs_km(x_res), _swap_last(g_mn), rhs_dtype, precision)
         else:
             dw = gemm(x_res, gq_wgrad, rhs_dtype, precise_accumulation=True)
-        return layout.lhs_from_mk(dx), layout.rhs_from_kn(dw), None
+        return layout.lhs_from_mk(_varying(dx, token_axes)), layout.rhs_from_kn(_varying(dw, token_axes)), None
 
     @jax.custom_vjp
     def quantized_dot(lhs, rhs, seeds):
@@ -165,6 +177,13 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
 
     quantized_dot.defvjp(forward, backward)
     return quantized_dot
+
+
+def _varying(x, axes: tuple[str, ...]):
+    """x typed as varying over `axes` inside shard_map: a Pallas kernel's output carries no per-device type (it is
+    per-device data all the same), and the custom VJP's types must match its inputs'."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _layout_from(lhs_shape, rhs_shape, dimension_numbers) -> _Layout:
@@ -190,6 +209,37 @@ def _layout_from(lhs_shape, rhs_shape, dimension_numbers) -> _Layout:
                 raise ValueError(f"{kind} dimension sizes differ: lhs dim {ld} of shape {lhs_shape} has "
                                  f"{lhs_shape[ld]}, rhs dim {rd} of shape {rhs_shape} has {rhs_shape[rd]}")
     return _Layout(tuple(lhs_shape), tuple(rhs_shape), lhs_contract, rhs_contract, lhs_batch, rhs_batch)
+
+
+def _device_axes(recipe: recipes_lib.Recipe, layout: _Layout) -> tuple[str, ...]:
+    """The context mesh's axes to run this GEMM per device over (module docstring), or () to leave it to XLA: no
+    mesh or one device, the XLA backend, already inside a shard_map, batch dims, a lhs whose dim 0 is contracted or
+    not divisible by the mesh size, or per-device token counts that would split 128-row scale blocks."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if recipe.backend == "xla" or mesh.empty or mesh.size == 1 or mesh.manual_axes or layout.lhs_batch:
+        return ()
+    if 0 in layout.lhs_contract or layout.lhs_shape[0] % mesh.size:
+        return ()
+    gemms = [g for g in (recipe.fwd, recipe.dgrad, recipe.wgrad) if g is not None]
+    if any(g.is_block_scaled for g in gemms) and (layout.m // mesh.size) % 128:
+        return ()
+    return tuple(mesh.axis_names)
+
+
+def _per_device(fn, axes: tuple[str, ...]):
+    """fn (lhs, rhs, seeds) -> out, run inside `jax.shard_map` over the context mesh: lhs and out split along dim 0
+    over `axes`, rhs and seeds whole (module docstring)."""
+
+    def body(lhs, rhs, seeds):
+        device = lax.axis_index(axes).astype(jnp.uint32)
+        seeds = seeds + device * jnp.uint32(0x9E3779B9)  # distinct stochastic-rounding streams per device
+        # rhs varies per device inside: its cotangent (per-device partial weight gradients) is summed by the
+        # transpose of this cast.
+        return fn(lhs, lax.pcast(rhs, axes, to="varying"), seeds)
+
+    split = jax.sharding.PartitionSpec(axes)
+    whole = jax.sharding.PartitionSpec()
+    return jax.shard_map(body, in_specs=(split, whole, whole), out_specs=split)
 
 
 def _seeds(recipe: recipes_lib.Recipe, key) -> jax.Array:
@@ -231,5 +281,10 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
             raise TypeError(f"recipe {recipe.name!r} quantizes float inputs; {name} has dtype {array.dtype}. "
                             "Cast it to bfloat16/float32 first, or use jax.lax.dot_general for integer math")
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
-    fn = _quantized_dot(layout, recipe, out_dtype, lhs.dtype, rhs.dtype, precision)
-    return fn(lhs, rhs, _seeds(recipe, key))
+    axes = _device_axes(recipe, layout)
+    if not axes:
+        return _quantized_dot(layout, recipe, out_dtype, lhs.dtype, rhs.dtype, precision)(lhs, rhs, _seeds(recipe, key))
+    devices = jax.sharding.get_abstract_mesh().size
+    local = dataclasses.replace(layout, lhs_shape=(layout.lhs_shape[0] // devices, *layout.lhs_shape[1:]))
+    fn = _quantized_dot(local, recipe, out_dtype, lhs.dtype, rhs.dtype, precision, axes)
+    return _per_device(fn, axes)(lhs, rhs, _seeds(recipe, key))

@@ -130,14 +130,20 @@ def _broadcast_scale(scale, granularity):
     return scale[..., :, None, :, None]
 
 
-def quantize_with_seed(x: jax.Array, spec: QuantSpec, seed: jax.Array | None, operand: str = "array") -> QTensor:
+def quantize_with_seed(x: jax.Array, spec: QuantSpec, seed: jax.Array | None, operand: str = "array",
+                       amax_axes: tuple[str, ...] = ()) -> QTensor:
     """`quantize` with an explicit uint32 seed (the form kernels use); seed is ignored unless spec.stochastic.
 
-    `operand` names the array in error messages (e.g. "wgrad rhs x as (K, M)")."""
+    `operand` names the array in error messages (e.g. "wgrad rhs x as (K, M)"). `amax_axes`: mesh axes (inside
+    `jax.shard_map`) over which x's blocks extend, whose amax is then the max over them (`lax.pmax`), so the scales
+    are those of the unsharded array."""
     _check_shape(x.shape, spec.granularity, operand)
     fmt = spec.format
     x32 = x.astype(jnp.float32)
-    scale = scale_from_amax(_amax(x32, spec.granularity), fmt, spec.pow2_scale)
+    amax = _amax(x32, spec.granularity)
+    if amax_axes:
+        amax = lax.pmax(amax, amax_axes)
+    scale = scale_from_amax(amax, fmt, spec.pow2_scale)
     inv_scale = jnp.float32(1) / scale
     if spec.granularity == "tensor":
         y = x32 * inv_scale
@@ -185,17 +191,30 @@ def _swap_last(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, -1, -2)
 
 
+def row_split_amax_axes(spec: QuantSpec | None, transposed: bool, row_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes a quantization's amax must be reduced over when an array's rows (R of (..., R, C)) are split
+    over `row_axes` (inside `jax.shard_map`): a tensor scale always spans them, a row scale of the transpose
+    (..., C, R) too; row scales of x and 128-blocks (shard boundaries fall on block boundaries) stay local."""
+    if spec is None or not row_axes:
+        return ()
+    return row_axes if spec.granularity == "tensor" or (transposed and spec.granularity == "row") else ()
+
+
 def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None, seed, seed_t, *,
-                  backend: str = "xla", operands: tuple[str, str] = ("array", "transposed array")):
+                  backend: str = "xla", operands: tuple[str, str] = ("array", "transposed array"),
+                  row_axes: tuple[str, ...] = ()):
     """Both quantized layouts two GEMMs read from one array: x (..., R, C) per `spec` and its transpose (..., C, R)
     per `spec_t` (e.g. an activation for the forward GEMM and for wgrad). Either spec may be None (that output is
     None). Same results as two `quantize_with_seed` calls; a tensorwise nearest quantization is reused transposed.
 
     backend (see `qjax.Recipe`): where the fused Mosaic GPU kernel runs, both layouts come from one kernel
     (`qjax.kernels.quantize_mgpu`); elsewhere XLA fuses the two reference quantizations.
+    row_axes: inside `jax.shard_map`, the mesh axes x's rows are split over (`row_split_amax_axes`): the scales are
+    then those of the whole array.
     """
+    axes, axes_t = row_split_amax_axes(spec, False, row_axes), row_split_amax_axes(spec_t, True, row_axes)
     if spec is not None and spec == spec_t and spec.granularity == "tensor" and not spec.stochastic:
-        q = quantize_with_seed(x, spec, seed, operand=operands[0])
+        q = quantize_with_seed(x, spec, seed, operand=operands[0], amax_axes=axes)
         return q, QTensor(_swap_last(q.data), q.scale, q.granularity)
     if spec is not None and spec_t is not None and x.ndim == 2:
         from qjax import kernels  # imported here: the kernels import this module
@@ -204,10 +223,12 @@ def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None
             from qjax.kernels import quantize_mgpu
             reason = quantize_mgpu.supports(x, spec, spec_t)
             if reason is None:
-                return quantize_mgpu.quantize_pair(x, spec, spec_t, seed, seed_t, interpret=interpret)
+                return quantize_mgpu.quantize_pair(x, spec, spec_t, seed, seed_t, interpret=interpret,
+                                                   row_axes=row_axes)
             if backend == "pallas":
                 raise ValueError(f"backend 'pallas': the fused quantize kernel cannot run this case ({reason}); use "
                                  "backend 'auto' to fall back to XLA")
-    q = None if spec is None else quantize_with_seed(x, spec, seed, operand=operands[0])
-    q_t = None if spec_t is None else quantize_with_seed(_swap_last(x), spec_t, seed_t, operand=operands[1])
+    q = None if spec is None else quantize_with_seed(x, spec, seed, operand=operands[0], amax_axes=axes)
+    q_t = None if spec_t is None else quantize_with_seed(_swap_last(x), spec_t, seed_t, operand=operands[1],
+                                                         amax_axes=axes_t)
     return q, q_t

@@ -23,19 +23,27 @@ def on_hopper_gpu() -> bool:
     return "H100" in kind or "H200" in kind or str(getattr(device, "compute_capability", "")).startswith("9")
 
 
+def per_device_region() -> bool:
+    """Whether the code being traced runs on device-local arrays: inside `jax.shard_map` over every axis of the
+    context mesh (where `qjax.dot_general` puts its quantized GEMMs when a mesh is set, see `qjax.dot_general`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.are_all_axes_manual
+
+
 def use_kernel(backend: str) -> tuple[bool, bool]:
     """(run the kernel?, interpret it?) for a recipe backend: "pallas" always runs it (interpreted off a Hopper
-    GPU), "auto" only compiled on a single Hopper GPU, "xla" never.
+    GPU), "auto" only compiled on a Hopper GPU, with one device or inside a per-device region, "xla" never.
 
-    "auto" stays on XLA when several devices are visible: the kernels are custom calls without a partitioning
-    rule, so inside a jit sharded over a mesh XLA would gather their operands onto every device.
+    "auto" stays on XLA where several devices are visible and the arrays may be global: the kernels are custom
+    calls without a partitioning rule, so XLA would gather their operands onto every device. `qjax.dot_general`
+    runs its GEMMs per device under a context mesh (`jax.sharding.use_abstract_mesh` / `jax.set_mesh`).
     """
     if backend == "xla":
         return False, False
     hopper = on_hopper_gpu()
     if backend == "pallas":
         return True, not hopper
-    if hopper and jax.device_count() > 1:
+    if hopper and jax.device_count() > 1 and not per_device_region():
         _warn_kernels_off(jax.device_count())
         return False, False
     return hopper, False
@@ -45,7 +53,9 @@ def use_kernel(backend: str) -> tuple[bool, bool]:
 def _warn_kernels_off(device_count: int) -> None:
     """Says once per process that "auto" left the kernels off (silently slow otherwise: the XLA path ran an int8
     linear layer at about half the kernels' speed)."""
-    warnings.warn(f"qjax: {device_count} GPUs are visible, so backend 'auto' runs the XLA path instead of the Pallas "
-                  "kernels (they have no partitioning rule for a mesh yet). For single-GPU training make one GPU "
-                  "visible (CUDA_VISIBLE_DEVICES=0) or use a recipe with backend='pallas'.", stacklevel=3)
+    warnings.warn(f"qjax: {device_count} GPUs are visible and a quantized GEMM runs on global arrays, so backend "
+                  "'auto' runs the XLA path instead of the Pallas kernels (they have no partitioning rule). Set the "
+                  "mesh while tracing "
+                  "(`with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):` or `jax.set_mesh(mesh)`): "
+                  "qjax.dot_general then runs its GEMMs per device; qjax's train step does this.", stacklevel=3)
 

@@ -53,7 +53,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax import formats, stochastic
 from qjax.kernels.stochastic_cast_mgpu import cast_codes, is_finite, resolve_interpret, round_to_grid
-from qjax.quantize import QTensor, QuantSpec, scale_from_amax
+from qjax.quantize import QTensor, QuantSpec, row_split_amax_axes, scale_from_amax
 
 TILE = 128
 _CHUNK = 64  # rows of a tile held in registers at a time (WGMMA layout: multiples of 64); bounds register use
@@ -371,12 +371,16 @@ def amax_pair(x: jax.Array, *, interpret=False, tiles_per_program=TILES_PER_PROG
 # ------------------------------------------------------------------------------------------------------- public
 
 
-def _inverse_scale(spec, row_amax, col_amax, length, transposed):
-    """(scale in the reference's shape, inverse scale per row of this layout (length,)) for a row/tensor side."""
+def _inverse_scale(spec, row_amax, col_amax, length, transposed, row_axes):
+    """(scale in the reference's shape, inverse scale per row of this layout (length,)) for a row/tensor side;
+    amax reduced over the mesh axes x's rows are split over where the scale spans them (`row_split_amax_axes`)."""
+    amax = jnp.max(row_amax) if spec.granularity == "tensor" else col_amax if transposed else row_amax
+    axes = row_split_amax_axes(spec, transposed, row_axes)
+    if axes:
+        amax = lax.pmax(amax, axes)
+    scale = scale_from_amax(amax, spec.format, spec.pow2_scale)
     if spec.granularity == "tensor":
-        scale = scale_from_amax(jnp.max(row_amax), spec.format, spec.pow2_scale)
         return scale, jnp.broadcast_to(jnp.float32(1) / scale, (length,))
-    scale = scale_from_amax(col_amax if transposed else row_amax, spec.format, spec.pow2_scale)
     return scale[:, None], jnp.float32(1) / scale
 
 
@@ -396,7 +400,8 @@ def _seed(seed, spec):
 
 
 def quantize_pair(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None, row_seed=None, col_seed=None, *,
-                  interpret=False, tiles_per_program=TILES_PER_PROGRAM) -> tuple[QTensor, QTensor | None]:
+                  interpret=False, tiles_per_program=TILES_PER_PROGRAM,
+                  row_axes: tuple[str, ...] = ()) -> tuple[QTensor, QTensor | None]:
     """Quantizes x (M, K) as (M, K) per row_spec and, if col_spec is given, x.T (K, M) per col_spec.
 
     Args:
@@ -407,6 +412,8 @@ def quantize_pair(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None,
         them under the Mosaic GPU interpreter (CPU, slow: tests).
       tiles_per_program: 128 x 128 tiles along K each program pipelines (a tuning knob; results do not depend on
         it).
+      row_axes: inside `jax.shard_map`, the mesh axes M is split over: column and tensor amax are then reduced
+        over them (`qjax.quantize.row_split_amax_axes`), so the scales are the unsharded array's.
 
     Returns:
       (QTensor (M, K), QTensor (K, M) or None), equal bit for bit to `quantize_with_seed(x, row_spec, row_seed)`
@@ -425,7 +432,7 @@ def quantize_pair(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None,
         row_amax, col_amax = amax_pair(x, interpret=interpret, tiles_per_program=tiles_per_program)
         for spec, transposed in given:
             scales[transposed], inverses[transposed] = _inverse_scale(spec, row_amax, col_amax, k if transposed else m,
-                                                                      transposed)
+                                                                      transposed, row_axes)
     outs = list(_tile_call(x, seeds, inverses[False], inverses[True], row=_Side.of(row_spec),
                            col=_Side.of(col_spec), steps=tiles_per_program, interpret=interpret))
     results = []

@@ -1,7 +1,8 @@
 """Data parallelism over a `jax.sharding.Mesh`: one "data" axis over all devices, batch split, params replicated.
 
 XLA is the distributed engine: the train step is jitted with these shardings, and the gradient all-reduce over the
-"data" axis is inserted by the compiler. Single host only for now: the loop puts the whole global batch on the
+"data" axis is inserted by the compiler. The model is traced with the mesh set (`tracing_on`), so that
+`qjax.dot_general` runs its quantized GEMMs per device, where the Pallas kernels can run. Single host only for now: the loop puts the whole global batch on the
 mesh from one process (several hosts would need `jax.make_array_from_process_local_data` and per-host data).
 """
 
@@ -18,6 +19,11 @@ def make_mesh(devices=None) -> Mesh:
     if not devices:
         raise ValueError("make_mesh needs at least one device")
     return Mesh(np.array(devices), (DATA_AXIS,))
+
+
+def tracing_on(mesh: Mesh):
+    """Context manager: code traced inside sees `mesh` (`jax.sharding.get_abstract_mesh()`)."""
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -117,7 +117,8 @@ def _build_train_step(config: ml_collections.FrozenConfigDict, task: Task, mesh)
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
-        loss, aux, grads = _loss_and_grads(task, state.params, batch, step_key, accum, mesh)
+        with mesh_lib.tracing_on(mesh):  # quantized GEMMs run per device (qjax.dot_general)
+            loss, aux, grads = _loss_and_grads(task, state.params, batch, step_key, accum, mesh)
         params, opt_state = optimizer.step(grads, state.opt_state, state.params,
                                            key=jax.random.fold_in(step_key, UPDATE_STREAM))
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": optimizer.schedule(state.step), **aux}
@@ -137,7 +138,8 @@ def make_eval_step(task: Task, mesh) -> Callable:
     replicated, batch_sharding = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)
 
     def eval_step(params, batch, key):
-        loss, aux = task.loss(params, batch, jax.random.wrap_key_data(key))
+        with mesh_lib.tracing_on(mesh):
+            loss, aux = task.loss(params, batch, jax.random.wrap_key_data(key))
         return {"loss": loss, **aux}
 
     return jax.jit(eval_step, in_shardings=(replicated, batch_sharding, replicated), out_shardings=replicated)

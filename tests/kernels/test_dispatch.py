@@ -34,10 +34,29 @@ def test_auto_on_several_gpus_says_why_kernels_are_off(monkeypatch):
     monkeypatch.setattr(kernels, "on_hopper_gpu", lambda: True)
     monkeypatch.setattr(jax, "device_count", lambda: 2)
     kernels._warn_kernels_off.cache_clear()
-    with pytest.warns(UserWarning, match="2 GPUs are visible.*CUDA_VISIBLE_DEVICES=0"):
+    with pytest.warns(UserWarning, match="2 GPUs are visible.*Set the mesh while tracing"):
         assert kernels.use_kernel("auto") == (False, False)
     assert kernels.use_kernel("pallas") == (True, False)
     kernels._warn_kernels_off.cache_clear()
+
+
+def test_auto_runs_kernels_per_device_inside_shard_map(monkeypatch):
+    """Where every mesh axis is manual (qjax.dot_general's per-device GEMMs), arrays are device-local: "auto" runs
+    the kernels on several GPUs too."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    monkeypatch.setattr(kernels, "on_hopper_gpu", lambda: True)
+    monkeypatch.setattr(jax, "device_count", lambda: 2)
+    seen = []
+
+    def body(x):
+        seen.append((kernels.per_device_region(), kernels.use_kernel("auto")))
+        return x
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(jnp.zeros(4))
+    assert seen == [(True, (True, False))]
+    assert not kernels.per_device_region()
 
 
 @pytest.mark.parametrize("w_layout", ["nk", "kn"])

@@ -135,6 +135,33 @@ def test_amax_pair_is_the_row_and_column_amax():
     assert np.isinf(row_amax[3]) and np.isinf(col_amax[5])  # the NaN row and column
 
 
+def test_row_axes_inside_shard_map():
+    """`row_axes` (qjax.dot_general's per-device GEMMs): inside `jax.shard_map` the tensor and column amax are
+    reduced over the mesh axes M is split over. On a one-device mesh (the CPU interpreter cannot run kernels on
+    several devices at once) the reduction is the identity: the kernel must lower, run, and equal the reference,
+    including the scale whose amax is reduced."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    x = _input((128, 256), jnp.bfloat16, "int8", specials=False)
+    row_spec, col_spec = QuantSpec("int8", "tensor"), QuantSpec("int8", "row")
+    interpret = None if on_hopper_gpu() else True
+
+    def per_device(x):
+        row, col = quantize_mgpu.quantize_pair(x, row_spec, col_spec, interpret=interpret, row_axes=("data",))
+        return row.data, row.scale, col.data, col.scale
+
+    run = jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P(), P(None, "data"), P()),
+                        check_vma=False)
+    assert str(jax.make_jaxpr(run)(x)).count("pmax") == 2  # the tensor amax and the column amax
+    row_codes, row_scale, col_codes, col_scale = jax.jit(run)(x)
+    want_row = quantize_with_seed(x, row_spec, None)
+    want_col = quantize_with_seed(x.T, col_spec, None)
+    for got, want in ((row_codes, want_row.data), (row_scale, want_row.scale), (col_codes, want_col.data),
+                      (col_scale, want_col.scale)):
+        np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
 def test_supports_and_errors():
     spec = S("int8", "row")
     ok = jnp.zeros((256, 128), jnp.bfloat16)

@@ -1,0 +1,76 @@
+"""`qjax.dot_general` under a context mesh of 8 CPU devices: the GEMMs run per device inside `jax.shard_map` and
+give the unsharded results (scales from global amax; weight gradient summed over devices).
+
+XLA_FLAGS must be set before jax initialises, so the checks run in a subprocess. Only the reference (XLA) path can
+run per device here: the Mosaic GPU interpreter does not run on several CPU devices at once (it fails with
+"Barrier remains allocated", jax 0.11.2); the kernels' part (`row_axes` in the fused quantize kernel) is checked
+on a one-device mesh in tests/kernels/test_quantize_mgpu.py.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import qjax
+    assert len(jax.devices()) == 8, jax.devices()
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    x = jax.random.normal(jax.random.key(0), (16, 64, 256), jnp.float32)  # 128 tokens per device
+    w = jax.random.normal(jax.random.key(1), (256, 384), jnp.float32) * 0.05
+    dims = (((2,), (0,)), ((), ()))
+
+    def loss(x, w, recipe, key):
+        return jnp.sum(qjax.dot_general(x, w, dims, recipe=recipe, key=key) ** 2)
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1))
+
+    def on_mesh(x, w, recipe, key):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return grad(x, w, recipe, key)
+
+    shardings = (NamedSharding(mesh, P(("data", "model"))), NamedSharding(mesh, P()))
+    sr = qjax.recipes.with_stochastic_gradients(qjax.recipes.recipe("int8_rowwise"))
+    for recipe in ["int8_rowwise", "fp8_tensorwise", "fp8_blockwise", sr]:
+        key = jax.random.key(3)
+        jaxpr = str(jax.make_jaxpr(on_mesh, static_argnums=2)(x, w, recipe, key))
+        assert "shard_map" in jaxpr and "psum" in jaxpr, recipe  # per device, weight gradient summed
+        if recipe != "fp8_blockwise":  # tensor / per-feature scales span the tokens: global amax
+            assert "pmax" in jaxpr, recipe
+        ref = jax.jit(grad, static_argnums=2)(x, w, recipe, key)
+        got = jax.jit(on_mesh, static_argnums=2, in_shardings=(*shardings, None))(x, w, recipe, key)
+        names = ("loss", "dx", "dw")
+        if recipe is sr:
+            # per-device rounding streams: not the unsharded bits, the same values up to rounding noise
+            for a, b, name in zip(jax.tree.leaves(got), jax.tree.leaves(ref), names):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0.05, atol=0.05 * np.abs(b).max(),
+                                           err_msg=name)
+        else:
+            # Nearest rounding: the same codes and scales as unsharded; dw's per-device partial sums are added
+            # in another order (float32 rounding). Per-device scales would be off by ~1e-2 here.
+            for a, b, name in zip(jax.tree.leaves(got), jax.tree.leaves(ref), names):
+                a, b = np.asarray(a), np.asarray(b)
+                rtol = 1e-5 if name == "dw" else 1e-6
+                np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * np.abs(b).max(), err_msg=f"{recipe} {name}")
+        assert got[1][0].sharding.spec == P(("data", "model")), got[1][0].sharding
+        print("sr" if recipe is sr else recipe, "ok")
+
+    # Left to XLA (no shard_map): a leading dim that does not split evenly over 8 devices, and batch dims.
+    x6 = x[:6]
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        assert "shard_map" not in str(jax.make_jaxpr(lambda x, w: grad(x, w, "int8_rowwise", None))(x6, w))
+        batched = lambda a, b: qjax.dot_general(a, b, (((2,), (2,)), ((0,), (0,))), recipe="int8_rowwise")
+        assert "shard_map" not in str(jax.make_jaxpr(batched)(x[:8], x[:8]))
+    print("fallbacks ok")
+""")
+
+
+def test_per_device_gemms_on_8_cpu_devices_match_unsharded():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stdout + out.stderr[-5000:]
+    assert out.stdout.split() == ["int8_rowwise", "ok", "fp8_tensorwise", "ok", "fp8_blockwise", "ok",
+                                  "sr", "ok", "fallbacks", "ok"], out.stdout
