@@ -281,10 +281,10 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
             raise TypeError(f"recipe {recipe.name!r} quantizes float inputs; {name} has dtype {array.dtype}. "
                             "Cast it to bfloat16/float32 first, or use jax.lax.dot_general for integer math")
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
-    axes = _device_axes(recipe, layout)
+    axes, seeds = _device_axes(recipe, layout), _seeds(recipe, key)
     if not axes:
-        return _quantized_dot(layout, recipe, out_dtype, lhs.dtype, rhs.dtype, precision)(lhs, rhs, _seeds(recipe, key))
+        return _quantized_dot(layout, recipe, out_dtype, lhs.dtype, rhs.dtype, precision)(lhs, rhs, seeds)
     devices = jax.sharding.get_abstract_mesh().size
     local = dataclasses.replace(layout, lhs_shape=(layout.lhs_shape[0] // devices, *layout.lhs_shape[1:]))
     fn = _quantized_dot(local, recipe, out_dtype, lhs.dtype, rhs.dtype, precision, axes)
-    return _per_device(fn, axes)(lhs, rhs, _seeds(recipe, key))
+    return _per_device(fn, axes)(lhs, rhs, seeds)

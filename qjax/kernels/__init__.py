@@ -53,8 +53,8 @@ def use_kernel(backend: str) -> tuple[bool, bool]:
 def _warn_kernels_off(device_count: int) -> None:
     """Says once per process that "auto" left the kernels off (silently slow otherwise: the XLA path ran an int8
     linear layer at about half the kernels' speed)."""
-    warnings.warn(f"qjax: {device_count} GPUs are visible and a quantized GEMM runs on global arrays, so backend "
-                  "'auto' runs the XLA path instead of the Pallas kernels (they have no partitioning rule). Set the "
+    warnings.warn(f"qjax: {device_count} GPUs are visible and a kernel would see global arrays, so backend 'auto' "
+                  "runs the XLA path instead of the Pallas kernels (they have no partitioning rule). Set the "
                   "mesh while tracing "
                   "(`with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):` or `jax.set_mesh(mesh)`): "
                   "qjax.dot_general then runs its GEMMs per device; qjax's train step does this.", stacklevel=3)

@@ -2,8 +2,9 @@
 
 XLA is the distributed engine: the train step is jitted with these shardings, and the gradient all-reduce over the
 "data" axis is inserted by the compiler. The model is traced with the mesh set (`tracing_on`), so that
-`qjax.dot_general` runs its quantized GEMMs per device, where the Pallas kernels can run. Single host only for now: the loop puts the whole global batch on the
-mesh from one process (several hosts would need `jax.make_array_from_process_local_data` and per-host data).
+`qjax.dot_general` runs its quantized GEMMs per device, where the Pallas kernels can run. Single host only for now:
+the loop puts the whole global batch on the mesh from one process (several hosts would need
+`jax.make_array_from_process_local_data` and per-host data).
 """
 
 import jax
