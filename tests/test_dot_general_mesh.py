@@ -1,5 +1,5 @@
 """`qjax.dot_general` under a context mesh of 8 CPU devices: the GEMMs run per device inside `jax.shard_map` and
-give the unsharded results (scales from global amax; weight gradient summed over devices).
+give the unsharded results (scales from global amax; weight gradient summed over devices), also under vmap and scan.
 
 XLA_FLAGS must be set before jax initialises, so the checks run in a subprocess. Only the reference (XLA) path can
 run per device here: the Mosaic GPU interpreter does not run on several CPU devices at once (it fails with
@@ -57,6 +57,22 @@ _SCRIPT = textwrap.dedent("""
         assert got[1][0].sharding.spec == P(("data", "model")), got[1][0].sharding
         print("sr" if recipe is sr else recipe, "ok")
 
+    # Under vmap and scan (arrays on the mesh; the per-example lhs leads with 16 rows, split 8 ways).
+    xs = jax.device_put(x[:3, :16], NamedSharding(mesh, P()))
+    w_rep = jax.device_put(w, NamedSharding(mesh, P()))
+    f = lambda xi, w: jnp.sum(qjax.dot_general(xi, w, (((1,), (0,)), ((), ())), recipe="int8_rowwise") ** 2)
+    per_example = jax.vmap(jax.grad(f, argnums=(0, 1)), in_axes=(0, None))
+    summed = lambda xs, w: jax.lax.scan(lambda c, xi: (c + f(xi, w), None), 0.0, xs)[0]
+    for name, fn in (("vmap", per_example), ("scan", jax.grad(summed, argnums=(0, 1)))):
+        def traced(xs, w, fn=fn):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return fn(xs, w)
+        assert "shard_map" in str(jax.make_jaxpr(traced)(xs, w_rep)), name
+        for a, b in zip(jax.tree.leaves(jax.jit(traced)(xs, w_rep)), jax.tree.leaves(jax.jit(fn)(x[:3, :16], w))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * np.abs(b).max(),
+                                       err_msg=name)
+        print(name, "ok")
+
     # Left to XLA (no shard_map): a leading dim that does not split evenly over 8 devices, and batch dims.
     x6 = x[:6]
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -73,4 +89,5 @@ def test_per_device_gemms_on_8_cpu_devices_match_unsharded():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stdout + out.stderr[-5000:]
     assert out.stdout.split() == ["int8_rowwise", "ok", "fp8_tensorwise", "ok", "fp8_blockwise", "ok",
-                                  "sr", "ok", "fallbacks", "ok"], out.stdout
+                                  "sr", "ok", "vmap", "ok", "scan", "ok",
+                                  "fallbacks", "ok"], out.stdout
