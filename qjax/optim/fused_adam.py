@@ -75,7 +75,7 @@ _E4M3_MAX = 448.0  # formats.E4M3.max_value; blockwise's scale is absmax / this
 _TILE_ELEMENTS = 2048
 _LANE_COLUMNS = 128  # a warp sweeps 32 lanes x 4 columns per register
 _WARPS = 4
-_MAX_BLOCK = 256  # a tile must hold a row per warp (4 rows of <= 256 in 1024 elements); blockwise's default
+_MAX_BLOCK = 256  # a tile holds at least a row per warp (4 x 256 <= _TILE_ELEMENTS); blockwise's default
 
 # (R, B) arrays: tiles of 4 rows x 128 columns; warps split the 4 rows, lanes the 128 columns in vectors of 4.
 _LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((_WARPS, _LANE_COLUMNS), (4,))), warp_dims=(-3,), lane_dims=(-2,),
@@ -153,7 +153,8 @@ def _lookup(table_ref, index: jax.Array, interpret: bool) -> jax.Array:
                        return_type=plgpu.ShapeDtypeStruct(index.shape, jnp.float32, _LAYOUT))
     def gather(_, table, idx):
         def load(i, _):  # i: one lane's int32 index
-            row = arith.index_cast(ir.IndexType.get(), arith.shrui(i, arith.constant(i.type, 7)))
+            shift = arith.constant(i.type, _TABLE_COLUMNS.bit_length() - 1)
+            row = arith.index_cast(ir.IndexType.get(), arith.shrui(i, shift))
             col = arith.index_cast(ir.IndexType.get(), arith.andi(i, arith.constant(i.type, _TABLE_COLUMNS - 1)))
             return memref.load(table, [row, col])
 
@@ -171,7 +172,7 @@ def code_table(fmt: str) -> jax.Array:
 
 def _dequantize_rows(codes: jax.Array, scale: jax.Array, fmt: str, table) -> jax.Array:
     """codes (R, B) e4m3 or uint8, scale f32 (R,) -> f32 (R, B): `blockwise.dequantize` row by row.
-    table: 8-bit formats' `maps.codec_table` lookup (index -> value), None for e4m3."""
+    table: the 8-bit format's `maps.codec_table` lookup (index -> value); unused for e4m3."""
     if fmt == "e4m3":
         values = codes.astype(jnp.float32)
     else:
