@@ -17,9 +17,12 @@ K > 133,143 (an int32 sum could overflow) promotes every 128 of K the same way, 
 
 Kernel structure (per CTA, persistent over output tiles, `emit_pipeline_warp_specialized`):
   memory warpgroup:   TMA a (2*tile_m, tile_k) and b (tile_n, tile_k) into 128B-swizzled SMEM, plus (block mode) the
-                      tile's per-K-block scales (1, 2*tile_m) and (1, tile_n), `max_concurrent_steps` stages deep.
+                      step's per-K-block scales (tile_k/128, 2*tile_m) and (tile_k/128, tile_n),
+                      `max_concurrent_steps` stages deep.
   2 compute warpgroups: each owns tile_m rows x tile_n columns; wgmma with B passed as the transpose of its (N, K)
-                      SMEM tile (8-bit wgmma operands must be K-major); promotion in registers (block mode).
+                      SMEM tile (8-bit wgmma operands must be K-major). Promoting modes issue one wgmma group per
+                      128-K block of the step into its own accumulator, then promote them in order, each while the
+                      later ones still run.
   epilogue:           scales in the WGMMA accumulator's row/column register layouts (`Layout.WGMMA.reduce(1)` /
                       `.reduce(0)`), cast, stored via SMEM in (64, 128-byte) tiles and TMA.
 Scales reach the kernel as f32 vectors: row mode a (M,), b (N,); block mode transposed to (K/128, M), (K/128, N) so
@@ -27,8 +30,8 @@ one K-block's scales of a tile are contiguous for TMA (the wrapper does this; ~3
 sums become f32 by a bit trick (no conversion instruction); a 128x128 b scale is folded into the row scales.
 Optionally (cluster_m=2) two CTAs on neighbouring M tiles share each B tile through TMA multicast.
 
-Shapes that do not tile are padded with zero codes (scale 1) and sliced; K is padded to tile_k in row mode (zero codes
-add nothing) and must be a multiple of 128 in block mode. Only 2-D operands (the dispatcher handles batch dims).
+Shapes that do not tile are padded with zero codes (scale 1) and sliced; K is padded to tile_k (zero codes add
+nothing; block mode needs K % 128 == 0, and its default config takes one block per step where K % 256 != 0). Only 2-D operands (the dispatcher handles batch dims).
 
 Checked off the GPU: the Mosaic GPU interpreter (`interpret=True`) runs this code with wgmma executed synchronously
 by numpy and checks barriers (its race detector also flags jax's own warp-specialized pipeline when the compute
@@ -71,8 +74,9 @@ class TuningConfig:
       tile_m: rows per compute warpgroup, a multiple of 64 (wgmma M). Promoting modes hold two f32/int32 tiles in
         registers: keep tile_m * tile_n <= 64 * 128 there (232 registers per thread).
       tile_n: columns per CTA, a multiple of 64 and <= 256 (wgmma N).
-      tile_k: K per pipeline step: 64, 128 or 256 (128 bytes of 8-bit codes = one 128B swizzle row); 128 in
-        promoting modes (one promotion per step).
+      tile_k: K per pipeline step: 64, 128 or 256 (128 bytes of 8-bit codes = one 128B swizzle row). Promoting
+        modes take 128 or 256: with 256 a step issues one wgmma per 128-K block into its own accumulator and
+        promotes the first block while the second one's wgmma runs.
       max_concurrent_steps: pipeline stages (SMEM buffers per operand).
       grid_minor_dim, grid_tile_width: output tiles are visited in stripes `grid_tile_width` tiles wide along dim
         `grid_minor_dim` (0: M, 1: N; `plgpu.planar_snake`) so the ~132 tiles in flight share operand rows in L2.
@@ -109,8 +113,11 @@ class TuningConfig:
 
 # Row mode: 2 x 128 x 128 tiles, one int32/f32 accumulator of 128 registers per thread; 4 stages of 48 KiB.
 ROW_CONFIG = TuningConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4)
-# Promoting modes: the wgmma tile and the f32 sum are both in registers, so 64 x 128 per warpgroup; 5 stages of 33 KiB.
-BLOCK_CONFIG = TuningConfig(tile_m=64, tile_n=128, tile_k=128, max_concurrent_steps=5)
+# Promoting modes: the f32 sum and one wgmma tile per 128-K block are in registers, so 64 x 128 per warpgroup. Two
+# blocks per step (3 stages of 66 KiB): block 0 is promoted while block 1's wgmma runs. 8192^3 on an H100
+# (benchmarks/RESULTS.md, 2026-11-24): fp8 0.79x, int8 0.65x of unscaled cuBLAS vs 0.72x / 0.62x with one block
+# per step (5 stages).
+BLOCK_CONFIG = TuningConfig(tile_m=64, tile_n=128, tile_k=256, max_concurrent_steps=3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,25 +145,37 @@ def _mode(a: QTensor, b: QTensor, precise_accumulation: bool) -> str:
     return "row"
 
 
-def smem_bytes(config: TuningConfig, mode: str) -> int:
-    """Shared memory the kernel allocates for `config` (without the allocator's alignment padding); epilogue tiles
-    are 128-byte rows whatever the output dtype."""
+def _smem_bytes(config: TuningConfig, mode: str, epilogue_slots: int) -> int:
     cta_m = _COMPUTE_WGS * config.tile_m
     stage = (cta_m + config.tile_n) * config.tile_k
     if mode == "block":
-        stage += (cta_m + config.tile_n) * 4
-    epilogue = _COMPUTE_WGS * 2 * _EPI_TILE_M * _EPI_ROW_BYTES
+        stage += (cta_m + config.tile_n) * 4 * (config.tile_k // _BLOCK_K)
+    epilogue = _COMPUTE_WGS * epilogue_slots * _EPI_TILE_M * _EPI_ROW_BYTES
     row_scales = _COMPUTE_WGS * (config.tile_m + config.tile_n) * 4 if mode != "block" else 0
     return config.max_concurrent_steps * stage + epilogue + row_scales
 
 
+def _epilogue_slots(config: TuningConfig, mode: str) -> int:
+    """2 epilogue SMEM tiles per warpgroup (one fills while the other is stored) where they fit, else 1."""
+    return 2 if _smem_bytes(config, mode, 2) + _SMEM_MARGIN <= _SMEM_BYTES else 1
+
+
+def smem_bytes(config: TuningConfig, mode: str) -> int:
+    """Shared memory the kernel allocates for `config` (without the allocator's alignment padding); epilogue tiles
+    are 128-byte rows whatever the output dtype."""
+    return _smem_bytes(config, mode, _epilogue_slots(config, mode))
+
+
 def _check_config(config: TuningConfig, mode: str):
-    if mode != "row" and config.tile_k != _BLOCK_K:
-        raise ValueError(f"mode {mode!r} promotes once per pipeline step: tile_k must be {_BLOCK_K}, got "
-                         f"{config.tile_k}")
-    if mode != "row" and config.tile_m * config.tile_n > 64 * 128:
-        raise ValueError(f"mode {mode!r} keeps two (tile_m, tile_n) tiles in registers: tile_m * tile_n must be <= "
-                         f"64 * 128, got {config.tile_m} x {config.tile_n}; use BLOCK_CONFIG")
+    if mode != "row" and config.tile_k not in (_BLOCK_K, 2 * _BLOCK_K):
+        raise ValueError(f"mode {mode!r} promotes every {_BLOCK_K} of K: tile_k must be {_BLOCK_K} or "
+                         f"{2 * _BLOCK_K}, got {config.tile_k}")
+    # The f32 sum plus one wgmma accumulator per 128-K block of a step, in 128 threads' registers (<= 232 each).
+    tiles = 1 + config.tile_k // _BLOCK_K
+    if mode != "row" and tiles * config.tile_m * config.tile_n > 192 * 128:
+        raise ValueError(f"mode {mode!r} keeps {tiles} (tile_m, tile_n) tiles in registers: {tiles} x "
+                         f"{config.tile_m} x {config.tile_n} f32 needs more than 192 registers per thread; use "
+                         f"smaller tiles or tile_k={_BLOCK_K} (BLOCK_CONFIG)")
     need = smem_bytes(config, mode) + _SMEM_MARGIN
     if need > _SMEM_BYTES:
         raise ValueError(f"config {config} needs ~{need} bytes of shared memory in mode {mode!r}, more than the "
@@ -198,7 +217,11 @@ def supports(a, b, out_dtype) -> str | None:
 
 
 def default_config(a: QTensor, b: QTensor, precise_accumulation: bool = False) -> TuningConfig:
-    return ROW_CONFIG if _mode(a, b, precise_accumulation) == "row" else BLOCK_CONFIG
+    if _mode(a, b, precise_accumulation) == "row":
+        return ROW_CONFIG
+    if a.data.shape[-1] % BLOCK_CONFIG.tile_k:  # one 128-K block per step rather than padding K (a copy of both)
+        return dataclasses.replace(BLOCK_CONFIG, tile_k=_BLOCK_K, max_concurrent_steps=5)
+    return BLOCK_CONFIG
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -216,8 +239,8 @@ def _row_vector(q: QTensor, rows: int, padded: int) -> jax.Array:
     return jnp.pad(vec, (0, padded - rows), constant_values=1) if padded > rows else vec
 
 
-def _block_scales(q: QTensor, k_blocks: int, padded_rows: int) -> jax.Array:
-    """Any scale -> f32 (K/128, padded_rows): the scale of each row in each 128-wide K block, padding scale 1."""
+def _block_scales(q: QTensor, k_blocks: int, padded_blocks: int, padded_rows: int) -> jax.Array:
+    """Any scale -> f32 (padded_blocks, padded_rows): the scale of each row in each 128-wide K block, padding 1."""
     rows = q.data.shape[0]
     if q.granularity in _ROW_GRANULARITIES:  # constant along K
         per_row = jnp.broadcast_to(q.scale, (rows, k_blocks))
@@ -225,7 +248,7 @@ def _block_scales(q: QTensor, k_blocks: int, padded_rows: int) -> jax.Array:
         per_row = q.scale
     else:  # 128x128: every row of a 128-row block shares its scales
         per_row = jnp.repeat(q.scale, 128, axis=0)
-    return _pad2(per_row.T, k_blocks, padded_rows, 1)
+    return _pad2(per_row.T, padded_blocks, padded_rows, 1)
 
 
 # int32 -> f32 without the conversion instruction (a quarter-rate or slower pipe on Hopper, one per accumulator element
@@ -256,6 +279,8 @@ def _kernel(plan: _Plan, *refs):
     b_collective = ("cluster",) if cluster_m > 1 else ()
     block_mode = plan.mode == "block"
     promote = plan.mode != "row"
+    blocks_per_step = tile_k // _BLOCK_K if promote else 1
+    epilogue_slots = _epilogue_slots(cfg, plan.mode)
     code_bytes = 1
     swizzle = plgpu.find_swizzle(tile_k * code_bytes * 8)
     code_transforms = (plgpu.TilingTransform((8, swizzle // code_bytes)), plgpu.SwizzleTransform(swizzle))
@@ -274,8 +299,9 @@ def _kernel(plan: _Plan, *refs):
         plgpu.BlockSpec((cta_m, tile_k), lambda k: (0, k), transforms=code_transforms),
         plgpu.BlockSpec((tile_n, tile_k), lambda k: (0, k), transforms=code_transforms, collective_axes=b_collective),
     ]
-    if block_mode:  # one K block's scales per step: a row of the transposed (K/128, rows) scale arrays
-        in_specs += [plgpu.BlockSpec((1, cta_m), lambda k: (k, 0)), plgpu.BlockSpec((1, tile_n), lambda k: (k, 0))]
+    if block_mode:  # a step's K blocks' scales: rows of the transposed (K/128, rows) scale arrays
+        in_specs += [plgpu.BlockSpec((blocks_per_step, cta_m), lambda k: (k, 0)),
+                     plgpu.BlockSpec((blocks_per_step, tile_n), lambda k: (k, 0))]
 
     def make_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -293,7 +319,8 @@ def _kernel(plan: _Plan, *refs):
     ignore = lambda *_, **__: None
     scratch = dict(
         pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(*pipeline_gmem_refs(0, 0)),
-        out_smem=plgpu.SMEM((_COMPUTE_WGS, 2, _EPI_TILE_M, epi_n), out_dtype, transforms=out_transforms),
+        out_smem=plgpu.SMEM((_COMPUTE_WGS, epilogue_slots, _EPI_TILE_M, epi_n), out_dtype,
+                            transforms=out_transforms),
     )
     if not block_mode:  # each compute warpgroup's row and column scales for the epilogue
         scratch.update(rs_smem=plgpu.SMEM((_COMPUTE_WGS, tile_m), jnp.float32),
@@ -327,10 +354,11 @@ def _kernel(plan: _Plan, *refs):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have left SMEM
                 for i in range(tile_m // _EPI_TILE_M):
                     for j in range(tile_n // epi_n):
-                        slot = (i * (tile_n // epi_n) + j) % 2
+                        slot = (i * (tile_n // epi_n) + j) % epilogue_slots
                         rows = slice(i * _EPI_TILE_M, (i + 1) * _EPI_TILE_M)
                         cols = slice(j * epi_n, (j + 1) * epi_n)
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # this slot's previous store was read
+                        # this slot's previous store has been read
+                        plgpu.wait_smem_to_gmem(epilogue_slots - 1, wait_read_only=True)
                         out_smem[wg, slot] = out[rows, cols]
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_gmem.at[out_rows, out_cols].at[rows, cols])
@@ -353,26 +381,43 @@ def _kernel(plan: _Plan, *refs):
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
+            def load_scales(scale_smem, block):
+                """One 128-K block's scales in registers: () without block scales; (row,) with a per-tile b scale
+                folded in; else (row, col)."""
+                if not block_mode:
+                    return ()
+                sa_smem, sb_smem = scale_smem
+                row_scale = plgpu.load(sa_smem.at[block, wg_rows], layout=row_layout)
+                if plan.b_scale_per_tile:  # one b scale for the whole tile: fold it into the row scales
+                    return (row_scale * sb_smem[block, 0],)
+                return row_scale, plgpu.load(sb_smem.at[block], layout=col_layout)
+
+            def promote_values(acc, part, scales):
+                """acc + the scaled f32 partial sum of one 128-K block."""
+                part = _small_int32_to_f32(part) if acc_dtype == jnp.int32 else part
+                if not scales:
+                    return acc + part
+                scale = lax.broadcast_in_dim(scales[0], part.shape, [0])
+                if len(scales) == 2:
+                    scale = scale * lax.broadcast_in_dim(scales[1], part.shape, [1])
+                return acc + part * scale
+
             def promote_body(_, a_smem, b_smem, *rest):
                 *scale_smem, acc = rest
 
-                def block_product(part_ref):
-                    plgpu.wgmma(part_ref, a_smem.at[wg_rows], b_smem.transpose((1, 0)))
-                    return part_ref[...]  # waits for the wgmma
+                def block_products(*part_refs):
+                    for i, part_ref in enumerate(part_refs):  # one wgmma group per 128-K block
+                        k_block = pl.ds(i * _BLOCK_K, _BLOCK_K)
+                        plgpu.wgmma(part_ref, a_smem.at[wg_rows, k_block], b_smem.at[:, k_block].transpose((1, 0)))
+                    out = acc
+                    for i, part_ref in enumerate(part_refs):
+                        # waits until block i's wgmma is done; the later blocks' keep running meanwhile
+                        part = plgpu.wgmma_accumulator_load(part_ref, wait_n=blocks_per_step - 1 - i)
+                        out = promote_values(out, part, load_scales(scale_smem, i))
+                    return out
 
-                part = pl.run_scoped(block_product, plgpu.ACC((tile_m, tile_n), acc_dtype))
-                part = _small_int32_to_f32(part) if acc_dtype == jnp.int32 else part
-                if not block_mode:
-                    return acc + part
-                sa_smem, sb_smem = scale_smem
-                row_scale = plgpu.load(sa_smem.at[0, wg_rows], layout=row_layout)
-                if plan.b_scale_per_tile:  # one b scale for the whole tile: fold it into the row scales
-                    row_scale = row_scale * sb_smem[0, 0]
-                    return acc + part * lax.broadcast_in_dim(row_scale, part.shape, [0])
-                col_scale = plgpu.load(sb_smem.at[0], layout=col_layout)
-                scale = (lax.broadcast_in_dim(row_scale, part.shape, [0])
-                         * lax.broadcast_in_dim(col_scale, part.shape, [1]))
-                return acc + part * scale
+                return pl.run_scoped(block_products,
+                                     *[plgpu.ACC((tile_m, tile_n), acc_dtype) for _ in range(blocks_per_step)])
 
             body = promote_body if promote else accumulate_body
             make_pipeline(body, compute_context)(*pipeline_gmem_refs(m_idx, n_idx), allocations=pipeline_allocs)
@@ -430,7 +475,8 @@ def scaled_matmul_kernel(a: QTensor, b: QTensor, out_dtype, *, precise_accumulat
     mp, np_, kp = _round_up(m, cta_m * config.cluster_m), _round_up(n, config.tile_n), _round_up(k, config.tile_k)
     a_codes, b_codes = _pad2(a.data, mp, kp, 0), _pad2(b.data, np_, kp, 0)
     if mode == "block":
-        a_scale, b_scale = _block_scales(a, k // _BLOCK_K, mp), _block_scales(b, k // _BLOCK_K, np_)
+        a_scale = _block_scales(a, k // _BLOCK_K, kp // _BLOCK_K, mp)
+        b_scale = _block_scales(b, k // _BLOCK_K, kp // _BLOCK_K, np_)
     else:
         a_scale, b_scale = _row_vector(a, m, mp), _row_vector(b, n, np_)
     tiles = (mp // cta_m) * (np_ // config.tile_n)
