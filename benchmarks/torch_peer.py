@@ -103,7 +103,9 @@ def _skip_reason(variant, torch, device):
 def _convert(model, variant, skip_fqns=()):
     """Applies a torchao training variant to every nn.Linear of `model` except those named in skip_fqns.
 
-    Returns the model (changed in place). Raises if a quantized variant converted no layer."""
+    Returns the converted model: `model` changed in place, or a new module where `model` itself is an nn.Linear
+    (torchao's float8 swap cannot replace a root module in place). Raises if a quantized variant converted no
+    layer."""
     import torch
 
     def keep(module, fqn):
@@ -112,7 +114,8 @@ def _convert(model, variant, skip_fqns=()):
     if variant.startswith("float8"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         recipe = variant.removeprefix("float8_")
-        convert_to_float8_training(model, module_filter_fn=keep, config=Float8LinearConfig.from_recipe_name(recipe))
+        model = convert_to_float8_training(model, module_filter_fn=keep,
+                                           config=Float8LinearConfig.from_recipe_name(recipe))
     elif variant == "int8_mixed_precision":
         from torchao import quantize_
         from torchao.prototype.quantized_training import int8_mixed_precision_training
