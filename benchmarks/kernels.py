@@ -76,8 +76,8 @@ def gemm_table(argv):
                     configs += [dataclasses.replace(base, grid_tile_width=w_, grid_minor_dim=d)
                                 for w_ in (4, 16) for d in (0, 1)]
                     configs += [dataclasses.replace(base, max_concurrent_steps=base.max_concurrent_steps - 1)]
-                    configs += [dataclasses.replace(base, cluster_m=2)]
-                    if base == mg.BLOCK_CONFIG:  # one 128-K block per step
+                    configs += [dataclasses.replace(base, cluster_m=3 - base.cluster_m)]
+                    if base.tile_k == 256 and base != mg.ROW_CONFIG:  # one 128-K block per step (block mode)
                         configs += [dataclasses.replace(base, tile_k=128, max_concurrent_steps=5)]
                     if base == mg.ROW_CONFIG:  # 128 x 256 CTA tiles (wgmma N=256); 4 stages overflow SMEM by ~100 bytes
                         configs += [dataclasses.replace(base, tile_m=64, tile_n=256, max_concurrent_steps=3)]

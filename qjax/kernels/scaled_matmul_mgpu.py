@@ -114,10 +114,10 @@ class TuningConfig:
 # Row mode: 2 x 128 x 128 tiles, one int32/f32 accumulator of 128 registers per thread; 4 stages of 48 KiB.
 ROW_CONFIG = TuningConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4)
 # Promoting modes: the f32 sum and one wgmma tile per 128-K block are in registers, so 64 x 128 per warpgroup. Two
-# blocks per step (3 stages of 66 KiB): block 0 is promoted while block 1's wgmma runs. 8192^3 on an H100
-# (benchmarks/RESULTS.md, 2026-11-24): fp8 0.79x, int8 0.65x of unscaled cuBLAS vs 0.72x / 0.62x with one block
-# per step (5 stages).
-BLOCK_CONFIG = TuningConfig(tile_m=64, tile_n=128, tile_k=256, max_concurrent_steps=3)
+# blocks per step (3 stages of 66 KiB): block 0 is promoted while block 1's wgmma runs; CTA pairs share B tiles.
+# On an H100 (benchmarks/RESULTS.md, 2026-11-24), of unscaled cuBLAS: 8192^3 fp8 0.81x, int8 0.67x (one block per
+# step, no cluster: 0.72x / 0.62x); 4096^3 0.83x / 0.77x.
+BLOCK_CONFIG = TuningConfig(tile_m=64, tile_n=128, tile_k=256, max_concurrent_steps=3, cluster_m=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,9 +219,13 @@ def supports(a, b, out_dtype) -> str | None:
 def default_config(a: QTensor, b: QTensor, precise_accumulation: bool = False) -> TuningConfig:
     if _mode(a, b, precise_accumulation) == "row":
         return ROW_CONFIG
-    if a.data.shape[-1] % BLOCK_CONFIG.tile_k:  # one 128-K block per step rather than padding K (a copy of both)
-        return dataclasses.replace(BLOCK_CONFIG, tile_k=_BLOCK_K, max_concurrent_steps=5)
-    return BLOCK_CONFIG
+    config = BLOCK_CONFIG
+    m, k = a.data.shape
+    if k % config.tile_k:  # one 128-K block per step rather than padding K (a copy of both operands)
+        config = dataclasses.replace(config, tile_k=_BLOCK_K, max_concurrent_steps=5)
+    if m % (config.cluster_m * _COMPUTE_WGS * config.tile_m):  # no CTA pairs rather than padding M further
+        config = dataclasses.replace(config, cluster_m=1)
+    return config
 
 
 def _round_up(x: int, multiple: int) -> int:

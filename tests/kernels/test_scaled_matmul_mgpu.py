@@ -167,6 +167,17 @@ def test_rejects_unsupported_operands_clearly(a, b, out_dtype, error, match):
         mgpu.scaled_matmul_kernel(a, b, out_dtype, interpret=True)
 
 
+def test_default_config_avoids_padding():
+    """Two K blocks per step and CTA pairs where K and M allow them; fewer rather than padding the operands."""
+    def block_operands(m, k):
+        return (_q((m, k), granularity="1x128", scale_shape=(m, k // 128)),
+                _q((128, k), granularity="128x128", scale_shape=(1, k // 128)))
+    assert mgpu.default_config(*block_operands(4096, 4096)) == mgpu.BLOCK_CONFIG
+    config = mgpu.default_config(*block_operands(4096 + 128, 4096 + 128))
+    assert (config.tile_k, config.cluster_m) == (128, 1)
+    assert mgpu.default_config(_q((4096 + 128, 4096)), _q((128, 4096))) == mgpu.ROW_CONFIG
+
+
 def test_supports_accepts_every_recipe_layout():
     for a, b in [(_q((64, 256)), _q((32, 256), granularity="tensor")),
                  (_q((64, 256), jnp.float8_e5m2, "tensor"), _q((32, 256), jnp.float8_e4m3fn, "tensor")),
@@ -193,7 +204,7 @@ def test_config_errors():
 
 @pytest.mark.parametrize("mode, code, out_dtype, overrides", [
     ("row", jnp.int8, jnp.bfloat16, {}), ("block", jnp.float8_e4m3fn, jnp.float32, {}),
-    ("block", jnp.int8, jnp.bfloat16, {"cluster_m": 2}), ("promote", jnp.float8_e5m2, jnp.bfloat16, {}),
+    ("block", jnp.int8, jnp.bfloat16, {"cluster_m": 1}), ("promote", jnp.float8_e5m2, jnp.bfloat16, {}),
     ("block", jnp.float8_e4m3fn, jnp.bfloat16, {"tile_k": 128, "max_concurrent_steps": 5})])
 def test_lowers_for_cuda(mode, code, out_dtype, overrides):
     """Configs at 4096 x 2048 x 1024 lower to a Mosaic GPU module (layouts, wgmma operands, SMEM budget)."""
