@@ -24,7 +24,7 @@ from qjax import stochastic
 from qjax.kernels import quantize_mgpu, stochastic_cast_mgpu
 from qjax.kernels import scaled_matmul_mgpu as mg
 from qjax.kernels.scaled_matmul import scaled_matmul
-from qjax.quantize import QuantSpec, quantize, quantize_with_seed
+from qjax.quantize import QuantSpec, quantize, quantize_pair, quantize_with_seed
 
 
 def gemm_table(argv):
@@ -129,7 +129,7 @@ def quantize_table(argv):
             samples.append((time.perf_counter() - start) / args.calls)
         return statistics.median(samples)
 
-    int8_row, e4m3_block = QuantSpec("int8", "row"), QuantSpec("e4m3", "1x128")
+    int8_row, e4m3_block, e4m3_tensor = QuantSpec("int8", "row"), QuantSpec("e4m3", "1x128"), QuantSpec("e4m3", "tensor")
     seed = jnp.uint32(7)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; {args.calls} calls back to back, median of "
           f"{args.rounds}", flush=True)
@@ -160,6 +160,9 @@ def quantize_table(argv):
                  "tile kernel int8 row pair, 2 out slots": (tiles[2], 4 * n),
                  "int8 row pair: amax + tile kernels": (pair(int8_row), 6 * n),
                  "int8 row pair: XLA reference": (reference(int8_row), 6 * n),
+                 "e4m3 tensor pair: amax + tile kernels": (pair(e4m3_tensor), 6 * n),
+                 "e4m3 tensor pair: XLA quantize + code transpose": (jax.jit(lambda x: quantize_pair(
+                     x, e4m3_tensor, e4m3_tensor, seed, seed, backend="xla")), 7 * n),
                  "e4m3 1x128 + 128x1 pair: tile kernel": (pair(e4m3_block), 4 * n + n // 16),
                  "e4m3 1x128 + 128x1 pair: XLA reference": (reference(e4m3_block), 4 * n + n // 16),
                  "SR cast bf16 -> e5m2: kernel": (jax.jit(lambda x: stochastic_cast_mgpu.stochastic_cast(

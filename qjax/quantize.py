@@ -205,17 +205,15 @@ def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None
                   row_axes: tuple[str, ...] = ()):
     """Both quantized layouts two GEMMs read from one array: x (..., R, C) per `spec` and its transpose (..., C, R)
     per `spec_t` (e.g. an activation for the forward GEMM and for wgrad). Either spec may be None (that output is
-    None). Same results as two `quantize_with_seed` calls; a tensorwise nearest quantization is reused transposed.
+    None). Same results as two `quantize_with_seed` calls.
 
     backend (see `qjax.Recipe`): where the fused Mosaic GPU kernel runs, both layouts come from one kernel
-    (`qjax.kernels.quantize_mgpu`); elsewhere XLA fuses the two reference quantizations.
+    (`qjax.kernels.quantize_mgpu`: an amax read, then one read writing both); elsewhere XLA fuses the two reference
+    quantizations, and a tensorwise nearest quantization is done once and its codes transposed.
     row_axes: inside `jax.shard_map`, the mesh axes x's rows are split over (`row_split_amax_axes`): the scales are
     then those of the whole array.
     """
     axes, axes_t = row_split_amax_axes(spec, False, row_axes), row_split_amax_axes(spec_t, True, row_axes)
-    if spec is not None and spec == spec_t and spec.granularity == "tensor" and not spec.stochastic:
-        q = quantize_with_seed(x, spec, seed, operand=operands[0], amax_axes=axes)
-        return q, QTensor(_swap_last(q.data), q.scale, q.granularity)
     if spec is not None and spec_t is not None and x.ndim == 2:
         from qjax import kernels  # imported here: the kernels import this module
         run_kernel, interpret = kernels.use_kernel(backend)
@@ -228,6 +226,9 @@ def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None
             if backend == "pallas":
                 raise ValueError(f"backend 'pallas': the fused quantize kernel cannot run this case ({reason}); use "
                                  "backend 'auto' to fall back to XLA")
+    if spec is not None and spec == spec_t and spec.granularity == "tensor" and not spec.stochastic:
+        q = quantize_with_seed(x, spec, seed, operand=operands[0], amax_axes=axes)
+        return q, QTensor(_swap_last(q.data), q.scale, q.granularity)
     q = None if spec is None else quantize_with_seed(x, spec, seed, operand=operands[0], amax_axes=axes)
     q_t = None if spec_t is None else quantize_with_seed(_swap_last(x), spec_t, seed_t, operand=operands[1],
                                                          amax_axes=axes_t)
