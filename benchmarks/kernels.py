@@ -129,7 +129,8 @@ def quantize_table(argv):
             samples.append((time.perf_counter() - start) / args.calls)
         return statistics.median(samples)
 
-    int8_row, e4m3_block, e4m3_tensor = QuantSpec("int8", "row"), QuantSpec("e4m3", "1x128"), QuantSpec("e4m3", "tensor")
+    int8_row, e4m3_block = QuantSpec("int8", "row"), QuantSpec("e4m3", "1x128")
+    e4m3_tensor = QuantSpec("e4m3", "tensor")
     seed = jnp.uint32(7)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; {args.calls} calls back to back, median of "
           f"{args.rounds}", flush=True)

@@ -31,7 +31,8 @@ sums become f32 by a bit trick (no conversion instruction); a 128x128 b scale is
 Optionally (cluster_m=2) two CTAs on neighbouring M tiles share each B tile through TMA multicast.
 
 Shapes that do not tile are padded with zero codes (scale 1) and sliced; K is padded to tile_k (zero codes add
-nothing; block mode needs K % 128 == 0, and its default config takes one block per step where K % 256 != 0). Only 2-D operands (the dispatcher handles batch dims).
+nothing; block mode needs K % 128 == 0, and its default config takes one block per step where K % 256 != 0). Only
+2-D operands (the dispatcher handles batch dims).
 
 Checked off the GPU: the Mosaic GPU interpreter (`interpret=True`) runs this code with wgmma executed synchronously
 by numpy and checks barriers (its race detector also flags jax's own warp-specialized pipeline when the compute
@@ -71,8 +72,9 @@ class TuningConfig:
     warpgroup.
 
     Attributes:
-      tile_m: rows per compute warpgroup, a multiple of 64 (wgmma M). Promoting modes hold two f32/int32 tiles in
-        registers: keep tile_m * tile_n <= 64 * 128 there (232 registers per thread).
+      tile_m: rows per compute warpgroup, a multiple of 64 (wgmma M). Promoting modes hold the f32 sum and one
+        f32/int32 tile per 128-K block of a step in registers: (1 + tile_k / 128) * tile_m * tile_n / 128 must stay
+        <= 192 per thread (of 232).
       tile_n: columns per CTA, a multiple of 64 and <= 256 (wgmma N).
       tile_k: K per pipeline step: 64, 128 or 256 (128 bytes of 8-bit codes = one 128B swizzle row). Promoting
         modes take 128 or 256: with 256 a step issues one wgmma per 128-K block into its own accumulator and
@@ -116,7 +118,7 @@ ROW_CONFIG = TuningConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_ste
 # Promoting modes: the f32 sum and one wgmma tile per 128-K block are in registers, so 64 x 128 per warpgroup. Two
 # blocks per step (3 stages of 66 KiB): block 0 is promoted while block 1's wgmma runs; CTA pairs share B tiles.
 # On an H100 (benchmarks/RESULTS.md, 2026-11-24), of unscaled cuBLAS: 8192^3 fp8 0.81x, int8 0.67x (one block per
-# step, no cluster: 0.72x / 0.62x); 4096^3 0.83x / 0.77x.
+# step, no cluster: 0.72x / 0.62x); 4096^3 0.83x / 0.77x. On another H100 (slower cuBLAS) 8192^3: 0.93x / 0.80x.
 BLOCK_CONFIG = TuningConfig(tile_m=64, tile_n=128, tile_k=256, max_concurrent_steps=3, cluster_m=2)
 
 
@@ -175,7 +177,7 @@ def _check_config(config: TuningConfig, mode: str):
     if mode != "row" and tiles * config.tile_m * config.tile_n > 192 * 128:
         raise ValueError(f"mode {mode!r} keeps {tiles} (tile_m, tile_n) tiles in registers: {tiles} x "
                          f"{config.tile_m} x {config.tile_n} f32 needs more than 192 registers per thread; use "
-                         f"smaller tiles or tile_k={_BLOCK_K} (BLOCK_CONFIG)")
+                         f"smaller tiles or tile_k={_BLOCK_K}")
     need = smem_bytes(config, mode) + _SMEM_MARGIN
     if need > _SMEM_BYTES:
         raise ValueError(f"config {config} needs ~{need} bytes of shared memory in mode {mode!r}, more than the "
