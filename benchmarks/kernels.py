@@ -32,9 +32,12 @@ def gemm_table(argv):
 
     python benchmarks/kernels.py gemm [--sizes 4096 8192] [--cases int8_row fp8_block] [--sweep]
     """
-    cases = {"int8_row": ("int8", "row", "row"), "fp8_tensor": ("e4m3", "tensor", "tensor"),
-             "fp8_row": ("e4m3", "row", "row"), "int8_block": ("int8", "1x128", "128x128"),
-             "fp8_block": ("e4m3", "1x128", "128x128"), "fp8_block_wgrad": ("e4m3", "1x128", "1x128")}
+    # name -> (codes, a granularity, b granularity, precise accumulation: the backward GEMMs of the fp8 recipes;
+    # the kernel promotes every 128 of K, the reference runs cuBLAS at Precision.HIGHEST)
+    cases = {"int8_row": ("int8", "row", "row", False), "fp8_tensor": ("e4m3", "tensor", "tensor", False),
+             "fp8_tensor_precise": ("e4m3", "tensor", "tensor", True), "fp8_row": ("e4m3", "row", "row", False),
+             "int8_block": ("int8", "1x128", "128x128", False), "fp8_block": ("e4m3", "1x128", "128x128", False),
+             "fp8_block_wgrad": ("e4m3", "1x128", "1x128", False)}
     parser = argparse.ArgumentParser(prog="kernels.py gemm", description=gemm_table.__doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--cases", nargs="+", default=list(cases), choices=list(cases))
@@ -64,15 +67,15 @@ def gemm_table(argv):
         flops = 2.0 * n**3
         for name in args.cases:
             try:
-                dtype, a_gran, b_gran = cases[name]
+                dtype, a_gran, b_gran, precise = cases[name]
                 a = jax.jit(quantize, static_argnums=1)(x, QuantSpec(dtype, a_gran))
                 b = jax.jit(quantize, static_argnums=1)(w, QuantSpec(dtype, b_gran))
                 acc = jnp.int32 if dtype == "int8" else jnp.bfloat16
                 unscaled = jax.jit(lambda p, q, acc=acc: lax.dot_general(p, q, dims, preferred_element_type=acc))
-                reference = jax.jit(lambda p, q: scaled_matmul(p, q, jnp.bfloat16))
+                reference = jax.jit(lambda p, q: scaled_matmul(p, q, jnp.bfloat16, precise))
                 configs = [None]
                 if args.sweep:
-                    base = mg.default_config(a, b)
+                    base = mg.default_config(a, b, precise)
                     configs += [dataclasses.replace(base, grid_tile_width=w_, grid_minor_dim=d)
                                 for w_ in (4, 16) for d in (0, 1)]
                     configs += [dataclasses.replace(base, max_concurrent_steps=base.max_concurrent_steps - 1)]
@@ -85,7 +88,7 @@ def gemm_table(argv):
                 t_xla, t_ref = seconds(unscaled, a.data, b.data), seconds(reference, a, b)
                 for config in configs:
                     kernel = jax.jit(functools.partial(mg.scaled_matmul_kernel, out_dtype=jnp.bfloat16, config=config,
-                                                         interpret=args.interpret))
+                                                         precise_accumulation=precise, interpret=args.interpret))
                     out = kernel(a, b).astype(jnp.float32)
                     err = float(jnp.linalg.norm(out - ref_out) / jnp.linalg.norm(ref_out.astype(jnp.float32)))
                     t_kernel = seconds(kernel, a, b)
