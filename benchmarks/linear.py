@@ -3,7 +3,9 @@
   python benchmarks/linear.py                 # GPU: M=16384, (K, N) in (4096, 4096), (4096, 14336), (14336, 4096)
   python benchmarks/linear.py --small         # CPU-sized shapes (the default when no GPU is present)
 
-Prints a table of milliseconds per step (median over --reps timed runs after warm-up) and speedup vs bf16, and
+Prints a table of milliseconds per step (median over --reps samples after warm-up, each --inner steps queued back to
+back and one wait: a ~2 ms step waited for one at a time also times the host's dispatch and wake-up, which varied by
+~10% between machines) and speedup vs bf16, and
 appends it to benchmarks/RESULTS.md with the device, date, jax version and commit (--no-append to skip).
 
 Then, unless --no-peer, the same shapes run in torch.compile + torchao in a subprocess (benchmarks/torch_peer.py)
@@ -61,7 +63,7 @@ def make_step(recipe):
     return jax.jit(step)
 
 
-def run(m, shapes, reps, warmup, names=None):
+def run(m, shapes, reps, warmup, inner, names=None):
     rows = {}
     for k, n in shapes:
         keys = jax.random.split(jax.random.key(0), 3)
@@ -71,20 +73,21 @@ def run(m, shapes, reps, warmup, names=None):
         for recipe in bench_recipes():
             if names and recipe.name not in names and recipe.name != "bf16":
                 continue
-            ms = time_ms(make_step(recipe), (x, w, g), warmup, reps)
+            ms = time_ms(make_step(recipe), (x, w, g), warmup, reps, inner)
             rows.setdefault(recipe.name, {})[(k, n)] = ms
             print(f"  {recipe.name:24s} K={k:6d} N={n:6d} {ms:9.3f} ms", flush=True)
     return rows
 
 
-def table(rows, m, shapes):
+def table(rows, m, shapes, reps, inner):
     header = "| recipe | " + " | ".join(f"{k}→{n} ms | speedup" for k, n in shapes) + " |"
     lines = [header, "|---|" + "---:|---:|" * len(shapes)]
     for name, times in rows.items():
         cells = " | ".join(f"{times[s]:.3f} | {rows['bf16'][s] / times[s]:.2f}x" for s in shapes)
         lines.append(f"| {name} | {cells} |")
     flops = " · ".join(f"{k}→{n}: bf16 {6 * m * k * n / rows['bf16'][(k, n)] / 1e9:.0f} TFLOP/s" for k, n in shapes)
-    return "\n".join(lines) + f"\n\nM={m}; x, w, g in bfloat16; y, dx, dw per step. {flops}.\n"
+    timing = f"median of {reps} samples of {inner} steps queued back to back"
+    return "\n".join(lines) + f"\n\nM={m}; x, w, g in bfloat16; y, dx, dw per step; {timing}. {flops}.\n"
 
 
 def peer_table(rows, peer, shapes):
@@ -111,12 +114,13 @@ def peer_table(rows, peer, shapes):
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
 
 
-def run_peer(args, m, shapes, reps):
+def run_peer(args, m, shapes, reps, inner):
     """The torch peer's result dict for the PEERS variants of the recipes that ran ("error" set if it failed)."""
     variants = [PEERS[name] for name in PEERS if name == "bf16" or not args.recipes or name in args.recipes]
     print(f"\ntorch/torchao peer ({', '.join(variants)}) in a subprocess...", flush=True)
     peer = run_torch_peer("linear", python=args.peer_python, m=m, shapes=[f"{k}x{n}" for k, n in shapes],
-                          variants=variants, reps=reps, warmup=args.warmup, compile=args.peer_compile)
+                          variants=variants, reps=reps, inner=inner, warmup=args.warmup,
+                          compile=args.peer_compile)
     if "error" in peer:
         print(f"torch peer not measured: {peer['error']}" + ("" if args.peer else " (--no-peer skips it)"))
     return peer
@@ -127,6 +131,7 @@ def main():
     parser.add_argument("--small", action="store_true", help="CPU-sized shapes (default when no GPU is present)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--inner", type=int, default=10, help="steps queued back to back per timed sample")
     parser.add_argument("--shapes", nargs="*", help="K x N pairs, e.g. 4096x14336 (default: the three GPU shapes)")
     parser.add_argument("--recipes", nargs="*", help="recipe names to time (default: all; bf16 always runs)")
     parser.add_argument("--no-append", action="store_true", help="do not append to benchmarks/RESULTS.md")
@@ -141,11 +146,12 @@ def main():
     if args.shapes:
         shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes]
     reps = args.reps if not small else min(args.reps, 5)
+    inner = args.inner if not small else 1
     print(f"linear fwd+bwd on {device_kind()} ({jax.default_backend()}), jax {jax.__version__}, M={m}", flush=True)
-    rows = run(m, shapes, reps, args.warmup, args.recipes)
-    report = table(rows, m, shapes)
+    rows = run(m, shapes, reps, args.warmup, inner, args.recipes)
+    report = table(rows, m, shapes, reps, inner)
     print("\n" + report)
-    peer = run_peer(args, m, shapes, reps) if args.peer is not False else {}
+    peer = run_peer(args, m, shapes, reps, inner) if args.peer is not False else {}
     if peer and "error" not in peer:
         side_by_side = peer_table(rows, peer, shapes)
         print("\n" + side_by_side)

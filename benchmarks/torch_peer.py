@@ -198,7 +198,7 @@ def bench_linear(args, torch, device):
                     raise RuntimeError(f"SNR vs float32 (y, dx, dw) = {snrs} dB < {SNR_MIN_DB}")
                 if variant != "bf16" and torch.equal(y, y_bf16):
                     raise RuntimeError("output bit-identical to the bf16 layer: the quantized path did not run")
-                ms = _median_ms(step, torch, device, args.warmup, args.reps)
+                ms = _median_ms(step, torch, device, args.warmup, args.reps, inner=args.inner)
                 results.setdefault(variant, {})[shape] = dict(ms=ms, snr_y=snrs[0], snr_dx=snrs[1], snr_dw=snrs[2])
                 _log(f"  {variant:22s} K={k:6d} N={n:6d} {ms:9.3f} ms  SNR y/dx/dw "
                      + "/".join(f"{s:.1f}" for s in snrs) + " dB")
@@ -280,7 +280,8 @@ def parse_args(argv=None):
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile (default on; --no-compile where no C++ compiler is present)")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=20, help="linear: timed steps")
+    parser.add_argument("--reps", type=int, default=20, help="linear: timed samples")
+    parser.add_argument("--inner", type=int, default=1, help="linear: steps queued back to back per sample")
     parser.add_argument("--steps", type=int, default=10, help="llama: timed training steps")
     parser.add_argument("--m", type=int, default=16384)
     parser.add_argument("--shapes", nargs="*", default=["4096x4096", "4096x14336", "14336x4096"], help="KxN")

@@ -14,6 +14,9 @@ The module also holds the kernel-safe rounding helpers `qjax.kernels.quantize_mg
 Mosaic GPU has no lowering for floor / isfinite, and its f32 -> fp8 cast saturates (`cvt.satfinite`: +-Inf becomes
 +-max) while XLA's does not; each helper computes the reference's exact result with ops Mosaic GPU lowers:
   floor(v)       -> truncation through int32 (exact for |v| < 2**30, the only range where it is used)
+  round + int8   -> v + 1.5 * 2**23 rounds |v| <= 2**22 half to even (the float spacing there is 1), and the
+                    integer is read from the low mantissa bits: no conversion instructions, which run at a
+                    fraction of the FP32 rate. (Not (v + c) - c for floor: XLA folds that back to v.)
   isfinite(v)    -> |v| < inf (false for NaN)
   clip(v)        -> two selects, so NaN stays NaN (the reference's clip propagates NaN)
   Inf -> e4m3    -> NaN with Inf's sign before the cast (XLA casts Inf to e4m3fn NaN; satfinite would give 448)
@@ -44,6 +47,7 @@ _ROWS = 64  # rows per program: 32 KiB of f32 in + <= 16 KiB out of SMEM, so sev
 LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((4, _COLUMNS), (4,))), warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1)
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TARGETS = ("bf16", "e4m3", "e5m2", "int8")
+_RNE_MAGIC = 1.5 * 2**23  # f32 bits 0x4B400000: adding it rounds |v| <= 2**22 to an integer in the low bits
 
 
 # ------------------------------------------------------------------ kernel-safe math (also used by quantize_mgpu)
@@ -95,11 +99,15 @@ def round_to_grid(y, fmt: formats.Format, bits):
 
 
 def cast_codes(y, fmt: formats.Format, *, may_be_inf: bool):
-    """`formats.saturating_cast` for a kernel: f32 y (integers for int8) -> fmt's storage dtype, or uint8 holding
-    e5m2 bits when may_be_inf (see module docstring; the caller bitcasts). NaN gives NaN (0 for int8)."""
+    """`formats.saturating_cast` for a kernel: f32 y -> fmt's storage dtype, or uint8 holding e5m2 bits when
+    may_be_inf (see module docstring; the caller bitcasts). NaN gives NaN (0 for int8). int8 rounds y half to even
+    first (`jnp.round`, the nearest rounding of the reference), so callers pass unrounded values."""
     if fmt.is_integer:
-        # Values are integers within +-127 already, or NaN.
-        return jnp.where(y == y, clamp(y, fmt.max_value), jnp.float32(0)).astype(jnp.int8)
+        # round half to even (the identity on the integers stochastic rounding gives), clip to +-127, NaN -> 0,
+        # without conversion instructions: after the magic add the integer sits in the low mantissa bits.
+        clipped = jnp.where(y == y, clamp(y, fmt.max_value), jnp.float32(0))
+        bits = lax.bitcast_convert_type(clipped + jnp.float32(_RNE_MAGIC), jnp.int32) - jnp.int32(0x4B400000)
+        return bits.astype(jnp.int8)
     if fmt.name == "bf16":
         return y.astype(jnp.bfloat16)  # y is on the bf16 grid (or +-Inf / NaN): exact
     clamped = clamp(y, fmt.max_value)  # +-Inf clamps too; restored below where the format has Inf
