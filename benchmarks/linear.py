@@ -38,19 +38,15 @@ PEERS = {"bf16": "bf16", "fp8_tensorwise": "float8_tensorwise", "fp8_rowwise": "
 
 
 def bench_recipes():
-    """bf16, every named recipe, the int8 per-GEMM variants (forward only; forward + dgrad), "<name>@xla" rows:
+    """bf16, every named recipe, the int8 per-GEMM variants (forward only; forward + dgrad), and "<name>@xla" rows:
     the quantized recipes forced onto the XLA path (backend "xla"), to show what the Pallas kernels change (the
-    plain rows use backend "auto": the kernels on a Hopper GPU, XLA elsewhere), and "<name>@pallas" rows for the fp8
-    recipes whose backward GEMMs "auto" leaves on cuBLAS at Precision.HIGHEST (backend "pallas": the kernel
-    promotes them every 128 of K)."""
+    plain rows use backend "auto": the kernels on a Hopper GPU, XLA elsewhere)."""
     int8 = qjax.recipe("int8_rowwise")
     variants = [dataclasses.replace(int8, name="int8_rowwise_fwd_only", dgrad=None, wgrad=None),
                 dataclasses.replace(int8, name="int8_rowwise_fwd_dgrad", wgrad=None)]
     named = list(qjax.RECIPES.values())
     xla = [dataclasses.replace(r, name=r.name + "@xla", backend="xla") for r in named if not r.is_high_precision]
-    pallas = [dataclasses.replace(qjax.recipe(name), name=name + "@pallas", backend="pallas")
-              for name in ("fp8_tensorwise", "fp8_rowwise")]
-    return named + variants + xla + pallas
+    return named + variants + xla
 
 
 def make_step(recipe):

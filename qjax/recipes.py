@@ -51,9 +51,9 @@ class Recipe:
     """Per-GEMM quantization of a linear layer; None means that GEMM runs in high precision.
 
     backend: how the quantized GEMMs (and their quantization) execute. "auto": the Pallas Mosaic GPU kernels on a
-    single Hopper GPU where they support the case (fp8 GEMMs with precise accumulation stay on cuBLAS, measured
-    faster), XLA elsewhere, including multi-device meshes (the kernels have no partitioning rule yet); "xla": always
-    XLA (the jnp reference path); "pallas": the kernels always (under the Mosaic GPU interpreter off a GPU: slow,
+    Hopper GPU where they support the case, XLA elsewhere; with several GPUs only where `qjax.dot_general` runs the
+    GEMMs per device (under a context mesh; the kernels have no partitioning rule); "xla": always XLA (the jnp
+    reference path); "pallas": the kernels always (under the Mosaic GPU interpreter off a GPU: slow,
     for tests); an unsupported GEMM raises ValueError, while quantizations the fused kernel does not cover
     (batched operands, a single layout, a tensorwise quantization reused by transposition) run the reference.
     Quantized codes are identical on every backend; GEMM outputs agree up to float32 rounding (fp8: up to Hopper's
