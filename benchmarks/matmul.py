@@ -15,9 +15,9 @@ The qjax and kernel rows exist only as A.B^T: QTensors keep the contracting dim 
 
 Before timing, every cell is checked against its reference on the same inputs: XLA rows against a float32 GEMM of
 the same (upcast) operands, qjax and kernel rows against `scaled_matmul`, run separately under jit. A cell below
---min-snr dB is reported as failed and not timed. Time = median over --reps samples after warm-up; small sizes
-dispatch several calls per sample (common.time_ms). "% of peak": against the best number measured in this run for
-the same operand dtype (bf16, int8 or fp8), any row, layout or size.
+--min-snr dB is reported as failed and not timed. Time = median over --reps samples after warm-up, each several
+calls dispatched back to back (at least 4; more for small sizes; common.time_ms). "% of peak": against the best
+number measured in this run for the same operand dtype (bf16, int8 or fp8), any row, layout or size.
 """
 
 import argparse
@@ -114,7 +114,9 @@ def run(rows, layouts, sizes, reps, warmup, min_snr, interpret):
     tflops, snrs = {}, {}
     start = time.perf_counter()
     for n in sizes:
-        inner = min(64, max(1, (4096 // n) ** 3))  # up to ~ the work of one 4096^3 GEMM per sample
+        # At least 4 calls per sample: one ~1 ms 8192^3 GEMM waited for at a time also timed the host's dispatch
+        # and wake-up (H200: fp8 1150 TFLOP/s that way, 1363 with 5 calls per sample in kernels.py gemm).
+        inner = min(64, max(4, (4096 // n) ** 3))
         for layout in layouts:
             for row in rows:
                 if row not in XLA_ROWS and layout != "TN":
