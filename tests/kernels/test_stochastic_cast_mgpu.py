@@ -76,6 +76,21 @@ def test_matches_reference(target):
 
 
 @interpreter_only
+def test_int8_cast_codes_round_half_to_even_without_conversions():
+    """The kernel-side int8 cast (a magic-number add, the integer read from the mantissa bits) equals the reference's
+    round half to even + clip + cast on ties, the clip boundary, NaN / +-Inf, -0 and every half-integer in range,
+    jitted as XLA compiles it (XLA must not fold the trick away)."""
+    halves = np.arange(-130.0, 130.5, 0.5)
+    specials = [np.nan, -np.nan, np.inf, -np.inf, -0.0, 0.0, 127.49, 127.5, -127.5, 128.0, -1e30, 3e38, 1e-40,
+                0.49999997, -0.50000006, 2.5000002]
+    y = jnp.asarray(np.concatenate([halves, specials]), jnp.float32)
+    fmt = formats.get_format("int8")
+    got = jax.jit(lambda y: stochastic_cast_mgpu.cast_codes(y, fmt, may_be_inf=False))(y)
+    want = jax.jit(lambda y: formats.saturating_cast(jnp.where(jnp.isnan(y), 0.0, jnp.round(y)), fmt))(y)
+    assert got.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_input_dtypes_and_shapes():
     x = _input((3, 50), jnp.float16, jnp.float8_e5m2, seed=2)  # float16 input, one padded tile
     _check(x, jnp.float8_e5m2)
