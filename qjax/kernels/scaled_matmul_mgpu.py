@@ -51,6 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax.kernels.scaled_matmul import INT32_SAFE_K
+from qjax.kernels.stochastic_cast_mgpu import small_int32_to_f32
 from qjax.quantize import QTensor
 
 _SMEM_BYTES = 232_448  # shared memory per block on H100/H200
@@ -257,18 +258,6 @@ def _block_scales(q: QTensor, k_blocks: int, padded_blocks: int, padded_rows: in
     return _pad2(per_row.T, padded_blocks, padded_rows, 1)
 
 
-# int32 -> f32 without the conversion instruction (a quarter-rate or slower pipe on Hopper, one per accumulator element
-# per K block would cost more than the wgmma): for |x| < 2**22, the bits of 1.5 * 2**23 plus x are the f32 1.5 * 2**23
-# + x exactly, and subtracting 1.5 * 2**23 is exact. A 128-long K block of int8 products is at most 128**3 = 2**21.
-_MAGIC_BITS = 0x4B400000
-_MAGIC = 12582912.0  # 1.5 * 2**23
-
-
-def _small_int32_to_f32(x: jax.Array) -> jax.Array:
-    """int32 -> float32, exact for |x| < 2**22 (integer add + float subtract)."""
-    return lax.bitcast_convert_type(x + jnp.int32(_MAGIC_BITS), jnp.float32) - jnp.float32(_MAGIC)
-
-
 def _num_sms() -> int:
     return jax.devices()[0].core_count
 
@@ -400,7 +389,8 @@ def _kernel(plan: _Plan, *refs):
 
             def promote_values(acc, part, scales):
                 """acc + the scaled f32 partial sum of one 128-K block."""
-                part = _small_int32_to_f32(part) if acc_dtype == jnp.int32 else part
+                # exact: one 128-K block of int8 products sums to at most 128**3 = 2**21 in magnitude
+                part = small_int32_to_f32(part) if acc_dtype == jnp.int32 else part
                 if not scales:
                     return acc + part
                 scale = lax.broadcast_in_dim(scales[0], part.shape, [0])

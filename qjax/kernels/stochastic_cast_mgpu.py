@@ -14,9 +14,9 @@ The module also holds the kernel-safe rounding helpers `qjax.kernels.quantize_mg
 Mosaic GPU has no lowering for floor / isfinite, and its f32 -> fp8 cast saturates (`cvt.satfinite`: +-Inf becomes
 +-max) while XLA's does not; each helper computes the reference's exact result with ops Mosaic GPU lowers:
   floor(v)       -> truncation through int32 (exact for |v| < 2**30, the only range where it is used)
-  round + int8   -> v + 1.5 * 2**23 rounds |v| <= 2**22 half to even (the float spacing there is 1), and the
-                    integer is read from the low mantissa bits: no conversion instructions, which run at a
-                    fraction of the FP32 rate. (Not (v + c) - c for floor: XLA folds that back to v.)
+  round + int8   -> v + 1.5 * 2**23 rounds |v| <= 2**22 half to even and the integer is read from the mantissa
+                    bits (MAGIC below), no conversion instructions. (Not (v + c) - c for floor: XLA folds that
+                    back to v.)
   isfinite(v)    -> |v| < inf (false for NaN)
   clip(v)        -> two selects, so NaN stays NaN (the reference's clip propagates NaN)
   Inf -> e4m3    -> NaN with Inf's sign before the cast (XLA casts Inf to e4m3fn NaN; satfinite would give 448)
@@ -47,15 +47,33 @@ _ROWS = 64  # rows per program: 32 KiB of f32 in + <= 16 KiB out of SMEM, so sev
 LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((4, _COLUMNS), (4,))), warp_dims=(-3,), lane_dims=(-2,), vector_dim=-1)
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TARGETS = ("bf16", "e4m3", "e5m2", "int8")
-_RNE_MAGIC = 1.5 * 2**23  # f32 bits 0x4B400000: adding it rounds |v| <= 2**22 to an integer in the low bits
 
 
-# ------------------------------------------------------------------ kernel-safe math (also used by quantize_mgpu)
+# ------------------------------------- kernel-safe math (also used by quantize_mgpu and scaled_matmul_mgpu)
 
 
 def is_finite(v):
     """jnp.isfinite for f32 arrays, with ops Mosaic GPU lowers (NaN compares false)."""
     return jnp.abs(v) < jnp.float32(jnp.inf)
+
+
+# 1.5 * 2**23 and its f32 bits. For |v| <= 2**22 the floats around 1.5 * 2**23 + v are 1 apart, so the f32 sum is v
+# rounded half to even, held in the low mantissa bits; its bits minus MAGIC_BITS are that integer, and the reverse
+# gives int32 -> f32. Both directions then avoid the conversion-unit instructions (cvt.rni, F2I, I2F), which run at a
+# fraction of the FP32 rate on Hopper: the int8 quantize tile kernel was bound by them (H200: 141 -> 109 us for a
+# 16384 x 4096 pair), and the int8 GEMM kernel converts an int32 partial sum per K block this way.
+MAGIC = 1.5 * 2**23
+MAGIC_BITS = 0x4B400000
+
+
+def round_half_even_to_int32(v):
+    """f32 |v| <= 2**22 -> int32, rounded half to even (jnp.round), with one FP32 add and one integer subtract."""
+    return lax.bitcast_convert_type(v + jnp.float32(MAGIC), jnp.int32) - jnp.int32(MAGIC_BITS)
+
+
+def small_int32_to_f32(x):
+    """int32 |x| < 2**22 -> f32, exactly, with one integer add and one FP32 subtract."""
+    return lax.bitcast_convert_type(x + jnp.int32(MAGIC_BITS), jnp.float32) - jnp.float32(MAGIC)
 
 
 def clamp(v, bound: float):
@@ -103,11 +121,9 @@ def cast_codes(y, fmt: formats.Format, *, may_be_inf: bool):
     may_be_inf (see module docstring; the caller bitcasts). NaN gives NaN (0 for int8). int8 rounds y half to even
     first (`jnp.round`, the nearest rounding of the reference), so callers pass unrounded values."""
     if fmt.is_integer:
-        # round half to even (the identity on the integers stochastic rounding gives), clip to +-127, NaN -> 0,
-        # without conversion instructions: after the magic add the integer sits in the low mantissa bits.
+        # round half to even (the identity on the integers stochastic rounding gives), clip to +-127, NaN -> 0
         clipped = jnp.where(y == y, clamp(y, fmt.max_value), jnp.float32(0))
-        bits = lax.bitcast_convert_type(clipped + jnp.float32(_RNE_MAGIC), jnp.int32) - jnp.int32(0x4B400000)
-        return bits.astype(jnp.int8)
+        return round_half_even_to_int32(clipped).astype(jnp.int8)
     if fmt.name == "bf16":
         return y.astype(jnp.bfloat16)  # y is on the bf16 grid (or +-Inf / NaN): exact
     clamped = clamp(y, fmt.max_value)  # +-Inf clamps too; restored below where the format has Inf
