@@ -141,7 +141,8 @@ def _codes(x32, inv_rows, side: _Side, seed, row0, col0, n_cols):
         rows = plgpu.broadcasted_iota(jnp.uint32, x32.shape, 0, layout=_LAYOUT) + row0
         cols = plgpu.broadcasted_iota(jnp.uint32, x32.shape, 1, layout=_LAYOUT) + col0
         y = round_to_grid(y, fmt, stochastic.hash_uint32(seed, rows * jnp.uint32(n_cols) + cols))
-    return cast_codes(y, fmt, may_be_inf=False)  # int8: rounds half to even itself  # y is finite, or NaN in a NaN/Inf block (x * 1/Inf = x * 0)
+    # int8 rounds half to even inside cast_codes; y is finite, or NaN in a NaN/Inf block (x * 1/Inf = x * 0)
+    return cast_codes(y, fmt, may_be_inf=False)
 
 
 def _load_chunk(x_smem, h, transposed):
