@@ -4,6 +4,7 @@ Scripts in this folder run as `python benchmarks/NAME.py`, so `import common` fi
 """
 
 import datetime
+import os
 import pathlib
 import shlex
 import statistics
@@ -48,7 +49,13 @@ def snr_db(ref, out) -> float:
 
 
 def git_commit() -> str:
-    """Short commit of the checkout, '+dirty' when qjax/ or benchmarks/ differ from it; 'unknown' without git."""
+    """Short commit of the checkout, '+dirty' when qjax/ or benchmarks/ differ from it; 'unknown' without git.
+
+    $QJAX_COMMIT, when set, is returned instead: a copy of the working tree sent to another machine can carry a
+    stale .git (the device copies reported the session's first commit for every later one), so a script run there
+    should pass the commit it was sent from (`QJAX_COMMIT=$(git rev-parse --short HEAD)` where it is written)."""
+    if os.environ.get("QJAX_COMMIT"):
+        return os.environ["QJAX_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()
