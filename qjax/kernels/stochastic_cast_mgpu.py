@@ -10,7 +10,7 @@
                       code = _cast(y, fmt)                              (formats.saturating_cast, kernel-safe)
   SMEM -> GMEM (TMA): codes (64, 128)
 
-The module also holds the kernel-safe rounding helpers `qjax.kernels.quantize_mgpu` uses. They exist because
+The module also holds the kernel-safe math helpers `quantize_mgpu` and `scaled_matmul_mgpu` use. They exist because
 Mosaic GPU has no lowering for floor / isfinite, and its f32 -> fp8 cast saturates (`cvt.satfinite`: +-Inf becomes
 +-max) while XLA's does not; each helper computes the reference's exact result with ops Mosaic GPU lowers:
   floor(v)       -> truncation through int32 (exact for |v| < 2**30, the only range where it is used)
@@ -121,7 +121,9 @@ def cast_codes(y, fmt: formats.Format, *, may_be_inf: bool):
     may_be_inf (see module docstring; the caller bitcasts). NaN gives NaN (0 for int8). int8 rounds y half to even
     first (`jnp.round`, the nearest rounding of the reference), so callers pass unrounded values."""
     if fmt.is_integer:
-        # round half to even (the identity on the integers stochastic rounding gives), clip to +-127, NaN -> 0
+        # round half to even (the identity on the integers stochastic rounding gives), clip to +-127, NaN -> 0.
+        # The selects also keep a caller's y = x * inv apart from the magic add: fused into one FMA, the product
+        # would be rounded once, not to f32 first as the reference does.
         clipped = jnp.where(y == y, clamp(y, fmt.max_value), jnp.float32(0))
         return round_half_even_to_int32(clipped).astype(jnp.int8)
     if fmt.name == "bf16":
