@@ -3,6 +3,7 @@
   scaled_matmul.py        reference + dispatcher for the quantized GEMM (row / tensor / block scales)
   scaled_matmul_mgpu.py   the Mosaic GPU GEMM kernel: int8 / fp8 wgmma, scales in the epilogue or per 128 of K
   quantize_mgpu.py        fused quantization kernels (both GEMM layouts from one read), reference: qjax.quantize
+  tile_pipeline_mgpu.py   the TMA pipeline over 128 x 128 tiles that the quantize kernels run on
   stochastic_cast_mgpu.py stochastic-rounding casts, reference: qjax.stochastic
 
 A recipe's `backend` ("auto", "xla", "pallas") picks between a kernel and its reference (see `qjax.Recipe`).

@@ -9,9 +9,10 @@ from as few reads of x as the granularities allow:
   1x128, 128x128            1               tile kernel: per-block amax in registers, scales written by the kernel
   row, tensor               2               amax kernel (row and column amax from one read), then the tile kernel
 
-Tile kernel: programs of TILES_PER_PROGRAM consecutive 128 x 128 tiles (i, j) along K, two SMEM slots for x (tile
-t + 1 loads while tile t is computed) and one per output (its stores leave SMEM before tile t + 1 writes there: the
-smaller footprint lets two programs share an SM, which measured 1.4x faster than double-buffered outputs). Per tile:
+Tile kernel (on `tile_pipeline_mgpu.run_tiles`): programs of TILES_PER_PROGRAM consecutive 128 x 128 tiles (i, j)
+along K, two SMEM slots for x (tile t + 1 loads while tile t is computed) and one per output (its stores leave SMEM
+before tile t + 1 writes there: the smaller footprint lets two programs share an SM, which measured 1.4x faster than
+double-buffered outputs). Per tile:
   GMEM -> SMEM (TMA)  x tile (128, 128) bf16/f16/f32 (128-byte swizzled); for row/tensor sides 128 inverse scales
   row side            x in registers (Mosaic GPU's WGMMA layout, 64 rows at a time): amax along K, scale,
                       y = x * (1 / scale), round (half-even or stochastic), cast -> codes (128, 128)
@@ -43,7 +44,6 @@ padded: padding would cost a full extra pass over x (the dispatcher's jnp refere
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,10 +52,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax import formats, stochastic
+from qjax.kernels import tile_pipeline_mgpu as tiles
 from qjax.kernels.stochastic_cast_mgpu import cast_codes, is_finite, resolve_interpret, round_to_grid
 from qjax.quantize import QTensor, QuantSpec, row_split_amax_axes, scale_from_amax
 
-TILE = 128
+TILE = tiles.TILE
 _CHUNK = 64  # rows of a tile held in registers at a time (WGMMA layout: multiples of 64); bounds register use
 _LAYOUT = plgpu.Layout.WGMMA
 _LAYOUT_T = plgpu.Layout.WGMMA_TRANSPOSED  # loads a transposed SMEM view with vectors along its contiguous dim
@@ -179,127 +180,12 @@ def _quantize_tile_side(x_smem, side, transposed, inv_smem, codes_smem, scale_sm
 # ------------------------------------------------------------------------------------------------------ kernels
 
 
-def _swizzled(dtype):
-    """SMEM transforms for a (128, 128) tile: 128-byte rows in 8-row tiles, 128-byte swizzle. TMA writes/reads
-    tiles in this form, and the WGMMA-layout loads and stores of registers (plain and through the transposed view)
-    are then free of bank conflicts."""
-    return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(128))
-
-
-def _steps_per_program(k_tiles: int, steps: int) -> int:
-    """The largest divisor of k_tiles that is <= steps (each program pipelines that many tiles along K)."""
-    steps = max(1, min(steps, k_tiles))
-    while k_tiles % steps:
-        steps -= 1
-    return steps
-
-
-def _tile_region(transposed):
-    """GMEM region of tile (i, j): x[i, j] / codes[i, j], or codes_t[j, i] for the transposed layout."""
-    if transposed:
-        return lambda i, j: (pl.ds(j * TILE, TILE), pl.ds(i * TILE, TILE))
-    return lambda i, j: (pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE))
-
-
-def _scale_row_region(transposed):
-    """GMEM region of tile (i, j)'s 128 per-row values: a row of (K/128, M), or of (M/128, K) when transposed."""
-    if transposed:
-        return lambda i, j: (i, pl.ds(j * TILE, TILE))
-    return lambda i, j: (j, pl.ds(i * TILE, TILE))
-
-
-def _inverse_region(transposed):
-    """GMEM region of tile (i, j)'s 128 given inverse scales: rows of x (M,), or columns of x (K,) if transposed."""
-    if transposed:
-        return lambda i, j: pl.ds(j * TILE, TILE)
-    return lambda i, j: pl.ds(i * TILE, TILE)
-
-
-class _Stream(NamedTuple):
-    """One array moved between GMEM and SMEM per tile: `region(i, j)` indexes the GMEM ref for tile (i, j)."""
-
-    block: tuple[int, ...]
-    dtype: Any
-    region: Callable
-    swizzled: bool = False
-    per_tile: bool = True  # False: the same region for all tiles of a program, loaded once
-
-
-def _run_tiles(step_body, x, seeds, inputs, in_streams, out_type, out_streams, *, steps, out_slots, interpret):
-    """Runs step_body on every 128 x 128 tile of x: programs (M/128, K/128/steps), each a TMA pipeline over
-    `steps` consecutive tiles of one tile row. Two SMEM slots per input stream: tile t + 1 loads while tile t is
-    computed. out_slots (1 or 2) per output stream: with 2, tile t's stores drain while tile t + 1 is computed;
-    with 1, tile t + 1 first waits for them to leave SMEM, but the program needs less SMEM, so more programs share
-    an SM and overlap each other instead.
-
-    x is streamed as the first input; `inputs` (GMEM arrays) follow, moved per in_streams; outputs per
-    out_streams. step_body(seeds_ref, i, j, in_smem_refs, out_smem_refs) quantizes tile (i, j) from SMEM to SMEM;
-    seeds (uint32 (2,)) stay in GMEM. (plgpu.emit_pipeline does the same, but predicates its stores, which the
-    Mosaic GPU interpreter cannot run; this loop has no predicated copies, so the tests run it.)"""
-    m, k = x.shape
-    k_tiles = k // TILE
-    steps = _steps_per_program(k_tiles, steps)
-    in_streams = [_Stream((TILE, TILE), x.dtype, _tile_region(False), swizzled=True), *in_streams]
-    n_in, n_out = len(in_streams), len(out_streams)
-    tile_loads = sum(stream.per_tile for stream in in_streams)
-
-    def smem(stream, slots):
-        shape = (slots, *stream.block) if stream.per_tile else stream.block
-        return plgpu.SMEM(shape, stream.dtype, transforms=_swizzled(stream.dtype) if stream.swizzled else ())
-
-    scratch = [smem(stream, 2) for stream in in_streams] + [smem(stream, out_slots) for stream in out_streams]
-    scratch += [plgpu.Barrier(num_arrivals=tile_loads, num_barriers=2), plgpu.Barrier(num_barriers=1)]
-
-    def body(seeds_ref, *refs):
-        in_gmem, out_gmem = refs[:n_in], refs[n_in:n_in + n_out]
-        in_smem, out_smem = refs[n_in + n_out:2 * n_in + n_out], refs[2 * n_in + n_out:2 * (n_in + n_out)]
-        tile_barriers, once_barrier = refs[-2:]
-        i, first = lax.axis_index("m"), lax.axis_index("k") * steps
-
-        def load(t, slot):
-            for stream, src, dst in zip(in_streams, in_gmem, in_smem):
-                if stream.per_tile:
-                    plgpu.copy_gmem_to_smem(src.at[stream.region(i, first + t)], dst.at[slot],
-                                            tile_barriers.at[slot])
-
-        once = [(stream, src, dst) for stream, src, dst in zip(in_streams, in_gmem, in_smem) if not stream.per_tile]
-        for stream, src, dst in once:
-            plgpu.copy_gmem_to_smem(src.at[stream.region(i, first)], dst, once_barrier.at[0])
-        for slot in range(min(2, steps)):
-            load(slot, slot)
-        if once:
-            plgpu.barrier_wait(once_barrier.at[0])
-
-        @pl.loop(0, steps)
-        def _(t):
-            slot, out_slot = lax.rem(t, 2), lax.rem(t, out_slots)
-            plgpu.barrier_wait(tile_barriers.at[slot])
-            # The output slot's stores from tile t - out_slots must have read their SMEM: leave only tile t - 1's
-            # in flight (two slots), or none (one slot).
-            plgpu.wait_smem_to_gmem(n_out * (out_slots - 1), wait_read_only=True)
-            step_body(seeds_ref, i, first + t,
-                      [ref.at[slot] if stream.per_tile else ref for stream, ref in zip(in_streams, in_smem)],
-                      [ref.at[out_slot] for ref in out_smem])
-            plgpu.commit_smem()  # register -> SMEM stores visible to TMA; also all threads are done with the slot
-            for stream, src, dst in zip(out_streams, out_smem, out_gmem):
-                plgpu.copy_smem_to_gmem(src.at[out_slot], dst.at[stream.region(i, first + t)])
-
-            @pl.when(t + 2 < steps)
-            def _():
-                load(t + 2, slot)
-
-        plgpu.wait_smem_to_gmem(0)
-
-    return plgpu.kernel(body, out_type=tuple(out_type), scratch_types=tuple(scratch),
-                        grid=(m // TILE, k_tiles // steps), grid_names=("m", "k"), interpret=interpret)(
-                            seeds, x, *inputs)
-
-
 @functools.partial(jax.jit, static_argnames=("row", "col", "steps", "out_slots", "interpret"))
 def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, steps, out_slots=1, interpret):
     """The tile kernel. row_inv (M,) / col_inv (K,): f32 inverse scales for sides without blocks (else unused).
-    out_slots: SMEM slots per output (see `_run_tiles`); 1, the default, measured faster: 32 KB of SMEM for both
-    sides' codes instead of 64 lets two programs share an SM (H100, 16384 x 11264 bf16: 453 -> 327 us).
+    out_slots: SMEM slots per output (see `tile_pipeline_mgpu.run_tiles`); 1, the default, measured faster: 32 KB
+    of SMEM for both sides' codes instead of 64 lets two programs share an SM (H100, 16384 x 11264 bf16: 453 -> 327
+    us).
 
     Returns [row codes (M, K), row block scales (K/128, M)?, col codes (K, M)?, col block scales (M/128, K)?]."""
     m, k = x.shape
@@ -313,14 +199,14 @@ def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, ste
 
     # Inverse scales of a side without blocks: the tile's 128 rows of x (the same for all tiles of a program:
     # loaded once), or its 128 columns for the transpose.
-    in_streams = [_Stream((TILE,), jnp.float32, _inverse_region(transposed), per_tile=transposed)
+    in_streams = [tiles.Stream((TILE,), jnp.float32, tiles.inverse_region(transposed), per_tile=transposed)
                   for side, transposed in sides if side.block is None]
     out_streams = []
     for side, transposed in sides:
         codes_dtype = formats.get_format(side.fmt).dtype
-        out_streams.append(_Stream((TILE, TILE), codes_dtype, _tile_region(transposed), swizzled=True))
+        out_streams.append(tiles.Stream((TILE, TILE), codes_dtype, tiles.tile_region(transposed), swizzled=True))
         if side.block is not None:
-            out_streams.append(_Stream((TILE,), jnp.float32, _scale_row_region(transposed)))
+            out_streams.append(tiles.Stream((TILE,), jnp.float32, tiles.scale_row_region(transposed)))
 
     def step(seeds_ref, i, j, in_refs, out_refs):
         x_smem, inv_refs, out_refs = in_refs[0], list(in_refs[1:]), list(out_refs)
@@ -333,8 +219,8 @@ def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, ste
             scale_ref = out_refs.pop(0) if side.block is not None else None
             _quantize_tile_side(x_smem, side, transposed, inv_ref, codes_ref, scale_ref, seed, row0, col0, n_cols)
 
-    return _run_tiles(step, x, seeds, inverses, in_streams, out_type, out_streams, steps=steps, out_slots=out_slots,
-                      interpret=interpret)
+    return tiles.run_tiles(step, x, seeds, inverses, in_streams, out_type, out_streams, steps=steps,
+                           out_slots=out_slots, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("steps", "interpret"))
@@ -351,10 +237,10 @@ def _amax_call(x, *, steps, interpret):
             col_ref[rows] = _rows_amax(_load_chunk(x_smem, h, transposed=True))
 
     out_type = (jax.ShapeDtypeStruct((k // TILE, m), jnp.float32), jax.ShapeDtypeStruct((m // TILE, k), jnp.float32))
-    out_streams = [_Stream((TILE,), jnp.float32, _scale_row_region(False)),
-                   _Stream((TILE,), jnp.float32, _scale_row_region(True))]
-    return _run_tiles(step, x, jnp.zeros((2,), jnp.uint32), [], [], out_type, out_streams, steps=steps,
-                      out_slots=2, interpret=interpret)
+    out_streams = [tiles.Stream((TILE,), jnp.float32, tiles.scale_row_region(False)),
+                   tiles.Stream((TILE,), jnp.float32, tiles.scale_row_region(True))]
+    return tiles.run_tiles(step, x, jnp.zeros((2,), jnp.uint32), [], [], out_type, out_streams, steps=steps,
+                           out_slots=2, interpret=interpret)
 
 
 def amax_pair(x: jax.Array, *, interpret=False, tiles_per_program=TILES_PER_PROGRAM) -> tuple[jax.Array, jax.Array]:
@@ -447,5 +333,3 @@ def quantize_kernel(x: jax.Array, spec: QuantSpec, seed=None, *, interpret=False
     """One layout: the kernel form of `quantize_with_seed(x, spec, seed)` for x (M, K) (see `quantize_pair`)."""
     return quantize_pair(x, spec, None, seed, None, interpret=interpret, tiles_per_program=tiles_per_program)[0]
 
-
-# ---------------------------------------------------------------------------------------------------- benchmark
