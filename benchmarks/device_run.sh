@@ -1,0 +1,67 @@
+#!/bin/bash
+# Runs GPU tests and benchmark tables on the lent device machine in one call, within its 10-minute limit.
+#
+#   (here)   echo /.whl/ >> .git/info/exclude; pip download ... -d .whl torchao==0.17.0 ml_collections==1.1.0
+#            (the device README's wheel command; the image lacks both)
+#   (device) QJAX_COMMIT=<local HEAD> bash benchmarks/device_run.sh tests-kernels quantize linear train
+#            with carry [".whl"]
+#
+# Steps run in the order given, each under `timeout` with what is left of BUDGET seconds (default 570), so a slow
+# step cannot take the whole call's output with it: every step's output goes to $OUT/device.log as it runs, and
+# the lines the benchmarks appended to benchmarks/RESULTS.md come back as $OUT/results.diff (apply it here with
+# `patch -p0 benchmarks/RESULTS.md < results.diff`). QJAX_COMMIT names the code in those RESULTS headings: the
+# device copy's .git can be stale (benchmarks/NOTES.md, device-time lessons).
+#
+# Steps: tests-kernels (the GPU-relevant kernel tests, compiled), tests-optim (fused AdamW GPU tests), quantize
+# (kernels.py quantize), gemm (kernels.py gemm), matmul (A.B^T at 8192), linear (with the torch peer), train (the
+# 1.1B table with the torch peer), train-qjax (the 1.1B table without the peer).
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/device_out}
+BUDGET=${BUDGET:-570}
+mkdir -p "$OUT"
+LOG=$OUT/device.log
+cd "$(dirname "$0")/.."
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+[ -n "$QJAX_COMMIT" ] || echo "QJAX_COMMIT is not set: RESULTS headings name the device copy's git state" | tee -a "$LOG"
+nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader 2>&1 | tee -a "$LOG"
+cp benchmarks/RESULTS.md /tmp/RESULTS.before
+
+step_command() {
+    local kernel_rows="int8_row_kernel fp8_row_kernel int8_block_kernel fp8_block_kernel"
+    case "$1" in
+        tests-kernels) echo "python3 -m pytest -x -q -p no:cacheprovider tests/kernels" ;;
+        tests-optim) echo "python3 -m pytest -x -q -p no:cacheprovider -m gpu tests/optim/test_fused_kernel.py" ;;
+        quantize) echo "python3 benchmarks/kernels.py quantize --shapes 16384x4096 16384x14336" ;;
+        gemm) echo "python3 benchmarks/kernels.py gemm --sizes 4096 8192 --cases" \
+                   "int8_block fp8_block fp8_tensor_precise" ;;
+        matmul) echo "python3 benchmarks/matmul.py --layouts TN --sizes 8192 --rows bf16 int8 fp8 $kernel_rows" ;;
+        linear) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
+                     "int8_rowwise fp8_tensorwise fp8_rowwise fp8_blockwise" ;;
+        train) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --warmup 2" \
+                    "--peer-variants bf16 float8_tensorwise" ;;
+        train-qjax) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise fp8_tensorwise fp8_blockwise" \
+                         "--steps 5 --warmup 2 --no-peer" ;;
+        *) return 1 ;;
+    esac
+}
+
+for step in "$@"; do
+    command=$(step_command "$step") || { echo "unknown step '$step'" | tee -a "$LOG"; exit 2; }
+    left=$((BUDGET - SECONDS))
+    if [ "$left" -lt 30 ]; then
+        echo "== $step: skipped, ${left} s of the budget left" | tee -a "$LOG"
+        continue
+    fi
+    echo "== $step ($left s left): $command" | tee -a "$LOG"
+    timeout "$left" $command 2>&1 | tee -a "$LOG"
+    echo "== $step: exit ${PIPESTATUS[0]} at $SECONDS s" | tee -a "$LOG"
+done
+diff /tmp/RESULTS.before benchmarks/RESULTS.md > "$OUT/results.diff"
+exit 0
