@@ -29,7 +29,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
     export PYTHONPATH=$PWD
 fi
-[ -n "$QJAX_COMMIT" ] || echo "QJAX_COMMIT is not set: RESULTS headings name the device copy's git state" | tee -a "$LOG"
+[ -n "$QJAX_COMMIT" ] || echo "QJAX_COMMIT is not set: headings name the device copy's git" | tee -a "$LOG"
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader 2>&1 | tee -a "$LOG"
 cp benchmarks/RESULTS.md /tmp/RESULTS.before
 
