@@ -113,14 +113,21 @@ def _broadcast_rows(values, shape):
     return plgpu.layout_cast(lax.broadcast_in_dim(values, shape, (0,)), _LAYOUT)
 
 
-def _rows_amax(x32):
-    """max |x| along axis 1 of f32 (rows, cols) -> (rows,), +Inf where a row holds NaN or Inf (quantize._amax).
+def _abs_bits(x32):
+    """The int32 bit patterns of |x| for f32 x (sign bit cleared with an integer mask, so a negative NaN is caught
+    too): they order non-negative floats, and NaN patterns sort above Inf's, so a max over them is amax."""
+    return lax.bitcast_convert_type(x32, jnp.int32) & jnp.int32(0x7FFFFFFF)
 
-    The max runs over the int32 bit patterns of |x| (sign bit cleared with an integer mask, so a negative NaN is
-    caught too): they order non-negative floats, and NaN patterns sort above Inf's."""
-    bits = lax.bitcast_convert_type(x32, jnp.int32) & jnp.int32(0x7FFFFFFF)
-    amax = lax.bitcast_convert_type(jnp.max(bits, axis=1), jnp.float32)
+
+def _amax_from_bits(bits):
+    """Max of `_abs_bits` values -> f32 amax, +Inf where it is NaN (the reference's `_amax`: NaN -> Inf)."""
+    amax = lax.bitcast_convert_type(bits, jnp.float32)
     return jnp.where(amax == amax, amax, jnp.float32(jnp.inf))
+
+
+def _rows_amax(x32):
+    """max |x| along axis 1 of f32 (rows, cols) -> (rows,), +Inf where a row holds NaN or Inf (quantize._amax)."""
+    return _amax_from_bits(jnp.max(_abs_bits(x32), axis=1))
 
 
 def _scale(amax, fmt: formats.Format, pow2_scale: bool):
@@ -231,10 +238,14 @@ def _amax_call(x, *, steps, interpret):
     def step(seeds_ref, i, j, in_refs, out_refs):
         del seeds_ref  # no rounding here
         (x_smem,), (row_ref, col_ref) = in_refs, out_refs
+        col_bits = None
         for h in range(TILE // _CHUNK):
-            rows = pl.ds(h * _CHUNK, _CHUNK)
-            row_ref[rows] = _rows_amax(_load_chunk(x_smem, h, transposed=False))
-            col_ref[rows] = _rows_amax(_load_chunk(x_smem, h, transposed=True))
+            bits = _abs_bits(_load_chunk(x_smem, h, transposed=False))
+            row_ref[pl.ds(h * _CHUNK, _CHUNK)] = _amax_from_bits(jnp.max(bits, axis=1))
+            col_bits = bits if col_bits is None else jnp.maximum(col_bits, bits)
+        # Column maxima from the same registers: across the rows a thread holds, then its warp's lanes, then the
+        # warpgroup's 4 warps (through SMEM scratch: CompilerParams.reduction_scratch_bytes); no transposed load.
+        col_ref[...] = _amax_from_bits(jnp.max(col_bits, axis=0))
 
     out_type = (jax.ShapeDtypeStruct((k // TILE, m), jnp.float32), jax.ShapeDtypeStruct((m // TILE, k), jnp.float32))
     out_streams = [tiles.Stream((TILE,), jnp.float32, tiles.scale_row_region(False)),
