@@ -104,7 +104,8 @@ def _blocked(x, granularity):
     return x.reshape(*x.shape[:-2], rows // block_r, block_r, k // block_k, block_k)
 
 
-def _amax(x32, granularity):
+def amax(x32, granularity):
+    """max |x| per scale block of f32 x: () for "tensor", else the scale's shape (see `QuantSpec`)."""
     # NaN counts as +Inf: XLA's CPU max-reduction can drop NaN, and an Inf amax already makes the whole block
     # non-finite on dequantization (codes 0 times an Inf scale).
     magnitude = jnp.where(jnp.isnan(x32), jnp.inf, jnp.abs(x32))
@@ -140,10 +141,10 @@ def quantize_with_seed(x: jax.Array, spec: QuantSpec, seed: jax.Array | None, op
     _check_shape(x.shape, spec.granularity, operand)
     fmt = spec.format
     x32 = x.astype(jnp.float32)
-    amax = _amax(x32, spec.granularity)
+    block_amax = amax(x32, spec.granularity)
     if amax_axes:
-        amax = lax.pmax(amax, amax_axes)
-    scale = scale_from_amax(amax, fmt, spec.pow2_scale)
+        block_amax = lax.pmax(block_amax, amax_axes)
+    scale = scale_from_amax(block_amax, fmt, spec.pow2_scale)
     inv_scale = jnp.float32(1) / scale
     if spec.granularity == "tensor":
         y = x32 * inv_scale

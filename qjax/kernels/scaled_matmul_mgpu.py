@@ -27,8 +27,7 @@ Kernel structure (per CTA, persistent over output tiles, `emit_pipeline_warp_spe
                       `.reduce(0)`), cast, stored via SMEM in (64, 128-byte) tiles and TMA.
 Scales reach the kernel as f32 vectors: row mode a (M,), b (N,); block mode transposed to (K/128, M), (K/128, N) so
 one K-block's scales of a tile are contiguous for TMA (the wrapper does this; ~3% of the operand bytes). int8 block
-accumulators start at the f32 bits of 1.5 * 2**23, so each block's sum becomes f32 with one subtract (no conversion
-instruction); a 128x128 b scale is folded into the row scales.
+sums become f32 by a bit trick (no conversion instruction); a 128x128 b scale is folded into the row scales.
 Optionally (cluster_m=2) two CTAs on neighbouring M tiles share each B tile through TMA multicast.
 
 Shapes that do not tile are padded with zero codes (scale 1) and sliced; K is padded to tile_k (zero codes add
@@ -52,7 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax.kernels.scaled_matmul import INT32_SAFE_K
-from qjax.kernels.stochastic_cast_mgpu import MAGIC, MAGIC_BITS
+from qjax.kernels.stochastic_cast_mgpu import small_int32_to_f32
 from qjax.quantize import QTensor
 
 _SMEM_BYTES = 232_448  # shared memory per block on H100/H200
@@ -263,7 +262,7 @@ def _num_sms() -> int:
     return jax.devices()[0].core_count
 
 
-def _kernel(plan: _Plan, interpreted: bool, *refs):
+def _kernel(plan: _Plan, *refs):
     """Kernel body: refs = (a, b, scale_a, scale_b, out, *scratch) with shapes per `plan.mode` (module docstring)."""
     cfg = plan.config
     a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem = refs
@@ -284,9 +283,6 @@ def _kernel(plan: _Plan, interpreted: bool, *refs):
     epi_n = _EPI_ROW_BYTES // out_dtype.itemsize
     out_transforms = (plgpu.TilingTransform((8, epi_n)), plgpu.SwizzleTransform(_EPI_ROW_BYTES))
     acc_dtype = jnp.int32 if a_gmem.dtype == jnp.int8 else jnp.float32
-    # int8 block accumulators start at MAGIC_BITS (promote_body), except under the interpreter, which cannot run
-    # pl.run_state: there they start at 0 and the promotion adds MAGIC_BITS (the same sums, one more integer add).
-    offset_accumulators = acc_dtype == jnp.int32 and not interpreted
     # Every step waits for its wgmma before releasing the SMEM stage (the two compute warpgroups keep the tensor cores
     # busy in turn). Keeping one wgmma in flight (BlockSpec delay_release=1) would race in this persistent loop: the
     # pipeline never releases the last step's stage, so the next tile's prologue TMA can overwrite it while that
@@ -393,9 +389,8 @@ def _kernel(plan: _Plan, interpreted: bool, *refs):
 
             def promote_values(acc, part, scales):
                 """acc + the scaled f32 partial sum of one 128-K block."""
-                if acc_dtype == jnp.int32:  # MAGIC_BITS + sum (promote_body): the bits of the f32 MAGIC + sum
-                    part = part if offset_accumulators else part + jnp.int32(MAGIC_BITS)
-                    part = lax.bitcast_convert_type(part, jnp.float32) - jnp.float32(MAGIC)
+                # exact: one 128-K block of int8 products sums to at most 128**3 = 2**21 in magnitude
+                part = small_int32_to_f32(part) if acc_dtype == jnp.int32 else part
                 if not scales:
                     return acc + part
                 scale = lax.broadcast_in_dim(scales[0], part.shape, [0])
@@ -406,26 +401,10 @@ def _kernel(plan: _Plan, interpreted: bool, *refs):
             def promote_body(_, a_smem, b_smem, *rest):
                 *scale_smem, acc = rest
 
-                def issue(part_refs):  # one wgmma group per 128-K block, each into its own accumulator
-                    for i, part_ref in enumerate(part_refs):
+                def block_products(*part_refs):
+                    for i, part_ref in enumerate(part_refs):  # one wgmma group per 128-K block
                         k_block = pl.ds(i * _BLOCK_K, _BLOCK_K)
                         plgpu.wgmma(part_ref, a_smem.at[wg_rows, k_block], b_smem.at[:, k_block].transpose((1, 0)))
-
-                if offset_accumulators:
-                    # int8 accumulators start at MAGIC_BITS rather than 0: one block's int32 sum is at most 128**3 =
-                    # 2**21 in magnitude, so the tensor core's integer add leaves the f32 bits of MAGIC + sum and
-                    # the conversion is one FP32 subtract, with no integer add (half the FP32 rate) in the
-                    # promotion. pl.run_state is what starts accumulators at a value; it waits for all of the
-                    # step's blocks before the first is promoted (the other warpgroup's wgmma run meanwhile).
-                    offset = plgpu.layout_cast(jnp.full((tile_m, tile_n), MAGIC_BITS, jnp.int32), plgpu.Layout.WGMMA)
-                    parts = pl.run_state(issue)(tuple(plgpu.ACC.init(offset) for _ in range(blocks_per_step)))
-                    out = acc
-                    for i, part in enumerate(parts):
-                        out = promote_values(out, part, load_scales(scale_smem, i))
-                    return out
-
-                def block_products(*part_refs):
-                    issue(part_refs)
                     out = acc
                     for i, part_ref in enumerate(part_refs):
                         # waits until block i's wgmma is done; the later blocks' keep running meanwhile
@@ -448,7 +427,7 @@ def _kernel(plan: _Plan, interpreted: bool, *refs):
 def _launch(a_codes, b_codes, a_scale, b_scale, *, plan: _Plan, interpret):
     cluster_m = plan.config.cluster_m
     kernel = plgpu.kernel(
-        functools.partial(_kernel, plan, interpret is not False),
+        functools.partial(_kernel, plan),
         out_type=jax.ShapeDtypeStruct((plan.m, plan.n), plan.out_dtype),
         grid=(plan.num_ctas // cluster_m,), grid_names=("sm",), cluster=(cluster_m,), cluster_names=("cluster",),
         num_threads=_COMPUTE_WGS + 1, thread_name="wg", interpret=interpret)

@@ -61,8 +61,7 @@ def is_finite(v):
 # rounded half to even, held in the low mantissa bits; its bits minus MAGIC_BITS are that integer, and the reverse
 # gives int32 -> f32. Both directions then avoid the conversion-unit instructions (cvt.rni, F2I, I2F), which run at a
 # fraction of the FP32 rate on Hopper: the int8 quantize tile kernel was bound by them (H200: 141 -> 109 us for a
-# 16384 x 4096 pair). The int8 GEMM kernel reads its per-K-block int32 sums this way (its accumulators start at
-# MAGIC_BITS, so the tensor core does the integer add).
+# 16384 x 4096 pair), and the int8 GEMM kernel converts an int32 partial sum per K block this way.
 MAGIC = 1.5 * 2**23
 MAGIC_BITS = 0x4B400000
 
@@ -70,6 +69,11 @@ MAGIC_BITS = 0x4B400000
 def round_half_even_to_int32(v):
     """f32 |v| <= 2**22 -> int32, rounded half to even (jnp.round), with one FP32 add and one integer subtract."""
     return lax.bitcast_convert_type(v + jnp.float32(MAGIC), jnp.int32) - jnp.int32(MAGIC_BITS)
+
+
+def small_int32_to_f32(x):
+    """int32 |x| < 2**22 -> f32, exactly, with one integer add and one FP32 subtract."""
+    return lax.bitcast_convert_type(x + jnp.int32(MAGIC_BITS), jnp.float32) - jnp.float32(MAGIC)
 
 
 def clamp(v, bound: float):

@@ -126,9 +126,12 @@ def test_pair_matches_reference(shape, dtype, row_spec, col_spec, specials):
             np.testing.assert_array_equal(np.frexp(finite)[0], 0.5)
 
 
-def test_amax_pair_is_the_row_and_column_amax():
-    x = _input((128, 256), jnp.bfloat16, "e4m3", specials=True)
-    row_amax, col_amax = jax.jit(lambda x: quantize_mgpu.amax_pair(x, interpret=None if on_hopper_gpu() else True))(x)
+@pytest.mark.parametrize("shape,tiles_per_program", [((128, 256), 8), ((512, 256), 2)])  # 1 program / 2 of 2 tiles
+def test_amax_pair_is_the_row_and_column_amax(shape, tiles_per_program):
+    x = _input(shape, jnp.bfloat16, "e4m3", specials=True)
+    interpret = None if on_hopper_gpu() else True
+    row_amax, col_amax = jax.jit(lambda x: quantize_mgpu.amax_pair(x, interpret=interpret,
+                                                                   tiles_per_program=tiles_per_program))(x)
     magnitude = jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x.astype(jnp.float32)))
     np.testing.assert_array_equal(np.asarray(row_amax), np.asarray(magnitude.max(axis=1)))
     np.testing.assert_array_equal(np.asarray(col_amax), np.asarray(magnitude.max(axis=0)))
