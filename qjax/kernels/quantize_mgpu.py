@@ -27,10 +27,10 @@ contiguous 512-byte row (a TMA box needs >= 16 contiguous bytes; a (128, 1) colu
 transposes these small arrays (1/128 of x's elements) into the reference's scale shapes. For 128x128 blocks every
 entry of a tile's row is the tile's scale and the wrapper keeps every 128th.
 
-Amax kernel (row sides): the same tiles, walked down M (`_amax_call`), writing each tile's 128 row maxima and each
-program's 128 column maxima (the partial maxima); XLA reduces those (few values per row / column) to row amax (M,),
-column amax (K,) and the tensor amax (COAT's two-stage max). Scales are then computed by the reference's own
-`scale_from_amax` in XLA. So row/tensor granularity reads x twice; block granularities once.
+Amax kernel (row sides): the same tiles, writing each tile's 128 row maxima and 128 column maxima (the partial
+maxima); XLA reduces those (M/128 or K/128 values per row / column: small) to row amax (M,), column amax (K,) and
+the tensor amax (COAT's two-stage max). Scales are then computed by the reference's own `scale_from_amax` in XLA.
+So row/tensor granularity reads x twice; block granularities once.
 
 Bit-exactness: every step is the reference's operation in the reference's order: amax as the max over the int32
 bit patterns of |x| (monotone for non-negative floats; NaN sorts above Inf and becomes Inf, as the reference's
@@ -114,21 +114,14 @@ def _broadcast_rows(values, shape):
     return plgpu.layout_cast(lax.broadcast_in_dim(values, shape, (0,)), _LAYOUT)
 
 
-def _abs_bits(x32):
-    """The int32 bit patterns of |x| for f32 x (sign bit cleared with an integer mask, so a negative NaN is caught
-    too): they order non-negative floats, and NaN patterns sort above Inf's, so a max over them is amax."""
-    return lax.bitcast_convert_type(x32, jnp.int32) & jnp.int32(0x7FFFFFFF)
-
-
-def _amax_from_bits(bits):
-    """Max of `_abs_bits` values -> f32 amax, +Inf where it is NaN (the reference's `amax`: NaN -> Inf)."""
-    amax = lax.bitcast_convert_type(bits, jnp.float32)
-    return jnp.where(amax == amax, amax, jnp.float32(jnp.inf))
-
-
 def _rows_amax(x32):
-    """max |x| along axis 1 of f32 (rows, cols) -> (rows,), +Inf where a row holds NaN or Inf (quantize.amax)."""
-    return _amax_from_bits(jnp.max(_abs_bits(x32), axis=1))
+    """max |x| along axis 1 of f32 (rows, cols) -> (rows,), +Inf where a row holds NaN or Inf (quantize.amax).
+
+    The max runs over the int32 bit patterns of |x| (sign bit cleared with an integer mask, so a negative NaN is
+    caught too): they order non-negative floats, and NaN patterns sort above Inf's."""
+    bits = lax.bitcast_convert_type(x32, jnp.int32) & jnp.int32(0x7FFFFFFF)
+    amax = lax.bitcast_convert_type(jnp.max(bits, axis=1), jnp.float32)
+    return jnp.where(amax == amax, amax, jnp.float32(jnp.inf))
 
 
 def _scale(amax, fmt: formats.Format, pow2_scale: bool):
@@ -216,7 +209,7 @@ def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, ste
         if side.block is not None:
             out_streams.append(tiles.Stream((TILE,), jnp.float32, tiles.scale_row_region(transposed)))
 
-    def step(seeds_ref, i, j, in_refs, out_refs, carry):
+    def step(seeds_ref, i, j, in_refs, out_refs):
         x_smem, inv_refs, out_refs = in_refs[0], list(in_refs[1:]), list(out_refs)
         origin_m, origin_k = (i * TILE).astype(jnp.uint32), (j * TILE).astype(jnp.uint32)
         for s, (side, transposed) in enumerate(sides):
@@ -226,56 +219,32 @@ def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, ste
             codes_ref = out_refs.pop(0)
             scale_ref = out_refs.pop(0) if side.block is not None else None
             _quantize_tile_side(x_smem, side, transposed, inv_ref, codes_ref, scale_ref, seed, row0, col0, n_cols)
-        return carry
 
     return tiles.run_tiles(step, x, seeds, inverses, in_streams, out_type, out_streams, steps=steps,
                            out_slots=out_slots, interpret=interpret)
 
 
-# Tiles down M each amax program takes: its column maxima stay in registers across them, reduced across threads
-# once per program.
-AMAX_TILES_PER_PROGRAM = 8
-
-
 @functools.partial(jax.jit, static_argnames=("steps", "interpret"))
 def _amax_call(x, *, steps, interpret):
-    """Partial maxima from one read of x: (K/128, M) per-tile row amax and (M/128/steps', K) per-program column
-    amax, steps' = `tile_pipeline_mgpu.steps_per_program(M/128, steps)`.
-
-    Programs walk `steps` tiles down one column of tiles. Per tile: each 64-row chunk's row maxima are written, and
-    the chunk is max-ed elementwise into a (64, 128) register carry; after the last tile the carry is reduced along
-    its rows (within threads, across lanes, across warps through SMEM) to the program's 128 column maxima. Taking
-    column maxima per tile instead (a cross-thread reduction, or a transposed SMEM load, every tile) measured slower
-    (H200, 16384 x 4096 bf16: 70-79 us vs XLA's 44 us row max)."""
+    """Partial maxima from one read of x: (K/128, M) per-tile row amax and (M/128, K) per-tile column amax."""
     m, k = x.shape
-    steps = tiles.steps_per_program(m // TILE, steps)
 
-    def step(seeds_ref, i, j, in_refs, out_refs, col_bits):
-        del seeds_ref, i, j  # no rounding; the pipeline places the outputs
-        (x_smem,), (row_ref,) = in_refs, out_refs
+    def step(seeds_ref, i, j, in_refs, out_refs):
+        del seeds_ref  # no rounding here
+        (x_smem,), (row_ref, col_ref) = in_refs, out_refs
         for h in range(TILE // _CHUNK):
-            bits = _abs_bits(_load_chunk(x_smem, h, transposed=False))
-            row_ref[pl.ds(h * _CHUNK, _CHUNK)] = _amax_from_bits(jnp.max(bits, axis=1))
-            col_bits = jnp.maximum(col_bits, bits)
-        return col_bits
+            rows = pl.ds(h * _CHUNK, _CHUNK)
+            row_ref[rows] = _rows_amax(_load_chunk(x_smem, h, transposed=False))
+            col_ref[rows] = _rows_amax(_load_chunk(x_smem, h, transposed=True))
 
-    def init():  # 0 is the bit pattern of +0.0, the smallest |x|
-        return plgpu.layout_cast(jnp.zeros((_CHUNK, TILE), jnp.int32), _LAYOUT)
-
-    def finish(col_bits, out_refs):
-        (col_ref,) = out_refs
-        col_ref[...] = _amax_from_bits(jnp.max(col_bits, axis=0))
-
-    out_type = (jax.ShapeDtypeStruct((k // TILE, m), jnp.float32),
-                jax.ShapeDtypeStruct((m // TILE // steps, k), jnp.float32))
+    out_type = (jax.ShapeDtypeStruct((k // TILE, m), jnp.float32), jax.ShapeDtypeStruct((m // TILE, k), jnp.float32))
     out_streams = [tiles.Stream((TILE,), jnp.float32, tiles.scale_row_region(False)),
-                   tiles.Stream((TILE,), jnp.float32, lambda p, q: (p, pl.ds(q * TILE, TILE)), per_tile=False)]
+                   tiles.Stream((TILE,), jnp.float32, tiles.scale_row_region(True))]
     return tiles.run_tiles(step, x, jnp.zeros((2,), jnp.uint32), [], [], out_type, out_streams, steps=steps,
-                           out_slots=2, interpret=interpret, down_m=True, init=init, finish=finish)
+                           out_slots=2, interpret=interpret)
 
 
-def amax_pair(x: jax.Array, *, interpret=False,
-              tiles_per_program=AMAX_TILES_PER_PROGRAM) -> tuple[jax.Array, jax.Array]:
+def amax_pair(x: jax.Array, *, interpret=False, tiles_per_program=TILES_PER_PROGRAM) -> tuple[jax.Array, jax.Array]:
     """Row and column amax of x (M, K) from one read: (M,) and (K,) f32, +Inf where a row/column holds NaN or Inf
     (the reference's `amax` for granularity "row" of x and of x.T)."""
     reason = supports(x, QuantSpec("int8"))
@@ -346,11 +315,11 @@ def quantize_pair(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None,
     given = [(spec, transposed) for spec, transposed in specs if spec.granularity not in _BLOCKS]
     scales, inverses = {}, {False: None, True: None}
     if given and all(spec.granularity == "tensor" for spec, _ in given):
-        # One scalar: XLA's full reduction reads x faster than the amax kernel, which also takes row and column
-        # maxima (H200, 16384 x 4096 bf16: 52 vs 70-79 us), and can fuse into x's producer.
+        # One scalar: XLA's full reduction of |x| reads faster than the amax kernel, which takes row and column maxima
+        # (H200, one jit of 8 calls: 42.9 vs 57.0 us at 16384 x 4096 bf16, 127.6 vs 152.0 at 16384 x 14336).
         row_amax = col_amax = amax(x.astype(jnp.float32), "tensor")
     elif given:
-        row_amax, col_amax = amax_pair(x, interpret=interpret)
+        row_amax, col_amax = amax_pair(x, interpret=interpret, tiles_per_program=tiles_per_program)
     for spec, transposed in given:
         scales[transposed], inverses[transposed] = _inverse_scale(spec, row_amax, col_amax, k if transposed else m,
                                                                   transposed, row_axes)

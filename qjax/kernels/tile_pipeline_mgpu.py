@@ -1,9 +1,8 @@
 """A TMA pipeline over the 128 x 128 tiles of a 2-D array (Pallas Mosaic GPU), for kernels that transform each tile
 from SMEM to SMEM: `qjax.kernels.quantize_mgpu`'s quantize and amax kernels.
 
-Programs cover `steps` consecutive tiles of one tile row (or, `down_m`, of one tile column, carrying values in
-registers from tile to tile); each stream (the input tile, per-tile vectors, outputs) names the GMEM region a tile
-reads or writes. Written as a plain loop rather than `plgpu.emit_pipeline`, whose
+Programs cover `steps` consecutive tiles of one tile row; each stream (the input tile, per-tile vectors, outputs)
+names the GMEM region a tile reads or writes. Written as a plain loop rather than `plgpu.emit_pipeline`, whose
 predicated stores the Mosaic GPU interpreter cannot run, so the CPU tests run the same code as the GPU.
 """
 
@@ -54,42 +53,32 @@ def inverse_region(transposed):
 
 
 class Stream(NamedTuple):
-    """One array moved between GMEM and SMEM per tile: `region(i, j)` indexes the GMEM ref for tile (i, j).
-
-    per_tile False: an input loaded once per program (region of its first tile), or an output written once per
-    program by `finish` (region(p, q) of the program's grid index (p, q))."""
+    """One array moved between GMEM and SMEM per tile: `region(i, j)` indexes the GMEM ref for tile (i, j)."""
 
     block: tuple[int, ...]
     dtype: Any
     region: Callable
     swizzled: bool = False
-    per_tile: bool = True
+    per_tile: bool = True  # False: the same region for all tiles of a program, loaded once
 
 
-def run_tiles(step_body, x, seeds, inputs, in_streams, out_type, out_streams, *, steps, out_slots, interpret,
-              down_m=False, init=None, finish=None):
-    """Runs step_body on every 128 x 128 tile of x: each program a TMA pipeline over `steps` consecutive tiles of
-    one tile row (programs (M/128, K/128/steps)), or with down_m of one tile column (programs (M/128/steps,
-    K/128)). Two SMEM slots per input stream: tile t + 1 loads while tile t is computed. out_slots (1 or 2) per
-    per-tile output stream: with 2, tile t's stores drain while tile t + 1 is computed; with 1, tile t + 1 first
-    waits for them to leave SMEM, but the program needs less SMEM, so more programs share an SM and overlap each
-    other instead.
+def run_tiles(step_body, x, seeds, inputs, in_streams, out_type, out_streams, *, steps, out_slots, interpret):
+    """Runs step_body on every 128 x 128 tile of x: programs (M/128, K/128/steps), each a TMA pipeline over
+    `steps` consecutive tiles of one tile row. Two SMEM slots per input stream: tile t + 1 loads while tile t is
+    computed. out_slots (1 or 2) per output stream: with 2, tile t's stores drain while tile t + 1 is computed;
+    with 1, tile t + 1 first waits for them to leave SMEM, but the program needs less SMEM, so more programs share
+    an SM and overlap each other instead.
 
     x is streamed as the first input; `inputs` (GMEM arrays) follow, moved per in_streams; outputs per
-    out_streams. step_body(seeds_ref, i, j, in_smem_refs, out_smem_refs, carry) -> carry transforms tile (i, j)
-    from SMEM to SMEM; seeds (uint32 (2,)) stay in GMEM. carry (registers) starts as init() (None without init) and
-    goes through the program's tiles in order; finish(carry, program_out_smem_refs) then fills the per-program
-    outputs (streams with per_tile False), which are stored after it. (plgpu.emit_pipeline does the same, but
-    predicates its stores, which the Mosaic GPU interpreter cannot run; this loop has no predicated copies, so the
-    tests run it.)"""
+    out_streams. step_body(seeds_ref, i, j, in_smem_refs, out_smem_refs) transforms tile (i, j) from SMEM to SMEM;
+    seeds (uint32 (2,)) stay in GMEM. (plgpu.emit_pipeline does the same, but predicates its stores, which the
+    Mosaic GPU interpreter cannot run; this loop has no predicated copies, so the tests run it.)"""
     m, k = x.shape
-    along_tiles = (m if down_m else k) // TILE
-    steps = steps_per_program(along_tiles, steps)
-    grid = (m // TILE // steps, k // TILE) if down_m else (m // TILE, k // TILE // steps)
+    k_tiles = k // TILE
+    steps = steps_per_program(k_tiles, steps)
     in_streams = [Stream((TILE, TILE), x.dtype, tile_region(False), swizzled=True), *in_streams]
     n_in, n_out = len(in_streams), len(out_streams)
     tile_loads = sum(stream.per_tile for stream in in_streams)
-    tile_stores = sum(stream.per_tile for stream in out_streams)
 
     def smem(stream, slots):
         shape = (slots, *stream.block) if stream.per_tile else stream.block
@@ -102,55 +91,42 @@ def run_tiles(step_body, x, seeds, inputs, in_streams, out_type, out_streams, *,
         in_gmem, out_gmem = refs[:n_in], refs[n_in:n_in + n_out]
         in_smem, out_smem = refs[n_in + n_out:2 * n_in + n_out], refs[2 * n_in + n_out:2 * (n_in + n_out)]
         tile_barriers, once_barrier = refs[-2:]
-        program_m, program_k = lax.axis_index("m"), lax.axis_index("k")
-        first = (program_m if down_m else program_k) * steps
-
-        def tile(t):
-            return (first + t, program_k) if down_m else (program_m, first + t)
+        i, first = lax.axis_index("m"), lax.axis_index("k") * steps
 
         def load(t, slot):
             for stream, src, dst in zip(in_streams, in_gmem, in_smem):
                 if stream.per_tile:
-                    plgpu.copy_gmem_to_smem(src.at[stream.region(*tile(t))], dst.at[slot], tile_barriers.at[slot])
+                    plgpu.copy_gmem_to_smem(src.at[stream.region(i, first + t)], dst.at[slot],
+                                            tile_barriers.at[slot])
 
         once = [(stream, src, dst) for stream, src, dst in zip(in_streams, in_gmem, in_smem) if not stream.per_tile]
         for stream, src, dst in once:
-            plgpu.copy_gmem_to_smem(src.at[stream.region(*tile(0))], dst, once_barrier.at[0])
+            plgpu.copy_gmem_to_smem(src.at[stream.region(i, first)], dst, once_barrier.at[0])
         for slot in range(min(2, steps)):
             load(slot, slot)
         if once:
             plgpu.barrier_wait(once_barrier.at[0])
 
-        def step(t, carry):
+        @pl.loop(0, steps)
+        def _(t):
             slot, out_slot = lax.rem(t, 2), lax.rem(t, out_slots)
             plgpu.barrier_wait(tile_barriers.at[slot])
             # The output slot's stores from tile t - out_slots must have read their SMEM: leave only tile t - 1's
             # in flight (two slots), or none (one slot).
-            plgpu.wait_smem_to_gmem(tile_stores * (out_slots - 1), wait_read_only=True)
-            per_tile_out = [ref.at[out_slot] for stream, ref in zip(out_streams, out_smem) if stream.per_tile]
-            carry = step_body(seeds_ref, *tile(t),
-                              [ref.at[slot] if stream.per_tile else ref for stream, ref in zip(in_streams, in_smem)],
-                              per_tile_out, carry)
+            plgpu.wait_smem_to_gmem(n_out * (out_slots - 1), wait_read_only=True)
+            step_body(seeds_ref, i, first + t,
+                      [ref.at[slot] if stream.per_tile else ref for stream, ref in zip(in_streams, in_smem)],
+                      [ref.at[out_slot] for ref in out_smem])
             plgpu.commit_smem()  # register -> SMEM stores visible to TMA; also all threads are done with the slot
             for stream, src, dst in zip(out_streams, out_smem, out_gmem):
-                if stream.per_tile:
-                    plgpu.copy_smem_to_gmem(src.at[out_slot], dst.at[stream.region(*tile(t))])
+                plgpu.copy_smem_to_gmem(src.at[out_slot], dst.at[stream.region(i, first + t)])
 
             @pl.when(t + 2 < steps)
             def _():
                 load(t + 2, slot)
 
-            return carry
-
-        carry = lax.fori_loop(0, steps, step, None if init is None else init())
-        program_out = [(stream, src, dst) for stream, src, dst in zip(out_streams, out_smem, out_gmem)
-                       if not stream.per_tile]
-        if program_out:
-            finish(carry, [src for _, src, _ in program_out])
-            plgpu.commit_smem()
-            for stream, src, dst in program_out:
-                plgpu.copy_smem_to_gmem(src, dst.at[stream.region(program_m, program_k)])
         plgpu.wait_smem_to_gmem(0)
 
-    return plgpu.kernel(body, out_type=tuple(out_type), scratch_types=tuple(scratch), grid=grid,
-                        grid_names=("m", "k"), interpret=interpret)(seeds, x, *inputs)
+    return plgpu.kernel(body, out_type=tuple(out_type), scratch_types=tuple(scratch),
+                        grid=(m // TILE, k_tiles // steps), grid_names=("m", "k"), interpret=interpret)(
+                            seeds, x, *inputs)
