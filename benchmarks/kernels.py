@@ -24,7 +24,7 @@ from qjax import stochastic
 from qjax.kernels import quantize_mgpu, stochastic_cast_mgpu
 from qjax.kernels import scaled_matmul_mgpu as mg
 from qjax.kernels.scaled_matmul import scaled_matmul
-from qjax.quantize import QuantSpec, quantize, quantize_pair, quantize_with_seed
+from qjax.quantize import QuantSpec, amax, quantize, quantize_pair, quantize_with_seed
 
 
 def gemm_table(argv):
@@ -106,8 +106,9 @@ def quantize_table(argv):
 
     python benchmarks/kernels.py quantize [--shapes 16384x2048 16384x11264] [--interpret]
 
-    Each case is dispatched --calls times back to back and timed to the last result (median of --rounds): one call
-    at a time would time the host's dispatch (~60 us) rather than the kernel. GB/s: the bytes the kernels move (x
+    Each case runs as one jit of --batch calls on distinct copies of x, dispatched --calls times back to back and
+    timed to the last result (median of --rounds), per call: dispatching one call at a time timed the host (~50 us
+    per call; a 43 us XLA row max read 50 us that way). GB/s: the bytes the kernels move (x
     read once per pass, so twice for a row-scaled pair; 8-bit outputs written once; XLA rows counted the same) over
     the time; "x copy": the time over XLA's x * 2 (read + write of x) in the same process. Kernel outputs are the GPU
     tests' business (tests/kernels, bit-exact against the reference); here the one- and two-slot tile kernels are
@@ -115,7 +116,8 @@ def quantize_table(argv):
     """
     parser = argparse.ArgumentParser(prog="kernels.py quantize", description=quantize_table.__doc__)
     parser.add_argument("--shapes", nargs="+", default=["16384x2048", "16384x5632", "16384x11264"])
-    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=8, help="calls of the op inside one jit (distinct inputs)")
+    parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--interpret", action="store_true", help="CPU smoke test of this script (times meaningless)")
     args = parser.parse_args(argv)
@@ -123,24 +125,27 @@ def quantize_table(argv):
         sys.exit("the benchmark needs a Hopper GPU (or --interpret with small --shapes, e.g. 256x256)")
     interpret = stochastic_cast_mgpu.resolve_interpret(args.interpret)  # the private _tile_call takes it resolved
 
-    def seconds(fn, *xs):
-        jax.block_until_ready(fn(*xs))  # compile + warm up
+    def seconds(fn, xs):
+        batched = jax.jit(lambda xs: [fn(x) for x in xs])
+        jax.block_until_ready(batched(xs))  # compile + warm up
         samples = []
         for _ in range(args.rounds):
             start = time.perf_counter()
-            jax.block_until_ready([fn(*xs) for _ in range(args.calls)])
-            samples.append((time.perf_counter() - start) / args.calls)
+            jax.block_until_ready([batched(xs) for _ in range(args.calls)])
+            samples.append((time.perf_counter() - start) / args.calls / len(xs))
         return statistics.median(samples)
 
     int8_row, e4m3_block = QuantSpec("int8", "row"), QuantSpec("e4m3", "1x128")
+    int8_row_sr = QuantSpec("int8", "row", stochastic=True)
     e4m3_tensor = QuantSpec("e4m3", "tensor")
     seed = jnp.uint32(7)
-    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; {args.calls} calls back to back, median of "
-          f"{args.rounds}", flush=True)
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; one jit of {args.batch} calls on distinct "
+          f"inputs, {args.calls} back to back, median of {args.rounds}", flush=True)
     print(f"{'x':>13} {'case':46} {'us':>9} {'GB/s':>7} {'x copy':>7}", flush=True)
     for shape in args.shapes:
         m, k = (int(d) for d in shape.split("x"))
         x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+        xs = [x + jnp.bfloat16(i) for i in range(args.batch)]  # distinct: XLA cannot merge the calls
         n = m * k
         pair = lambda spec: jax.jit(lambda x: quantize_mgpu.quantize_pair(x, spec, spec, seed, seed,
                                                                          interpret=interpret))
@@ -158,13 +163,16 @@ def quantize_table(argv):
         # name -> (function, bytes moved: x (2 B/element) read once per pass, 8-bit outputs written once)
         cases = {"copy: XLA x * 2": (jax.jit(lambda x: x * 2), 4 * n),
                  "read: XLA row max": (jax.jit(lambda x: jnp.max(x, axis=1)), 2 * n),
+                 "read: XLA tensor amax (quantize.amax)": (jax.jit(lambda x: amax(x.astype(jnp.float32), "tensor")),
+                                                           2 * n),
                  "amax kernel (row + column amax)": (jax.jit(functools.partial(
                      quantize_mgpu.amax_pair, interpret=interpret)), 2 * n),
                  "tile kernel int8 row pair, 1 out slot": (tiles[1], 4 * n),
                  "tile kernel int8 row pair, 2 out slots": (tiles[2], 4 * n),
                  "int8 row pair: amax + tile kernels": (pair(int8_row), 6 * n),
                  "int8 row pair: XLA reference": (reference(int8_row), 6 * n),
-                 "e4m3 tensor pair: amax + tile kernels": (pair(e4m3_tensor), 6 * n),
+                 "int8 row pair, SR: amax + tile kernels": (pair(int8_row_sr), 6 * n),
+                 "e4m3 tensor pair: XLA amax + tile kernel": (pair(e4m3_tensor), 6 * n),
                  "e4m3 tensor pair: XLA quantize + code transpose": (jax.jit(lambda x: quantize_pair(
                      x, e4m3_tensor, e4m3_tensor, seed, seed, backend="xla")), 7 * n),
                  "e4m3 1x128 + 128x1 pair: tile kernel": (pair(e4m3_block), 4 * n + n // 16),
@@ -176,7 +184,7 @@ def quantize_table(argv):
         copy = None
         for name, (fn, moved) in cases.items():
             try:
-                t = seconds(fn, x)
+                t = seconds(fn, xs)
                 copy = t if name.startswith("copy") else copy
                 ratio = f"{t / copy:7.2f}" if copy else f"{'-':>7}"
                 print(f"{shape:>13} {name:46} {t * 1e6:9.1f} {moved / t / 1e9:7.0f} {ratio}", flush=True)

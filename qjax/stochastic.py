@@ -6,7 +6,7 @@ rounding done by a kernel equals the reference exactly.
 
   index   = row-major position of the element in the array being rounded (uint32, wraps above 2**32 elements)
   bits    = hash_uint32(seed, index)                      uint32, uniform
-  uniform = (bits >> 8) * 2**-24                          in [0, 1), exactly representable in float32
+  uniform = (bits >> 9) * 2**-23                          in [0, 1), exactly representable in float32
 
 Rounding to a grid with spacing `ulp` at |y|: floor(|y| / ulp + uniform) * ulp, sign restored. This is unbiased:
 E[result] = y for every y inside the format's range.
@@ -17,9 +17,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from qjax import formats
-
-_UNIFORM_SCALE = 2.0**-24
-
 
 def hash_uint32(seed: jnp.ndarray, index: jnp.ndarray) -> jnp.ndarray:
     """Mixes a uint32 seed and uint32 element indices into uniform uint32 bits.
@@ -42,8 +39,12 @@ def hash_uint32(seed: jnp.ndarray, index: jnp.ndarray) -> jnp.ndarray:
 
 
 def uniform_from_bits(bits: jnp.ndarray) -> jnp.ndarray:
-    """uint32 random bits -> float32 uniform in [0, 1) on a 2**-24 grid (exact in float32)."""
-    return (bits >> 8).astype(jnp.float32) * jnp.float32(_UNIFORM_SCALE)
+    """uint32 random bits -> float32 uniform (bits >> 9) * 2**-23 in [0, 1) (exact in float32).
+
+    Built as the float 1.(top 23 bits) in [1, 2) minus 1, which needs no int -> float conversion: kernels compute
+    it per element, and conversions run at a quarter of the FP32 rate on Hopper."""
+    one_point_bits = (bits >> 9) | jnp.uint32(0x3F800000)
+    return lax.bitcast_convert_type(one_point_bits, jnp.float32) - jnp.float32(1)
 
 
 def element_bits(seed: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:

@@ -90,6 +90,14 @@ def test_int8_saturates_at_127():
     assert out.dtype == jnp.int8 and out[0] == 127 and out[1] == -127 and out[2] in (126, 127)
 
 
+def test_uniform_is_the_top_23_bits():
+    bits = jnp.asarray([0, 0x1FF, 0x200, 0xFFFFFFFF, 0x80000000, 0x12345678], jnp.uint32)
+    want = (np.asarray(bits) >> 9).astype(np.float64) * 2.0**-23
+    got = np.asarray(jax.jit(stochastic.uniform_from_bits)(bits))
+    np.testing.assert_array_equal(got, want.astype(np.float32))
+    assert got.max() < 1.0 and got.dtype == np.float32
+
+
 def test_hash_bits_are_uniform():
     bits = np.asarray(stochastic.element_bits(jnp.uint32(12345), (1 << 16,)))
     counts = np.bincount(bits >> 28, minlength=16)  # top 4 bits

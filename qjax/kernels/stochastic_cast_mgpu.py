@@ -13,10 +13,10 @@
 The module also holds the kernel-safe math helpers `quantize_mgpu` and `scaled_matmul_mgpu` use. They exist because
 Mosaic GPU has no lowering for floor / isfinite, and its f32 -> fp8 cast saturates (`cvt.satfinite`: +-Inf becomes
 +-max) while XLA's does not; each helper computes the reference's exact result with ops Mosaic GPU lowers:
-  floor(v)       -> truncation through int32 (exact for |v| < 2**30, the only range where it is used)
   round + int8   -> v + 1.5 * 2**23 rounds |v| <= 2**22 half to even and the integer is read from the mantissa
-                    bits (MAGIC below), no conversion instructions. (Not (v + c) - c for floor: XLA folds that
-                    back to v.)
+                    bits (MAGIC below), no conversion instructions
+  floor(v)       -> the same add, minus 1.5 * 2**23 (behind an optimization barrier: XLA folds (v + c) - c back
+                    to v), minus 1 where that rounded up; also no conversions (|v| <= 2**22 where it is used)
   isfinite(v)    -> |v| < inf (false for NaN)
   clip(v)        -> two selects, so NaN stays NaN (the reference's clip propagates NaN)
   Inf -> e4m3    -> NaN with Inf's sign before the cast (XLA casts Inf to e4m3fn NaN; satfinite would give 448)
@@ -60,7 +60,8 @@ def is_finite(v):
 # 1.5 * 2**23 and its f32 bits. For |v| <= 2**22 the floats around 1.5 * 2**23 + v are 1 apart, so the f32 sum is v
 # rounded half to even, held in the low mantissa bits; its bits minus MAGIC_BITS are that integer, and the reverse
 # gives int32 -> f32. Both directions then avoid the conversion-unit instructions (cvt.rni, F2I, I2F), which run at a
-# fraction of the FP32 rate on Hopper: the int8 quantize tile kernel was bound by them (H200: 141 -> 109 us for a
+# fraction of the FP32 rate on Hopper (stochastic rounding's floor avoids them the same way): the int8 quantize tile
+# kernel was bound by them (H200: 141 -> 109 us for a
 # 16384 x 4096 pair), and the int8 GEMM kernel converts an int32 partial sum per K block this way.
 MAGIC = 1.5 * 2**23
 MAGIC_BITS = 0x4B400000
@@ -83,10 +84,13 @@ def clamp(v, bound: float):
 
 
 def _floor(v):
-    """floor for f32 with |v| < 2**30 (other values, NaN included, give 0: callers select those away)."""
-    safe = jnp.where(jnp.abs(v) < jnp.float32(2.0**30), v, jnp.float32(0))
-    truncated = safe.astype(jnp.int32).astype(jnp.float32)  # rounds toward zero
-    return jnp.where(truncated > safe, truncated - jnp.float32(1), truncated)
+    """floor for f32 |v| <= 2**22 (NaN and +-Inf pass through), with FP32 ops only.
+
+    v + MAGIC holds v rounded to the nearest integer (`round_half_even_to_int32`); minus MAGIC that is an exact f32,
+    one less where it rounded up. The barrier keeps XLA (the CPU interpreter runs the kernel through it) from
+    folding (v + MAGIC) - MAGIC back to v; compiled, it is an empty inline asm that pins the sum in registers."""
+    nearest = lax.optimization_barrier(v + jnp.float32(MAGIC)) - jnp.float32(MAGIC)
+    return jnp.where(nearest > v, nearest - jnp.float32(1), nearest)
 
 
 def _copysign(magnitude, sign_source):
@@ -101,7 +105,7 @@ def round_to_grid(y, fmt: formats.Format, bits):
     uniform = stochastic.uniform_from_bits(bits)
     if fmt.is_integer:
         # floor(y + u) then the cast's clip to +-127: clamping y + u to [-128, 128] first maps +-Inf to the same
-        # final code as the reference (floor(+-Inf) clipped) and keeps the truncation in range.
+        # final code as the reference (floor(+-Inf) clipped) and keeps the floor's add in range.
         return clamp(_floor(clamp(y + uniform, 128.0)), fmt.max_value)
     if fmt.name == "bf16":
         y_bits = lax.bitcast_convert_type(y, jnp.uint32)

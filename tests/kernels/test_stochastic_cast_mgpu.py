@@ -90,6 +90,24 @@ def test_int8_cast_codes_round_half_to_even_without_conversions():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_floor_without_conversions():
+    """The kernel-side floor (nearest integer by a magic-number add, one less where it rounded up) equals jnp.floor
+    on integers, half-integers, values a float32 ulp either side of them, negatives, the 2**22 bound and
+    non-finite values, jitted as XLA compiles it (XLA folds the add and subtract away without the barrier).
+    Compared with XLA's own floor, as the reference computes it: XLA:CPU flushes subnormals (floor(-1e-40) is 0
+    there, -1 in numpy), and both sides follow the same backend's mode."""
+    base = np.arange(-130.0, 130.5, 0.5, dtype=np.float32)
+    near = np.concatenate([np.nextafter(base, np.float32(np.inf)), np.nextafter(base, np.float32(-np.inf))])
+    specials = np.array([2.0**22, -(2.0**22), 2.0**22 - 0.5, -(2.0**22) + 0.5, 1e-40, -1e-40, -0.0, 0.99999994,
+                         np.inf, -np.inf], np.float32)
+    v = jnp.asarray(np.concatenate([base, near, specials]))
+    got = np.asarray(jax.jit(stochastic_cast_mgpu._floor)(v))
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(jnp.floor)(v)))
+    normal = np.abs(np.asarray(v)) >= np.finfo(np.float32).tiny
+    np.testing.assert_array_equal(got[normal], np.floor(np.asarray(v))[normal])
+    assert np.isnan(np.asarray(jax.jit(stochastic_cast_mgpu._floor)(jnp.float32(np.nan))))
+
+
 @interpreter_only
 def test_input_dtypes_and_shapes():
     x = _input((3, 50), jnp.float16, jnp.float8_e5m2, seed=2)  # float16 input, one padded tile
