@@ -59,7 +59,8 @@ def round_to_grid(y: jnp.ndarray, fmt: formats.Format, bits: jnp.ndarray) -> jnp
     """Stochastically rounds float32 `y` to `fmt`'s grid, returned as float32 (not yet clamped or cast).
 
     int8: floor(y + u). Floats with mantissa_bits m and minimum normal exponent e_min: the grid spacing at |y| is
-    2**(max(e, e_min) - m), e = floor(log2|y|); built from exponent bits, valid while e_min - m >= -126 (fp8, f16).
+    2**(max(e, e_min) - m), e = floor(log2|y|); built from exponent bits, valid while e_min - m >= -126 (fp8, f16),
+    as is its inverse, so |y| / ulp is an exact multiplication (a division is an instruction sequence on a GPU).
     bfloat16 uses the equivalent bit form: add 16 random bits below the kept mantissa, then truncate.
     NaN and +-Inf pass through unchanged.
     """
@@ -78,7 +79,8 @@ def round_to_grid(y: jnp.ndarray, fmt: formats.Format, bits: jnp.ndarray) -> jnp
     exponent = (lax.bitcast_convert_type(magnitude, jnp.int32) >> 23) - 127  # -127 for zero and f32 subnormals
     ulp_exponent = jnp.maximum(exponent, fmt.min_exponent) - fmt.mantissa_bits
     ulp = lax.bitcast_convert_type((ulp_exponent + 127) << 23, jnp.float32)
-    rounded = jnp.floor(magnitude / ulp + uniform_from_bits(bits)) * ulp
+    inverse_ulp = lax.bitcast_convert_type((127 - ulp_exponent) << 23, jnp.float32)  # exactly 1 / ulp (2**k)
+    rounded = jnp.floor(magnitude * inverse_ulp + uniform_from_bits(bits)) * ulp
     return jnp.where(jnp.isfinite(y), jnp.copysign(rounded, y), y)
 
 

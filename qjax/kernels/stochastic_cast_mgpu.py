@@ -116,7 +116,8 @@ def round_to_grid(y, fmt: formats.Format, bits):
     exponent = (lax.bitcast_convert_type(magnitude, jnp.int32) >> 23) - 127
     ulp_exponent = jnp.maximum(exponent, fmt.min_exponent) - fmt.mantissa_bits
     ulp = lax.bitcast_convert_type((ulp_exponent + 127) << 23, jnp.float32)
-    rounded = _floor(magnitude / ulp + uniform) * ulp  # magnitude / ulp <= 2**(mantissa_bits + 1): in range
+    inverse_ulp = lax.bitcast_convert_type((127 - ulp_exponent) << 23, jnp.float32)
+    rounded = _floor(magnitude * inverse_ulp + uniform) * ulp  # magnitude / ulp <= 2**(mantissa_bits + 1): in range
     return jnp.where(is_finite(y), _copysign(rounded, y), y)
 
 
