@@ -14,7 +14,8 @@
 #
 # Steps: tests-kernels (the GPU-relevant kernel tests, compiled), tests-optim (fused AdamW GPU tests), quantize
 # (kernels.py quantize), gemm (kernels.py gemm), matmul (A.B^T at 8192), linear (with the torch peer), train (the
-# 1.1B table with the torch peer), train-qjax (the 1.1B table without the peer).
+# 1.1B table with the torch peer), train-qjax (the 1.1B table without the peer), train-sr (bf16, int8_rowwise and
+# int8_rowwise with stochastic rounding of the gradients).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}
@@ -48,6 +49,8 @@ step_command() {
                     "--peer-variants bf16 float8_tensorwise" ;;
         train-qjax) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise fp8_tensorwise fp8_blockwise" \
                          "--steps 5 --warmup 2 --no-peer" ;;
+        train-sr) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_rowwise_sr --steps 5 --warmup 2" \
+                       "--no-peer" ;;
         *) return 1 ;;
     esac
 }

@@ -62,6 +62,7 @@ _CHUNK = 64  # rows of a tile held in registers at a time (WGMMA layout: multipl
 _LAYOUT = plgpu.Layout.WGMMA
 _LAYOUT_T = plgpu.Layout.WGMMA_TRANSPOSED  # loads a transposed SMEM view with vectors along its contiguous dim
 _ROWS = _LAYOUT.reduce(1)  # (rows,) per-row values of a WGMMA-layout array
+_COLS = _LAYOUT.reduce(0)  # (cols,) per-column values
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _BLOCKS = ("1x128", "128x128")
 _TINY = float(jnp.finfo(jnp.float32).tiny)
@@ -140,9 +141,14 @@ def _codes(x32, inv_rows, side: _Side, seed, row0, col0, n_cols):
     fmt = formats.get_format(side.fmt)
     y = x32 * _broadcast_rows(inv_rows, x32.shape)
     if side.stochastic:
-        rows = plgpu.broadcasted_iota(jnp.uint32, x32.shape, 0, layout=_LAYOUT) + row0
-        cols = plgpu.broadcasted_iota(jnp.uint32, x32.shape, 1, layout=_LAYOUT) + col0
-        y = round_to_grid(y, fmt, stochastic.hash_uint32(seed, rows * jnp.uint32(n_cols) + cols))
+        # The element index from a per-row and a per-column vector (2 + 32 registers a thread) rather than from two
+        # full (rows, cols) iotas (64 + 64), which stayed live across the tile's chunks and sides.
+        n_rows, n_chunk_cols = x32.shape
+        row_starts = (plgpu.broadcasted_iota(jnp.uint32, (n_rows,), 0, layout=_ROWS) + row0) * jnp.uint32(n_cols)
+        cols = plgpu.broadcasted_iota(jnp.uint32, (n_chunk_cols,), 0, layout=_COLS) + col0
+        index = _broadcast_rows(row_starts, x32.shape) + plgpu.layout_cast(
+            lax.broadcast_in_dim(cols, x32.shape, (1,)), _LAYOUT)
+        y = round_to_grid(y, fmt, stochastic.hash_uint32(seed, index))
     # int8 rounds half to even inside cast_codes; y is finite, or NaN in a NaN/Inf block (x * 1/Inf = x * 0)
     return cast_codes(y, fmt, may_be_inf=False)
 
