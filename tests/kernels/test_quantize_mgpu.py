@@ -138,7 +138,11 @@ def test_amax_pair_is_the_row_and_column_amax(shape, tiles_per_program):
     assert np.isinf(row_amax[3]) and np.isinf(col_amax[5])  # the NaN row and column
 
 
-def test_row_axes_inside_shard_map():
+@pytest.mark.parametrize("row_spec,col_spec", [
+    (QuantSpec("int8", "tensor"), QuantSpec("int8", "row")),  # amax kernel
+    (QuantSpec("e4m3", "tensor"), QuantSpec("e4m3", "tensor")),  # XLA's tensor amax (no row side)
+])
+def test_row_axes_inside_shard_map(row_spec, col_spec):
     """`row_axes` (qjax.dot_general's per-device GEMMs): inside `jax.shard_map` the tensor and column amax are
     reduced over the mesh axes M is split over. On a one-device mesh (the CPU interpreter cannot run kernels on
     several devices at once) the reduction is the identity: the kernel must lower, run, and equal the reference,
@@ -146,8 +150,7 @@ def test_row_axes_inside_shard_map():
     from jax.sharding import Mesh, PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
-    x = _input((128, 256), jnp.bfloat16, "int8", specials=False)
-    row_spec, col_spec = QuantSpec("int8", "tensor"), QuantSpec("int8", "row")
+    x = _input((128, 256), jnp.bfloat16, row_spec.dtype, specials=False)
     interpret = None if on_hopper_gpu() else True
 
     def per_device(x):
@@ -156,7 +159,7 @@ def test_row_axes_inside_shard_map():
 
     run = jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P(), P(None, "data"), P()),
                         check_vma=False)
-    assert str(jax.make_jaxpr(run)(x)).count("pmax") == 2  # the tensor amax and the column amax
+    assert str(jax.make_jaxpr(run)(x)).count("pmax") == 2  # each side's tensor or column amax
     row_codes, row_scale, col_codes, col_scale = jax.jit(run)(x)
     want_row = quantize_with_seed(x, row_spec, None)
     want_col = quantize_with_seed(x.T, col_spec, None)
