@@ -8,8 +8,9 @@ rounding done by a kernel equals the reference exactly.
   bits    = hash_uint32(seed, index)                      uint32, uniform
   uniform = (bits >> 9) * 2**-23                          in [0, 1), exactly representable in float32
 
-Rounding to a grid with spacing `ulp` at |y|: floor(|y| / ulp + uniform) * ulp, sign restored. This is unbiased:
-E[result] = y for every y inside the format's range.
+Rounding to a grid with spacing `ulp` at |y|: floor(|y| / ulp + uniform) * ulp, sign restored. This is unbiased to
+within 2**-23 of a grid step: E[result] = y exactly where |y| / ulp has at most 23 fraction bits (every y of a
+coarser format), else within 2**-23 * ulp.
 """
 
 import jax

@@ -121,18 +121,18 @@ def _rows_amax(x32):
     The max runs over the int32 bit patterns of |x| (sign bit cleared with an integer mask, so a negative NaN is
     caught too): they order non-negative floats, and NaN patterns sort above Inf's."""
     bits = lax.bitcast_convert_type(x32, jnp.int32) & jnp.int32(0x7FFFFFFF)
-    amax = lax.bitcast_convert_type(jnp.max(bits, axis=1), jnp.float32)
-    return jnp.where(amax == amax, amax, jnp.float32(jnp.inf))
+    row_max = lax.bitcast_convert_type(jnp.max(bits, axis=1), jnp.float32)
+    return jnp.where(row_max == row_max, row_max, jnp.float32(jnp.inf))
 
 
-def _scale(amax, fmt: formats.Format, pow2_scale: bool):
+def _scale(block_amax, fmt: formats.Format, pow2_scale: bool):
     """`quantize.scale_from_amax` with ops Mosaic GPU lowers (same operations, same order)."""
-    scale = jnp.maximum(amax / jnp.float32(fmt.max_value), jnp.float32(_TINY))
+    scale = jnp.maximum(block_amax / jnp.float32(fmt.max_value), jnp.float32(_TINY))
     if pow2_scale:
         bits = lax.bitcast_convert_type(scale, jnp.uint32)
         up = lax.bitcast_convert_type((bits + jnp.uint32(0x7FFFFF)) & jnp.uint32(0xFF800000), jnp.float32)
         scale = jnp.where(is_finite(scale), up, scale)
-    return jnp.where(amax == 0, jnp.float32(1), scale)
+    return jnp.where(block_amax == 0, jnp.float32(1), scale)
 
 
 def _codes(x32, inv_rows, side: _Side, seed, row0, col0, n_cols):
@@ -175,10 +175,10 @@ def _quantize_tile_side(x_smem, side, transposed, inv_smem, codes_smem, scale_sm
             inv = plgpu.load(inv_smem.at[rows], layout=_ROWS)
         else:
             if tile_amax is None:
-                amax = _rows_amax(x32)
+                block_amax = _rows_amax(x32)
             else:
-                amax = plgpu.layout_cast(jnp.broadcast_to(tile_amax, (_CHUNK,)), _ROWS)
-            scale = _scale(amax, fmt, side.pow2_scale)
+                block_amax = plgpu.layout_cast(jnp.broadcast_to(tile_amax, (_CHUNK,)), _ROWS)
+            scale = _scale(block_amax, fmt, side.pow2_scale)
             scale_smem[rows] = scale
             inv = jnp.float32(1) / scale
         codes_smem[rows] = _codes(x32, inv, side, seed, row0 + jnp.uint32(h * _CHUNK), col0, n_cols)

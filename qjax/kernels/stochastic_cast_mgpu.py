@@ -25,9 +25,9 @@ Mosaic GPU has no lowering for floor / isfinite, and its f32 -> fp8 cast saturat
   NaN -> int8    -> code 0 (XLA's cast; LLVM's fptosi of NaN is undefined)
 
 Register layout: each warp holds whole rows (32 lanes x 4 consecutive columns), so SMEM loads and stores are
-contiguous per warp. Under the CPU interpreter the kernel's XLA ops equal the reference bit for bit; compiled on a GPU they are
-the same IEEE operations (no multiply-add that could be contracted into an FMA differently from XLA's), except that
-NaN payload/sign bits may differ (both NaN).
+contiguous per warp. Under the CPU interpreter the kernel's XLA ops equal the reference bit for bit; compiled on a
+GPU they are the same IEEE operations (the one multiply-add, |y| * (1 / ulp) + u, has an exact product, so fusing it
+into an FMA changes nothing), except that NaN payload/sign bits may differ (both NaN).
 """
 
 import functools
@@ -61,8 +61,8 @@ def is_finite(v):
 # rounded half to even, held in the low mantissa bits; its bits minus MAGIC_BITS are that integer, and the reverse
 # gives int32 -> f32. Both directions then avoid the conversion-unit instructions (cvt.rni, F2I, I2F), which run at a
 # fraction of the FP32 rate on Hopper (stochastic rounding's floor avoids them the same way): the int8 quantize tile
-# kernel was bound by them (H200: 141 -> 109 us for a
-# 16384 x 4096 pair), and the int8 GEMM kernel converts an int32 partial sum per K block this way.
+# kernel was bound by them (H200: 141 -> 109 us for a 16384 x 4096 pair), and the int8 GEMM kernel converts an int32
+# partial sum per K block this way.
 MAGIC = 1.5 * 2**23
 MAGIC_BITS = 0x4B400000
 
@@ -84,7 +84,7 @@ def clamp(v, bound: float):
 
 
 def _floor(v):
-    """floor for f32 |v| <= 2**22 (NaN and +-Inf pass through), with FP32 ops only.
+    """floor for f32 |v| <= 2**22 (NaN and +-Inf pass through; -0 gives +0, callers pass no -0), with FP32 ops only.
 
     v + MAGIC holds v rounded to the nearest integer (`round_half_even_to_int32`); minus MAGIC that is an exact f32,
     one less where it rounded up. The barrier keeps XLA (the CPU interpreter runs the kernel through it) from

@@ -138,11 +138,11 @@ def test_amax_pair_is_the_row_and_column_amax(shape, tiles_per_program):
     assert np.isinf(row_amax[3]) and np.isinf(col_amax[5])  # the NaN row and column
 
 
-@pytest.mark.parametrize("row_spec,col_spec", [
-    (QuantSpec("int8", "tensor"), QuantSpec("int8", "row")),  # amax kernel
-    (QuantSpec("e4m3", "tensor"), QuantSpec("e4m3", "tensor")),  # XLA's tensor amax (no row side)
+@pytest.mark.parametrize("row_spec,col_spec,amax_kernel", [
+    (QuantSpec("int8", "tensor"), QuantSpec("int8", "row"), True),
+    (QuantSpec("e4m3", "tensor"), QuantSpec("e4m3", "tensor"), False),  # XLA's tensor amax
 ])
-def test_row_axes_inside_shard_map(row_spec, col_spec):
+def test_row_axes_inside_shard_map(row_spec, col_spec, amax_kernel, monkeypatch):
     """`row_axes` (qjax.dot_general's per-device GEMMs): inside `jax.shard_map` the tensor and column amax are
     reduced over the mesh axes M is split over. On a one-device mesh (the CPU interpreter cannot run kernels on
     several devices at once) the reduction is the identity: the kernel must lower, run, and equal the reference,
@@ -153,6 +153,11 @@ def test_row_axes_inside_shard_map(row_spec, col_spec):
     x = _input((128, 256), jnp.bfloat16, row_spec.dtype, specials=False)
     interpret = None if on_hopper_gpu() else True
 
+    amax_calls = []
+    monkeypatch.setattr(quantize_mgpu, "amax_pair",
+                        lambda *args, _amax_pair=quantize_mgpu.amax_pair, **kw: amax_calls.append(1) or _amax_pair(
+                            *args, **kw))
+
     def per_device(x):
         row, col = quantize_mgpu.quantize_pair(x, row_spec, col_spec, interpret=interpret, row_axes=("data",))
         return row.data, row.scale, col.data, col.scale
@@ -160,6 +165,7 @@ def test_row_axes_inside_shard_map(row_spec, col_spec):
     run = jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P(), P(None, "data"), P()),
                         check_vma=False)
     assert str(jax.make_jaxpr(run)(x)).count("pmax") == 2  # each side's tensor or column amax
+    assert bool(amax_calls) == amax_kernel
     row_codes, row_scale, col_codes, col_scale = jax.jit(run)(x)
     want_row = quantize_with_seed(x, row_spec, None)
     want_col = quantize_with_seed(x.T, col_spec, None)
@@ -186,12 +192,19 @@ def test_supports_and_errors():
 
 
 def test_lowers_for_hopper():
-    """The Mosaic GPU lowering (register layouts, transposed SMEM loads, TMA) succeeds for sm_90, on any host."""
-    for dtype, row_spec, col_spec in ((jnp.bfloat16, S("e4m3", "128x128", sr=True, pow2=True), S("int8", "row", sr=True)),
-                                      (jnp.float32, S("int8", "1x128"), S("e5m2", "tensor"))):
+    """The Mosaic GPU lowering (register layouts, transposed SMEM loads, TMA) succeeds for sm_90, on any host: two
+    kernels (amax, tile) with a row-scaled side, the tile kernel alone where the only given scale is a tensor's."""
+    for dtype, row_spec, col_spec, kernels in (
+            (jnp.bfloat16, S("e4m3", "128x128", sr=True, pow2=True), S("int8", "row", sr=True), 2),
+            (jnp.float32, S("int8", "1x128"), S("e5m2", "tensor"), 1)):
         f = lambda x: quantize_mgpu.quantize_pair(x, row_spec, col_spec, ROW_SEED, COL_SEED)
         lowered = jax.jit(f).trace(jnp.zeros((256, 384), dtype)).lower(lowering_platforms=("cuda",))
-        assert lowered.as_text().count("mosaic_gpu") >= 2  # the amax kernel and the tile kernel
+        assert _mosaic_calls(lowered.as_text()) == kernels
+
+
+def _mosaic_calls(hlo_text):
+    """Custom calls to Mosaic GPU kernels in lowered StableHLO text."""
+    return sum("mosaic_gpu" in line for line in hlo_text.splitlines() if "stablehlo.custom_call" in line)
 
 
 # ---------------------------------------------------------------- GPU (H100/H200): compiled kernels vs XLA:GPU
