@@ -22,6 +22,7 @@ from jax import lax
 
 from qjax import stochastic
 from qjax.kernels import quantize_mgpu, stochastic_cast_mgpu
+from qjax.kernels import gemm_config_mgpu as gemm_config
 from qjax.kernels import scaled_matmul_mgpu as mg
 from qjax.kernels.scaled_matmul import scaled_matmul
 from qjax.quantize import QuantSpec, amax, quantize, quantize_pair, quantize_with_seed
@@ -75,14 +76,14 @@ def gemm_table(argv):
                 reference = jax.jit(lambda p, q: scaled_matmul(p, q, jnp.bfloat16, precise))
                 configs = [None]
                 if args.sweep:
-                    base = mg.default_config(a, b, precise)
+                    base = gemm_config.default_config(a, b, precise)
                     configs += [dataclasses.replace(base, grid_tile_width=w_, grid_minor_dim=d)
                                 for w_ in (4, 16) for d in (0, 1)]
                     configs += [dataclasses.replace(base, max_concurrent_steps=base.max_concurrent_steps - 1)]
                     configs += [dataclasses.replace(base, cluster_m=3 - base.cluster_m)]
-                    if base.tile_k == 256 and base != mg.ROW_CONFIG:  # one 128-K block per step (block mode)
+                    if base.tile_k == 256 and base != gemm_config.ROW_CONFIG:  # one 128-K block per step (block mode)
                         configs += [dataclasses.replace(base, tile_k=128, max_concurrent_steps=5)]
-                    if base == mg.ROW_CONFIG:  # 128 x 256 CTA tiles (wgmma N=256); 4 stages overflow SMEM by ~100 bytes
+                    if base == gemm_config.ROW_CONFIG:  # 128 x 256 CTA tiles (wgmma N=256); 4 stages overflow SMEM by ~100 bytes
                         configs += [dataclasses.replace(base, tile_m=64, tile_n=256, max_concurrent_steps=3)]
                 ref_out = reference(a, b)
                 t_xla, t_ref = seconds(unscaled, a.data, b.data), seconds(reference, a, b)

@@ -15,6 +15,8 @@ version). Two scale modes, chosen from the granularities:
 "row" with `precise_accumulation` (fp8; Hopper's fp8 wgmma accumulates with reduced precision) or with int8 and
 K > 133,143 (an int32 sum could overflow) promotes every 128 of K the same way, without per-block scales.
 
+Tilings (`TuningConfig`, the defaults, and their shared-memory and register checks) are in `gemm_config_mgpu`.
+
 Kernel structure (per CTA, persistent over output tiles, `emit_pipeline_warp_specialized`):
   memory warpgroup:   TMA a (2*tile_m, tile_k) and b (tile_n, tile_k) into 128B-swizzled SMEM, plus (block mode) the
                       step's per-K-block scales (tile_k/128, 2*tile_m) and (tile_k/128, tile_n),
@@ -50,77 +52,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from qjax.kernels.scaled_matmul import INT32_SAFE_K
+from qjax.kernels.gemm_config_mgpu import (BLOCK_GRANULARITIES, BLOCK_K, COMPUTE_WGS, EPI_ROW_BYTES, EPI_TILE_M, FP8,
+                                           TuningConfig, check_config, default_config, epilogue_slot_count,
+                                           kernel_mode)
 from qjax.kernels.stochastic_cast_mgpu import small_int32_to_f32
 from qjax.quantize import QTensor
 
-_SMEM_BYTES = 232_448  # shared memory per block on H100/H200
-_SMEM_MARGIN = 1024  # barriers and allocator alignment: measured 100-1100 bytes over `smem_bytes`
-_BLOCK_K = 128  # K per block scale ("1x128", "128x128")
-_EPI_TILE_M = 64
-_EPI_ROW_BYTES = 128  # epilogue SMEM tiles are 128-byte rows (one 128B swizzle)
-_COMPUTE_WGS = 2
-_FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-_CODE_DTYPES = (jnp.dtype(jnp.int8), *_FP8)
+_CODE_DTYPES = (jnp.dtype(jnp.int8), *FP8)
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _ROW_GRANULARITIES = ("tensor", "row")
-_BLOCK_GRANULARITIES = ("1x128", "128x128")
-
-
-@dataclasses.dataclass(frozen=True)
-class TuningConfig:
-    """Tiling of the kernel. The CTA computes a (2 * tile_m, tile_n) output tile, one tile_m-row half per compute
-    warpgroup.
-
-    Attributes:
-      tile_m: rows per compute warpgroup, a multiple of 64 (wgmma M). Promoting modes hold the f32 sum and one
-        f32/int32 tile per 128-K block of a step in registers: (1 + tile_k / 128) * tile_m * tile_n / 128 must stay
-        <= 192 per thread (of 232).
-      tile_n: columns per CTA, a multiple of 64 and <= 256 (wgmma N).
-      tile_k: K per pipeline step: 64, 128 or 256 (128 bytes of 8-bit codes = one 128B swizzle row). Promoting
-        modes take 128 or 256: with 256 a step issues one wgmma per 128-K block into its own accumulator and
-        promotes the first block while the second one's wgmma runs.
-      max_concurrent_steps: pipeline stages (SMEM buffers per operand).
-      grid_minor_dim, grid_tile_width: output tiles are visited in stripes `grid_tile_width` tiles wide along dim
-        `grid_minor_dim` (0: M, 1: N; `plgpu.planar_snake`) so the ~132 tiles in flight share operand rows in L2.
-        With 256 x 128 CTA tiles, 8 M-tiles x ~16 N-tiles in flight read the fewest distinct rows.
-      num_ctas: persistent grid size; None = number of SMs on a GPU, 2 under the interpreter.
-      cluster_m: 1, or 2 for clusters of two CTAs on neighbouring M tiles that share each B tile: one TMA load
-        multicast to both halves B's L2 -> SMEM traffic (SMEM per CTA is unchanged).
-    """
-
-    tile_m: int = 128
-    tile_n: int = 128
-    tile_k: int = 128
-    max_concurrent_steps: int = 4
-    grid_minor_dim: int = 0
-    grid_tile_width: int = 8
-    num_ctas: int | None = None
-    cluster_m: int = 1
-
-    def __post_init__(self):
-        if self.tile_m <= 0 or self.tile_m % 64:
-            raise ValueError(f"tile_m must be a positive multiple of 64 (wgmma M), got {self.tile_m}")
-        if self.tile_n <= 0 or self.tile_n % 64 or self.tile_n > 256:
-            raise ValueError(f"tile_n must be 64, 128, 192 or 256 (wgmma N <= 256), got {self.tile_n}")
-        if self.tile_k not in (64, 128, 256):
-            raise ValueError(f"tile_k must be 64, 128 or 256, got {self.tile_k}")
-        if self.max_concurrent_steps < 2:
-            raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
-        if self.cluster_m not in (1, 2):
-            raise ValueError(f"cluster_m must be 1 or 2, got {self.cluster_m}")
-        if self.grid_minor_dim not in (0, 1) or self.grid_tile_width < 1:
-            raise ValueError(f"grid_minor_dim must be 0 or 1 and grid_tile_width >= 1, got {self.grid_minor_dim}, "
-                             f"{self.grid_tile_width}")
-
-
-# Row mode: 2 x 128 x 128 tiles, one int32/f32 accumulator of 128 registers per thread; 4 stages of 48 KiB.
-ROW_CONFIG = TuningConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4)
-# Promoting modes: the f32 sum and one wgmma tile per 128-K block are in registers, so 64 x 128 per warpgroup. Two
-# blocks per step (3 stages of 66 KiB): block 0 is promoted while block 1's wgmma runs; CTA pairs share B tiles.
-# On an H100 (benchmarks/RESULTS.md, 2026-11-24), of unscaled cuBLAS: 8192^3 fp8 0.81x, int8 0.67x (one block per
-# step, no cluster: 0.72x / 0.62x); 4096^3 0.83x / 0.77x. On another H100 (slower cuBLAS) 8192^3: 0.93x / 0.80x.
-BLOCK_CONFIG = TuningConfig(tile_m=64, tile_n=128, tile_k=256, max_concurrent_steps=3, cluster_m=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,53 +76,6 @@ class _Plan:
     num_ctas: int
     # Block mode: one b scale per (tile, K block): b "128x128" or "tensor" and 128 % tile_n == 0.
     b_scale_per_tile: bool = False
-
-
-def _mode(a: QTensor, b: QTensor, precise_accumulation: bool) -> str:
-    if a.granularity in _BLOCK_GRANULARITIES or b.granularity in _BLOCK_GRANULARITIES:
-        return "block"
-    if jnp.dtype(a.data.dtype) in _FP8 and precise_accumulation:
-        return "promote"
-    if jnp.dtype(a.data.dtype) == jnp.int8 and a.data.shape[-1] > INT32_SAFE_K:
-        return "promote"
-    return "row"
-
-
-def _smem_bytes(config: TuningConfig, mode: str, epilogue_slots: int) -> int:
-    cta_m = _COMPUTE_WGS * config.tile_m
-    stage = (cta_m + config.tile_n) * config.tile_k
-    if mode == "block":
-        stage += (cta_m + config.tile_n) * 4 * (config.tile_k // _BLOCK_K)
-    epilogue = _COMPUTE_WGS * epilogue_slots * _EPI_TILE_M * _EPI_ROW_BYTES
-    row_scales = _COMPUTE_WGS * (config.tile_m + config.tile_n) * 4 if mode != "block" else 0
-    return config.max_concurrent_steps * stage + epilogue + row_scales
-
-
-def _epilogue_slots(config: TuningConfig, mode: str) -> int:
-    """2 epilogue SMEM tiles per warpgroup (one fills while the other is stored) where they fit, else 1."""
-    return 2 if _smem_bytes(config, mode, 2) + _SMEM_MARGIN <= _SMEM_BYTES else 1
-
-
-def smem_bytes(config: TuningConfig, mode: str) -> int:
-    """Shared memory the kernel allocates for `config` (without the allocator's alignment padding); epilogue tiles
-    are 128-byte rows whatever the output dtype."""
-    return _smem_bytes(config, mode, _epilogue_slots(config, mode))
-
-
-def _check_config(config: TuningConfig, mode: str):
-    if mode != "row" and config.tile_k not in (_BLOCK_K, 2 * _BLOCK_K):
-        raise ValueError(f"mode {mode!r} promotes every {_BLOCK_K} of K: tile_k must be {_BLOCK_K} or "
-                         f"{2 * _BLOCK_K}, got {config.tile_k}")
-    # The f32 sum plus one wgmma accumulator per 128-K block of a step, in 128 threads' registers (<= 232 each).
-    tiles = 1 + config.tile_k // _BLOCK_K
-    if mode != "row" and tiles * config.tile_m * config.tile_n > 192 * 128:
-        raise ValueError(f"mode {mode!r} keeps {tiles} (tile_m, tile_n) tiles in registers: {tiles} x "
-                         f"{config.tile_m} x {config.tile_n} f32 needs more than 192 registers per thread; use "
-                         f"smaller tiles or tile_k={_BLOCK_K}")
-    need = smem_bytes(config, mode) + _SMEM_MARGIN
-    if need > _SMEM_BYTES:
-        raise ValueError(f"config {config} needs ~{need} bytes of shared memory in mode {mode!r}, more than the "
-                         f"{_SMEM_BYTES} a Hopper block has; lower max_concurrent_steps or the tiles")
 
 
 def supports(a, b, out_dtype) -> str | None:
@@ -204,31 +97,19 @@ def supports(a, b, out_dtype) -> str | None:
     if jnp.dtype(out_dtype) not in _OUT_DTYPES:
         return f"out_dtype must be bfloat16 or float32, got {jnp.dtype(out_dtype)}"
     for name, q in (("a", a), ("b", b)):
-        if q.granularity not in _ROW_GRANULARITIES + _BLOCK_GRANULARITIES:
+        if q.granularity not in _ROW_GRANULARITIES + BLOCK_GRANULARITIES:
             return f"{name}: unknown granularity {q.granularity!r}"
         if jnp.dtype(q.scale.dtype) != jnp.float32:
             return f"{name}: scales must be float32, got {q.scale.dtype}"
         rows = q.data.shape[0]
-        expected = {"tensor": (), "row": (rows, 1), "1x128": (rows, k // _BLOCK_K),
-                    "128x128": (rows // 128, k // _BLOCK_K)}[q.granularity]
-        if q.granularity in _BLOCK_GRANULARITIES and (k % _BLOCK_K or (q.granularity == "128x128" and rows % 128)):
+        expected = {"tensor": (), "row": (rows, 1), "1x128": (rows, k // BLOCK_K),
+                    "128x128": (rows // 128, k // BLOCK_K)}[q.granularity]
+        if q.granularity in BLOCK_GRANULARITIES and (k % BLOCK_K or (q.granularity == "128x128" and rows % 128)):
             return (f"{name}: {q.granularity!r} scales need K % 128 == 0 (and rows % 128 == 0 for 128x128), got "
                     f"shape {q.data.shape}")
         if tuple(q.scale.shape) != expected:
             return f"{name}: {q.granularity!r} scale must have shape {expected}, got {tuple(q.scale.shape)}"
     return None
-
-
-def default_config(a: QTensor, b: QTensor, precise_accumulation: bool = False) -> TuningConfig:
-    if _mode(a, b, precise_accumulation) == "row":
-        return ROW_CONFIG
-    config = BLOCK_CONFIG
-    m, k = a.data.shape
-    if k % config.tile_k:  # one 128-K block per step rather than padding K (a copy of both operands)
-        config = dataclasses.replace(config, tile_k=_BLOCK_K, max_concurrent_steps=5)
-    if m % (config.cluster_m * _COMPUTE_WGS * config.tile_m):  # no CTA pairs rather than padding M further
-        config = dataclasses.replace(config, cluster_m=1)
-    return config
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -267,21 +148,21 @@ def _kernel(plan: _Plan, *refs):
     cfg = plan.config
     a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem = refs
     tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
-    cta_m = _COMPUTE_WGS * tile_m
+    cta_m = COMPUTE_WGS * tile_m
     cluster_m = cfg.cluster_m
     # m_iters counts clusters of `cluster_m` CTAs along M; the CTAs of a cluster share the B tile.
     m_iters, n_iters, k_iters = plan.m // (cluster_m * cta_m), plan.n // tile_n, plan.k // tile_k
     b_collective = ("cluster",) if cluster_m > 1 else ()
     block_mode = plan.mode == "block"
     promote = plan.mode != "row"
-    blocks_per_step = tile_k // _BLOCK_K if promote else 1
-    epilogue_slots = _epilogue_slots(cfg, plan.mode)
+    blocks_per_step = tile_k // BLOCK_K if promote else 1
+    epilogue_slots = epilogue_slot_count(cfg, plan.mode)
     code_bytes = 1
     swizzle = plgpu.find_swizzle(tile_k * code_bytes * 8)
     code_transforms = (plgpu.TilingTransform((8, swizzle // code_bytes)), plgpu.SwizzleTransform(swizzle))
     out_dtype = plan.out_dtype
-    epi_n = _EPI_ROW_BYTES // out_dtype.itemsize
-    out_transforms = (plgpu.TilingTransform((8, epi_n)), plgpu.SwizzleTransform(_EPI_ROW_BYTES))
+    epi_n = EPI_ROW_BYTES // out_dtype.itemsize
+    out_transforms = (plgpu.TilingTransform((8, epi_n)), plgpu.SwizzleTransform(EPI_ROW_BYTES))
     acc_dtype = jnp.int32 if a_gmem.dtype == jnp.int8 else jnp.float32
     # Every step waits for its wgmma before releasing the SMEM stage (the two compute warpgroups keep the tensor cores
     # busy in turn). Keeping one wgmma in flight (BlockSpec delay_release=1) would race in this persistent loop: the
@@ -301,7 +182,7 @@ def _kernel(plan: _Plan, *refs):
     def make_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_iters,), memory_registers=40, in_specs=in_specs, wg_axis="wg",
-            num_compute_wgs=_COMPUTE_WGS, max_concurrent_steps=cfg.max_concurrent_steps,
+            num_compute_wgs=COMPUTE_WGS, max_concurrent_steps=cfg.max_concurrent_steps,
             compute_context=compute_context)
 
     def pipeline_gmem_refs(m_idx, n_idx):
@@ -314,13 +195,13 @@ def _kernel(plan: _Plan, *refs):
     ignore = lambda *_, **__: None
     scratch = dict(
         pipeline_allocs=make_pipeline(ignore, ignore).get_allocations(*pipeline_gmem_refs(0, 0)),
-        out_smem=plgpu.SMEM((_COMPUTE_WGS, epilogue_slots, _EPI_TILE_M, epi_n), out_dtype,
+        out_smem=plgpu.SMEM((COMPUTE_WGS, epilogue_slots, EPI_TILE_M, epi_n), out_dtype,
                             transforms=out_transforms),
     )
     if not block_mode:  # each compute warpgroup's row and column scales for the epilogue
-        scratch.update(rs_smem=plgpu.SMEM((_COMPUTE_WGS, tile_m), jnp.float32),
-                       cs_smem=plgpu.SMEM((_COMPUTE_WGS, tile_n), jnp.float32),
-                       scale_barriers=plgpu.Barrier(num_barriers=2 * _COMPUTE_WGS))
+        scratch.update(rs_smem=plgpu.SMEM((COMPUTE_WGS, tile_m), jnp.float32),
+                       cs_smem=plgpu.SMEM((COMPUTE_WGS, tile_n), jnp.float32),
+                       scale_barriers=plgpu.Barrier(num_barriers=2 * COMPUTE_WGS))
 
     def scoped(pipeline_allocs, out_smem, rs_smem=None, cs_smem=None, scale_barriers=None):
         wg = lax.axis_index("wg")
@@ -347,10 +228,10 @@ def _kernel(plan: _Plan, *refs):
                     acc_f32 = acc_f32 * lax.broadcast_in_dim(col_scale, acc_f32.shape, [1])
                 out = acc_f32.astype(out_dtype)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's stores have left SMEM
-                for i in range(tile_m // _EPI_TILE_M):
+                for i in range(tile_m // EPI_TILE_M):
                     for j in range(tile_n // epi_n):
                         slot = (i * (tile_n // epi_n) + j) % epilogue_slots
-                        rows = slice(i * _EPI_TILE_M, (i + 1) * _EPI_TILE_M)
+                        rows = slice(i * EPI_TILE_M, (i + 1) * EPI_TILE_M)
                         cols = slice(j * epi_n, (j + 1) * epi_n)
                         # this slot's previous store has been read
                         plgpu.wait_smem_to_gmem(epilogue_slots - 1, wait_read_only=True)
@@ -403,7 +284,7 @@ def _kernel(plan: _Plan, *refs):
 
                 def block_products(*part_refs):
                     for i, part_ref in enumerate(part_refs):  # one wgmma group per 128-K block
-                        k_block = pl.ds(i * _BLOCK_K, _BLOCK_K)
+                        k_block = pl.ds(i * BLOCK_K, BLOCK_K)
                         plgpu.wgmma(part_ref, a_smem.at[wg_rows, k_block], b_smem.at[:, k_block].transpose((1, 0)))
                     out = acc
                     for i, part_ref in enumerate(part_refs):
@@ -430,7 +311,7 @@ def _launch(a_codes, b_codes, a_scale, b_scale, *, plan: _Plan, interpret):
         functools.partial(_kernel, plan),
         out_type=jax.ShapeDtypeStruct((plan.m, plan.n), plan.out_dtype),
         grid=(plan.num_ctas // cluster_m,), grid_names=("sm",), cluster=(cluster_m,), cluster_names=("cluster",),
-        num_threads=_COMPUTE_WGS + 1, thread_name="wg", interpret=interpret)
+        num_threads=COMPUTE_WGS + 1, thread_name="wg", interpret=interpret)
     return kernel(a_codes, b_codes, a_scale, b_scale)
 
 
@@ -446,7 +327,7 @@ def scaled_matmul_kernel(a: QTensor, b: QTensor, out_dtype, *, precise_accumulat
       out_dtype: jnp.bfloat16 or jnp.float32.
       precise_accumulation: fp8 row/tensor scales only: promote the f32 sum every 128 of K (Hopper's fp8 wgmma
         accumulates with reduced precision). Block scales always promote; int8 sums are exact.
-      config: TuningConfig; None picks ROW_CONFIG or BLOCK_CONFIG.
+      config: `gemm_config_mgpu.TuningConfig`; None picks `gemm_config_mgpu.default_config`.
       interpret: False compiles for the GPU; True or a `plgpu.InterpretGPUParams` runs the Mosaic GPU interpreter.
 
     Returns:
@@ -460,19 +341,19 @@ def scaled_matmul_kernel(a: QTensor, b: QTensor, out_dtype, *, precise_accumulat
         type_problem = reason.startswith(("operands must", "codes must", "out_dtype", "int8 codes"))
         raise (TypeError if type_problem else ValueError)(f"scaled_matmul_kernel: {reason}")
     out_dtype = jnp.dtype(out_dtype)
-    mode = _mode(a, b, precise_accumulation)
+    mode = kernel_mode(a, b, precise_accumulation)
     config = default_config(a, b, precise_accumulation) if config is None else config
-    _check_config(config, mode)
+    check_config(config, mode)
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
 
     (m, k), n = a.data.shape, b.data.shape[0]
-    cta_m = _COMPUTE_WGS * config.tile_m
+    cta_m = COMPUTE_WGS * config.tile_m
     mp, np_, kp = _round_up(m, cta_m * config.cluster_m), _round_up(n, config.tile_n), _round_up(k, config.tile_k)
     a_codes, b_codes = _pad2(a.data, mp, kp, 0), _pad2(b.data, np_, kp, 0)
     if mode == "block":
-        a_scale = _block_scales(a, k // _BLOCK_K, kp // _BLOCK_K, mp)
-        b_scale = _block_scales(b, k // _BLOCK_K, kp // _BLOCK_K, np_)
+        a_scale = _block_scales(a, k // BLOCK_K, kp // BLOCK_K, mp)
+        b_scale = _block_scales(b, k // BLOCK_K, kp // BLOCK_K, np_)
     else:
         a_scale, b_scale = _row_vector(a, m, mp), _row_vector(b, n, np_)
     tiles = (mp // cta_m) * (np_ // config.tile_n)

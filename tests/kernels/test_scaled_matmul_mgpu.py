@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from qjax.kernels import on_hopper_gpu
+from qjax.kernels import gemm_config_mgpu as gemm_config
 from qjax.kernels import scaled_matmul_mgpu as mgpu
 from qjax.kernels.scaled_matmul import scaled_matmul
 from qjax.quantize import QTensor, QuantSpec, quantize
@@ -27,7 +28,7 @@ INTERPRET = not on_hopper_gpu()
 # The interpreter compiles each kernel variant for a few seconds; small tiles keep the unrolled epilogue short and
 # give several output tiles per persistent CTA at small sizes. The default configs are lowered in test_lowers_for_cuda
 # and run at size in the gpu tests.
-SMALL = mgpu.TuningConfig(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2)
+SMALL = gemm_config.TuningConfig(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2)
 F32_RTOL = 1e-5  # relative to |a| |b|^T: f32 summation-order differences over K <= 4096
 BF16_RTOL = 2.0**-7  # two bf16 roundings (the fp8 reference rounds its bf16 accumulator, then the output)
 # Compiled, Hopper's fp8 wgmma accumulates with reduced precision (as cuBLAS's fast fp8 path does): over all of K
@@ -172,10 +173,10 @@ def test_default_config_avoids_padding():
     def block_operands(m, k):
         return (_q((m, k), granularity="1x128", scale_shape=(m, k // 128)),
                 _q((128, k), granularity="128x128", scale_shape=(1, k // 128)))
-    assert mgpu.default_config(*block_operands(4096, 4096)) == mgpu.BLOCK_CONFIG
-    config = mgpu.default_config(*block_operands(4096 + 128, 4096 + 128))
+    assert gemm_config.default_config(*block_operands(4096, 4096)) == gemm_config.BLOCK_CONFIG
+    config = gemm_config.default_config(*block_operands(4096 + 128, 4096 + 128))
     assert (config.tile_k, config.cluster_m) == (128, 1)
-    assert mgpu.default_config(_q((4096 + 128, 4096)), _q((128, 4096))) == mgpu.ROW_CONFIG
+    assert gemm_config.default_config(_q((4096 + 128, 4096)), _q((128, 4096))) == gemm_config.ROW_CONFIG
 
 
 def test_supports_accepts_every_recipe_layout():
@@ -188,18 +189,18 @@ def test_supports_accepts_every_recipe_layout():
 
 def test_config_errors():
     with pytest.raises(ValueError, match="tile_m"):
-        mgpu.TuningConfig(tile_m=32)
+        gemm_config.TuningConfig(tile_m=32)
     with pytest.raises(ValueError, match="tile_n"):
-        mgpu.TuningConfig(tile_n=512)
+        gemm_config.TuningConfig(tile_n=512)
     a = _q((64, 256), granularity="1x128", scale_shape=(64, 2))
     with pytest.raises(ValueError, match="registers"):  # block mode with 128 x 128 warpgroup tiles
-        mgpu.scaled_matmul_kernel(a, a, jnp.float32, config=mgpu.ROW_CONFIG, interpret=True)
+        mgpu.scaled_matmul_kernel(a, a, jnp.float32, config=gemm_config.ROW_CONFIG, interpret=True)
     with pytest.raises(ValueError, match="registers"):  # three 64 x 128 tiles fit, three 64 x 192 do not
         mgpu.scaled_matmul_kernel(a, a, jnp.float32, interpret=True,
-                                  config=dataclasses.replace(mgpu.BLOCK_CONFIG, tile_n=192, tile_k=256))
+                                  config=dataclasses.replace(gemm_config.BLOCK_CONFIG, tile_n=192, tile_k=256))
     with pytest.raises(ValueError, match="shared memory"):
         mgpu.scaled_matmul_kernel(_q((64, 256)), _q((64, 256)), jnp.float32,
-                                  config=dataclasses.replace(mgpu.ROW_CONFIG, max_concurrent_steps=6), interpret=True)
+                                  config=dataclasses.replace(gemm_config.ROW_CONFIG, max_concurrent_steps=6), interpret=True)
 
 
 @pytest.mark.parametrize("mode, code, out_dtype, overrides", [
@@ -209,8 +210,8 @@ def test_config_errors():
 def test_lowers_for_cuda(mode, code, out_dtype, overrides):
     """Configs at 4096 x 2048 x 1024 lower to a Mosaic GPU module (layouts, wgmma operands, SMEM budget)."""
     m, n, k = 4096, 2048, 1024
-    config = dataclasses.replace(mgpu.ROW_CONFIG if mode == "row" else mgpu.BLOCK_CONFIG, **overrides)
-    mgpu._check_config(config, mode)
+    config = dataclasses.replace(gemm_config.ROW_CONFIG if mode == "row" else gemm_config.BLOCK_CONFIG, **overrides)
+    gemm_config.check_config(config, mode)
     plan = mgpu._Plan(mode, m, n, k, jnp.dtype(out_dtype), config, 132, b_scale_per_tile=code == jnp.int8)
     scale_shapes = ((k // 128, m), (k // 128, n)) if mode == "block" else ((m,), (n,))
     args = (jax.ShapeDtypeStruct((m, k), code), jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn if code != jnp.int8
