@@ -83,7 +83,8 @@ def gemm_table(argv):
                     configs += [dataclasses.replace(base, cluster_m=3 - base.cluster_m)]
                     if base.tile_k == 256 and base != gemm_config.ROW_CONFIG:  # one 128-K block per step (block mode)
                         configs += [dataclasses.replace(base, tile_k=128, max_concurrent_steps=5)]
-                    if base == gemm_config.ROW_CONFIG:  # 128 x 256 CTA tiles (wgmma N=256); 4 stages overflow SMEM by ~100 bytes
+                    # 128 x 256 CTA tiles (wgmma N=256); 4 stages overflow SMEM by ~100 bytes
+                    if base == gemm_config.ROW_CONFIG:
                         configs += [dataclasses.replace(base, tile_m=64, tile_n=256, max_concurrent_steps=3)]
                 ref_out = reference(a, b)
                 t_xla, t_ref = seconds(unscaled, a.data, b.data), seconds(reference, a, b)

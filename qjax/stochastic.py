@@ -43,7 +43,7 @@ def uniform_from_bits(bits: jnp.ndarray) -> jnp.ndarray:
     """uint32 random bits -> float32 uniform (bits >> 9) * 2**-23 in [0, 1) (exact in float32).
 
     Built as the float 1.(top 23 bits) in [1, 2) minus 1, which needs no int -> float conversion: kernels compute
-    it per element, and conversions run at a quarter of the FP32 rate on Hopper."""
+    it per element, and conversions run at a fraction of the FP32 rate on Hopper."""
     one_point_bits = (bits >> 9) | jnp.uint32(0x3F800000)
     return lax.bitcast_convert_type(one_point_bits, jnp.float32) - jnp.float32(1)
 
@@ -54,6 +54,22 @@ def element_bits(seed: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:
     for d in shape:
         size *= d
     return hash_uint32(seed, lax.iota(jnp.uint32, size).reshape(shape))
+
+
+def truncate_to_bf16_grid(y: jnp.ndarray, bits: jnp.ndarray) -> jnp.ndarray:
+    """f32 y with 16 random bits added below bfloat16's kept mantissa, then truncated: stochastic rounding to bf16
+    (finite y; the carry rounds up with probability equal to the dropped fraction)."""
+    y_bits = lax.bitcast_convert_type(y, jnp.uint32)
+    return lax.bitcast_convert_type((y_bits + (bits & jnp.uint32(0xFFFF))) & jnp.uint32(0xFFFF0000), jnp.float32)
+
+
+def grid_step(magnitude: jnp.ndarray, fmt: formats.Format) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(ulp, 1 / ulp) of `fmt`'s grid at f32 magnitude >= 0, both exact powers of two built from exponent bits
+    (shared with the kernels: integer and bit ops only)."""
+    exponent = (lax.bitcast_convert_type(magnitude, jnp.int32) >> 23) - 127  # -127 for zero and f32 subnormals
+    ulp_exponent = jnp.maximum(exponent, fmt.min_exponent) - fmt.mantissa_bits
+    ulp = lax.bitcast_convert_type((ulp_exponent + 127) << 23, jnp.float32)
+    return ulp, lax.bitcast_convert_type((127 - ulp_exponent) << 23, jnp.float32)
 
 
 def round_to_grid(y: jnp.ndarray, fmt: formats.Format, bits: jnp.ndarray) -> jnp.ndarray:
@@ -71,16 +87,11 @@ def round_to_grid(y: jnp.ndarray, fmt: formats.Format, bits: jnp.ndarray) -> jnp
     if fmt.is_integer:
         return jnp.floor(y + uniform_from_bits(bits))
     if fmt.name == "bf16":
-        y_bits = lax.bitcast_convert_type(y, jnp.uint32)
-        rounded = lax.bitcast_convert_type((y_bits + (bits & jnp.uint32(0xFFFF))) & jnp.uint32(0xFFFF0000), jnp.float32)
-        return jnp.where(jnp.isfinite(y), rounded, y)
+        return jnp.where(jnp.isfinite(y), truncate_to_bf16_grid(y, bits), y)
     if fmt.min_exponent - fmt.mantissa_bits < -126:
         raise ValueError(f"stochastic rounding to {fmt.name} is not supported")
     magnitude = jnp.abs(y)
-    exponent = (lax.bitcast_convert_type(magnitude, jnp.int32) >> 23) - 127  # -127 for zero and f32 subnormals
-    ulp_exponent = jnp.maximum(exponent, fmt.min_exponent) - fmt.mantissa_bits
-    ulp = lax.bitcast_convert_type((ulp_exponent + 127) << 23, jnp.float32)
-    inverse_ulp = lax.bitcast_convert_type((127 - ulp_exponent) << 23, jnp.float32)  # exactly 1 / ulp (2**k)
+    ulp, inverse_ulp = grid_step(magnitude, fmt)
     rounded = jnp.floor(magnitude * inverse_ulp + uniform_from_bits(bits)) * ulp
     return jnp.where(jnp.isfinite(y), jnp.copysign(rounded, y), y)
 

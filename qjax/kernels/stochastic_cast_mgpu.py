@@ -108,15 +108,9 @@ def round_to_grid(y, fmt: formats.Format, bits):
         # final code as the reference (floor(+-Inf) clipped) and keeps the floor's add in range.
         return clamp(_floor(clamp(y + uniform, 128.0)), fmt.max_value)
     if fmt.name == "bf16":
-        y_bits = lax.bitcast_convert_type(y, jnp.uint32)
-        rounded = lax.bitcast_convert_type((y_bits + (bits & jnp.uint32(0xFFFF))) & jnp.uint32(0xFFFF0000),
-                                           jnp.float32)
-        return jnp.where(is_finite(y), rounded, y)
+        return jnp.where(is_finite(y), stochastic.truncate_to_bf16_grid(y, bits), y)
     magnitude = jnp.abs(y)
-    exponent = (lax.bitcast_convert_type(magnitude, jnp.int32) >> 23) - 127
-    ulp_exponent = jnp.maximum(exponent, fmt.min_exponent) - fmt.mantissa_bits
-    ulp = lax.bitcast_convert_type((ulp_exponent + 127) << 23, jnp.float32)
-    inverse_ulp = lax.bitcast_convert_type((127 - ulp_exponent) << 23, jnp.float32)
+    ulp, inverse_ulp = stochastic.grid_step(magnitude, fmt)
     rounded = _floor(magnitude * inverse_ulp + uniform) * ulp  # magnitude / ulp <= 2**(mantissa_bits + 1): in range
     return jnp.where(is_finite(y), _copysign(rounded, y), y)
 

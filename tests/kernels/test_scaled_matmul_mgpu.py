@@ -200,7 +200,8 @@ def test_config_errors():
                                   config=dataclasses.replace(gemm_config.BLOCK_CONFIG, tile_n=192, tile_k=256))
     with pytest.raises(ValueError, match="shared memory"):
         mgpu.scaled_matmul_kernel(_q((64, 256)), _q((64, 256)), jnp.float32,
-                                  config=dataclasses.replace(gemm_config.ROW_CONFIG, max_concurrent_steps=6), interpret=True)
+                                  config=dataclasses.replace(gemm_config.ROW_CONFIG, max_concurrent_steps=6),
+                                  interpret=True)
 
 
 @pytest.mark.parametrize("mode, code, out_dtype, overrides", [
