@@ -64,12 +64,14 @@ def truncate_to_bf16_grid(y: jnp.ndarray, bits: jnp.ndarray) -> jnp.ndarray:
 
 
 def grid_step(magnitude: jnp.ndarray, fmt: formats.Format) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """(ulp, 1 / ulp) of `fmt`'s grid at f32 magnitude >= 0, both exact powers of two built from exponent bits
-    (shared with the kernels: integer and bit ops only)."""
-    exponent = (lax.bitcast_convert_type(magnitude, jnp.int32) >> 23) - 127  # -127 for zero and f32 subnormals
-    ulp_exponent = jnp.maximum(exponent, fmt.min_exponent) - fmt.mantissa_bits
-    ulp = lax.bitcast_convert_type((ulp_exponent + 127) << 23, jnp.float32)
-    return ulp, lax.bitcast_convert_type((127 - ulp_exponent) << 23, jnp.float32)
+    """(ulp, 1 / ulp) of `fmt`'s grid at f32 magnitude >= 0, both exact powers of two built from exponent bits with
+    integer ops alone (shared with the kernels): ulp = 2**(max(e, e_min) - m) has the exponent field
+    max(e, e_min) - m + 127, and 1 / ulp the field 254 minus that (e = -127 for zero and f32 subnormals)."""
+    exponent_field = lax.bitcast_convert_type(magnitude, jnp.int32) & jnp.int32(0x7F800000)
+    ulp_field = (jnp.maximum(exponent_field, jnp.int32((fmt.min_exponent + 127) << 23))
+                 - jnp.int32(fmt.mantissa_bits << 23))
+    return (lax.bitcast_convert_type(ulp_field, jnp.float32),
+            lax.bitcast_convert_type(jnp.int32(254 << 23) - ulp_field, jnp.float32))
 
 
 def round_to_grid(y: jnp.ndarray, fmt: formats.Format, bits: jnp.ndarray) -> jnp.ndarray:

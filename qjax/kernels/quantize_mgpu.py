@@ -54,7 +54,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax import formats, stochastic
 from qjax.kernels import tile_pipeline_mgpu as tiles
-from qjax.kernels.stochastic_cast_mgpu import cast_codes, is_finite, resolve_interpret, round_to_grid
+from qjax.kernels.stochastic_cast_mgpu import cast_codes, is_finite, resolve_interpret, stochastic_codes
 from qjax.quantize import QTensor, QuantSpec, amax, row_split_amax_axes, scale_from_amax
 
 TILE = tiles.TILE
@@ -148,9 +148,9 @@ def _codes(x32, inv_rows, side: _Side, seed, row0, col0, n_cols):
         cols = plgpu.broadcasted_iota(jnp.uint32, (n_chunk_cols,), 0, layout=_COLS) + col0
         index = _broadcast_rows(row_starts, x32.shape) + plgpu.layout_cast(
             lax.broadcast_in_dim(cols, x32.shape, (1,)), _LAYOUT)
-        y = round_to_grid(y, fmt, stochastic.hash_uint32(seed, index))
-    # int8 rounds half to even inside cast_codes; y is finite, or NaN in a NaN/Inf block (x * 1/Inf = x * 0)
-    return cast_codes(y, fmt, may_be_inf=False)
+        # y is finite, or NaN in a NaN/Inf block (x * 1/Inf = x * 0): never +-Inf
+        return stochastic_codes(y, fmt, stochastic.hash_uint32(seed, index), may_be_inf=False)
+    return cast_codes(y, fmt, may_be_inf=False)  # int8 rounds half to even inside cast_codes
 
 
 def _load_chunk(x_smem, h, transposed):

@@ -6,8 +6,8 @@
 
   GMEM -> SMEM (TMA): x tile (64, 128) f32 / bf16 / f16
   registers:          bits = stochastic.hash_uint32(seed, flat index)   (the reference's own hash, same indices)
-                      y = _round_to_grid(x, fmt, bits)                  (round_to_grid with kernel-safe ops)
-                      code = _cast(y, fmt)                              (formats.saturating_cast, kernel-safe)
+                      code = stochastic_codes(x, fmt, bits)             (round_to_grid + formats.saturating_cast
+                                                                         with kernel-safe ops)
   SMEM -> GMEM (TMA): codes (64, 128)
 
 The module also holds the kernel-safe math helpers `quantize_mgpu` and `scaled_matmul_mgpu` use. They exist because
@@ -18,7 +18,7 @@ Mosaic GPU has no lowering for floor / isfinite, and its f32 -> fp8 cast saturat
   floor(v)       -> the same add, minus 1.5 * 2**23 (behind an optimization barrier: XLA folds (v + c) - c back
                     to v), minus 1 where that rounded up; also no conversions (|v| <= 2**22 where it is used)
   isfinite(v)    -> |v| < inf (false for NaN)
-  clip(v)        -> two selects, so NaN stays NaN (the reference's clip propagates NaN)
+  clip(v)        -> max / min, which propagate NaN (as the reference's clip does)
   Inf -> e4m3    -> NaN with Inf's sign before the cast (XLA casts Inf to e4m3fn NaN; satfinite would give 448)
   Inf -> e5m2    -> the e5m2 code is the high byte of the float16 value (exact for values on e5m2's grid, Inf and
                     NaN), written as uint8 and bitcast outside the kernel
@@ -78,9 +78,10 @@ def small_int32_to_f32(x):
 
 
 def clamp(v, bound: float):
-    """jnp.clip(v, -bound, bound) that keeps NaN (as XLA's clip does)."""
+    """jnp.clip(v, -bound, bound) that keeps NaN (as XLA's clip does): XLA's max / min propagate NaN, and Mosaic GPU
+    lowers them to PTX max.NaN / min.NaN, one instruction each (a compare and a select each before)."""
     bound = jnp.float32(bound)
-    return jnp.where(v > bound, bound, jnp.where(v < -bound, -bound, v))
+    return jnp.minimum(jnp.maximum(v, -bound), bound)
 
 
 def _floor(v):
@@ -99,20 +100,47 @@ def _copysign(magnitude, sign_source):
     return lax.bitcast_convert_type(lax.bitcast_convert_type(magnitude, jnp.uint32) | sign, jnp.float32)
 
 
-def round_to_grid(y, fmt: formats.Format, bits):
-    """`stochastic.round_to_grid` (same operations in the same order) for a kernel: f32 y, uint32 bits -> f32."""
-    y = jnp.where(is_finite(y), clamp(y, fmt.max_value), y)
-    uniform = stochastic.uniform_from_bits(bits)
+def round_to_grid(y, fmt: formats.Format, bits, *, may_be_inf: bool):
+    """`stochastic.round_to_grid` (same operations in the same order) for a kernel: f32 y, uint32 bits -> f32, for
+    the float formats (int8: `stochastic_codes`). may_be_inf=False: the caller's y is finite or NaN (never +-Inf),
+    which makes the reference's isfinite selects the identity."""
     if fmt.is_integer:
-        # floor(y + u) then the cast's clip to +-127: clamping y + u to [-128, 128] first maps +-Inf to the same
-        # final code as the reference (floor(+-Inf) clipped) and keeps the floor's add in range.
-        return clamp(_floor(clamp(y + uniform, 128.0)), fmt.max_value)
+        raise ValueError("int8 rounds through stochastic_codes")
+    y = jnp.where(is_finite(y), clamp(y, fmt.max_value), y) if may_be_inf else clamp(y, fmt.max_value)
     if fmt.name == "bf16":
         return jnp.where(is_finite(y), stochastic.truncate_to_bf16_grid(y, bits), y)
     magnitude = jnp.abs(y)
     ulp, inverse_ulp = stochastic.grid_step(magnitude, fmt)
+    uniform = stochastic.uniform_from_bits(bits)
     rounded = _floor(magnitude * inverse_ulp + uniform) * ulp  # magnitude / ulp <= 2**(mantissa_bits + 1): in range
-    return jnp.where(is_finite(y), _copysign(rounded, y), y)
+    signed = _copysign(rounded, y)  # NaN y: NaN with y's sign, as the reference's select of y gives
+    return jnp.where(is_finite(y), signed, y) if may_be_inf else signed
+
+
+def _stochastic_int8(y, bits, may_be_inf: bool):
+    """floor(clip(y, -127, 127) + u) as int8 codes, NaN -> 0: the reference's round_to_grid + saturating_cast for
+    int8. One magic-number add gives both the floor and the code: v + MAGIC holds round(v) in its mantissa bits
+    (`_floor`), so the code is those bits minus one where that rounded up.
+
+    v is in [-127, 128]: 127 + u rounds to 128 for u > 1 - 2**-18, so an integer min of 127 is the cast's clip. +Inf
+    then gives 127 as in the reference (which floors +Inf and clips it); -Inf (may_be_inf) is selected apart: the
+    reference floors it to -Inf (code -127), where -127 + u may round to -126."""
+    v = clamp(y, 127.0) + stochastic.uniform_from_bits(bits)
+    shifted = lax.optimization_barrier(v + jnp.float32(MAGIC))  # barrier: see _floor
+    rounded_up = (shifted - jnp.float32(MAGIC)) > v
+    code = lax.bitcast_convert_type(shifted, jnp.int32) - jnp.int32(MAGIC_BITS)
+    code = jnp.minimum(jnp.where(rounded_up, code - jnp.int32(1), code), jnp.int32(127))
+    if may_be_inf:
+        code = jnp.where(y == jnp.float32(-jnp.inf), jnp.int32(-127), code)
+    return jnp.where(y == y, code, jnp.int32(0)).astype(jnp.int8)
+
+
+def stochastic_codes(y, fmt: formats.Format, bits, *, may_be_inf: bool):
+    """Stochastic rounding of f32 y straight to fmt's codes (`cast_codes` forms): the kernel form of the reference's
+    `stochastic.round_to_grid` followed by `formats.saturating_cast`. may_be_inf: as in `round_to_grid`."""
+    if fmt.is_integer:
+        return _stochastic_int8(y, bits, may_be_inf)
+    return cast_codes(round_to_grid(y, fmt, bits, may_be_inf=may_be_inf), fmt, may_be_inf=may_be_inf)
 
 
 def cast_codes(y, fmt: formats.Format, *, may_be_inf: bool):
@@ -171,7 +199,7 @@ def _cast_call(x2, seed, *, target, interpret):
         row = plgpu.broadcasted_iota(jnp.uint32, x.shape, 0, layout=LAYOUT) + first_row
         col = plgpu.broadcasted_iota(jnp.uint32, x.shape, 1, layout=LAYOUT)
         bits = stochastic.hash_uint32(seed_ref[0], row * jnp.uint32(_COLUMNS) + col)  # row-major flat index
-        out_smem[...] = cast_codes(round_to_grid(x, fmt, bits), fmt, may_be_inf=True)
+        out_smem[...] = stochastic_codes(x, fmt, bits, may_be_inf=True)
         plgpu.commit_smem()  # make the register -> SMEM stores visible to the TMA engine
         plgpu.copy_smem_to_gmem(out_smem, out_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)

@@ -90,6 +90,33 @@ def test_int8_cast_codes_round_half_to_even_without_conversions():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("may_be_inf", [True, False])
+@pytest.mark.parametrize("target", ["int8", "e4m3", "e5m2"])
+def test_stochastic_codes_at_the_range_ends(target, may_be_inf):
+    """The kernel-side rounding + cast equals the reference's round_to_grid + saturating_cast where a random draw
+    close to 1 carries a value at or near the format's max over it (int8: 127 + u rounds to 128.0 in f32 for
+    u > 1 - 2**-18, p = 2**-18 per draw: random tests rarely reach it), on exact grid points, zeros, NaN and (when
+    the caller allows them) +-Inf; every value with every draw of a small set, jitted as XLA compiles it."""
+    fmt = formats.get_format(target)
+    top = fmt.max_value
+    values = [top, -top, top * 0.999, -top * 0.9999, top * 2, -3e38, 126.75, 126.5, 0.0, -0.0, 1.0, -2.5, 1e-30,
+              np.nan]
+    values += [np.inf, -np.inf] if may_be_inf else []
+    draws = np.array([0, 1 << 9, 0x80000000, 0xFFFFFDFF, 0xFFFFFE00, 0xFFFFFFFF, 0x12345678], np.uint32)
+    y = jnp.asarray(np.repeat(np.array(values, np.float32), len(draws)))
+    bits = jnp.asarray(np.tile(draws, len(values)))
+    got = jax.jit(lambda y, b: stochastic_cast_mgpu.stochastic_codes(y, fmt, b, may_be_inf=may_be_inf))(y, bits)
+    if got.dtype == jnp.uint8:  # e5m2 bits (may_be_inf)
+        got = jax.lax.bitcast_convert_type(got, fmt.dtype)
+    want = jax.jit(lambda y, b: formats.saturating_cast(stochastic.round_to_grid(y, fmt, b), fmt))(y, bits)
+    nan = np.isnan(np.asarray(y))
+    if fmt.is_integer:
+        assert np.all(np.asarray(got)[nan] == 0)  # NaN -> 0 (XLA's cast of NaN to int8 is backend-defined)
+    else:
+        assert np.all(np.isnan(np.asarray(got, np.float32)[nan]))
+    np.testing.assert_array_equal(_bits(got)[~nan], _bits(want)[~nan])
+
+
 def test_floor_without_conversions():
     """The kernel-side floor (nearest integer by a magic-number add, one less where it rounded up) equals jnp.floor
     on integers, half-integers, values a float32 ulp either side of them, negatives, the 2**22 bound and
