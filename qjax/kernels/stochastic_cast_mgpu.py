@@ -17,6 +17,8 @@ Mosaic GPU has no lowering for floor / isfinite, and its f32 -> fp8 cast saturat
                     bits (MAGIC below), no conversion instructions
   floor(v)       -> the same add, minus 1.5 * 2**23 (behind an optimization barrier: XLA folds (v + c) - c back
                     to v), minus 1 where that rounded up; also no conversions (|v| <= 2**22 where it is used)
+  SR -> int8     -> one such add gives floor and code at once: the code from the sum's bits, one less where it
+                    rounded up (`_stochastic_int8`)
   isfinite(v)    -> |v| < inf (false for NaN)
   clip(v)        -> max / min, which propagate NaN (as the reference's clip does)
   Inf -> e4m3    -> NaN with Inf's sign before the cast (XLA casts Inf to e4m3fn NaN; satfinite would give 448)
