@@ -29,7 +29,7 @@ Kernel structure (per CTA, persistent over output tiles, `emit_pipeline_warp_spe
                       `.reduce(0)`), cast, stored via SMEM in (64, 128-byte) tiles and TMA.
 Scales reach the kernel as f32 vectors: row mode a (M,), b (N,); block mode transposed to (K/128, M), (K/128, N) so
 one K-block's scales of a tile are contiguous for TMA (the wrapper does this; ~3% of the operand bytes). int8 block
-sums become f32 by a bit trick (no conversion instruction); a 128x128 b scale is folded into the row scales.
+sums become f32 by one conversion instruction; a 128x128 b scale is folded into the row scales.
 Optionally (cluster_m=2) two CTAs on neighbouring M tiles share each B tile through TMA multicast.
 
 Shapes that do not tile are padded with zero codes (scale 1) and sliced; K is padded to tile_k (zero codes add
@@ -55,7 +55,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from qjax.kernels.gemm_config_mgpu import (BLOCK_GRANULARITIES, BLOCK_K, COMPUTE_WGS, EPI_ROW_BYTES, EPI_TILE_M, FP8,
                                            TuningConfig, check_config, default_config, epilogue_slot_count,
                                            kernel_mode)
-from qjax.kernels.stochastic_cast_mgpu import small_int32_to_f32
 from qjax.quantize import QTensor
 
 _CODE_DTYPES = (jnp.dtype(jnp.int8), *FP8)
@@ -270,8 +269,10 @@ def _kernel(plan: _Plan, *refs):
 
             def promote_values(acc, part, scales):
                 """acc + the scaled f32 partial sum of one 128-K block."""
-                # exact: one 128-K block of int8 products sums to at most 128**3 = 2**21 in magnitude
-                part = small_int32_to_f32(part) if acc_dtype == jnp.int32 else part
+                # exact: one 128-K block of int8 products sums to at most 128**3 = 2**21 in magnitude. One I2F
+                # (cvt) per element: the magic-number form (an integer add and a float subtract) was 1.11-1.13x
+                # slower, the kernel being bound by the promotion's instruction count (benchmarks/NOTES.md)
+                part = part.astype(jnp.float32) if acc_dtype == jnp.int32 else part
                 if not scales:
                     return acc + part
                 scale = lax.broadcast_in_dim(scales[0], part.shape, [0])

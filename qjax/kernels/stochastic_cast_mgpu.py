@@ -60,11 +60,11 @@ def is_finite(v):
 
 
 # 1.5 * 2**23 and its f32 bits. For |v| <= 2**22 the floats around 1.5 * 2**23 + v are 1 apart, so the f32 sum is v
-# rounded half to even, held in the low mantissa bits; its bits minus MAGIC_BITS are that integer, and the reverse
-# gives int32 -> f32. Both directions then avoid the conversion-unit instructions (cvt.rni, F2I, I2F), which run at a
-# fraction of the FP32 rate on Hopper (stochastic rounding's floor avoids them the same way): the int8 quantize tile
-# kernel was bound by them (H200: 141 -> 109 us for a 16384 x 4096 pair), and the int8 GEMM kernel converts an int32
-# partial sum per K block this way.
+# rounded half to even, held in the low mantissa bits; its bits minus MAGIC_BITS are that integer. That avoids the
+# conversion-unit instructions (cvt.rni + F2I), which run at a fraction of the FP32 rate on Hopper (stochastic
+# rounding's floor avoids them the same way): the int8 quantize tile kernel was bound by them (H200: 141 -> 109 us
+# for a 16384 x 4096 pair). The reverse direction (int32 -> f32 as an integer add and a float subtract) lost to one
+# I2F in the block-scaled int8 GEMM, which is bound by its instruction count (benchmarks/NOTES.md).
 MAGIC = 1.5 * 2**23
 MAGIC_BITS = 0x4B400000
 
@@ -72,11 +72,6 @@ MAGIC_BITS = 0x4B400000
 def round_half_even_to_int32(v):
     """f32 |v| <= 2**22 -> int32, rounded half to even (jnp.round), with one FP32 add and one integer subtract."""
     return lax.bitcast_convert_type(v + jnp.float32(MAGIC), jnp.int32) - jnp.int32(MAGIC_BITS)
-
-
-def small_int32_to_f32(x):
-    """int32 |x| < 2**22 -> f32, exactly, with one integer add and one FP32 subtract."""
-    return lax.bitcast_convert_type(x + jnp.int32(MAGIC_BITS), jnp.float32) - jnp.float32(MAGIC)
 
 
 def clamp(v, bound: float):
