@@ -16,6 +16,8 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
+from qjax.train.config import ConfigError
+
 
 class Checkpointer:
     """Save / restore train states in `directory` (created if missing), keeping the newest `keep` steps."""
@@ -25,7 +27,9 @@ class Checkpointer:
             raise ValueError(f"config.keep_checkpoints must be an int >= 1, got {keep!r}")
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)
         self.directory = os.path.abspath(os.fspath(directory))
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # The handler is named up front so that a new manager can read a checkpoint's metadata before restoring
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              item_handlers=ocp.StandardCheckpointHandler())
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -42,15 +46,31 @@ class Checkpointer:
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with `sharding` set (e.g. from `jax.eval_shape` of
         the init function). A checkpoint of another model or optimizer, or of an older layout of the train state
         (before 2026-11-23 the optimizer state nested grad clipping's empty state: `optax.chain(clip, adamw)`),
-        raises ValueError naming the checkpoint and orbax's mismatching entry.
+        raises ConfigError (a ValueError; train.py prints it as one line) naming the checkpoint and orbax's
+        mismatching entry. So does one whose arrays have other dtypes than the run's (e.g. float32 params resumed
+        with `model.param_dtype=bfloat16`): orbax would cast them silently.
         """
+        self._check_dtypes(step, abstract_state)
         try:
             return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
         except ValueError as e:
-            raise ValueError(f"checkpoint {step} in {self.directory} does not fit this run's train state (another "
+            raise ConfigError(f"checkpoint {step} in {self.directory} does not fit this run's train state (another "
                              "model, optimizer or grad-clipping setting, or a layout from an older qjax): train in a "
                              f"new workdir, or restore with the config and qjax version that wrote it. orbax: {e}"
                              ) from e
+
+    def _check_dtypes(self, step: int, abstract_state) -> None:
+        """ConfigError if an array saved at `step` has another dtype than the same entry of `abstract_state`."""
+        saved = ocp.tree.to_flat_dict(self._manager.item_metadata(step).tree)
+        wanted = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract_state, keep_empty_nodes=True))
+        differ = [f"{'/'.join(map(str, path))} is {saved[path].dtype}, this run's is {leaf.dtype}"
+                  for path, leaf in wanted.items()
+                  if path in saved and getattr(saved[path], "dtype", None) not in (None, leaf.dtype)]
+        if differ:
+            more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+            raise ConfigError(f"checkpoint {step} in {self.directory} holds other dtypes than this run's train state: "
+                             f"{'; '.join(differ[:3])}{more}. A changed param_dtype or optimizer state format? Train "
+                             "in a new workdir, or resume with the config that wrote the checkpoint.")
 
     def restore_latest(self, abstract_state):
         """The newest checkpoint restored into `abstract_state`'s layout, or None if there is none."""

@@ -187,3 +187,22 @@ def test_checkpoint_of_another_state_layout_gives_a_clear_error(tmp_path):
     new = {"params": np.zeros(4, np.float32), "opt_state": (np.ones(4, np.float32),)}
     with pytest.raises(ValueError, match="does not fit this run's train state.*new workdir"):
         Checkpointer(tmp_path / "ckpt", keep=1).restore_latest(abstract_like(new, sharding))
+
+
+def test_checkpoint_with_other_dtypes_gives_a_clear_error(tmp_path):
+    """Resuming float32 params as bfloat16 (a changed config.model.param_dtype in the same workdir) raises a
+    ValueError naming the entry and both dtypes; orbax alone would cast the checkpoint silently."""
+    from qjax.train import Checkpointer
+    from qjax.train.checkpoint import abstract_like
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    saved = {"params": {"w": np.ones((4, 2), np.float32)}, "step": np.int32(3)}
+    checkpointer = Checkpointer(tmp_path / "ckpt", keep=1)
+    checkpointer.save(3, saved)
+    checkpointer.close()
+    resumed = {"params": {"w": np.ones((4, 2), jax.numpy.bfloat16)}, "step": np.int32(0)}
+    with pytest.raises(ValueError, match="params/w is float32, this run's is bfloat16.*new workdir"):
+        Checkpointer(tmp_path / "ckpt", keep=1).restore_latest(abstract_like(resumed, sharding))
+    same = Checkpointer(tmp_path / "ckpt", keep=1).restore_latest(abstract_like(saved, sharding))
+    np.testing.assert_array_equal(np.asarray(same["params"]["w"]), saved["params"]["w"])
+
