@@ -55,13 +55,16 @@ class Checkpointer:
             return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
         except ValueError as e:
             raise ConfigError(f"checkpoint {step} in {self.directory} does not fit this run's train state (another "
-                             "model, optimizer or grad-clipping setting, or a layout from an older qjax): train in a "
-                             f"new workdir, or restore with the config and qjax version that wrote it. orbax: {e}"
-                             ) from e
+                              "model, optimizer or grad-clipping setting, or a layout from an older qjax): train in a "
+                              f"new workdir, or restore with the config and qjax version that wrote it. orbax: {e}"
+                              ) from e
 
     def _check_dtypes(self, step: int, abstract_state) -> None:
         """ConfigError if an array saved at `step` has another dtype than the same entry of `abstract_state`."""
-        saved = ocp.tree.to_flat_dict(self._manager.item_metadata(step).tree)
+        metadata = self._manager.item_metadata(step)
+        if metadata is None:  # nothing to compare against: the restore itself reports what does not fit
+            return
+        saved = ocp.tree.to_flat_dict(metadata.tree)
         wanted = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract_state, keep_empty_nodes=True))
         differ = [f"{'/'.join(map(str, path))} is {saved[path].dtype}, this run's is {leaf.dtype}"
                   for path, leaf in wanted.items()
@@ -69,8 +72,8 @@ class Checkpointer:
         if differ:
             more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
             raise ConfigError(f"checkpoint {step} in {self.directory} holds other dtypes than this run's train state: "
-                             f"{'; '.join(differ[:3])}{more}. A changed param_dtype or optimizer state format? Train "
-                             "in a new workdir, or resume with the config that wrote the checkpoint.")
+                              f"{'; '.join(differ[:3])}{more}. A changed param_dtype or optimizer state format? Train "
+                              "in a new workdir, or resume with the config that wrote the checkpoint.")
 
     def restore_latest(self, abstract_state):
         """The newest checkpoint restored into `abstract_state`'s layout, or None if there is none."""

@@ -205,4 +205,3 @@ def test_checkpoint_with_other_dtypes_gives_a_clear_error(tmp_path):
         Checkpointer(tmp_path / "ckpt", keep=1).restore_latest(abstract_like(resumed, sharding))
     same = Checkpointer(tmp_path / "ckpt", keep=1).restore_latest(abstract_like(saved, sharding))
     np.testing.assert_array_equal(np.asarray(same["params"]["w"]), saved["params"]["w"])
-
