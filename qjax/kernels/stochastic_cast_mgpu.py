@@ -81,14 +81,21 @@ def clamp(v, bound: float):
     return jnp.minimum(jnp.maximum(v, -bound), bound)
 
 
-def _floor(v):
-    """floor for f32 |v| <= 2**22 (NaN and +-Inf pass through; -0 gives +0, callers pass no -0), with FP32 ops only.
+def _round_by_magic(v):
+    """(v + MAGIC, that sum minus MAGIC, whether it rounded v up) for f32 |v| <= 2**22: the sum holds v rounded to
+    the nearest integer (`round_half_even_to_int32`), and minus MAGIC that integer is an exact f32. The barrier
+    keeps XLA (the CPU interpreter runs kernels through it) from folding (v + MAGIC) - MAGIC back to v; compiled,
+    it is an empty inline asm that pins the sum in registers."""
+    shifted = lax.optimization_barrier(v + jnp.float32(MAGIC))
+    nearest = shifted - jnp.float32(MAGIC)
+    return shifted, nearest, nearest > v
 
-    v + MAGIC holds v rounded to the nearest integer (`round_half_even_to_int32`); minus MAGIC that is an exact f32,
-    one less where it rounded up. The barrier keeps XLA (the CPU interpreter runs the kernel through it) from
-    folding (v + MAGIC) - MAGIC back to v; compiled, it is an empty inline asm that pins the sum in registers."""
-    nearest = lax.optimization_barrier(v + jnp.float32(MAGIC)) - jnp.float32(MAGIC)
-    return jnp.where(nearest > v, nearest - jnp.float32(1), nearest)
+
+def _floor(v):
+    """floor for f32 |v| <= 2**22 (NaN and +-Inf pass through; -0 gives +0, callers pass no -0), with FP32 ops only:
+    the nearest integer (`_round_by_magic`), one less where that rounded up."""
+    _, nearest, rounded_up = _round_by_magic(v)
+    return jnp.where(rounded_up, nearest - jnp.float32(1), nearest)
 
 
 def _copysign(magnitude, sign_source):
@@ -97,12 +104,9 @@ def _copysign(magnitude, sign_source):
     return lax.bitcast_convert_type(lax.bitcast_convert_type(magnitude, jnp.uint32) | sign, jnp.float32)
 
 
-def round_to_grid(y, fmt: formats.Format, bits, *, may_be_inf: bool):
-    """`stochastic.round_to_grid` (same operations in the same order) for a kernel: f32 y, uint32 bits -> f32, for
-    the float formats (int8: `stochastic_codes`). may_be_inf=False: the caller's y is finite or NaN (never +-Inf),
-    which makes the reference's isfinite selects the identity."""
-    if fmt.is_integer:
-        raise ValueError("int8 rounds through stochastic_codes")
+def _round_float_to_grid(y, fmt: formats.Format, bits, *, may_be_inf: bool):
+    """`stochastic.round_to_grid` (same operations in the same order) for a kernel and a float format: f32 y, uint32
+    bits -> f32 (int8: `_stochastic_int8`). may_be_inf: as in `stochastic_codes`."""
     y = jnp.where(is_finite(y), clamp(y, fmt.max_value), y) if may_be_inf else clamp(y, fmt.max_value)
     if fmt.name == "bf16":
         return jnp.where(is_finite(y), stochastic.truncate_to_bf16_grid(y, bits), y)
@@ -117,14 +121,13 @@ def round_to_grid(y, fmt: formats.Format, bits, *, may_be_inf: bool):
 def _stochastic_int8(y, bits, may_be_inf: bool):
     """floor(clip(y, -127, 127) + u) as int8 codes, NaN -> 0: the reference's round_to_grid + saturating_cast for
     int8. One magic-number add gives both the floor and the code: v + MAGIC holds round(v) in its mantissa bits
-    (`_floor`), so the code is those bits minus one where that rounded up.
+    (`_round_by_magic`), so the code is those bits minus one where that rounded up.
 
     v is in [-127, 128]: 127 + u rounds to 128 for u > 1 - 2**-18, so an integer min of 127 is the cast's clip. +Inf
     then gives 127 as in the reference (which floors +Inf and clips it); -Inf (may_be_inf) is selected apart: the
     reference floors it to -Inf (code -127), where -127 + u may round to -126."""
     v = clamp(y, 127.0) + stochastic.uniform_from_bits(bits)
-    shifted = lax.optimization_barrier(v + jnp.float32(MAGIC))  # barrier: see _floor
-    rounded_up = (shifted - jnp.float32(MAGIC)) > v
+    shifted, _, rounded_up = _round_by_magic(v)
     code = lax.bitcast_convert_type(shifted, jnp.int32) - jnp.int32(MAGIC_BITS)
     code = jnp.minimum(jnp.where(rounded_up, code - jnp.int32(1), code), jnp.int32(127))
     if may_be_inf:
@@ -134,10 +137,11 @@ def _stochastic_int8(y, bits, may_be_inf: bool):
 
 def stochastic_codes(y, fmt: formats.Format, bits, *, may_be_inf: bool):
     """Stochastic rounding of f32 y straight to fmt's codes (`cast_codes` forms): the kernel form of the reference's
-    `stochastic.round_to_grid` followed by `formats.saturating_cast`. may_be_inf: as in `round_to_grid`."""
+    `stochastic.round_to_grid` followed by `formats.saturating_cast`. may_be_inf=False: the caller's y is finite or
+    NaN (never +-Inf), which makes the reference's isfinite selects the identity."""
     if fmt.is_integer:
         return _stochastic_int8(y, bits, may_be_inf)
-    return cast_codes(round_to_grid(y, fmt, bits, may_be_inf=may_be_inf), fmt, may_be_inf=may_be_inf)
+    return cast_codes(_round_float_to_grid(y, fmt, bits, may_be_inf=may_be_inf), fmt, may_be_inf=may_be_inf)
 
 
 def cast_codes(y, fmt: formats.Format, *, may_be_inf: bool):
