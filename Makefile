@@ -14,7 +14,7 @@ CONFIG ?= configs/llama_int8.py
 # On a GPU the default run is the ~125M Llama; on a CPU the config's own tiny default (a few minutes).
 TRAIN_ARGS ?= $(if $(HAS_GPU),--config.model.size=125m --config.seq_len=1024 --config.batch_size=32 --config.steps=2000 --config.optimizer.lr=6e-4)
 
-.PHONY: train data test bench clean
+.PHONY: train train-args data test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it (pyenv install 3.12) or pass PYTHON312=/path/to/python3.12"; exit 1; }
@@ -33,6 +33,9 @@ train: data
 
 test: $(VENV)/.installed
 	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2
+
+train-args:  # the default run's overrides on this machine (benchmarks/device_run.sh runs them on the GPU)
+	@echo $(TRAIN_ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/linear.py

@@ -15,7 +15,10 @@
 # Steps: tests-kernels (the GPU-relevant kernel tests, compiled), tests-optim (fused AdamW GPU tests), quantize
 # (kernels.py quantize), gemm (kernels.py gemm), matmul (A.B^T at 8192), linear (with the torch peer), train (the
 # 1.1B table with the torch peer), train-qjax (the 1.1B table without the peer), train-sr (bf16, int8_rowwise and
-# int8_rowwise with stochastic rounding of the gradients).
+# int8_rowwise with stochastic rounding of the gradients), linear-ab (int8_rowwise and fp8_tensorwise at two shapes, no
+# peer, not appended), train-row (the 1.1B int8_rowwise row, not appended), default-run (the GPU default of `make
+# train` on the Shakespeare corpus: carry "data" prepared here). A step written STEP@base runs in .baseline, an
+# exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}
@@ -49,6 +52,12 @@ step_command() {
                     "--peer-variants bf16 float8_tensorwise" ;;
         train-qjax) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise fp8_tensorwise fp8_blockwise" \
                          "--steps 5 --warmup 2 --no-peer" ;;
+        linear-ab) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
+                        "int8_rowwise fp8_tensorwise --no-peer --no-append" ;;
+        train-row) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --warmup 2 --no-peer" \
+                        "--no-append" ;;
+        default-run) echo "python3 train.py --config configs/llama_int8.py $(make -s train-args) --workdir" \
+                          "/tmp/default_run" ;;
         train-sr) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_rowwise_sr --steps 5 --warmup 2" \
                        "--no-peer" ;;
         *) return 1 ;;
@@ -56,15 +65,21 @@ step_command() {
 }
 
 for step in "$@"; do
+    tree=$PWD
+    if [[ $step == *@base ]]; then
+        tree=$PWD/.baseline
+        step=${step%@base}
+    fi
     command=$(step_command "$step") || { echo "unknown step '$step'" | tee -a "$LOG"; exit 2; }
     left=$((BUDGET - SECONDS))
     if [ "$left" -lt 30 ]; then
         echo "== $step: skipped, ${left} s of the budget left" | tee -a "$LOG"
         continue
     fi
-    echo "== $step ($left s left): $command" | tee -a "$LOG"
-    timeout "$left" $command 2>&1 | tee -a "$LOG"
+    echo "== $step in $tree ($left s left): $command" | tee -a "$LOG"
+    (cd "$tree" && PYTHONPATH=${PYTHONPATH/$PWD/$tree} timeout "$left" $command) 2>&1 | tee -a "$LOG"
     echo "== $step: exit ${PIPESTATUS[0]} at $SECONDS s" | tee -a "$LOG"
 done
+[ -f /tmp/default_run/metrics.jsonl ] && cp /tmp/default_run/metrics.jsonl "$OUT/default_run_metrics.jsonl"
 diff /tmp/RESULTS.before benchmarks/RESULTS.md > "$OUT/results.diff"
 exit 0
