@@ -20,12 +20,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qjax import stochastic
-from qjax.kernels import quantize_mgpu, stochastic_cast_mgpu
+import stochastic_cast_mgpu  # benchmarks/: the standalone SR cast kernel, outside the library
+from qjax import dispatch, stochastic
 from qjax.kernels import gemm_config_mgpu as gemm_config
+from qjax.kernels import quantize_mgpu, resolve_interpret
 from qjax.kernels import scaled_matmul_mgpu as mg
 from qjax.kernels.scaled_matmul import scaled_matmul
-from qjax.quantize import QuantSpec, amax, quantize, quantize_pair, quantize_with_seed
+from qjax.quantize import QuantSpec, amax, quantize, quantize_with_seed
 
 
 def gemm_table(argv):
@@ -125,7 +126,7 @@ def quantize_table(argv):
     args = parser.parse_args(argv)
     if jax.devices()[0].platform != "gpu" and not args.interpret:
         sys.exit("the benchmark needs a Hopper GPU (or --interpret with small --shapes, e.g. 256x256)")
-    interpret = stochastic_cast_mgpu.resolve_interpret(args.interpret)  # the private _tile_call takes it resolved
+    interpret = resolve_interpret(args.interpret)  # the private _tile_call takes it resolved
 
     def seconds(fn, xs):
         batched = jax.jit(lambda xs: [fn(x) for x in xs])
@@ -149,8 +150,8 @@ def quantize_table(argv):
         x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
         xs = [x + jnp.bfloat16(i) for i in range(args.batch)]  # distinct: XLA cannot merge the calls
         n = m * k
-        pair = lambda spec: jax.jit(lambda x: quantize_mgpu.quantize_pair(x, spec, spec, seed, seed,
-                                                                         interpret=interpret))
+        pair = lambda spec: jax.jit(lambda x: quantize_mgpu.quantize_pair_kernel(x, spec, spec, seed, seed,
+                                                                              interpret=interpret))
         reference = lambda spec: jax.jit(lambda x: (quantize_with_seed(x, spec, seed),
                                                     quantize_with_seed(x.T, spec, seed)))
         inverse_rows, inverse_cols = jnp.full((m,), 10.0), jnp.full((k,), 10.0)
@@ -175,7 +176,7 @@ def quantize_table(argv):
                  "int8 row pair: XLA reference": (reference(int8_row), 6 * n),
                  "int8 row pair, SR: amax + tile kernels": (pair(int8_row_sr), 6 * n),
                  "e4m3 tensor pair: XLA amax + tile kernel": (pair(e4m3_tensor), 6 * n),
-                 "e4m3 tensor pair: XLA quantize + code transpose": (jax.jit(lambda x: quantize_pair(
+                 "e4m3 tensor pair: XLA quantize + code transpose": (jax.jit(lambda x: dispatch.quantize_pair(
                      x, e4m3_tensor, e4m3_tensor, seed, seed, backend="xla")), 7 * n),
                  "e4m3 1x128 + 128x1 pair: tile kernel": (pair(e4m3_block), 4 * n + n // 16),
                  "e4m3 1x128 + 128x1 pair: XLA reference": (reference(e4m3_block), 4 * n + n // 16),

@@ -27,7 +27,7 @@ from jax import lax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qjax import optim  # noqa: E402
-from qjax.kernels import on_hopper_gpu  # noqa: E402
+from qjax.dispatch import on_hopper_gpu  # noqa: E402
 from qjax.optim import blockwise  # noqa: E402
 from common import append_results  # noqa: E402
 

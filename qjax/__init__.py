@@ -13,7 +13,8 @@ Public API:
 from qjax import optim
 from qjax.dot_general import dot_general
 from qjax.flax import DotGeneral, einsum, make_dot_general, recipe_for_layer
-from qjax.quantize import QTensor, QuantSpec, dequantize, quantize
+from qjax.qtensor import QTensor, QuantSpec, dequantize
+from qjax.quantize import quantize
 from qjax.recipes import RECIPES, GemmSpec, Recipe, recipe, with_stochastic_gradients
 from qjax.stochastic import stochastic_round
 

@@ -2,12 +2,12 @@
 
 Any dot_general is first viewed as a batched "TN" GEMM, both operands laid out contracting-dimension-last:
   lhs -> (B?, M, K), rhs -> (B?, N, K), out (B?, M, N)      (B? present only when there are batch dims)
-which is the layout cuBLAS runs 8-bit GEMMs fastest in (DESIGN.md §3). Each operand is quantized in the layout its
-GEMM reads (see `qjax.recipes`), the GEMM runs on the 8-bit codes (int8 -> int32, fp8 -> f32), and the scales are
-applied after it. The custom VJP saves only the quantized operands the backward GEMMs need, already in their layout:
-w as (K, N) for dgrad and x as (K, M) for wgrad. Each input is quantized once for both GEMMs that read it
-(`qjax.quantize.quantize_pair`), and every GEMM goes through `qjax.kernels.scaled_matmul.quantized_matmul`: the
-Pallas kernels where the recipe's backend selects them, XLA otherwise (block-scaled recipes then run the reference
+which is the layout cuBLAS runs 8-bit GEMMs fastest in (docs/design.md, "Recipes"). Each operand is quantized in
+the layout its GEMM reads (see `qjax.recipes`), the GEMM runs on the 8-bit codes (int8 -> int32, fp8 -> f32), and
+the scales are applied after it. The custom VJP saves only the quantized operands the backward GEMMs need, already
+in their layout: w as (K, N) for dgrad and x as (K, M) for wgrad. Each input is quantized once for both GEMMs that
+read it (`qjax.dispatch.quantize_pair`), and every GEMM goes through `qjax.dispatch.quantized_matmul`: the Pallas
+kernels where the recipe's backend selects them, XLA otherwise (block-scaled recipes then run the reference
 dequantize + f32 GEMM: exact, slow).
 
 Under a mesh (set while tracing: `jax.set_mesh(mesh)` or `jax.sharding.use_abstract_mesh(mesh.abstract_mesh)`; qjax's
@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qjax import dispatch, stochastic
 from qjax import recipes as recipes_lib
-from qjax import stochastic
-from qjax.kernels.scaled_matmul import _contract_last, quantized_matmul
-from qjax.quantize import QuantSpec, quantize_pair
+from qjax.kernels.scaled_matmul import contract_last
+from qjax.qtensor import QuantSpec
 
 # Operand slots in the uint32 seed vector: one independent stochastic-rounding stream per quantized operand.
 _FWD_LHS, _FWD_RHS, _DGRAD_LHS, _DGRAD_RHS, _WGRAD_LHS, _WGRAD_RHS = range(6)
@@ -111,7 +111,7 @@ def _swap_last(x):
 def _high_precision_matmul(a, b, out_dtype, precision):
     """(B?, M, K) x (B?, N, K) -> (B?, M, N) in the operands' (promoted) dtype, no quantization."""
     dtype = jnp.promote_types(a.dtype, b.dtype)
-    return lax.dot_general(a.astype(dtype), b.astype(dtype), _contract_last(a.ndim), precision,
+    return lax.dot_general(a.astype(dtype), b.astype(dtype), contract_last(a.ndim), precision,
                            preferred_element_type=out_dtype)
 
 
@@ -124,8 +124,8 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
                    token_axes: tuple[str, ...] = ()):
     """Builds the custom_vjp function (lhs, rhs, seeds) -> out for one static configuration. token_axes: inside
     `_per_device`, the mesh axes the token rows (M) of x and g are split over (see the module docstring)."""
-    gemm = functools.partial(quantized_matmul, backend=recipe.backend)
-    quantize_both = functools.partial(quantize_pair, backend=recipe.backend)
+    gemm = functools.partial(dispatch.quantized_matmul, backend=recipe.backend)
+    quantize_both = functools.partial(dispatch.quantize_pair, backend=recipe.backend)
     fwd, dgrad, wgrad = recipe.fwd, recipe.dgrad, recipe.wgrad
 
     def forward_gemm(lhs, rhs, seeds, with_residuals):
@@ -162,9 +162,9 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
         else:
             dx = gemm(gq_dgrad, w_res, lhs_dtype, precise_accumulation=True)
         # wgrad is computed as dw^T = x^T g, (K, M) x (N, M) -> (K, N): the layout of a Dense kernel (in, out), so
-        # the gradient reaches the optimizer untransposed. (As g^T x -> (N, K), XLA fused the transpose into the
-        # AdamW update of every weight, which then read params and both moments transposed and copied them:
-        # ~38 ms of a 217 ms 1.1B Llama step on an H100.) The GEMM's two operands play symmetric roles.
+        # the gradient reaches the optimizer untransposed (as g^T x -> (N, K), XLA fused the transpose into every
+        # weight's AdamW update, which then read params and moments transposed: benchmarks/NOTES.md). The GEMM's two
+        # operands play symmetric roles.
         if wgrad is None:
             dw = _high_precision_matmul(layout.lhs_km(x_res), _swap_last(g_mn), rhs_dtype, precision)
         else:
@@ -220,8 +220,7 @@ def _device_axes(recipe: recipes_lib.Recipe, layout: _Layout) -> tuple[str, ...]
         return ()
     if 0 in layout.lhs_contract or layout.lhs_shape[0] % mesh.size:
         return ()
-    gemms = [g for g in (recipe.fwd, recipe.dgrad, recipe.wgrad) if g is not None]
-    if any(g.is_block_scaled for g in gemms) and (layout.m // mesh.size) % 128:
+    if recipe.is_block_scaled and (layout.m // mesh.size) % 128:
         return ()
     return tuple(mesh.axis_names)
 

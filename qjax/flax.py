@@ -94,6 +94,5 @@ def recipe_for_layer(recipe, layer_name: str, *, features_in: int, features_out:
     recipe = recipes_lib.recipe(recipe)
     keep = any(re.search(pattern, layer_name) for pattern in keep_high_precision)
     keep |= min(features_in, features_out) < min_features
-    block_scaled = any(g is not None and g.is_block_scaled for g in (recipe.fwd, recipe.dgrad, recipe.wgrad))
-    keep |= block_scaled and (features_in % 128 != 0 or features_out % 128 != 0)
+    keep |= recipe.is_block_scaled and (features_in % 128 != 0 or features_out % 128 != 0)
     return recipes_lib.RECIPES["bf16"] if keep else recipe

@@ -16,7 +16,8 @@ Change a recipe with `dataclasses.replace`, e.g. int8 in the forward GEMM only:
 
 import dataclasses
 
-from qjax.quantize import QuantSpec
+from qjax.dispatch import BACKENDS
+from qjax.qtensor import QuantSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,21 +30,17 @@ class GemmSpec:
     def __post_init__(self):
         if self.lhs.format.is_integer != self.rhs.format.is_integer:
             raise ValueError(f"a GEMM cannot mix int8 and fp8 operands: {self.lhs.dtype} x {self.rhs.dtype}")
-        blocks = ("1x128", "128x128")
-        if (self.lhs.granularity in blocks) != (self.rhs.granularity in blocks):
+        if self.lhs.is_block_scaled != self.rhs.is_block_scaled:
             raise ValueError("a block-scaled GEMM needs both operands block-scaled (1x128 or 128x128), got "
                              f"{self.lhs.granularity} x {self.rhs.granularity}")
 
     @property
     def is_block_scaled(self) -> bool:
-        return self.lhs.granularity in ("1x128", "128x128")
+        return self.lhs.is_block_scaled  # both operands are, or neither
 
     @property
     def stochastic(self) -> bool:
         return self.lhs.stochastic or self.rhs.stochastic
-
-
-BACKENDS = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +70,11 @@ class Recipe:
     @property
     def is_high_precision(self) -> bool:
         return self.fwd is None and self.dgrad is None and self.wgrad is None
+
+    @property
+    def is_block_scaled(self) -> bool:
+        """Whether any of its GEMMs is block-scaled (needs its dimensions in multiples of 128)."""
+        return any(g is not None and g.is_block_scaled for g in (self.fwd, self.dgrad, self.wgrad))
 
     @property
     def needs_key(self) -> bool:

@@ -11,13 +11,17 @@ rounding done by a kernel equals the reference exactly.
 Rounding to a grid with spacing `ulp` at |y|: floor(|y| / ulp + uniform) * ulp, sign restored. This is unbiased to
 within 2**-23 of a grid step: E[result] = y exactly where |y| / ulp has at most 23 fraction bits (every y of a
 coarser format), else within 2**-23 * ulp.
+
+`round_to_grid` is the reference (plain jnp, which XLA fuses best); `stochastic_codes` is the same rounding and cast
+with kernel-safe ops (`qjax.numerics`), bit-identical, for kernels.
 """
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qjax import formats
+from qjax import formats, numerics
+
 
 def hash_uint32(seed: jnp.ndarray, index: jnp.ndarray) -> jnp.ndarray:
     """Mixes a uint32 seed and uint32 element indices into uniform uint32 bits.
@@ -105,6 +109,48 @@ def stochastic_round_with_seed(x: jnp.ndarray, dtype, seed: jnp.ndarray) -> jnp.
     if fmt.name == "bf16":
         return y.astype(jnp.bfloat16)  # exact: y is on the bf16 grid
     return formats.saturating_cast(y, fmt)
+
+
+def _round_float_to_grid(y, fmt: formats.Format, bits, *, may_be_inf: bool):
+    """`round_to_grid` with kernel-safe ops (same operations in the same order) for a float format: f32 y, uint32
+    bits -> f32. may_be_inf: as in `stochastic_codes`."""
+    y = jnp.where(numerics.is_finite(y), numerics.clamp(y, fmt.max_value), y) if may_be_inf else numerics.clamp(
+        y, fmt.max_value)
+    if fmt.name == "bf16":
+        return jnp.where(numerics.is_finite(y), truncate_to_bf16_grid(y, bits), y)
+    magnitude = jnp.abs(y)
+    ulp, inverse_ulp = grid_step(magnitude, fmt)
+    # magnitude / ulp <= 2**(mantissa_bits + 1): in numerics.floor's range
+    rounded = numerics.floor(magnitude * inverse_ulp + uniform_from_bits(bits)) * ulp
+    signed = numerics.copysign(rounded, y)  # NaN y: NaN with y's sign, as the reference's select of y gives
+    return jnp.where(numerics.is_finite(y), signed, y) if may_be_inf else signed
+
+
+def _stochastic_int8(y, bits, may_be_inf: bool):
+    """floor(clip(y, -127, 127) + u) as int8 codes, NaN -> 0: `round_to_grid` + `formats.saturating_cast` for int8.
+    One magic-number add gives both the floor and the code: v + MAGIC holds round(v) in its mantissa bits, so the
+    code is those bits minus one where that rounded up.
+
+    v is in [-127, 128]: 127 + u rounds to 128 for u > 1 - 2**-18, so an integer min of 127 is the cast's clip. +Inf
+    then gives 127 as in the reference (which floors +Inf and clips it); -Inf (may_be_inf) is selected apart: the
+    reference floors it to -Inf (code -127), where -127 + u may round to -126."""
+    v = numerics.clamp(y, 127.0) + uniform_from_bits(bits)
+    shifted, _, rounded_up = numerics.round_by_magic(v)
+    code = lax.bitcast_convert_type(shifted, jnp.int32) - jnp.int32(numerics.MAGIC_BITS)
+    code = jnp.minimum(jnp.where(rounded_up, code - jnp.int32(1), code), jnp.int32(127))
+    if may_be_inf:
+        code = jnp.where(y == jnp.float32(-jnp.inf), jnp.int32(-127), code)
+    return jnp.where(y == y, code, jnp.int32(0)).astype(jnp.int8)
+
+
+def stochastic_codes(y, fmt: formats.Format, bits, *, may_be_inf: bool):
+    """Stochastic rounding of f32 y straight to fmt's codes (`numerics.cast_codes` forms), with kernel-safe ops:
+    the kernel form of `round_to_grid` followed by `formats.saturating_cast`. may_be_inf=False: y is finite or NaN
+    (never +-Inf), which makes the reference's isfinite selects the identity."""
+    if fmt.is_integer:
+        return _stochastic_int8(y, bits, may_be_inf)
+    return numerics.cast_codes(_round_float_to_grid(y, fmt, bits, may_be_inf=may_be_inf), fmt,
+                               may_be_inf=may_be_inf)
 
 
 def key_to_seed(key: jax.Array) -> jnp.ndarray:

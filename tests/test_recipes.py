@@ -1,4 +1,4 @@
-"""The recipe registry: names, exact semantics from DESIGN.md §2, immutability, per-GEMM variation."""
+"""The recipe registry: names, exact semantics (docs/design.md, "Recipes"), immutability, per-GEMM variation."""
 
 import dataclasses
 

@@ -1,21 +1,21 @@
 """Tiling of the scaled GEMM kernel (`qjax.kernels.scaled_matmul_mgpu`) and what a tiling needs: the kernel mode an
-operand pair runs in, shared memory and registers per mode, and the default configs (measured choices)."""
+operand pair runs in, shared memory and registers per mode, and the default configs (the fastest measured,
+benchmarks/NOTES.md)."""
 
 import dataclasses
 
 import jax.numpy as jnp
 
-from qjax.kernels.scaled_matmul import INT32_SAFE_K
-from qjax.quantize import QTensor
+from qjax.numerics import INT32_SAFE_K
+from qjax.qtensor import QTensor
 
 SMEM_BYTES = 232_448  # shared memory per block on H100/H200
-SMEM_MARGIN = 1024  # barriers and allocator alignment: measured 100-1100 bytes over `smem_bytes`
+SMEM_MARGIN = 1024  # barriers and allocator alignment beyond `smem_bytes`
 BLOCK_K = 128  # K per block scale ("1x128", "128x128")
 EPI_TILE_M = 64
 EPI_ROW_BYTES = 128  # epilogue SMEM tiles are 128-byte rows (one 128B swizzle)
 COMPUTE_WGS = 2
 FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-BLOCK_GRANULARITIES = ("1x128", "128x128")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,15 +69,13 @@ class TuningConfig:
 ROW_CONFIG = TuningConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4)
 # Promoting modes: the f32 sum and one wgmma tile per 128-K block are in registers, so 64 x 128 per warpgroup. Two
 # blocks per step (3 stages of 66 KiB): block 0 is promoted while block 1's wgmma runs; CTA pairs share B tiles.
-# On an H100 (benchmarks/RESULTS.md, 2026-11-24), of unscaled cuBLAS: 8192^3 fp8 0.81x, int8 0.67x (one block per
-# step, no cluster: 0.72x / 0.62x); 4096^3 0.83x / 0.77x. On another H100 (slower cuBLAS) 8192^3: 0.93x / 0.80x.
 BLOCK_CONFIG = TuningConfig(tile_m=64, tile_n=128, tile_k=256, max_concurrent_steps=3, cluster_m=2)
 
 
 def kernel_mode(a: QTensor, b: QTensor, precise_accumulation: bool) -> str:
     """"row" (scales in the epilogue), "block" (per-128-K block scales) or "promote" (row scales, f32 promotion
     every 128 of K: fp8 with precise accumulation, or int8 with a K whose int32 sum could overflow)."""
-    if a.granularity in BLOCK_GRANULARITIES or b.granularity in BLOCK_GRANULARITIES:
+    if a.is_block_scaled or b.is_block_scaled:
         return "block"
     if jnp.dtype(a.data.dtype) in FP8 and precise_accumulation:
         return "promote"

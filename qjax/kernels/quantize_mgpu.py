@@ -1,9 +1,9 @@
 """Fused quantization of x (M, K) into both GEMM layouts: Pallas Mosaic GPU kernels, bit-identical to
-`qjax.quantize.quantize_with_seed`.
+`qjax.quantize.quantize_with_seed` (`qjax.quantize.quantize_pair_reference` for both layouts).
 
 A linear layer quantizes its activation x (M, K) twice: as (M, K) for the forward GEMM (scales along K) and as its
-transpose (K, M) for wgrad (scales along M), generally with different specs and seeds. `quantize_pair` produces both
-from as few reads of x as the granularities allow:
+transpose (K, M) for wgrad (scales along M), generally with different specs and seeds. `quantize_pair_kernel` makes
+both from as few reads of x as the granularities allow:
 
   granularity (each side)   passes over x   how
   1x128, 128x128            1               tile kernel: per-block amax in registers, scales written by the kernel
@@ -12,8 +12,8 @@ from as few reads of x as the granularities allow:
 
 Tile kernel (on `tile_pipeline_mgpu.run_tiles`): programs of TILES_PER_PROGRAM consecutive 128 x 128 tiles (i, j)
 along K, two SMEM slots for x (tile t + 1 loads while tile t is computed) and one per output (its stores leave SMEM
-before tile t + 1 writes there: the smaller footprint lets two programs share an SM, which measured 1.4x faster than
-double-buffered outputs). Per tile:
+before tile t + 1 writes there: the smaller footprint lets two programs share an SM, faster than double-buffered
+outputs, benchmarks/NOTES.md). Per tile:
   GMEM -> SMEM (TMA)  x tile (128, 128) bf16/f16/f32 (128-byte swizzled); for row/tensor sides 128 inverse scales
   row side            x in registers (Mosaic GPU's WGMMA layout, 64 rows at a time): amax along K, scale,
                       y = x * (1 / scale), round (half-even or stochastic), cast -> codes (128, 128)
@@ -29,18 +29,17 @@ entry of a tile's row is the tile's scale and the wrapper keeps every 128th.
 
 Amax kernel (row sides): the same tiles, writing each tile's 128 row maxima and 128 column maxima (the partial
 maxima); XLA reduces those (M/128 or K/128 values per row / column: small) to row amax (M,), column amax (K,) and
-the tensor amax (COAT's two-stage max). Scales are then computed by the reference's own `scale_from_amax` in XLA.
+the tensor amax (COAT's two-stage max). Scales are then computed by `numerics.scale_from_amax` in XLA.
 So row/tensor granularity reads x twice; block granularities once.
 
-Bit-exactness: every step is the reference's operation in the reference's order: amax as the max over the int32
-bit patterns of |x| (monotone for non-negative floats; NaN sorts above Inf and becomes Inf, as the reference's
-NaN -> Inf), scale = max(amax / fmt_max, tiny) (pow2 by the same bit trick), 1 for amax 0, y = x * (1 / scale),
-round, clamp, cast (`stochastic_cast_mgpu` holds the kernel-safe rounding and cast helpers and says why each is
-needed). Stochastic rounding draws `stochastic.hash_uint32(seed, index)` with the index of the element in the
-quantized layout's own row-major order: r * K + c for the (M, K) codes, c * M + r for the (K, M) codes.
+Bit-exactness: the kernel calls the reference's own numerics (`numerics.amax`, `numerics.scale_from_amax`) and
+their kernel-safe forms of rounding and casting (`numerics.cast_codes`, `stochastic.stochastic_codes`), in the
+reference's order: amax, scale, y = x * (1 / scale), round, clamp, cast. Stochastic rounding draws
+`stochastic.hash_uint32(seed, index)` with the index of the element in the quantized layout's own row-major order:
+r * K + c for the (M, K) codes, c * M + r for the (K, M) codes.
 
 Shapes: M and K must be multiples of 128 (`supports` says why not otherwise). Ragged shapes are rejected rather than
-padded: padding would cost a full extra pass over x (the dispatcher's jnp reference handles them in XLA instead).
+padded: padding would cost a full extra pass over x (`qjax.dispatch` runs the jnp reference for them instead).
 """
 
 import dataclasses
@@ -52,10 +51,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from qjax import formats, stochastic
+from qjax import formats, numerics, stochastic
+from qjax.kernels import resolve_interpret
 from qjax.kernels import tile_pipeline_mgpu as tiles
-from qjax.kernels.stochastic_cast_mgpu import cast_codes, is_finite, resolve_interpret, stochastic_codes
-from qjax.quantize import QTensor, QuantSpec, amax, row_split_amax_axes, scale_from_amax
+from qjax.qtensor import QTensor, QuantSpec, row_split_amax_axes
 
 TILE = tiles.TILE
 _CHUNK = 64  # rows of a tile held in registers at a time (WGMMA layout: multiples of 64); bounds register use
@@ -64,10 +63,8 @@ _LAYOUT_T = plgpu.Layout.WGMMA_TRANSPOSED  # loads a transposed SMEM view with v
 _ROWS = _LAYOUT.reduce(1)  # (rows,) per-row values of a WGMMA-layout array
 _COLS = _LAYOUT.reduce(0)  # (cols,) per-column values
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_BLOCKS = ("1x128", "128x128")
-_TINY = float(jnp.finfo(jnp.float32).tiny)
 # Tiles along K each program pipelines (fewer when K/128 is not a multiple). More steps overlap loads, compute and
-# stores within a program; one step leaves SMEM for ~3 programs per SM instead. Not yet measured: see the benchmark.
+# stores within a program; one step leaves SMEM for ~3 programs per SM instead.
 TILES_PER_PROGRAM = 4
 
 
@@ -84,15 +81,15 @@ class _Side:
     def of(cls, spec: QuantSpec | None):
         if spec is None:
             return None
-        block = spec.granularity if spec.granularity in _BLOCKS else None
+        block = spec.granularity if spec.is_block_scaled else None
         return cls(spec.dtype, block, spec.stochastic, spec.pow2_scale)
 
 
 def supports(x, row_spec: QuantSpec, col_spec: QuantSpec | None = None) -> str | None:
-    """None if `quantize_pair(x, row_spec, col_spec, ...)` can run on the kernel, else the reason it cannot."""
+    """None if `quantize_pair_kernel(x, row_spec, col_spec, ...)` can run, else the reason it cannot."""
     for name, spec in (("row_spec", row_spec), ("col_spec", col_spec)):
         if spec is not None and not isinstance(spec, QuantSpec):
-            return f"{name} must be a qjax.quantize.QuantSpec, got {type(spec).__name__}"
+            return f"{name} must be a qjax.QuantSpec, got {type(spec).__name__}"
     if row_spec is None:
         return "row_spec is required (col_spec alone: quantize x.T with quantize_kernel instead)"
     shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
@@ -110,29 +107,14 @@ def supports(x, row_spec: QuantSpec, col_spec: QuantSpec | None = None) -> str |
 # ------------------------------------------------------------------------------------------- in-kernel helpers
 
 
+def _amax_rows(x32):
+    """`numerics.amax` along axis 1 of f32 (rows, cols) -> (rows,)."""
+    return numerics.amax(x32, axis=1)
+
+
 def _broadcast_rows(values, shape):
     """(rows,) in the _ROWS layout -> (rows, cols) in the WGMMA layout, constant along each row."""
     return plgpu.layout_cast(lax.broadcast_in_dim(values, shape, (0,)), _LAYOUT)
-
-
-def _rows_amax(x32):
-    """max |x| along axis 1 of f32 (rows, cols) -> (rows,), +Inf where a row holds NaN or Inf (quantize.amax).
-
-    The max runs over the int32 bit patterns of |x| (sign bit cleared with an integer mask, so a negative NaN is
-    caught too): they order non-negative floats, and NaN patterns sort above Inf's."""
-    bits = lax.bitcast_convert_type(x32, jnp.int32) & jnp.int32(0x7FFFFFFF)
-    row_max = lax.bitcast_convert_type(jnp.max(bits, axis=1), jnp.float32)
-    return jnp.where(row_max == row_max, row_max, jnp.float32(jnp.inf))
-
-
-def _scale(block_amax, fmt: formats.Format, pow2_scale: bool):
-    """`quantize.scale_from_amax` with ops Mosaic GPU lowers (same operations, same order)."""
-    scale = jnp.maximum(block_amax / jnp.float32(fmt.max_value), jnp.float32(_TINY))
-    if pow2_scale:
-        bits = lax.bitcast_convert_type(scale, jnp.uint32)
-        up = lax.bitcast_convert_type((bits + jnp.uint32(0x7FFFFF)) & jnp.uint32(0xFF800000), jnp.float32)
-        scale = jnp.where(is_finite(scale), up, scale)
-    return jnp.where(block_amax == 0, jnp.float32(1), scale)
 
 
 def _codes(x32, inv_rows, side: _Side, seed, row0, col0, n_cols):
@@ -148,9 +130,9 @@ def _codes(x32, inv_rows, side: _Side, seed, row0, col0, n_cols):
         cols = plgpu.broadcasted_iota(jnp.uint32, (n_chunk_cols,), 0, layout=_COLS) + col0
         index = _broadcast_rows(row_starts, x32.shape) + plgpu.layout_cast(
             lax.broadcast_in_dim(cols, x32.shape, (1,)), _LAYOUT)
-        # y is finite, or NaN in a NaN/Inf block (x * 1/Inf = x * 0): never +-Inf
-        return stochastic_codes(y, fmt, stochastic.hash_uint32(seed, index), may_be_inf=False)
-    return cast_codes(y, fmt, may_be_inf=False)  # int8 rounds half to even inside cast_codes
+        # y is finite, or NaN in a NaN block (x * 1/NaN) or an Inf block (Inf * 1/Inf = Inf * 0): never +-Inf
+        return stochastic.stochastic_codes(y, fmt, stochastic.hash_uint32(seed, index), may_be_inf=False)
+    return numerics.cast_codes(y, fmt, may_be_inf=False)  # int8 rounds half to even inside cast_codes
 
 
 def _load_chunk(x_smem, h, transposed):
@@ -166,7 +148,7 @@ def _quantize_tile_side(x_smem, side, transposed, inv_smem, codes_smem, scale_sm
     fmt = formats.get_format(side.fmt)
     tile_amax = None
     if side.block == "128x128":  # the scale needs the whole tile's amax before any chunk is quantized
-        tile_amax = functools.reduce(jnp.maximum, [jnp.max(_rows_amax(_load_chunk(x_smem, h, transposed)))
+        tile_amax = functools.reduce(jnp.maximum, [jnp.max(_amax_rows(_load_chunk(x_smem, h, transposed)))
                                                    for h in range(TILE // _CHUNK)])
     for h in range(TILE // _CHUNK):
         x32 = _load_chunk(x_smem, h, transposed)
@@ -175,10 +157,10 @@ def _quantize_tile_side(x_smem, side, transposed, inv_smem, codes_smem, scale_sm
             inv = plgpu.load(inv_smem.at[rows], layout=_ROWS)
         else:
             if tile_amax is None:
-                block_amax = _rows_amax(x32)
+                block_amax = _amax_rows(x32)
             else:
                 block_amax = plgpu.layout_cast(jnp.broadcast_to(tile_amax, (_CHUNK,)), _ROWS)
-            scale = _scale(block_amax, fmt, side.pow2_scale)
+            scale = numerics.scale_from_amax(block_amax, fmt, side.pow2_scale)
             scale_smem[rows] = scale
             inv = jnp.float32(1) / scale
         codes_smem[rows] = _codes(x32, inv, side, seed, row0 + jnp.uint32(h * _CHUNK), col0, n_cols)
@@ -190,9 +172,8 @@ def _quantize_tile_side(x_smem, side, transposed, inv_smem, codes_smem, scale_sm
 @functools.partial(jax.jit, static_argnames=("row", "col", "steps", "out_slots", "interpret"))
 def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, steps, out_slots=1, interpret):
     """The tile kernel. row_inv (M,) / col_inv (K,): f32 inverse scales for sides without blocks (else unused).
-    out_slots: SMEM slots per output (see `tile_pipeline_mgpu.run_tiles`); 1, the default, measured faster: 32 KB
-    of SMEM for both sides' codes instead of 64 lets two programs share an SM (H100, 16384 x 11264 bf16: 453 -> 327
-    us).
+    out_slots: SMEM slots per output (see `tile_pipeline_mgpu.run_tiles`); 1, the default, is faster (32 KB of SMEM
+    for both sides' codes instead of 64 lets two programs share an SM; benchmarks/NOTES.md).
 
     Returns [row codes (M, K), row block scales (K/128, M)?, col codes (K, M)?, col block scales (M/128, K)?]."""
     m, k = x.shape
@@ -240,8 +221,8 @@ def _amax_call(x, *, steps, interpret):
         (x_smem,), (row_ref, col_ref) = in_refs, out_refs
         for h in range(TILE // _CHUNK):
             rows = pl.ds(h * _CHUNK, _CHUNK)
-            row_ref[rows] = _rows_amax(_load_chunk(x_smem, h, transposed=False))
-            col_ref[rows] = _rows_amax(_load_chunk(x_smem, h, transposed=True))
+            row_ref[rows] = _amax_rows(_load_chunk(x_smem, h, transposed=False))
+            col_ref[rows] = _amax_rows(_load_chunk(x_smem, h, transposed=True))
 
     out_type = (jax.ShapeDtypeStruct((k // TILE, m), jnp.float32), jax.ShapeDtypeStruct((m // TILE, k), jnp.float32))
     out_streams = [tiles.Stream((TILE,), jnp.float32, tiles.scale_row_region(False)),
@@ -251,13 +232,13 @@ def _amax_call(x, *, steps, interpret):
 
 
 def amax_pair(x: jax.Array, *, interpret=False, tiles_per_program=TILES_PER_PROGRAM) -> tuple[jax.Array, jax.Array]:
-    """Row and column amax of x (M, K) from one read: (M,) and (K,) f32, +Inf where a row/column holds NaN or Inf
-    (the reference's `amax` for granularity "row" of x and of x.T)."""
+    """Row and column amax of x (M, K) from one read: (M,) and (K,) f32 with `numerics.amax`'s NaN / Inf (the
+    reference's `amax` for granularity "row" of x and of x.T)."""
     reason = supports(x, QuantSpec("int8"))
     if reason is not None:
         raise ValueError(reason)
     row_partial, col_partial = _amax_call(x, steps=tiles_per_program, interpret=resolve_interpret(interpret))
-    return jnp.max(row_partial, axis=0), jnp.max(col_partial, axis=0)
+    return numerics.amax(row_partial, axis=0), numerics.amax(col_partial, axis=0)
 
 
 # ------------------------------------------------------------------------------------------------------- public
@@ -266,11 +247,11 @@ def amax_pair(x: jax.Array, *, interpret=False, tiles_per_program=TILES_PER_PROG
 def _inverse_scale(spec, row_amax, col_amax, length, transposed, row_axes):
     """(scale in the reference's shape, inverse scale per row of this layout (length,)) for a row/tensor side;
     amax reduced over the mesh axes x's rows are split over where the scale spans them (`row_split_amax_axes`)."""
-    side_amax = jnp.max(row_amax) if spec.granularity == "tensor" else col_amax if transposed else row_amax
+    side_amax = numerics.amax(row_amax) if spec.granularity == "tensor" else col_amax if transposed else row_amax
     axes = row_split_amax_axes(spec, transposed, row_axes)
     if axes:
-        side_amax = lax.pmax(side_amax, axes)
-    scale = scale_from_amax(side_amax, spec.format, spec.pow2_scale)
+        side_amax = numerics.amax_across(side_amax, axes)
+    scale = numerics.scale_from_amax(side_amax, spec.format, spec.pow2_scale)
     if spec.granularity == "tensor":
         return scale, jnp.broadcast_to(jnp.float32(1) / scale, (length,))
     return scale[:, None], jnp.float32(1) / scale
@@ -291,9 +272,9 @@ def _seed(seed, spec):
     return jnp.asarray(seed, jnp.uint32).reshape(())
 
 
-def quantize_pair(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None, row_seed=None, col_seed=None, *,
-                  interpret=False, tiles_per_program=TILES_PER_PROGRAM,
-                  row_axes: tuple[str, ...] = ()) -> tuple[QTensor, QTensor | None]:
+def quantize_pair_kernel(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None, row_seed=None,
+                         col_seed=None, *, interpret=False, tiles_per_program=TILES_PER_PROGRAM,
+                         row_axes: tuple[str, ...] = ()) -> tuple[QTensor, QTensor | None]:
     """Quantizes x (M, K) as (M, K) per row_spec and, if col_spec is given, x.T (K, M) per col_spec.
 
     Args:
@@ -305,7 +286,7 @@ def quantize_pair(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None,
       tiles_per_program: 128 x 128 tiles along K each program pipelines (a tuning knob; results do not depend on
         it).
       row_axes: inside `jax.shard_map`, the mesh axes M is split over: column and tensor amax are then reduced
-        over them (`qjax.quantize.row_split_amax_axes`), so the scales are the unsharded array's.
+        over them (`qtensor.row_split_amax_axes`), so the scales are the unsharded array's.
 
     Returns:
       (QTensor (M, K), QTensor (K, M) or None), equal bit for bit to `quantize_with_seed(x, row_spec, row_seed)`
@@ -318,12 +299,12 @@ def quantize_pair(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None,
     m, k = x.shape
     seeds = jnp.stack([_seed(row_seed, row_spec), _seed(col_seed, col_spec)])
     specs = [(row_spec, False), (col_spec, True)] if col_spec is not None else [(row_spec, False)]
-    given = [(spec, transposed) for spec, transposed in specs if spec.granularity not in _BLOCKS]
+    given = [(spec, transposed) for spec, transposed in specs if not spec.is_block_scaled]
     scales, inverses = {}, {False: None, True: None}
     if given and all(spec.granularity == "tensor" for spec, _ in given):
-        # One scalar: XLA's full reduction of |x| reads faster than the amax kernel, which takes row and column maxima
-        # (H200, one jit of 8 calls: 42.9 vs 57.0 us at 16384 x 4096 bf16, 127.6 vs 152.0 at 16384 x 14336).
-        row_amax = col_amax = amax(x.astype(jnp.float32), "tensor")
+        # One scalar: XLA's full reduction of |x| reads faster than the amax kernel, which also takes row and column
+        # maxima (benchmarks/NOTES.md).
+        row_amax = col_amax = numerics.amax(x.astype(jnp.float32))
     elif given:
         row_amax, col_amax = amax_pair(x, interpret=interpret, tiles_per_program=tiles_per_program)
     for spec, transposed in given:
@@ -334,13 +315,13 @@ def quantize_pair(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None,
     results = []
     for spec, transposed in specs:
         codes = outs.pop(0)
-        scale = _block_scales(outs.pop(0), spec.granularity) if spec.granularity in _BLOCKS else scales[transposed]
+        scale = _block_scales(outs.pop(0), spec.granularity) if spec.is_block_scaled else scales[transposed]
         results.append(QTensor(codes, scale, spec.granularity))
     return results[0], (results[1] if col_spec is not None else None)
 
 
 def quantize_kernel(x: jax.Array, spec: QuantSpec, seed=None, *, interpret=False,
                     tiles_per_program=TILES_PER_PROGRAM) -> QTensor:
-    """One layout: the kernel form of `quantize_with_seed(x, spec, seed)` for x (M, K) (see `quantize_pair`)."""
-    return quantize_pair(x, spec, None, seed, None, interpret=interpret, tiles_per_program=tiles_per_program)[0]
+    """One layout: the kernel form of `quantize_with_seed(x, spec, seed)` for x (M, K) (see `quantize_pair_kernel`)."""
+    return quantize_pair_kernel(x, spec, None, seed, None, interpret=interpret, tiles_per_program=tiles_per_program)[0]
 

@@ -34,7 +34,7 @@ Optionally (cluster_m=2) two CTAs on neighbouring M tiles share each B tile thro
 
 Shapes that do not tile are padded with zero codes (scale 1) and sliced; K is padded to tile_k (zero codes add
 nothing; block mode needs K % 128 == 0, and its default config takes one block per step where K % 256 != 0). Only
-2-D operands (the dispatcher handles batch dims).
+2-D operands (`qjax.dispatch` sends batched ones to the reference).
 
 Checked off the GPU: the Mosaic GPU interpreter (`interpret=True`) runs this code with wgmma executed synchronously
 by numpy and checks barriers (its race detector also flags jax's own warp-specialized pipeline when the compute
@@ -52,14 +52,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from qjax.kernels.gemm_config_mgpu import (BLOCK_GRANULARITIES, BLOCK_K, COMPUTE_WGS, EPI_ROW_BYTES, EPI_TILE_M, FP8,
-                                           TuningConfig, check_config, default_config, epilogue_slot_count,
-                                           kernel_mode)
-from qjax.quantize import QTensor
+from qjax.kernels.gemm_config_mgpu import (BLOCK_K, COMPUTE_WGS, EPI_ROW_BYTES, EPI_TILE_M, FP8, TuningConfig,
+                                           check_config, default_config, epilogue_slot_count, kernel_mode)
+from qjax.qtensor import BLOCK_SHAPES, GRANULARITIES, QTensor
 
 _CODE_DTYPES = (jnp.dtype(jnp.int8), *FP8)
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-_ROW_GRANULARITIES = ("tensor", "row")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,14 +94,14 @@ def supports(a, b, out_dtype) -> str | None:
     if jnp.dtype(out_dtype) not in _OUT_DTYPES:
         return f"out_dtype must be bfloat16 or float32, got {jnp.dtype(out_dtype)}"
     for name, q in (("a", a), ("b", b)):
-        if q.granularity not in _ROW_GRANULARITIES + BLOCK_GRANULARITIES:
+        if q.granularity not in GRANULARITIES:
             return f"{name}: unknown granularity {q.granularity!r}"
         if jnp.dtype(q.scale.dtype) != jnp.float32:
             return f"{name}: scales must be float32, got {q.scale.dtype}"
         rows = q.data.shape[0]
         expected = {"tensor": (), "row": (rows, 1), "1x128": (rows, k // BLOCK_K),
                     "128x128": (rows // 128, k // BLOCK_K)}[q.granularity]
-        if q.granularity in BLOCK_GRANULARITIES and (k % BLOCK_K or (q.granularity == "128x128" and rows % 128)):
+        if q.granularity in BLOCK_SHAPES and (k % BLOCK_K or (q.granularity == "128x128" and rows % 128)):
             return (f"{name}: {q.granularity!r} scales need K % 128 == 0 (and rows % 128 == 0 for 128x128), got "
                     f"shape {q.data.shape}")
         if tuple(q.scale.shape) != expected:
@@ -129,7 +127,7 @@ def _row_vector(q: QTensor, rows: int, padded: int) -> jax.Array:
 def _block_scales(q: QTensor, k_blocks: int, padded_blocks: int, padded_rows: int) -> jax.Array:
     """Any scale -> f32 (padded_blocks, padded_rows): the scale of each row in each 128-wide K block, padding 1."""
     rows = q.data.shape[0]
-    if q.granularity in _ROW_GRANULARITIES:  # constant along K
+    if not q.is_block_scaled:  # constant along K
         per_row = jnp.broadcast_to(q.scale, (rows, k_blocks))
     elif q.granularity == "1x128":
         per_row = q.scale
@@ -270,8 +268,8 @@ def _kernel(plan: _Plan, *refs):
             def promote_values(acc, part, scales):
                 """acc + the scaled f32 partial sum of one 128-K block."""
                 # exact: one 128-K block of int8 products sums to at most 128**3 = 2**21 in magnitude. One I2F
-                # (cvt) per element: the magic-number form (an integer add and a float subtract) was 1.11-1.13x
-                # slower, the kernel being bound by the promotion's instruction count (benchmarks/NOTES.md)
+                # (cvt) per element: fewer instructions than the magic-number form, and the kernel is bound by the
+                # promotion's instruction count (benchmarks/NOTES.md)
                 part = part.astype(jnp.float32) if acc_dtype == jnp.int32 else part
                 if not scales:
                     return acc + part
@@ -320,10 +318,10 @@ def scaled_matmul_kernel(a: QTensor, b: QTensor, out_dtype, *, precise_accumulat
                          config: TuningConfig | None = None, interpret=False) -> jax.Array:
     """(M, K) x (N, K) quantized operands -> (M, N) of out_dtype on a Hopper GPU (see module docstring).
 
-    Same semantics as `qjax.kernels.scaled_matmul.scaled_matmul` for 2-D operands.
+    Same semantics as `qjax.kernels.scaled_matmul.scaled_matmul` (its reference) for 2-D operands.
 
     Args:
-      a: QTensor, data (M, K) int8 / float8_e4m3fn / float8_e5m2, scale per its granularity (qjax.quantize).
+      a: QTensor, data (M, K) int8 / float8_e4m3fn / float8_e5m2, scale per its granularity (qjax.qtensor).
       b: QTensor, data (N, K) (K-major: the contracting dim last), same code family as a (fp8 may mix e4m3/e5m2).
       out_dtype: jnp.bfloat16 or jnp.float32.
       precise_accumulation: fp8 row/tensor scales only: promote the f32 sum every 128 of K (Hopper's fp8 wgmma

@@ -12,10 +12,11 @@ Public API:
   apply_updates_sr(params, updates, key)    bf16 params + stochastic rounding (no fp32 master copy)
   Int8Param, Int8Dense, to_int8_params, dequantize_params, int8_value_and_grad, apply_updates_int8
                                             INT8 weight-only training
-  maps, blockwise, fused_adam               modules: code books, block quantization, the fused step kernel
+  blockwise, fused_adam                     modules: block-quantized states, the fused step (kernel entry point)
+                                            (the code books are `qjax.codebooks`)
 """
 
-from qjax.optim import blockwise, fused_adam, maps, sr_params
+from qjax.optim import blockwise, fused_adam, sr_params
 from qjax.optim.adam import (QuantizedAdamState, QuantizedAdamW, StateConfig, adamw_4bit, adamw_8bit, adamw_fp8,
                              apply_gradients, scale_by_quantized_adam)
 from qjax.optim.blockwise import CodebookState, Fp8ExpandedState, Fp8State
@@ -26,7 +27,7 @@ from qjax.optim.sr_params import apply_updates_sr
 __all__ = [
     "CodebookState", "Fp8ExpandedState", "Fp8State", "Int8Dense", "Int8Param", "QuantizedAdamState", "QuantizedAdamW",
     "StateConfig", "adamw_4bit", "adamw_8bit", "adamw_fp8", "apply_gradients", "apply_updates_int8",
-    "apply_updates_sr", "blockwise", "dequantize_params", "fused_adam", "int8_value_and_grad", "maps",
+    "apply_updates_sr", "blockwise", "dequantize_params", "fused_adam", "int8_value_and_grad",
     "scale_by_quantized_adam", "sr_params",
     "to_int8_params",
 ]

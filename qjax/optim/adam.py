@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qjax.optim import blockwise
+from qjax.optim import blockwise, fused_adam
+from qjax.optim.fused_adam import update_reference
 
 _DEFAULT_BLOCK = {"dynamic_signed_8bit": 256, "dynamic_unsigned_8bit": 256, "dynamic_signed_4bit": 128,
                   "linear_unsigned_4bit": 128, "e4m3": 256, "e4m3_dre": 128}
@@ -74,8 +75,6 @@ class StateConfig:
             raise ValueError(f"min_quantized_size must be a non-negative int, got {self.min_quantized_size!r}")
         if not isinstance(self.use_kernel, bool):
             raise ValueError(f"use_kernel must be True or False, got {self.use_kernel!r}")
-        from qjax.optim import fused_adam  # late import: fused_adam imports this module
-
         if self.use_kernel and not ((self.mu_format, self.nu_format) in fused_adam.KERNEL_FORMATS
                                     and self.block_size in fused_adam.KERNEL_BLOCK_SIZES):
             raise ValueError(f"use_kernel=True: the fused kernel supports e4m3 states (adamw_fp8 without dynamic "
@@ -105,30 +104,6 @@ def init_moment(param: jax.Array, fmt: str, config: StateConfig):
     n_blocks = math.prod(param.shape) // config.block_size
     repeat = lambda a: jnp.broadcast_to(a, (n_blocks, *a.shape[1:]))
     return dataclasses.replace(jax.tree.map(repeat, block), shape=tuple(param.shape))
-
-
-def _load(moment) -> jax.Array:
-    return blockwise.dequantize(moment) if blockwise.is_quantized(moment) else moment
-
-
-def _store(value: jax.Array, like, fmt: str, block_size: int):
-    return blockwise.quantize(value, fmt, block_size) if blockwise.is_quantized(like) else value
-
-
-def adam_math(g, m_old, v_old, b1, b2, eps, bias_correction1, bias_correction2_sqrt):
-    """One Adam step on float32 arrays -> (direction, m, v). Shared by the reference and the fused kernel."""
-    g = g.astype(jnp.float32)
-    m = m_old + (1 - b1) * (g - m_old)
-    v = v_old + (1 - b2) * (g * g - v_old)
-    direction = (m / bias_correction1) / (jnp.sqrt(v) / bias_correction2_sqrt + eps)
-    return direction, m, v
-
-
-def update_reference(g, mu, nu, config: StateConfig, b1, b2, eps, bc1, bc2_sqrt):
-    """jnp reference for one tensor: (grad, mu state, nu state) -> (direction f32, new mu state, new nu state)."""
-    direction, m, v = adam_math(g, _load(mu), _load(nu), b1, b2, eps, bc1, bc2_sqrt)
-    return (direction, _store(m, mu, config.mu_format, config.block_size),
-            _store(v, nu, config.nu_format, config.block_size))
 
 
 def _bias_corrections(count, b1: float, b2: float):
@@ -220,8 +195,6 @@ def _adamw(config, learning_rate, b1, b2, eps, weight_decay, mask):
         new_params = optax.apply_updates(params, updates)
         if not config.use_kernel:
             return new_params, new_state
-        from qjax.optim import fused_adam  # late import, as in StateConfig
-
         run_kernel, interpret = fused_adam.kernel_mode()
         if not run_kernel:
             return new_params, new_state

@@ -21,8 +21,9 @@ decoding uses the same one), so a group costs 4 + 1 + 2 bytes of metadata: 2.11 
 (0.264x fp32 AdamW at group 128) instead of 2.19 with float32 k and c.
 
 Zeros, all-zero blocks and NaN: an all-zero block stores absmax 0 (scale 1, k 1, c 1 for fp8) and decodes to exact
-zeros. A block holding NaN stores a NaN absmax/scale, so every element of that block decodes to NaN: NaN is never
-silently turned into a finite value (it spreads to its block instead). +-Inf also makes the block decode to NaN.
+zeros. A block holding NaN stores a NaN absmax/scale (`numerics.amax`), so every element of that block decodes to
+NaN: NaN is never silently turned into a finite value (it spreads to its block instead). +-Inf gives an Inf
+absmax/scale, and the block decodes to non-finite values.
 """
 
 import dataclasses
@@ -32,8 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qjax import formats
-from qjax.optim import maps
+from qjax import codebooks, formats, numerics
 
 CODEBOOK_FORMATS = {  # name -> bits
     "dynamic_signed_8bit": 8, "dynamic_unsigned_8bit": 8, "dynamic_signed_4bit": 4, "linear_unsigned_4bit": 4}
@@ -54,7 +54,7 @@ class CodebookState:
       codes: uint8 (n_blocks, block_size) for 8 bits, (n_blocks, block_size // 2) for 4 bits.
       absmax: float32 (n_blocks,): max |x| of each block (NaN if the block held NaN).
       shape: static, the original tensor shape.
-      qmap: static, the map name (see `maps.MAPS`).
+      qmap: static, the map name (see `codebooks.MAPS`).
     """
 
     codes: jax.Array
@@ -117,24 +117,6 @@ def _blocks(x: jax.Array, block_size: int) -> jax.Array:
     return x.astype(jnp.float32).reshape(-1, block_size)
 
 
-def block_absmax(blocks: jax.Array) -> jax.Array:
-    """max |x| over the last axis: float32 (..., B) -> float32 (...), NaN where the block holds a NaN.
-
-    XLA:CPU's max reduction does not propagate NaN reliably (jax 0.11.2: jnp.max(x, axis=1) of a (16, 256) array
-    with one NaN returns a finite value). So one integer max over |x|'s bit patterns instead (ordered like the
-    non-negative floats, every NaN pattern above Inf): NaN propagates on every backend without a second reduction
-    (an any(isnan)), and the result is made the canonical NaN.
-    """
-    bits = jax.lax.bitcast_convert_type(jnp.abs(blocks), jnp.int32)
-    absmax = jax.lax.bitcast_convert_type(jnp.max(bits, axis=-1), jnp.float32)
-    return jnp.where(jnp.isnan(absmax), jnp.float32(jnp.nan), absmax)
-
-
-def _safe(divisor: jax.Array) -> jax.Array:
-    # 0 -> 1 so all-zero blocks give 0 / 1 = 0 instead of 0 / 0 = NaN; NaN stays NaN.
-    return jnp.where(divisor == 0, jnp.float32(1), divisor)
-
-
 def pack_4bit(codes: jax.Array) -> jax.Array:
     """uint8 codes < 16, shape (..., 2k) -> uint8 (..., k): element 2i in the high nibble, 2i+1 in the low."""
     return (codes[..., 0::2] << 4) | codes[..., 1::2]
@@ -148,8 +130,8 @@ def unpack_4bit(packed: jax.Array) -> jax.Array:
 def quantize_codebook(x: jax.Array, qmap_name: str, block_size: int) -> CodebookState:
     """float tensor -> CodebookState: absmax per block, nearest code of x / absmax (see module docstring)."""
     blocks = _blocks(x, block_size)
-    absmax = block_absmax(blocks)
-    codes = maps.encode_nearest(blocks / _safe(absmax)[:, None], maps.get_map(qmap_name))
+    absmax = numerics.amax(blocks, axis=-1)
+    codes = codebooks.encode_nearest(blocks / numerics.nonzero(absmax)[:, None], codebooks.get_map(qmap_name))
     if CODEBOOK_FORMATS[qmap_name] == 4:
         codes = pack_4bit(codes)
     return CodebookState(codes, absmax, tuple(x.shape), qmap_name)
@@ -157,14 +139,12 @@ def quantize_codebook(x: jax.Array, qmap_name: str, block_size: int) -> Codebook
 
 def dequantize_codebook(q: CodebookState) -> jax.Array:
     codes = unpack_4bit(q.codes) if CODEBOOK_FORMATS[q.qmap] == 4 else q.codes
-    return (maps.decode(codes, maps.get_map(q.qmap)) * q.absmax[:, None]).reshape(q.shape)
+    return (codebooks.decode(codes, codebooks.get_map(q.qmap)) * q.absmax[:, None]).reshape(q.shape)
 
 
 def quantize_fp8(x: jax.Array, block_size: int) -> Fp8State:
     """float tensor -> Fp8State: scale = absmax / 448 per block, codes = e4m3(x / scale), round to nearest even."""
-    blocks = _blocks(x, block_size)
-    scale = _safe(block_absmax(blocks) / jnp.float32(_E4M3_MAX))
-    codes = formats.saturating_cast(blocks / scale[:, None], formats.E4M3)
+    codes, scale = numerics.quantize_e4m3_blocks(_blocks(x, block_size))
     return Fp8State(codes, scale, tuple(x.shape))
 
 
@@ -179,7 +159,7 @@ def expansion_params(blocks: jax.Array):
     blocks holding NaN or Inf get k = 1 and a NaN or Inf max (hence a NaN scale).
     """
     magnitude = jnp.abs(blocks)
-    big = block_absmax(blocks)
+    big = numerics.amax(blocks, axis=-1)
     small = jnp.min(jnp.where(magnitude > 0, magnitude, jnp.inf), axis=1)
     all_zero = big == 0
     big_safe, small_safe = jnp.where(all_zero, 1.0, big), jnp.where(all_zero, 1.0, small)
@@ -197,7 +177,7 @@ def quantize_fp8_expanded(x: jax.Array, block_size: int) -> Fp8ExpandedState:
     k, centre, big = expansion_params(blocks)
     expanded = jnp.sign(blocks) * (jnp.abs(blocks) / centre[:, None]) ** k[:, None]
     # NaN blocks: big is NaN, so the scale is NaN and the block decodes to NaN.
-    scale = _safe(jnp.where(big == 0, 0.0, (big / centre) ** k / jnp.float32(_E4M3_MAX)))
+    scale = numerics.nonzero(jnp.where(big == 0, 0.0, (big / centre) ** k / jnp.float32(_E4M3_MAX)))
     codes = formats.saturating_cast(expanded / scale[:, None], formats.E4M3)
     expand = jnp.round(k * _EXPAND_STEPS).astype(jnp.uint8)
     return Fp8ExpandedState(codes, scale, expand, centre.astype(jnp.bfloat16), tuple(x.shape))

@@ -45,7 +45,7 @@ class Checkpointer:
 
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with `sharding` set (e.g. from `jax.eval_shape` of
         the init function). A checkpoint of another model or optimizer, or of an older layout of the train state
-        (before 2026-11-23 the optimizer state nested grad clipping's empty state: `optax.chain(clip, adamw)`),
+        (an older one nested grad clipping's empty state in the optimizer state: `optax.chain(clip, adamw)`),
         raises ConfigError (a ValueError; train.py prints it as one line) naming the checkpoint and orbax's
         mismatching entry. So does one whose arrays have other dtypes than the run's (e.g. float32 params resumed
         with `model.param_dtype=bfloat16`): orbax would cast them silently.

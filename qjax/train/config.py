@@ -51,8 +51,7 @@ def check_config(config) -> None:
         _positive_int(config, name)
     if task == "lm":
         _positive_int(config, "seq_len")
-        block_scaled = any(g is not None and g.is_block_scaled for g in (recipe.fwd, recipe.dgrad, recipe.wgrad))
-        if block_scaled and config.batch_size % config.grad_accum_steps == 0:
+        if recipe.is_block_scaled and config.batch_size % config.grad_accum_steps == 0:
             tokens = config.batch_size // config.grad_accum_steps * config.seq_len
             if tokens % 128:
                 raise ConfigError(f"recipe {recipe.name!r} is block-scaled: wgrad contracts over the tokens of a "

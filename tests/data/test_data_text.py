@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from qjax.data import testing, text
+from helpers import write_tiny_corpus
+from qjax.data import text
 
 SAMPLES = ["", "hello, world\n", "Ünïcödé — “quotes” 日本語 🎭\ttab\r\n", "a" * 1000]
 
@@ -69,7 +70,7 @@ def test_prepare_text_streams_in_chunks(tmp_path, monkeypatch):
 
 
 def test_shards_are_valid_detects_truncation(tmp_path):
-    shards = testing.write_tiny_corpus(tmp_path)
+    shards = write_tiny_corpus(tmp_path)
     assert text.shards_are_valid(shards)
     with open(shards / "train.bin", "r+b") as f:
         f.truncate(100)
@@ -121,7 +122,7 @@ def test_bpe_without_tokenizers_says_how_to_install(tmp_path):
 
 def test_bpe_round_trip(tmp_path):
     pytest.importorskip("tokenizers")
-    shards = testing.write_tiny_corpus(tmp_path)  # reuse its text files for training
+    shards = write_tiny_corpus(tmp_path)  # reuse its text files for training
     files = sorted((tmp_path / "texts").glob("*.txt"))
     meta = text.prepare_text(files, tmp_path / "bpe", tokenizer="bpe", bpe_vocab_size=300)
     tok = text.load_tokenizer(tmp_path / "bpe")

@@ -15,7 +15,7 @@ import pytest
 
 from qjax import formats
 from qjax.kernels import quantize_mgpu
-from qjax.kernels import on_hopper_gpu
+from qjax.dispatch import on_hopper_gpu
 from qjax.quantize import QuantSpec, quantize_with_seed
 
 ROW_SEED, COL_SEED = np.uint32(0x1234567), np.uint32(4242)
@@ -72,8 +72,8 @@ def _check_pair(x, row_spec, col_spec):
         got_row = jax.jit(lambda x: quantize_mgpu.quantize_kernel(x, row_spec, ROW_SEED, interpret=interpret))(x)
         got_col = None
     else:
-        got_row, got_col = jax.jit(lambda x: quantize_mgpu.quantize_pair(x, row_spec, col_spec, ROW_SEED, COL_SEED,
-                                                                         interpret=interpret))(x)
+        got_row, got_col = jax.jit(lambda x: quantize_mgpu.quantize_pair_kernel(
+            x, row_spec, col_spec, ROW_SEED, COL_SEED, interpret=interpret))(x)
     want_row = jax.jit(lambda x: quantize_with_seed(x, row_spec, ROW_SEED))(x)
     assert_same_qtensor(got_row, want_row, compiled)
     if col_spec is None:
@@ -115,7 +115,8 @@ def test_pair_matches_reference(shape, dtype, row_spec, col_spec, specials):
         if spec is None:
             continue
         scale = np.asarray(got.scale)
-        assert np.isinf(scale).any() == specials  # a block holding NaN or Inf gets an Inf scale
+        assert np.isnan(scale).any() == specials  # a block holding NaN gets a NaN scale (numerics.amax)
+        assert np.isinf(scale).any() == (specials and spec.granularity != "tensor")  # Inf without NaN: Inf
         if spec.granularity in ("1x128", "128x128"):
             zero = _zero_blocks(layout, spec.granularity)
             assert np.all(scale[zero] == 1) and np.all(np.asarray(got.data, np.float32)[np.repeat(np.repeat(
@@ -132,10 +133,11 @@ def test_amax_pair_is_the_row_and_column_amax(shape, tiles_per_program):
     interpret = None if on_hopper_gpu() else True
     row_amax, col_amax = jax.jit(lambda x: quantize_mgpu.amax_pair(x, interpret=interpret,
                                                                    tiles_per_program=tiles_per_program))(x)
-    magnitude = jnp.where(jnp.isnan(x), jnp.inf, jnp.abs(x.astype(jnp.float32)))
-    np.testing.assert_array_equal(np.asarray(row_amax), np.asarray(magnitude.max(axis=1)))
-    np.testing.assert_array_equal(np.asarray(col_amax), np.asarray(magnitude.max(axis=0)))
-    assert np.isinf(row_amax[3]) and np.isinf(col_amax[5])  # the NaN row and column
+    x32 = np.asarray(x, np.float32)
+    for axis, got in ((1, row_amax), (0, col_amax)):  # NaN where a NaN is, else max |x| (Inf where an Inf is)
+        np.testing.assert_array_equal(np.asarray(got), np.where(np.isnan(x32).any(axis), np.nan,
+                                                                np.nanmax(np.abs(x32), axis=axis)))
+    assert np.isnan(row_amax[3]) and np.isnan(col_amax[5]) and np.isinf(row_amax[-1])  # NaN and -Inf rows
 
 
 @pytest.mark.parametrize("row_spec,col_spec,amax_kernel", [
@@ -159,7 +161,7 @@ def test_row_axes_inside_shard_map(row_spec, col_spec, amax_kernel, monkeypatch)
                             *args, **kw))
 
     def per_device(x):
-        row, col = quantize_mgpu.quantize_pair(x, row_spec, col_spec, interpret=interpret, row_axes=("data",))
+        row, col = quantize_mgpu.quantize_pair_kernel(x, row_spec, col_spec, interpret=interpret, row_axes=("data",))
         return row.data, row.scale, col.data, col.scale
 
     run = jax.shard_map(per_device, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P(), P(None, "data"), P()),
@@ -186,9 +188,9 @@ def test_supports_and_errors():
     assert "QuantSpec" in quantize_mgpu.supports(ok, "int8", spec)
     assert "row_spec is required" in quantize_mgpu.supports(ok, None, spec)
     with pytest.raises(ValueError, match="multiples of 128"):
-        quantize_mgpu.quantize_pair(jnp.zeros((200, 128)), spec, spec, interpret=True)
+        quantize_mgpu.quantize_pair_kernel(jnp.zeros((200, 128)), spec, spec, interpret=True)
     with pytest.raises(ValueError, match="seed"):
-        quantize_mgpu.quantize_pair(ok, S("int8", "row", sr=True), None, None, interpret=True)
+        quantize_mgpu.quantize_pair_kernel(ok, S("int8", "row", sr=True), None, None, interpret=True)
 
 
 def test_lowers_for_hopper():
@@ -197,7 +199,7 @@ def test_lowers_for_hopper():
     for dtype, row_spec, col_spec, kernels in (
             (jnp.bfloat16, S("e4m3", "128x128", sr=True, pow2=True), S("int8", "row", sr=True), 2),
             (jnp.float32, S("int8", "1x128"), S("e5m2", "tensor"), 1)):
-        f = lambda x: quantize_mgpu.quantize_pair(x, row_spec, col_spec, ROW_SEED, COL_SEED)
+        f = lambda x: quantize_mgpu.quantize_pair_kernel(x, row_spec, col_spec, ROW_SEED, COL_SEED)
         lowered = jax.jit(f).trace(jnp.zeros((256, 384), dtype)).lower(lowering_platforms=("cuda",))
         assert _mosaic_calls(lowered.as_text()) == kernels
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qjax.kernels import on_hopper_gpu
+from qjax.dispatch import on_hopper_gpu
 from qjax.kernels import gemm_config_mgpu as gemm_config
 from qjax.kernels import scaled_matmul_mgpu as mgpu
 from qjax.kernels.scaled_matmul import scaled_matmul

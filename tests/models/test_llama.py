@@ -82,8 +82,8 @@ def test_every_recipe_trains_close_to_bf16(name, reference):
     assert all(g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g))) and bool(jnp.any(g != 0))
                for g in jax.tree.leaves(grads))
     assert abs(float(loss) - float(ref_loss)) < 0.01
-    # DESIGN.md §5 asks int8 GEMMs for > 20 dB and fp8 ones for >= 17 dB (against float32); the whole model keeps
-    # that order against its bf16 run. (For "bf16" itself the comparison is with the same computation.)
+    # Quantized gradients stay close to the bf16 run's: int8 GEMMs above 20 dB and fp8 ones at 17 dB or more, the
+    # accuracy targets single GEMMs meet (tests/test_dot_general.py). (For "bf16" itself: the same computation.)
     assert snr_db(flat(ref_grads), flat(grads)) > (25 if "fp8" not in name else 17)
     if name == "int8_rowwise":  # and it trains: a few AdamW steps on this batch lower the loss
         losses = adamw_losses(step, params, steps=8, learning_rate=1e-2)

@@ -16,10 +16,10 @@ import numpy as np
 import optax
 import pytest
 
-from qjax import optim
-from qjax.kernels import on_hopper_gpu
-from qjax.kernels.stochastic_cast_mgpu import resolve_interpret
-from qjax.optim import adam, blockwise, fused_adam, maps
+from qjax import codebooks, dispatch, optim
+from qjax.dispatch import on_hopper_gpu
+from qjax.kernels import adam_step_mgpu, resolve_interpret
+from qjax.optim import adam, blockwise, fused_adam
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
 FORMATS = {"e4m3": ("e4m3", "e4m3"), "8bit": ("dynamic_signed_8bit", "dynamic_unsigned_8bit")}
@@ -144,7 +144,8 @@ def _train(use_kernel, params, grads, lr=1e-3, mask=None, weight_decay=0.01, fmt
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Runs use_kernel=True steps through the interpreted kernel and records each fused_step call's shape."""
+    """Runs use_kernel=True steps through the interpreted kernel (`dispatch.force`) and records each fused_step
+    call's shape."""
     calls = []
     real = fused_adam.fused_step
 
@@ -152,9 +153,9 @@ def kernel_calls(monkeypatch):
         calls.append(p.shape)
         return real(p, *args, **kwargs)
 
-    monkeypatch.setattr(fused_adam, "kernel_mode", lambda: (True, True))
     monkeypatch.setattr(fused_adam, "fused_step", counted)
-    return calls
+    with dispatch.force("interpret"):
+        yield calls
 
 
 @interpreter_only
@@ -232,33 +233,33 @@ def test_errors():
 
 def _codec_in_kernel(codes, x, map_name, interpret):
     """The fused step's 8-bit codec inside a Mosaic GPU kernel, with its register layout and table lookups: decoded
-    `codes` and `maps.encode_unit(x)`; codes uint8 (n, 256), x float32 (n, 256), n % 4 == 0 -> (float32, uint8)."""
+    `codes` and `codebooks.encode_unit(x)`; codes uint8 (n, 256), x float32 (n, 256), n % 4 == 0 -> (float32, uint8)."""
     assert codes.shape == x.shape and codes.shape[0] % 4 == 0, (codes.shape, x.shape)
     from jax import lax
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    qmap = maps.get_map(map_name)
+    qmap = codebooks.get_map(map_name)
     params = resolve_interpret(interpret)
 
     def body(table_ref, codes_ref, x_ref, values_ref, encoded_ref):
         tile = pl.ds(lax.axis_index("program") * 4, 4)
-        table = functools.partial(fused_adam._lookup, table_ref, interpret=params is not None)
-        codes = fused_adam._load(codes_ref.at[tile], fused_adam._LAYOUT)
-        values_ref.at[tile][...] = fused_adam._dequantize_rows(codes, jnp.ones(4, jnp.float32), map_name, table)
-        encoded_ref.at[tile][...] = maps.encode_unit(fused_adam._load(x_ref.at[tile], fused_adam._LAYOUT), qmap,
-                                                     table)
+        table = functools.partial(adam_step_mgpu._lookup, table_ref, interpret=params is not None)
+        codes = adam_step_mgpu._load(codes_ref.at[tile], adam_step_mgpu._LAYOUT)
+        values_ref.at[tile][...] = adam_step_mgpu._dequantize_rows(codes, jnp.ones(4, jnp.float32), map_name, table)
+        encoded_ref.at[tile][...] = codebooks.encode_unit(
+            adam_step_mgpu._load(x_ref.at[tile], adam_step_mgpu._LAYOUT), qmap, table)
 
     out = (jax.ShapeDtypeStruct(codes.shape, jnp.float32), jax.ShapeDtypeStruct(x.shape, jnp.uint8))
     run = plgpu.kernel(body, out_type=out, grid=(codes.shape[0] // 4,), grid_names=("program",), interpret=params)
-    return jax.jit(run)(fused_adam.code_table(map_name), codes, x)
+    return jax.jit(run)(adam_step_mgpu.code_table(map_name), codes, x)
 
 
 def _check_codec_in_kernel(map_name, interpret):
     """The kernel's codec is exact, interpreted or compiled (lookups, comparisons and float32 arithmetic that is
     exact or the same in XLA and Mosaic GPU): decoded codes are bit-equal to the table, and encoded probes (every map
     value and decision midpoint +- 3 ulps, zeros, +-1, NaN) equal brute force."""
-    qmap = maps.get_map(map_name)
+    qmap = codebooks.get_map(map_name)
     mids = ((qmap[:-1].astype(np.float64) + qmap[1:]) / 2).astype(np.float32)
     near = [qmap, mids]
     for _ in range(3):  # +- 3 ulps around every map value and decision midpoint
@@ -273,7 +274,7 @@ def _check_codec_in_kernel(map_name, interpret):
     values, encoded = _codec_in_kernel(jnp.asarray(codes), jnp.asarray(x.reshape(rows, 256)), map_name, interpret)
     values, encoded = np.asarray(values), np.asarray(encoded).reshape(-1)
     np.testing.assert_array_equal(values.view(np.int32), np.tile(qmap, (rows, 1)).view(np.int32))
-    np.testing.assert_array_equal(encoded, np.asarray(maps.encode_brute_force(jnp.asarray(x), qmap)))
+    np.testing.assert_array_equal(encoded, np.asarray(codebooks.encode_brute_force(jnp.asarray(x), qmap)))
 
 
 @interpreter_only

@@ -1,4 +1,5 @@
-"""Recipe.backend: which GEMM implementation qjax.dot_general runs, and that the kernel path agrees with XLA."""
+"""qjax.dispatch: which implementation runs (recipe backends, the `force` override), and that the kernel path of
+qjax.dot_general agrees with XLA."""
 
 import dataclasses
 import functools
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 import qjax
-from qjax import kernels
+from qjax import dispatch
 from helpers import snr_db
 
 DIMS = (((1,), (1,)), ((), ()))
@@ -21,23 +22,67 @@ def test_unknown_backend_is_rejected():
 
 
 def test_auto_is_xla_off_gpu_and_pallas_interprets():
-    assert kernels.use_kernel("xla") == (False, False)
-    if not kernels.on_hopper_gpu():
-        assert kernels.use_kernel("auto") == (False, False)
-        assert kernels.use_kernel("pallas") == (True, True)
+    assert dispatch.kernel_mode("xla") == (False, False)
+    if not dispatch.on_hopper_gpu():
+        assert dispatch.kernel_mode("auto") == (False, False)
+        assert dispatch.kernel_mode("pallas") == (True, True)
     else:
-        assert kernels.use_kernel("auto") == (jax.device_count() == 1, False)
-        assert kernels.use_kernel("pallas") == (True, False)
+        assert dispatch.kernel_mode("auto") == (jax.device_count() == 1, False)
+        assert dispatch.kernel_mode("pallas") == (True, False)
+
+
+@pytest.mark.parametrize("mode,want", [("kernel", (True, False)), ("interpret", (True, True)),
+                                       ("reference", (False, False))])
+def test_force_overrides_auto_only_and_is_restored(mode, want):
+    before = dispatch.kernel_mode("auto")
+    with dispatch.force(mode):
+        assert dispatch.kernel_mode("auto") == want
+        assert dispatch.kernel_mode() == want  # the fused AdamW's use_kernel=True
+        assert dispatch.kernel_mode("xla") == (False, False)  # explicit backends keep their meaning
+        assert dispatch.kernel_mode("pallas")[0]
+        with dispatch.force("reference"):
+            assert dispatch.kernel_mode("auto") == (False, False)
+        assert dispatch.kernel_mode("auto") == want
+    assert dispatch.kernel_mode("auto") == before
+    with pytest.raises(ValueError, match="unknown dispatch mode"):
+        with dispatch.force("gpu"):
+            pass
+    with pytest.raises(ValueError, match="unknown backend"):
+        dispatch.kernel_mode("cuda")
+
+
+def test_forced_interpret_runs_the_kernels_inside_dot_general(monkeypatch):
+    """force("interpret") sends a backend "auto" recipe's quantization and GEMMs to the (interpreted) kernels."""
+    calls = []
+
+    def recording(module, name):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *args, **kwargs: calls.append(name) or original(*args, **kwargs))
+
+    recording(dispatch.quantize_mgpu, "quantize_pair_kernel")
+    recording(dispatch.scaled_matmul_mgpu, "scaled_matmul_kernel")
+    x, w = jnp.ones((128, 256)), jnp.ones((128, 256))
+    loss = lambda x, w: qjax.dot_general(x, w, DIMS, recipe="int8_rowwise").sum()
+    with dispatch.force("interpret"):
+        dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    # x, w and g each quantized once for both layouts; the forward, dgrad and wgrad GEMMs
+    assert sorted(calls) == ["quantize_pair_kernel"] * 3 + ["scaled_matmul_kernel"] * 3
+    np.testing.assert_allclose(dx, 128.0)
+    np.testing.assert_allclose(dw, 128.0)
+    calls.clear()
+    with dispatch.force("reference"):
+        jax.jit(jax.grad(loss, argnums=(0, 1)))(x + 1, w)
+    assert calls == []
 
 
 def test_auto_on_several_gpus_says_why_kernels_are_off(monkeypatch):
-    monkeypatch.setattr(kernels, "on_hopper_gpu", lambda: True)
+    monkeypatch.setattr(dispatch, "on_hopper_gpu", lambda: True)
     monkeypatch.setattr(jax, "device_count", lambda: 2)
-    kernels._warn_kernels_off.cache_clear()
+    dispatch._warn_kernels_off.cache_clear()
     with pytest.warns(UserWarning, match="2 GPUs are visible.*Set the mesh while tracing"):
-        assert kernels.use_kernel("auto") == (False, False)
-    assert kernels.use_kernel("pallas") == (True, False)
-    kernels._warn_kernels_off.cache_clear()
+        assert dispatch.kernel_mode("auto") == (False, False)
+    assert dispatch.kernel_mode("pallas") == (True, False)
+    dispatch._warn_kernels_off.cache_clear()
 
 
 def test_auto_runs_kernels_per_device_inside_shard_map(monkeypatch):
@@ -45,18 +90,18 @@ def test_auto_runs_kernels_per_device_inside_shard_map(monkeypatch):
     the kernels on several GPUs too."""
     from jax.sharding import Mesh, PartitionSpec as P
 
-    monkeypatch.setattr(kernels, "on_hopper_gpu", lambda: True)
+    monkeypatch.setattr(dispatch, "on_hopper_gpu", lambda: True)
     monkeypatch.setattr(jax, "device_count", lambda: 2)
     seen = []
 
     def body(x):
-        seen.append((kernels.per_device_region(), kernels.use_kernel("auto")))
+        seen.append((dispatch.per_device_region(), dispatch.kernel_mode("auto")))
         return x
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
     jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(jnp.zeros(4))
     assert seen == [(True, (True, False))]
-    assert not kernels.per_device_region()
+    assert not dispatch.per_device_region()
 
 
 @pytest.mark.parametrize("w_layout", ["nk", "kn"])
@@ -80,7 +125,7 @@ def test_pallas_backend_matches_xla_through_the_vjp(name, w_layout):
         return (y, *vjp(g))
 
     for got, want in zip(run("pallas"), run("xla")):
-        if kernels.on_hopper_gpu() and name.startswith("fp8"):
+        if dispatch.on_hopper_gpu() and name.startswith("fp8"):
             # Hopper's fp8 wgmma accumulates each 128-long block with reduced precision (hence the promotion to
             # f32 every 128 of K); the reference dequantizes and multiplies in f32: they agree to ~1e-3 relative.
             assert snr_db(want, got) > 45, snr_db(want, got)

@@ -1,5 +1,6 @@
-"""The stochastic-rounding cast kernel (qjax.kernels.stochastic_cast_mgpu) against
-`qjax.stochastic.stochastic_round_with_seed`.
+"""The stochastic-rounding cast kernel (benchmarks/stochastic_cast_mgpu.py, outside the library) against
+`qjax.stochastic.stochastic_round_with_seed`: `pytest benchmarks/test_stochastic_cast_mgpu.py` (not in the default
+test run; its kernel-safe helpers are tested in tests/test_numerics.py).
 
 Off a Hopper GPU the kernel runs under the Mosaic GPU interpreter and must equal the jitted reference bit for bit.
 On a GPU (marked tests) it is compared with XLA:GPU's reference: equal bits, except that NaN results need only be
@@ -11,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import stochastic_cast_mgpu
 from qjax import formats, stochastic
-from qjax.kernels import stochastic_cast_mgpu
-from qjax.kernels import on_hopper_gpu
+from qjax.dispatch import on_hopper_gpu
 
 SEED = np.uint32(0xC0FFEE)
 TARGETS = [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8]
@@ -75,67 +76,6 @@ def test_matches_reference(target):
     assert np.all(got[np.isfinite(got)] <= fmt.max_value)
 
 
-def test_int8_cast_codes_round_half_to_even_without_conversions():
-    """The kernel-side int8 cast (a magic-number add, the integer read from the mantissa bits) equals the reference's
-    round half to even + clip + cast on ties, the clip boundary, NaN / +-Inf, -0 and every half-integer in range,
-    jitted as XLA compiles it (XLA must not fold the trick away)."""
-    halves = np.arange(-130.0, 130.5, 0.5)
-    specials = [np.nan, -np.nan, np.inf, -np.inf, -0.0, 0.0, 127.49, 127.5, -127.5, 128.0, -1e30, 3e38, 1e-40,
-                0.49999997, -0.50000006, 2.5000002]
-    y = jnp.asarray(np.concatenate([halves, specials]), jnp.float32)
-    fmt = formats.get_format("int8")
-    got = jax.jit(lambda y: stochastic_cast_mgpu.cast_codes(y, fmt, may_be_inf=False))(y)
-    want = jax.jit(lambda y: formats.saturating_cast(jnp.where(jnp.isnan(y), 0.0, jnp.round(y)), fmt))(y)
-    assert got.dtype == jnp.int8
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-@pytest.mark.parametrize("may_be_inf", [True, False])
-@pytest.mark.parametrize("target", ["int8", "e4m3", "e5m2"])
-def test_stochastic_codes_at_the_range_ends(target, may_be_inf):
-    """The kernel-side rounding + cast equals the reference's round_to_grid + saturating_cast where a random draw
-    close to 1 carries a value at or near the format's max over it (int8: 127 + u rounds to 128.0 in f32 for
-    u > 1 - 2**-18, p = 2**-18 per draw: random tests rarely reach it), on exact grid points, zeros, NaN and (when
-    the caller allows them) +-Inf; every value with every draw of a small set, jitted as XLA compiles it."""
-    fmt = formats.get_format(target)
-    top = fmt.max_value
-    values = [top, -top, top * 0.999, -top * 0.9999, top * 2, -3e38, 126.75, 126.5, 0.0, -0.0, 1.0, -2.5, 1e-30,
-              np.nan]
-    values += [np.inf, -np.inf] if may_be_inf else []
-    draws = np.array([0, 1 << 9, 0x80000000, 0xFFFFFDFF, 0xFFFFFE00, 0xFFFFFFFF, 0x12345678], np.uint32)
-    y = jnp.asarray(np.repeat(np.array(values, np.float32), len(draws)))
-    bits = jnp.asarray(np.tile(draws, len(values)))
-    got = jax.jit(lambda y, b: stochastic_cast_mgpu.stochastic_codes(y, fmt, b, may_be_inf=may_be_inf))(y, bits)
-    if got.dtype == jnp.uint8:  # e5m2 bits (may_be_inf)
-        got = jax.lax.bitcast_convert_type(got, fmt.dtype)
-    want = jax.jit(lambda y, b: formats.saturating_cast(stochastic.round_to_grid(y, fmt, b), fmt))(y, bits)
-    if fmt.is_integer:
-        nan = np.isnan(np.asarray(y))
-        assert np.all(np.asarray(got)[nan] == 0)  # NaN -> 0 (XLA's cast of NaN to int8 is backend-defined)
-    else:  # NaN where the reference has NaN (NaN, and Inf -> e4m3); its sign and payload bits are backend choices
-        nan = np.isnan(np.asarray(want, np.float32))
-        np.testing.assert_array_equal(np.isnan(np.asarray(got, np.float32)), nan)
-    np.testing.assert_array_equal(_bits(got)[~nan], _bits(want)[~nan])
-
-
-def test_floor_without_conversions():
-    """The kernel-side floor (nearest integer by a magic-number add, one less where it rounded up) equals jnp.floor
-    on integers, half-integers, values a float32 ulp either side of them, negatives, the 2**22 bound and
-    non-finite values, jitted as XLA compiles it (XLA folds the add and subtract away without the barrier).
-    Compared with XLA's own floor, as the reference computes it: XLA:CPU flushes subnormals (floor(-1e-40) is 0
-    there, -1 in numpy), and both sides follow the same backend's mode."""
-    base = np.arange(-130.0, 130.5, 0.5, dtype=np.float32)
-    near = np.concatenate([np.nextafter(base, np.float32(np.inf)), np.nextafter(base, np.float32(-np.inf))])
-    specials = np.array([2.0**22, -(2.0**22), 2.0**22 - 0.5, -(2.0**22) + 0.5, 1e-40, -1e-40, 0.99999994,
-                         np.inf, -np.inf], np.float32)
-    v = jnp.asarray(np.concatenate([base, near, specials]))
-    got = np.asarray(jax.jit(stochastic_cast_mgpu._floor)(v))
-    np.testing.assert_array_equal(got, np.asarray(jax.jit(jnp.floor)(v)))
-    normal = np.abs(np.asarray(v)) >= np.finfo(np.float32).tiny
-    np.testing.assert_array_equal(got[normal], np.floor(np.asarray(v))[normal])
-    assert np.isnan(np.asarray(jax.jit(stochastic_cast_mgpu._floor)(jnp.float32(np.nan))))
-
-
 @interpreter_only
 def test_input_dtypes_and_shapes():
     x = _input((3, 50), jnp.float16, jnp.float8_e5m2, seed=2)  # float16 input, one padded tile
@@ -164,7 +104,7 @@ def test_lowers_for_hopper():
 # ---------------------------------------------------------------- GPU (H100/H200): compiled kernel vs XLA:GPU
 
 
-@pytest.mark.gpu
+@pytest.mark.skipif(not on_hopper_gpu(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("shape,dtype", [((4096, 4096), jnp.float32), ((1000, 3001), jnp.bfloat16)])
 def test_gpu_matches_reference(target, shape, dtype):

@@ -1,0 +1,138 @@
+"""Kernel or reference: the one place that decides, for every op that has a Mosaic GPU kernel.
+
+  op                  kernel                                       reference
+  quantize_pair       kernels.quantize_mgpu.quantize_pair_kernel   quantize.quantize_pair_reference
+  quantized_matmul    kernels.scaled_matmul_mgpu.scaled_matmul_kernel  kernels.scaled_matmul.scaled_matmul
+  fused AdamW step    kernels.adam_step_mgpu (via optim.fused_adam)   optim.fused_adam.fused_step_reference
+
+`kernel_mode(backend)` answers (run the kernel?, interpret it?) for a recipe backend ("auto", "xla", "pallas"; the
+fused AdamW's `use_kernel=True` is "auto"). Tests and benchmarks override what "auto" finds with `force`:
+
+  with qjax.dispatch.force("interpret"):   # "kernel": compiled, "interpret": the Mosaic GPU interpreter (CPU),
+      step = jax.jit(step_fn)              # "reference": never a kernel
+      step(...)
+
+Decisions are taken while tracing, so jit (or re-trace) inside the `with`: a function traced before keeps the
+decision it was traced with.
+"""
+
+import contextlib
+import functools
+import warnings
+
+import jax
+
+from qjax import quantize
+from qjax.kernels import quantize_mgpu, scaled_matmul, scaled_matmul_mgpu
+from qjax.qtensor import QTensor, QuantSpec
+
+BACKENDS = ("auto", "xla", "pallas")
+FORCED_MODES = ("kernel", "interpret", "reference")
+_forced: str | None = None
+
+
+@contextlib.contextmanager
+def force(mode: str):
+    """Within the `with`, backend "auto" means `mode`: "kernel" (compiled), "interpret" (the Mosaic GPU interpreter,
+    any machine) or "reference" (never a kernel), whatever the machine. Backends "xla" and "pallas" are explicit
+    requests and keep their meaning."""
+    global _forced
+    if mode not in FORCED_MODES:
+        raise ValueError(f"unknown dispatch mode {mode!r}; use one of {FORCED_MODES}")
+    previous, _forced = _forced, mode
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def on_hopper_gpu() -> bool:
+    """Whether the default device is an NVIDIA Hopper GPU (H100/H200 or compute capability 9.x)."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return False
+    kind = getattr(device, "device_kind", "")
+    return "H100" in kind or "H200" in kind or str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def per_device_region() -> bool:
+    """Whether the code being traced runs on device-local arrays: inside `jax.shard_map` over every axis of the
+    context mesh (where `qjax.dot_general` puts its quantized GEMMs when a mesh is set)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.are_all_axes_manual
+
+
+def kernel_mode(backend: str = "auto") -> tuple[bool, bool]:
+    """(run the kernel?, interpret it?) for a backend: "pallas" always runs it (interpreted off a Hopper GPU),
+    "auto" only compiled on a Hopper GPU, with one device or inside a per-device region (or as `force` says),
+    "xla" never.
+
+    "auto" stays on XLA where several devices are visible and the arrays may be global: the kernels are custom
+    calls without a partitioning rule, so XLA would gather their operands onto every device. `qjax.dot_general`
+    runs its GEMMs per device under a context mesh (`jax.sharding.use_abstract_mesh` / `jax.set_mesh`).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; use one of {BACKENDS}")
+    if backend == "xla":
+        return False, False
+    hopper = on_hopper_gpu()
+    if backend == "pallas":
+        return True, not hopper
+    if _forced is not None:
+        return _forced != "reference", _forced == "interpret"
+    if hopper and jax.device_count() > 1 and not per_device_region():
+        _warn_kernels_off(jax.device_count())
+        return False, False
+    return hopper, False
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_kernels_off(device_count: int) -> None:
+    """Says once per process that "auto" left the kernels off (silently slow otherwise: the XLA path runs an int8
+    linear layer at about half the kernels' speed)."""
+    warnings.warn(f"qjax: {device_count} GPUs are visible and a kernel would see global arrays, so backend 'auto' "
+                  "runs the XLA path instead of the Pallas kernels (they have no partitioning rule). Set the "
+                  "mesh while tracing "
+                  "(`with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):` or `jax.set_mesh(mesh)`): "
+                  "qjax.dot_general then runs its GEMMs per device; qjax's train step does this.", stacklevel=3)
+
+
+def _unsupported(backend: str, what: str, reason: str):
+    """The kernel cannot run this case: an error for "pallas" (an explicit request), else the reference runs."""
+    if backend == "pallas":
+        raise ValueError(f"backend 'pallas': the {what} kernel cannot run this case ({reason}); use backend 'auto' "
+                         "to fall back to XLA")
+
+
+def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None, seed, seed_t, *,
+                  backend: str = "xla", operands: tuple[str, str] = ("array", "transposed array"),
+                  row_axes: tuple[str, ...] = ()) -> tuple[QTensor | None, QTensor | None]:
+    """x (..., R, C) quantized per `spec` and its transpose (..., C, R) per `spec_t` (either may be None): the fused
+    kernel (both layouts from one read) where `backend` selects it and it supports the case, else
+    `quantize.quantize_pair_reference` (same arguments but backend; results bit-identical). Batched x, a single
+    layout and tensorwise pairs the reference does once take the reference."""
+    if spec is not None and spec_t is not None and x.ndim == 2:
+        run_kernel, interpret = kernel_mode(backend)
+        if run_kernel:
+            reason = quantize_mgpu.supports(x, spec, spec_t)
+            if reason is None:
+                return quantize_mgpu.quantize_pair_kernel(x, spec, spec_t, seed, seed_t, interpret=interpret,
+                                                          row_axes=row_axes)
+            _unsupported(backend, "fused quantize", reason)
+    return quantize.quantize_pair_reference(x, spec, spec_t, seed, seed_t, operands=operands, row_axes=row_axes)
+
+
+def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation: bool = False,
+                     backend: str = "auto") -> jax.Array:
+    """(B?, M, K) x (B?, N, K) QTensors -> (B?, M, N) of out_dtype: the Mosaic GPU GEMM where `backend` selects it
+    and it supports the case (2-D operands), else the reference `scaled_matmul` (equal to float32 rounding).
+    precise_accumulation as in `scaled_matmul`; the kernel then promotes its fp8 partial sums to float32 every 128
+    of K (benchmarks/NOTES.md compares it with cuBLAS at Precision.HIGHEST)."""
+    run_kernel, interpret = kernel_mode(backend)
+    if run_kernel:
+        reason = "batched operands" if a.data.ndim != 2 else scaled_matmul_mgpu.supports(a, b, out_dtype)
+        if reason is None:
+            return scaled_matmul_mgpu.scaled_matmul_kernel(a, b, out_dtype, precise_accumulation=precise_accumulation,
+                                                            interpret=interpret)
+        _unsupported(backend, "scaled GEMM", reason)
+    return scaled_matmul.scaled_matmul(a, b, out_dtype, precise_accumulation)

@@ -1,0 +1,203 @@
+"""The fused AdamW step for e4m3 or 8-bit states: one Mosaic GPU kernel per tensor reads param, gradient and moment
+codes and scales once and writes them in place (16 bytes per float32 param instead of the ~28 of the optax path).
+
+Reference: `qjax.optim.fused_adam.fused_step_reference`; the kernel calls the same numerics (`numerics.adam_math`,
+`numerics.param_update`, `numerics.quantize_e4m3_blocks`, `numerics.amax`, `codebooks.encode_unit`). States:
+  e4m3:  codes float8_e4m3fn (n, B), scale f32 (n,) = absmax / 448
+  8-bit: m on the signed, v on the unsigned dynamic map, codes uint8 (n, B), absmax f32 (n,); decoded with one
+         lookup per code and encoded with `codebooks.encode_unit` (position arithmetic and one lookup) in the map's
+         `codebooks.codec_table`, which each program copies to SMEM and reads per lane (`_lookup`: Mosaic GPU has no
+         gather).
+
+The tensor is viewed as n blocks of B elements, an (n, B) array, cut into tiles of R = T // B rows (fewer when n
+is not a multiple); one program per tile, with no shared memory but the 8-bit code tables:
+
+  GMEM -> registers (vector loads): p (R, B) f32, g (R, B) f32, m codes (R, B), m scale (R,), v codes, v scale
+  registers: m_old = decode(codes) * scale (same for v); numerics.adam_math -> direction, m, v;
+             p = numerics.param_update(p, direction, -lr, wd); per row: amax, then
+             e4m3: numerics.quantize_e4m3_blocks; 8-bit: codes = nearest code of x / absmax (1 for all-zero rows)
+  registers -> GMEM (vector stores): p, m codes + scale, v codes + scale, written over the inputs (mutable refs:
+                                      the kernel's outputs alias them, so a donated step updates params in place)
+
+Register layout: one TILED layout for every (R, B) array: each of the 4 warps owns whole rows, its 32 lanes hold 4
+consecutive columns each (128 columns per register sweep), so a warp's loads and stores are contiguous runs
+(coalesced) and the per-row amax is a warp shuffle reduction, never cross-warp. No TMA pipeline: many small
+register-only programs hide the memory latency through occupancy, faster than staging tiles through SMEM
+(benchmarks/NOTES.md).
+
+Bit-exactness: under the CPU interpreter the kernel's XLA ops equal the jitted reference bit for bit. Compiled on a
+GPU, XLA and Mosaic GPU may contract a*b+c into FMAs differently, so values can differ by an ulp and, rarely, a code
+by one or two steps (e4m3, or neighbouring 8-bit codes; see tests/optim/test_fused_kernel.py).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, memref
+
+from qjax import codebooks, numerics
+from qjax.kernels import resolve_interpret
+
+# Elements per program: the fastest of 1024..8192 in H100 sweeps (benchmarks/NOTES.md).
+_TILE_ELEMENTS = 2048
+_LANE_COLUMNS = 128  # a warp sweeps 32 lanes x 4 columns per register
+ROW_MULTIPLE = 4  # the warps: a tensor's block count must be a multiple (no padding pass)
+_MAX_BLOCK = 256  # a tile holds at least a row per warp (4 x 256 <= _TILE_ELEMENTS)
+
+# (R, B) arrays: tiles of 4 rows x 128 columns; warps split the 4 rows, lanes the 128 columns in vectors of 4.
+_LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((ROW_MULTIPLE, _LANE_COLUMNS), (4,))), warp_dims=(-3,), lane_dims=(-2,),
+                             vector_dim=-1)
+_ROW_LAYOUT = _LAYOUT.reduce(1)  # (R,) per-row values (scales), replicated over a warp's lanes
+
+# (m format, v format) pairs the kernel reads and writes: "e4m3", or a code book's map name (8-bit).
+KERNEL_FORMATS = (("e4m3", "e4m3"), ("dynamic_signed_8bit", "dynamic_unsigned_8bit"))
+BLOCK_SIZES = (_LANE_COLUMNS, _MAX_BLOCK)
+_TABLE_COLUMNS = 128  # code tables travel as (T / 128, 128) arrays: a TMA box is at most 256 wide
+
+
+def _broadcast_rows(row: jax.Array, shape) -> jax.Array:
+    return plgpu.layout_cast(lax.broadcast_in_dim(row, shape, (0,)), _LAYOUT)
+
+
+def _lookup(table_ref, index: jax.Array, interpret: bool) -> jax.Array:
+    """table_ref float32 (T / 128, 128), index int32 (R, B) in [0, T) in `_LAYOUT` -> float32 (R, B) table[index].
+
+    Mosaic GPU has no gather: each lane loads its elements one by one (`memref.load`: ld.shared for an SMEM table,
+    where random indices cost only bank conflicts). The CPU interpreter cannot run `inline_mgpu`, so there the
+    table is loaded whole and gathered."""
+    if interpret:
+        return jnp.take(table_ref[...].reshape(-1), index, axis=0)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _LAYOUT),
+                       return_type=plgpu.ShapeDtypeStruct(index.shape, jnp.float32, _LAYOUT))
+    def gather(_, table, idx):
+        def load(i, _):  # i: one lane's int32 index
+            shift = arith.constant(i.type, _TABLE_COLUMNS.bit_length() - 1)
+            row = arith.index_cast(ir.IndexType.get(), arith.shrui(i, shift))
+            col = arith.index_cast(ir.IndexType.get(), arith.andi(i, arith.constant(i.type, _TABLE_COLUMNS - 1)))
+            return memref.load(table, [row, col])
+
+        return idx.foreach(load, create_array=True)
+
+    return gather(table_ref, index)
+
+
+def code_table(fmt: str) -> jax.Array:
+    """An 8-bit format's `codebooks.codec_table` as the kernel reads it: float32 (T / 128, 128); a dummy for e4m3."""
+    if fmt == "e4m3":
+        return jnp.zeros((1, _TABLE_COLUMNS), jnp.float32)
+    return jnp.asarray(codebooks.codec_table(codebooks.get_map(fmt)).reshape(-1, _TABLE_COLUMNS))
+
+
+def _dequantize_rows(codes: jax.Array, scale: jax.Array, fmt: str, table) -> jax.Array:
+    """codes (R, B) e4m3 or uint8, scale f32 (R,) -> f32 (R, B): the reference's state dequantization row by row.
+    table: the 8-bit format's `codebooks.codec_table` lookup (index -> value); unused for e4m3."""
+    if fmt == "e4m3":
+        values = codes.astype(jnp.float32)
+    else:
+        values = table(codes.astype(jnp.int32) + codebooks.get_map(fmt).size)  # the map's values follow its thresholds
+    return values * _broadcast_rows(scale, codes.shape)
+
+
+def _quantize_rows(x: jax.Array, fmt: str, table):
+    """f32 (R, B) -> (codes (R, B), scale f32 (R,)): the reference's state quantization row by row (e4m3:
+    `numerics.quantize_e4m3_blocks`; 8-bit: `codebooks.encode_unit` of x / absmax, the absmax stored)."""
+    if fmt == "e4m3":
+        return numerics.quantize_e4m3_blocks(x, _broadcast_rows)
+    absmax = numerics.amax(x, axis=-1)
+    divisor = numerics.nonzero(absmax)  # |x / absmax| <= 1: encode_unit's domain
+    return codebooks.encode_unit(x / _broadcast_rows(divisor, x.shape), codebooks.get_map(fmt), table), absmax
+
+
+def _load(ref, layout):
+    # optimized=False: Mosaic GPU's "optimized" (bank-conflict-free) transfers are for SMEM only; from GMEM each
+    # register is one vector load, and a warp's loads are contiguous.
+    return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def _tile_step(coef_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_codes_ref, m_scale_ref, v_codes_ref, v_scale_ref,
+               *, formats, b1, b2, eps, weight_decay, interpret):
+    """One tile in GMEM, updated in place: the fused step of `fused_step_reference` on (R, B) arrays.
+    m_table_ref, v_table_ref: the 8-bit formats' `codebooks.codec_table` (unused for e4m3)."""
+    m_format, v_format = formats
+    m_table = functools.partial(_lookup, m_table_ref, interpret=interpret)
+    v_table = functools.partial(_lookup, v_table_ref, interpret=interpret)
+
+    def load_state(codes_ref, scale_ref, fmt, table):
+        return _dequantize_rows(_load(codes_ref, _LAYOUT), _load(scale_ref, _ROW_LAYOUT), fmt, table)
+
+    p = _load(p_ref, _LAYOUT)
+    g = _load(g_ref, _LAYOUT)
+    bc1, bc2_sqrt, step_size = coef_ref[0], coef_ref[1], coef_ref[2]
+    m_old = load_state(m_codes_ref, m_scale_ref, m_format, m_table)
+    v_old = load_state(v_codes_ref, v_scale_ref, v_format, v_table)
+    direction, m, v = numerics.adam_math(g, m_old, v_old, b1, b2, eps, bc1, bc2_sqrt)
+    p_ref[...] = numerics.param_update(p, direction, step_size, weight_decay)
+    m_codes_ref[...], m_scale_ref[...] = _quantize_rows(m, m_format, m_table)
+    v_codes_ref[...], v_scale_ref[...] = _quantize_rows(v, v_format, v_table)
+
+
+def _tile_rows(n_rows: int, block_size: int) -> int:
+    rows = _TILE_ELEMENTS // block_size
+    while n_rows % rows:  # n_rows is a multiple of 4 and rows a power of two >= 4
+        rows //= 2
+    return rows
+
+
+@functools.partial(jax.jit, static_argnames=("formats", "b1", "b2", "eps", "weight_decay", "interpret"))
+def _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, formats, b1, b2, eps, weight_decay, interpret):
+    n_rows, block = p2.shape
+    rows = _tile_rows(n_rows, block)
+    inputs = (p2, g2, m_codes, m_scale, v_codes, v_scale)
+    written = (0, 2, 3, 4, 5)  # updated in place
+
+    code_tables = formats[0] != "e4m3"
+
+    def body(coef_ref, m_table_ref, v_table_ref, *refs):
+        if code_tables:  # each program copies the two 2 KB tables to SMEM (lookups: ld.shared)
+            *refs, m_table_smem, v_table_smem, barrier = refs
+            plgpu.copy_gmem_to_smem(m_table_ref, m_table_smem, barrier.at[0])
+            plgpu.copy_gmem_to_smem(v_table_ref, v_table_smem, barrier.at[1])
+            plgpu.barrier_wait(barrier.at[0])
+            plgpu.barrier_wait(barrier.at[1])
+            m_table_ref, v_table_ref = m_table_smem, v_table_smem
+        tile = pl.ds(lax.axis_index("program") * rows, rows)
+        _tile_step(coef_ref, m_table_ref, v_table_ref, *(ref.at[tile] for ref in refs), formats=formats, b1=b1,
+                   b2=b2, eps=eps, weight_decay=weight_decay, interpret=interpret is not None)
+
+    # The param and state arrays go in as mutable refs, updated in place (the kernel's aliased outputs): with the
+    # step's params and state donated, XLA then writes them where they are instead of copying each kernel output
+    # into the donated buffer (12 more bytes moved per param).
+    refs = [jax.new_ref(a) if i in written else a for i, a in enumerate(inputs)]
+    tables = [code_table(f) for f in formats]
+    scratch = ()
+    if code_tables:
+        scratch = (*(plgpu.SMEM(t.shape, jnp.float32) for t in tables), plgpu.Barrier(num_barriers=2))
+    plgpu.kernel(body, out_type=(), grid=(n_rows // rows,), grid_names=("program",), scratch_types=scratch,
+                 interpret=interpret)(coef, *tables, *refs)
+    return tuple(jax.freeze(refs[i]) for i in written)
+
+
+
+
+def adam_step_kernel(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, formats, b1, b2, eps, weight_decay,
+                     interpret=None):
+    """One tensor's AdamW step on (n, B) blocks, n % ROW_MULTIPLE == 0, B in BLOCK_SIZES (module docstring).
+
+    Args:
+      p2, g2: float32 (n, B) param and gradient.
+      m_codes, m_scale, v_codes, v_scale: the moments' codes (n, B) (float8_e4m3fn or uint8) and f32 (n,) scales
+        (e4m3) or absmax (8-bit), in the formats `formats`, a pair from KERNEL_FORMATS.
+      coef: float32 (3,): 1 - b1**t, sqrt(1 - b2**t), -learning_rate.
+      b1, b2, eps, weight_decay: Python floats (weight_decay 0: none, as optax).
+      interpret: None / False compiled (a Hopper GPU); True or a `plgpu.InterpretGPUParams`: the interpreter.
+    Returns:
+      (p2, m_codes, m_scale, v_codes, v_scale), new, with the inputs' shapes and dtypes.
+    """
+    return _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, formats=formats, b1=b1, b2=b2, eps=eps,
+                      weight_decay=weight_decay, interpret=resolve_interpret(interpret))

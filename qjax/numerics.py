@@ -1,0 +1,164 @@
+"""Kernel-safe numerics: the formulas that every jnp reference and every Mosaic GPU kernel share, each written once.
+
+Every function takes and returns jnp arrays of any shape and uses only operations that XLA and Mosaic GPU both lower
+with the same IEEE results, so a kernel calls the very function its reference calls (docs/design.md, "Kernel/reference
+contract"). What that excludes, and the replacement used here:
+
+  floor, round      -> a magic-number add (`round_by_magic`): no conversion instructions, which run at a fraction of
+                       the FP32 rate on Hopper
+  isfinite, isnan   -> |v| < inf, v == v
+  float max-reduce  -> an int32 max over bit patterns (`amax`): XLA:CPU's float max-reduction can drop a NaN
+  f32 -> fp8 cast   -> clamp first (`clamp`): Mosaic GPU's cast saturates (+-Inf becomes +-max), XLA's does not
+
+NaN convention, for every amax (GEMM operands and optimizer states alike): max |x| over a block is NaN if the block
+holds a NaN, else +Inf if it holds +-Inf. A NaN or Inf amax gives a NaN or Inf scale, so everything computed from
+the block (dequantized values, GEMM outputs, optimizer moments) is non-finite: bad input is never hidden.
+"""
+
+import jax.numpy as jnp
+from jax import lax
+
+from qjax import formats
+
+# Largest K for which an int32 sum of K products of int8 codes (|code| <= 127) cannot overflow.
+INT32_SAFE_K = (2**31 - 1) // 127**2
+_TINY = float(jnp.finfo(jnp.float32).tiny)
+
+# 1.5 * 2**23 and its f32 bits. For |v| <= 2**22 the floats around 1.5 * 2**23 + v are 1 apart, so the f32 sum is v
+# rounded half to even, held in the low mantissa bits; its bits minus MAGIC_BITS are that integer.
+MAGIC = 1.5 * 2**23
+MAGIC_BITS = 0x4B400000
+
+
+def is_finite(v):
+    """jnp.isfinite for f32 arrays (NaN compares false)."""
+    return jnp.abs(v) < jnp.float32(jnp.inf)
+
+
+def clamp(v, bound: float):
+    """jnp.clip(v, -bound, bound), keeping NaN: max / min propagate NaN in XLA and lower to PTX max.NaN / min.NaN."""
+    bound = jnp.float32(bound)
+    return jnp.minimum(jnp.maximum(v, -bound), bound)
+
+
+def nonzero(divisor):
+    """0 -> 1, so an all-zero block divides 0 by 1 instead of 0 by 0; NaN and Inf stay."""
+    return jnp.where(divisor == 0, jnp.float32(1), divisor)
+
+
+def round_half_even_to_int32(v):
+    """f32 |v| <= 2**22 -> int32, rounded half to even (jnp.round), with one FP32 add and one integer subtract."""
+    return lax.bitcast_convert_type(v + jnp.float32(MAGIC), jnp.int32) - jnp.int32(MAGIC_BITS)
+
+
+def round_by_magic(v):
+    """(v + MAGIC, that sum minus MAGIC, whether it rounded v up) for f32 |v| <= 2**22: the sum holds v rounded to
+    the nearest integer, and minus MAGIC that integer is an exact f32. The barrier keeps XLA (the CPU interpreter
+    runs kernels through it) from folding (v + MAGIC) - MAGIC back to v; compiled, it pins the sum in registers."""
+    shifted = lax.optimization_barrier(v + jnp.float32(MAGIC))
+    nearest = shifted - jnp.float32(MAGIC)
+    return shifted, nearest, nearest > v
+
+
+def floor(v):
+    """floor for f32 |v| <= 2**22 (NaN and +-Inf pass through; -0 gives +0): the nearest integer, one less where
+    that rounded up."""
+    _, nearest, rounded_up = round_by_magic(v)
+    return jnp.where(rounded_up, nearest - jnp.float32(1), nearest)
+
+
+def copysign(magnitude, sign_source):
+    """copysign for a non-negative f32 magnitude: its bits with the sign bit of sign_source."""
+    sign = lax.bitcast_convert_type(sign_source, jnp.uint32) & jnp.uint32(0x80000000)
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(magnitude, jnp.uint32) | sign, jnp.float32)
+
+
+def amax(x, axis=None):
+    """max |x| of f32 x over `axis` (None: all), NaN where a NaN is among them, else +Inf where an Inf is.
+
+    An int32 max over the bit patterns of |x| (sign cleared with a mask): they order the non-negative floats, and
+    every NaN pattern sorts above Inf's. NaN results are made the canonical NaN."""
+    bits = lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(0x7FFFFFFF)
+    result = lax.bitcast_convert_type(jnp.max(bits, axis=axis), jnp.float32)
+    return jnp.where(result == result, result, jnp.float32(jnp.nan))
+
+
+def amax_across(block_amax, axes: tuple[str, ...]):
+    """`amax` values reduced over mesh axes (inside `jax.shard_map`): an int32 pmax of their bit patterns, so NaN
+    wins over Inf whatever a float all-reduce does with NaN."""
+    bits = lax.pmax(lax.bitcast_convert_type(block_amax, jnp.int32), axes)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def scale_from_amax(block_amax, fmt: formats.Format, pow2_scale: bool = False):
+    """amax -> float32 dequantization scale: max(amax / fmt.max, f32 tiny), 1 where amax == 0, optionally rounded
+    *up* to a power of two (exponent bits: the mantissa carried into the exponent, then cleared). NaN / Inf amax
+    give NaN / Inf scales."""
+    scale = jnp.maximum(block_amax.astype(jnp.float32) / jnp.float32(fmt.max_value), jnp.float32(_TINY))
+    if pow2_scale:
+        bits = lax.bitcast_convert_type(scale, jnp.uint32)
+        up = lax.bitcast_convert_type((bits + jnp.uint32(0x7FFFFF)) & jnp.uint32(0xFF800000), jnp.float32)
+        scale = jnp.where(is_finite(scale), up, scale)
+    return jnp.where(block_amax == 0, jnp.float32(1), scale)
+
+
+def cast_codes(y, fmt: formats.Format, *, may_be_inf: bool):
+    """`formats.saturating_cast` for a kernel: f32 y -> fmt's storage dtype, or uint8 holding e5m2 bits when
+    may_be_inf (the caller bitcasts). NaN gives NaN (0 for int8). int8 rounds y half to even first (`jnp.round`,
+    the reference's nearest rounding), so callers pass unrounded values. may_be_inf=False: y is finite or NaN.
+
+    Why each branch: Mosaic GPU's f32 -> fp8 cast saturates (+-Inf -> +-max) where XLA's does not, so Inf is
+    selected apart; e4m3fn has no Inf (XLA gives NaN with Inf's sign); the e5m2 code of an on-grid value, Inf or
+    NaN is the high byte of its float16; LLVM's fptosi of NaN is undefined (XLA gives 0)."""
+    if fmt.is_integer:
+        # The selects also keep a caller's y = x * inv apart from the magic add: fused into one FMA, the product
+        # would be rounded once, not to f32 first as the reference does.
+        clipped = jnp.where(y == y, clamp(y, fmt.max_value), jnp.float32(0))
+        return round_half_even_to_int32(clipped).astype(jnp.int8)
+    if fmt.name == "bf16":
+        return y.astype(jnp.bfloat16)  # y is on the bf16 grid (or +-Inf / NaN): exact
+    clamped = clamp(y, fmt.max_value)  # +-Inf clamps too; restored below where the format has Inf
+    if not may_be_inf:
+        return clamped.astype(fmt.dtype)
+    if fmt.name == "e4m3":
+        sign = lax.bitcast_convert_type(y, jnp.uint32) & jnp.uint32(0x80000000)
+        signed_nan = lax.bitcast_convert_type(sign | jnp.uint32(0x7FC00000), jnp.float32)
+        return jnp.where(jnp.abs(y) == jnp.float32(jnp.inf), signed_nan, clamped).astype(fmt.dtype)
+    # e5m2: NaN gets XLA's code (quiet NaN 0x7E with the sign), as float16 NaN payloads vary by backend.
+    finite_or_inf = jnp.where(jnp.abs(y) == jnp.float32(jnp.inf), y, clamped)
+    half_bits = lax.bitcast_convert_type(finite_or_inf.astype(jnp.float16), jnp.uint16)
+    sign = lax.bitcast_convert_type(y, jnp.uint32) >> jnp.uint32(24) & jnp.uint32(0x80)
+    nan_code = (sign | jnp.uint32(0x7E)).astype(jnp.uint16)
+    return jnp.where(y == y, half_bits >> jnp.uint16(8), nan_code).astype(jnp.uint8)
+
+
+def _broadcast_last(values, shape):
+    return values[..., None]
+
+
+def quantize_e4m3_blocks(blocks, broadcast_rows=_broadcast_last):
+    """f32 blocks (..., B) -> (codes float8_e4m3fn (..., B), scale f32 (...)): scale = amax / 448 (1 for all-zero
+    blocks), codes = e4m3(clamp(x / scale)), rounded to nearest even. The optimizer states' e4m3 format.
+
+    x / scale is finite or NaN (an Inf makes the scale Inf: Inf / Inf = NaN), so the clamp alone is the saturating
+    cast, and it makes XLA's cast agree with Mosaic GPU's saturating one. broadcast_rows(scale, shape) -> scale
+    broadcast along B (kernels pass one that sets their register layout)."""
+    scale = nonzero(amax(blocks, axis=-1) / jnp.float32(formats.E4M3.max_value))
+    codes = clamp(blocks / broadcast_rows(scale, blocks.shape), formats.E4M3.max_value).astype(formats.E4M3.dtype)
+    return codes, scale
+
+
+def adam_math(g, m_old, v_old, b1, b2, eps, bias_correction1, bias_correction2_sqrt):
+    """One Adam step on float32 arrays -> (direction, m, v), from the un-quantized new m and v."""
+    g = g.astype(jnp.float32)
+    m = m_old + (1 - b1) * (g - m_old)
+    v = v_old + (1 - b2) * (g * g - v_old)
+    direction = (m / bias_correction1) / (jnp.sqrt(v) / bias_correction2_sqrt + eps)
+    return direction, m, v
+
+
+def param_update(p, direction, step_size, weight_decay: float):
+    """optax's add_decayed_weights, scale_by_learning_rate and apply_updates on float32 arrays, in their order.
+    step_size: -learning_rate; weight_decay: a Python float (0 skips the decay, as optax does)."""
+    u = direction + jnp.float32(weight_decay) * p if weight_decay else direction
+    return p + step_size * u

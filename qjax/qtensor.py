@@ -1,0 +1,116 @@
+"""The quantized-array types every layer shares: `QuantSpec` (how an operand is quantized) and `QTensor` (codes and
+scales), with `dequantize`. Shapes and granularities:
+
+  granularity   scale shape          one scale per
+  "tensor"      ()                   whole array (leading dims included)
+  "row"         (..., R, 1)          row, i.e. reduced along K
+  "1x128"       (..., R, K/128)      1 row x 128 consecutive K
+  "128x128"     (..., R/128, K/128)  128 x 128 tile
+
+Arrays are (..., R, K) with K, the contracting dimension of the GEMM that reads them, last. Scales are float32
+*dequantization* multipliers: x ~= code * scale. `qjax.quantize` computes them (the reference semantics).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from qjax import formats
+
+GRANULARITIES = ("tensor", "row", "1x128", "128x128")
+BLOCK_SHAPES = {"1x128": (1, 128), "128x128": (128, 128)}  # block-scaled granularities: (rows, K) per scale
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """How one GEMM operand is quantized.
+
+    Attributes:
+      dtype: "int8", "e4m3" or "e5m2".
+      granularity: "tensor", "row", "1x128" or "128x128" (blocks are rows x K of the (..., R, K) operand).
+      stochastic: stochastic rounding instead of round-half-to-even (needs a key).
+      pow2_scale: round each scale up to a power of two (torchao's fp8 rowwise does, so scaling is exact).
+    """
+
+    dtype: str
+    granularity: str = "row"
+    stochastic: bool = False
+    pow2_scale: bool = False
+
+    def __post_init__(self):
+        fmt = formats.get_format(self.dtype)
+        if fmt.name == "bf16":
+            raise ValueError("QuantSpec.dtype must be an 8-bit format: 'int8', 'e4m3' or 'e5m2'")
+        object.__setattr__(self, "dtype", fmt.name)
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"unknown granularity {self.granularity!r}; use one of {GRANULARITIES}")
+
+    @property
+    def format(self) -> formats.Format:
+        return formats.get_format(self.dtype)
+
+    @property
+    def is_block_scaled(self) -> bool:
+        """Scaled per 128 of K ("1x128" or "128x128"), not per row or tensor."""
+        return self.granularity in BLOCK_SHAPES
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QTensor:
+    """A quantized array: codes, float32 scales and the granularity that relates them (see module docstring).
+
+    Attributes:
+      data: (..., R, K) int8 / float8 codes.
+      scale: float32 dequantization multipliers, shape per `granularity`.
+      granularity: static; one of GRANULARITIES.
+    """
+
+    data: jax.Array
+    scale: jax.Array
+    granularity: str = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def is_block_scaled(self) -> bool:
+        return self.granularity in BLOCK_SHAPES
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return dequantize(self, dtype)
+
+
+def blocked(x, granularity):
+    """(..., R, K) -> (..., R/br, br, K/bk, bk) so a scale block's elements are axes (-3, -1) ("row": bk = K)."""
+    rows, k = x.shape[-2:]
+    block_r, block_k = BLOCK_SHAPES.get(granularity, (1, k))
+    return x.reshape(*x.shape[:-2], rows // block_r, block_r, k // block_k, block_k)
+
+
+def broadcast_scale(scale, granularity):
+    """Scale -> shape broadcastable against the `blocked` view of an (..., R, K) array."""
+    if granularity == "tensor":
+        return scale
+    return scale[..., :, None, :, None]
+
+
+def dequantize(q: QTensor, dtype=jnp.float32) -> jax.Array:
+    """QTensor -> float array of `dtype` (computed in float32: code * scale)."""
+    data32 = q.data.astype(jnp.float32)
+    if q.granularity == "tensor":
+        out = data32 * q.scale
+    else:
+        out = (blocked(data32, q.granularity) * broadcast_scale(q.scale, q.granularity)).reshape(q.shape)
+    return out.astype(dtype)
+
+
+def row_split_amax_axes(spec: QuantSpec | None, transposed: bool, row_axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes a quantization's amax must be reduced over when an array's rows (R of (..., R, C)) are split
+    over `row_axes` (inside `jax.shard_map`): a tensor scale always spans them, a row scale of the transpose
+    (..., C, R) too; row scales of x and 128-blocks (shard boundaries fall on block boundaries) stay local."""
+    if spec is None or not row_axes:
+        return ()
+    return row_axes if spec.granularity == "tensor" or (transposed and spec.granularity == "row") else ()
