@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from qjax.data import order, testing
+from helpers import write_tiny_corpus
+from qjax.data import order
 from qjax.data.tokens import TokenDataset
 
 B, T = 4, 16
@@ -13,7 +14,7 @@ B, T = 4, 16
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    return testing.write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
+    return write_tiny_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def _train_tokens(shards):
