@@ -16,7 +16,7 @@ are not differentiable, so `int8_value_and_grad` differentiates with respect to 
 straight-through view used by torchao / gau-nernst int8 weight-only training) and returns a float32 gradient of
 the weight's shape in place of each `Int8Param`.
 
-NaN: a NaN in w + u makes that channel's scale Inf, so the whole channel dequantizes to NaN (never finite again).
+NaN: a NaN in w + u makes that channel's scale NaN, so the whole channel dequantizes to NaN (never finite again).
 """
 
 import dataclasses
