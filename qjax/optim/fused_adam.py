@@ -3,7 +3,7 @@
 `fused_step(p, g, mu, nu, ...)` -> (new p, new mu, new nu) runs `qjax.kernels.adam_step_mgpu` (one kernel reads
 param, gradient and moments once and writes them once: 16 bytes per float32 param instead of the ~28 of the optax
 path, where `apply_updates` is a separate pass over an update tensor). `fused_step_reference` is the same
-computation in jnp: `update_reference` (what `scale_by_quantized_adam` does to one tensor), then optax's weight
+computation in jnp: `adam.update_reference` (what `scale_by_quantized_adam` does to one tensor), then optax's weight
 decay, learning rate and `apply_updates`. Both call the same formulas (`qjax.numerics.adam_math`,
 `numerics.param_update`, the state quantizers of `blockwise`), so they are bit-identical under the CPU interpreter.
 
@@ -21,35 +21,19 @@ import jax.numpy as jnp
 from qjax import numerics
 from qjax.dispatch import kernel_mode
 from qjax.kernels import adam_step_mgpu
-from qjax.optim import blockwise
+from qjax.optim import adam, blockwise
 
 __all__ = ["KERNEL_BLOCK_SIZES", "KERNEL_FORMATS", "fused_step", "fused_step_reference", "kernel_eligible",
-           "kernel_mode", "update_reference"]
+           "kernel_mode"]
 
 KERNEL_FORMATS = adam_step_mgpu.KERNEL_FORMATS  # (m format, v format) pairs: "e4m3" or an 8-bit map's name
 KERNEL_BLOCK_SIZES = adam_step_mgpu.BLOCK_SIZES
 
 
-def _load(moment) -> jax.Array:
-    return blockwise.dequantize(moment) if blockwise.is_quantized(moment) else moment
-
-
-def _store(value: jax.Array, like, fmt: str, block_size: int):
-    return blockwise.quantize(value, fmt, block_size) if blockwise.is_quantized(like) else value
-
-
-def update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt):
-    """jnp reference for one tensor: (grad, mu state, nu state) -> (direction f32, new mu state, new nu state).
-    config: the `adam.StateConfig` (its mu_format, nu_format and block_size); states float32 or quantized."""
-    direction, m, v = numerics.adam_math(g, _load(mu), _load(nu), b1, b2, eps, bc1, bc2_sqrt)
-    return (direction, _store(m, mu, config.mu_format, config.block_size),
-            _store(v, nu, config.nu_format, config.block_size))
-
-
 def fused_step_reference(p, g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float):
-    """jnp reference of one tensor's fused step, any state format: `update_reference`, then the param update.
+    """jnp reference of one tensor's fused step, any state format: `adam.update_reference`, then the param update.
     Args as in `fused_step`, plus the `adam.StateConfig`."""
-    direction, mu, nu = update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt)
+    direction, mu, nu = adam.update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt)
     return numerics.param_update(p, direction, step_size, weight_decay), mu, nu
 
 

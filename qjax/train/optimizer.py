@@ -4,10 +4,10 @@
   opt_state = optimizer.init(params)
   params, opt_state = optimizer.step(grads, opt_state, params)
 
-    clip_by_global_norm(grad_clip)  ->  AdamW (optax.adamw or qjax.optim.adamw_8bit / _4bit / _fp8)
-    The clipping is applied to the gradients before the AdamW step, not chained into it, so that the step is a bare
-    AdamW: `qjax.optim.apply_gradients` then runs adamw_8bit and adamw_fp8 through the fused step kernel (one
-    Mosaic GPU kernel per float32 tensor; only on a single Hopper GPU, elsewhere the same math through optax).
+    chain_fused(clip_by_global_norm(grad_clip), AdamW)   (optax.adamw or qjax.optim.adamw_8bit / _4bit / _fp8)
+    One transformation, whose `qjax.optim.apply_gradients` step clips and then runs adamw_8bit and adamw_fp8 through
+    the fused step kernel (one Mosaic GPU kernel per float32 tensor; only on a single Hopper GPU, elsewhere the same
+    math through optax). Its state is the tuple (clip state, AdamW state), or (AdamW state,) without clipping.
     lr(step) = linear warmup from 0 to `lr` over `warmup_steps`, then cosine decay to `lr * min_lr_ratio` at
     `total_steps`; the update of step s (0-based) uses lr(s + 1), so no step is wasted on lr = 0.
 
@@ -96,12 +96,10 @@ def _decay_mask(params):
 
 
 class Optimizer(NamedTuple):
-    """A run's optimizer: `tx` the AdamW (an optax transformation or a `qjax.optim.QuantizedAdamW`), `grad_clip`
-    the global-norm bound applied before it (None: off), `schedule` the lr per 0-based train step,
-    `stochastic_rounding` whether bfloat16 params are updated with stochastic rounding."""
+    """A run's optimizer: `tx` the clipping + AdamW transformation (a `qjax.optim.chain_fused`), `schedule` the lr per
+    0-based train step, `stochastic_rounding` whether bfloat16 params are updated with stochastic rounding."""
 
-    tx: Any
-    grad_clip: float | None
+    tx: qoptim.FusedTransformation
     schedule: optax.Schedule
     stochastic_rounding: bool = False
 
@@ -112,8 +110,6 @@ class Optimizer(NamedTuple):
         """(grads, opt_state, params) -> (new params, new opt_state): clip, then one AdamW step.
 
         key: a `jax.random.key`, fresh every step; required when `stochastic_rounding`, unused otherwise."""
-        if self.grad_clip:
-            grads, _ = optax.clip_by_global_norm(self.grad_clip).update(grads, optax.EmptyState())
         if not self.stochastic_rounding:
             return qoptim.apply_gradients(self.tx, grads, opt_state, params)
         if key is None:
@@ -146,4 +142,5 @@ def make_optimizer(opt, total_steps: int) -> Optimizer:
     else:
         tx = qoptim.adamw_4bit(**kwargs)
     clip = _get(opt, "grad_clip")
-    return Optimizer(tx, float(clip) if clip else None, schedule, bool(_get(opt, "stochastic_rounding", False)))
+    clipping = (optax.clip_by_global_norm(float(clip)),) if clip else ()
+    return Optimizer(qoptim.chain_fused(*clipping, tx), schedule, bool(_get(opt, "stochastic_rounding", False)))

@@ -1,4 +1,5 @@
-"""adamw_8bit / adamw_4bit / adamw_fp8 track fp32 optax.adamw; memory; composition; non-finite gradients."""
+"""adamw_8bit / adamw_4bit / adamw_fp8: the optax chain's updates bit for bit; track fp32 optax.adamw; memory;
+composition (chain, chain_fused, MultiSteps); non-finite gradients."""
 
 import jax
 import jax.numpy as jnp
@@ -26,11 +27,10 @@ def _run(tx, params, grads_seq):
 
 
 def _moments(state):
-    """Dequantized (mu, nu) pytrees from a chained optimizer state."""
-    adam_state = state[0]
+    """Dequantized (mu, nu) pytrees from a QuantizedAdamState."""
     load = lambda t: jax.tree.map(lambda x: blockwise.dequantize(x) if blockwise.is_quantized(x) else x, t,
                                   is_leaf=blockwise.is_quantized)
-    return load(adam_state.mu), load(adam_state.nu)
+    return load(state.mu), load(state.nu)
 
 
 def test_state_bytes_ratio():
@@ -57,7 +57,7 @@ def test_zero_state_equals_quantized_zeros(fmt):
 
 def test_small_and_ragged_tensors_keep_fp32_state():
     params = {"small": jnp.zeros(4095), "ragged": jnp.zeros((65, 100)), "big": jnp.zeros((64, 64))}
-    state = optim.adamw_8bit(1e-3).init(params)[0]
+    state = optim.adamw_8bit(1e-3).init(params)
     assert state.mu["small"].dtype == jnp.float32 and state.mu["ragged"].dtype == jnp.float32
     assert isinstance(state.mu["big"], blockwise.CodebookState) and state.mu["big"].codes.shape == (16, 256)
 
@@ -134,7 +134,7 @@ def test_all_zero_gradients(name):
 def test_nan_gradient_never_becomes_finite(name):
     params = {"w": jax.random.normal(jax.random.key(0), (64, 128))}
     tx = OPTIMIZERS[name](1e-2)
-    block = tx.init(params)[0].mu["w"].codes.shape[1] * (2 if name == "4bit" else 1)
+    block = tx.init(params).mu["w"].codes.shape[1] * (2 if name == "4bit" else 1)
     update = jax.jit(tx.update)
     state = tx.init(params)
     g = jax.random.normal(jax.random.key(1), (64, 128)).at[0, 5].set(jnp.nan)
@@ -146,6 +146,98 @@ def test_nan_gradient_never_becomes_finite(name):
     assert bool(jnp.all(jnp.isfinite(flat[block:])))
 
 
+def _bits(tree):
+    return [np.asarray(x).reshape(-1).view(np.uint8) for x in jax.tree.leaves(tree)]
+
+
+def _assert_bit_equal(got, want):
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+    for a, b in zip(_bits(got), _bits(want)):
+        np.testing.assert_array_equal(a, b)
+
+
+def _mixed_params_and_grads(steps=3):
+    """Quantized tensors (one nested, one bfloat16), a ragged and a small one (float32 states); grads in their dtypes."""
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {"w": jax.random.normal(k[0], (32, 256)) * 0.1, "b": jnp.zeros(256),
+              "h": (jax.random.normal(k[1], (16, 256)) * 0.1).astype(jnp.bfloat16),
+              "s": jax.random.normal(k[2], (40, 40)), "nest": {"u": jax.random.normal(k[3], (16, 256)) * 0.1}}
+    grads = [jax.tree.map(lambda p, i=i: (jax.random.normal(jax.random.key(i + 1), p.shape) * 1e-2).astype(p.dtype),
+                          params) for i in range(steps)]
+    return params, grads
+
+
+CONFIGS = {"8bit": ("dynamic_signed_8bit", "dynamic_unsigned_8bit", 256),
+           "4bit": ("dynamic_signed_4bit", "linear_unsigned_4bit", 128), "fp8": ("e4m3", "e4m3", 256),
+           "fp8_dre": ("e4m3_dre", "e4m3_dre", 128)}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("lr", [1e-3, optax.linear_schedule(1e-3, 5e-4, 10)], ids=["const", "schedule"])
+@pytest.mark.parametrize("mask,weight_decay", [
+    (None, 0.01), (None, 0.0), ({"w": True, "b": False, "h": True, "s": False, "nest": True}, 0.01),
+    (lambda p: jax.tree.map(lambda x: x.ndim >= 2, p), 0.01)], ids=["all", "no_decay", "tree_mask", "fn_mask"])
+def test_update_equals_the_optax_chain_bit_for_bit(name, lr, mask, weight_decay):
+    """quantized_adamw's update is optax.chain(scale_by_quantized_adam, add_decayed_weights, scale_by_learning_rate)
+    (what adamw_* returned before it was one transformation): updates and moments bit for bit, three jitted steps,
+    its one count equal to the chain's counts (the schedule's step included)."""
+    config = optim.StateConfig(*CONFIGS[name], min_quantized_size=1024)
+    tx = optim.quantized_adamw(config, lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay, mask=mask)
+    ref = optax.chain(optim.scale_by_quantized_adam(config, 0.9, 0.95, 1e-8),
+                      optax.add_decayed_weights(weight_decay, mask), optax.scale_by_learning_rate(lr))
+    params, grads = _mixed_params_and_grads()
+    (p, s), (p_ref, s_ref) = (params, tx.init(params)), (params, ref.init(params))
+    update, update_ref = jax.jit(tx.update), jax.jit(ref.update)
+    for g in grads:
+        (u, s), (u_ref, s_ref) = update(g, s, p), update_ref(g, s_ref, p_ref)
+        _assert_bit_equal(u, u_ref)
+        assert isinstance(s, optim.QuantizedAdamState)
+        _assert_bit_equal(s, s_ref[0])
+        if callable(lr):
+            assert int(s.count) == int(s_ref[2].count)
+        p, p_ref = optax.apply_updates(p, u), optax.apply_updates(p_ref, u_ref)
+    assert int(s.count) == len(grads)
+
+
+def test_step_without_kernel_is_update_plus_apply_updates():
+    params, grads = _mixed_params_and_grads()
+    tx = optim.adamw_8bit(optax.linear_schedule(1e-3, 5e-4, 10), weight_decay=0.01, min_quantized_size=1024)
+    (p, s), (p_ref, s_ref) = (params, tx.init(params)), (params, tx.init(params))
+    step = jax.jit(lambda p, s, g: optim.apply_gradients(tx, g, s, p))
+    reference = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
+    for g in grads:
+        (p, s), (p_ref, s_ref) = step(p, s, g), reference(p_ref, s_ref, g)
+        _assert_bit_equal((p, s), (p_ref, s_ref))
+
+
+@pytest.mark.parametrize("name", ["8bit", "fp8", "4bit"])
+def test_inside_optax_chain_after_clipping(name):
+    """optax.chain(clip, adamw), chain_fused(clip, adamw) (update and apply_gradients) and clipping by hand before
+    the bare adamw: the same params and states bit for bit; the chains' states have optax.chain's layout."""
+    params, grads = _mixed_params_and_grads()
+    make = lambda: OPTIMIZERS[name](optax.linear_schedule(1e-3, 5e-4, 10), weight_decay=0.01, min_quantized_size=1024)
+    clip = optax.clip_by_global_norm(0.05)  # the gradients' global norm is ~1.3: clipping acts
+    chained, fused, bare = optax.chain(clip, make()), optim.chain_fused(clip, make()), make()
+    assert isinstance(fused, optim.FusedTransformation) and isinstance(fused, optax.GradientTransformation)
+    assert jax.tree.structure(fused.init(params)) == jax.tree.structure(chained.init(params))
+
+    def run_steps(tx, step):
+        p, state = params, tx.init(params)
+        for g in grads:
+            p, state = step(p, state, g)
+        return p, state
+
+    fused_step = jax.jit(lambda p, s, g: optim.apply_gradients(fused, g, s, p))
+    by_hand = jax.jit(lambda p, s, g: optim.apply_gradients(bare, clip.update(g, optax.EmptyState())[0], s, p))
+    p_hand, s_hand = run_steps(bare, by_hand)
+    assert float(optax.tree.norm(jax.tree.map(lambda a, b: a.astype(jnp.float32) - b, p_hand, params))) > 0
+    for p, state in (_run(chained, params, grads), _run(fused, params, grads), run_steps(fused, fused_step)):
+        _assert_bit_equal(p, p_hand)
+        _assert_bit_equal(state[1], s_hand)
+
+
 def test_composes_with_chain_schedule_and_multisteps():
     for tx in (optim.adamw_8bit(1e-3), optim.adamw_4bit(1e-3), optim.adamw_fp8(1e-3)):
         assert isinstance(tx, optax.GradientTransformation) and callable(tx.step)
@@ -153,13 +245,14 @@ def test_composes_with_chain_schedule_and_multisteps():
     params = {"w": jax.random.normal(jax.random.key(0), (64, 128))}
     schedule = optax.linear_schedule(1e-3, 1e-4, 10)
     grads = [{"w": jax.random.normal(jax.random.key(i), (64, 128))} for i in (1, 2)]
-    # MultiSteps(k=2) on two micro-batches equals one step on their mean gradient.
-    inner = optax.chain(optax.clip_by_global_norm(1.0), optim.adamw_8bit(schedule))
-    multi = optax.MultiSteps(inner, every_k_schedule=2)
-    p_multi, _ = _run(multi, params, grads)
-    p_once, _ = _run(inner, params, [jax.tree.map(lambda a, b: (a + b) / 2, *grads)])
-    np.testing.assert_allclose(p_multi["w"], p_once["w"], rtol=0, atol=5e-7)  # a few ulps
-    assert float(jnp.abs(p_once["w"] - params["w"]).max()) > 5e-4  # a real step happened
+    # MultiSteps(k=2) on two micro-batches equals one step on their mean gradient, around optax.chain or chain_fused.
+    for inner in (optax.chain(optax.clip_by_global_norm(1.0), optim.adamw_8bit(schedule)),
+                  optim.chain_fused(optax.clip_by_global_norm(1.0), optim.adamw_8bit(schedule))):
+        multi = optax.MultiSteps(inner, every_k_schedule=2)
+        p_multi, _ = _run(multi, params, grads)
+        p_once, _ = _run(inner, params, [jax.tree.map(lambda a, b: (a + b) / 2, *grads)])
+        np.testing.assert_allclose(p_multi["w"], p_once["w"], rtol=0, atol=5e-7)  # a few ulps
+        assert float(jnp.abs(p_once["w"] - params["w"]).max()) > 5e-4  # a real step happened
 
 
 def test_matches_optax_adamw_on_fp32_path():
@@ -182,3 +275,8 @@ def test_bad_arguments_raise():
         optim.adamw_fp8(1e-3, dynamic_range_expansion="yes")
     with pytest.raises(ValueError, match="use_kernel"):
         optim.adamw_fp8(1e-3, use_kernel="auto")
+    with pytest.raises(ValueError, match="needs params"):
+        tx = optim.adamw_8bit(1e-3)
+        tx.update({"w": jnp.ones(4)}, tx.init({"w": jnp.ones(4)}))
+    with pytest.raises(ValueError, match="at least one"):
+        optim.chain_fused()

@@ -181,7 +181,7 @@ def test_apply_gradients_kernel_equals_optax_path(kernel_calls, lr, mask, fmt):
     (p_optax, s_optax), n_calls = _train(False, params, grads, lr, mask, fmt=fmt), len(kernel_calls)
     assert len(kernel_calls) == n_calls  # use_kernel=False never calls it
     state_type = blockwise.Fp8State if fmt == "e4m3" else blockwise.CodebookState
-    assert all(isinstance(s_kernel[0].mu[n], state_type) for n in ("w", "u", "h", "r"))
+    assert all(isinstance(s_kernel.mu[n], state_type) for n in ("w", "u", "h", "r"))
     same = jax.tree.map(lambda a, b: np.array_equal(_bits(a), _bits(b)), s_kernel, s_optax)
     assert all(jax.tree.leaves(same)), same
     for name in ("h", "b", "r"):  # not eligible: the optax path itself
@@ -200,13 +200,39 @@ def test_use_kernel_off_hopper_takes_the_optax_path():
     assert "mosaic" not in text.lower()
 
 
+@interpreter_only
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_chain_fused_clips_then_takes_the_kernel(kernel_calls, fmt):
+    """chain_fused(clip, adamw) steps through the kernel with the clipped gradients: bit for bit the bare adamw's
+    kernel step on gradients clipped by hand. Wrapped in optax.chain it is the optax path (no kernel call)."""
+    params = {"w": jax.random.normal(jax.random.key(0), (32, 256)) * 0.1, "b": jnp.zeros(256)}
+    grads = [jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.key(i + 1), p.shape) * 1e-2, params)
+             for i in range(3)]
+    make = lambda: (optim.adamw_fp8 if fmt == "e4m3" else optim.adamw_8bit)(
+        optax.linear_schedule(1e-3, 5e-4, 10), weight_decay=0.01, use_kernel=True)
+    clip = optax.clip_by_global_norm(0.1)  # global norm ~0.9: clipping acts
+    tx, bare = optim.chain_fused(clip, make()), make()
+    step = jax.jit(lambda p, s, g: optim.apply_gradients(tx, g, s, p))
+    by_hand = jax.jit(lambda p, s, g: optim.apply_gradients(bare, clip.update(g, optax.EmptyState())[0], s, p))
+    (p, s), (p_hand, s_hand) = (params, tx.init(params)), (params, bare.init(params))
+    for g in grads:
+        (p, s), (p_hand, s_hand) = step(p, s, g), by_hand(p_hand, s_hand, g)
+        assert jax.tree.structure((p, s[1])) == jax.tree.structure((p_hand, s_hand))
+        for a, b in zip(jax.tree.leaves((p, s[1])), jax.tree.leaves((p_hand, s_hand))):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
+    assert kernel_calls == [(32, 256), (32, 256)]  # traced once in each jit: the chain's step and the bare one
+    chained = optax.chain(clip, make())
+    jax.jit(lambda p, s, g: optim.apply_gradients(chained, g, s, p))(params, chained.init(params), grads[0])
+    assert len(kernel_calls) == 2
+
+
 def test_apply_gradients_any_optax_transformation():
     params = {"w": jnp.ones((4, 3))}
     grads = {"w": jnp.full((4, 3), 0.5)}
     tx = optax.sgd(0.1)
     p, state = optim.apply_gradients(tx, grads, tx.init(params), params)
     np.testing.assert_allclose(np.asarray(p["w"]), 0.95)
-    assert isinstance(optim.adamw_fp8(1e-3), optim.QuantizedAdamW)
+    assert isinstance(optim.adamw_fp8(1e-3), optim.FusedTransformation)
 
 
 def test_errors():
@@ -224,7 +250,8 @@ def test_errors():
     *_, nu8 = _inputs((4, 256), fmt="8bit")  # m e4m3 with v 8-bit: not a kernel pair
     assert fused_adam.kernel_eligible(*_inputs((4, 256), fmt="8bit")) and not fused_adam.kernel_eligible(p, g, mu, nu8)
     with pytest.raises(ValueError, match="use_kernel=True"):
-        adam.StateConfig("dynamic_signed_4bit", "linear_unsigned_4bit", 128, use_kernel=True)
+        optim.quantized_adamw(adam.StateConfig("dynamic_signed_4bit", "linear_unsigned_4bit", 128), 1e-3,
+                              use_kernel=True)
     p6, g6, mu6, nu6 = _inputs((6, 256))  # 6 blocks: not a multiple of 4 -> not eligible (optax path)
     assert not fused_adam.kernel_eligible(p6, g6, mu6, nu6)
     with pytest.raises(ValueError, match="shapes differ"):

@@ -11,6 +11,8 @@ import optax
 import pytest
 from ml_collections import ConfigDict
 
+from qjax import dispatch
+from qjax import optim as qoptim
 from qjax.optim import blockwise, fused_adam
 from qjax.train import ProgressMeter, make_optimizer, peak_flops
 from qjax.train.metrics import check_finite, format_progress
@@ -119,8 +121,8 @@ def test_low_bit_step_runs_the_fused_kernel_after_clipping(monkeypatch, name):
     grads = {"w": jax.random.normal(jax.random.key(0), (32, 256)) * 0.01, "scale": jnp.full(256, 0.01)}
     optax_path = jax.jit(optimizer.step)(grads, optimizer.init(params), params)
     assert calls == []
-    monkeypatch.setattr(fused_adam, "kernel_mode", lambda: (True, True))
-    fused = jax.jit(optimizer.step)(grads, optimizer.init(params), params)
+    with dispatch.force("interpret"):
+        fused = jax.jit(optimizer.step)(grads, optimizer.init(params), params)
     assert calls == [(32, 256)]
     for a, b in zip(jax.tree.leaves(fused[1]), jax.tree.leaves(optax_path[1])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -128,6 +130,32 @@ def test_low_bit_step_runs_the_fused_kernel_after_clipping(monkeypatch, name):
     expected = -float(optimizer.schedule(0)) * clipped_w / (jnp.abs(clipped_w) + 1e3)
     for new in (fused[0]["w"], optax_path[0]["w"]):
         np.testing.assert_allclose(np.asarray(new), np.asarray(expected), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("kernel", [False, True], ids=["optax", "kernel"])
+def test_step_is_clipping_then_the_bare_adamw(name, kernel):
+    """make_optimizer's one transformation (clip chained into AdamW) steps exactly as clipping the gradients by hand
+    and then applying the bare AdamW (how train stepped before): params and AdamW state bit for bit, with the fused
+    kernel forced on (Mosaic GPU interpreter) or not; its state is (clip state, AdamW state)."""
+    with dispatch.force("interpret" if kernel else "reference"):
+        optimizer = make_optimizer(_opt(name=name, grad_clip=0.05), total_steps=10)
+        bare = make_optimizer(_opt(name=name, grad_clip=0.0), total_steps=10).tx  # the same AdamW, alone
+        params = {"w": jax.random.normal(jax.random.key(0), (32, 256)) * 0.1, "scale": jnp.ones(256)}
+        grads = [jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.key(i + 1), p.shape) * 1e-2, params)
+                 for i in range(3)]
+        clip = optax.clip_by_global_norm(0.05)
+        step = jax.jit(optimizer.step)
+        by_hand = jax.jit(lambda p, s, g: qoptim.apply_gradients(bare, clip.update(g, optax.EmptyState())[0], s, p))
+        (p, s), (p_hand, s_hand) = (params, optimizer.init(params)), (params, bare.init(params))
+        assert isinstance(s[0], optax.EmptyState) and len(s) == 2 and len(s_hand) == 1
+        for g in grads:
+            (p, s), (p_hand, s_hand) = step(g, s, p), by_hand(p_hand, s_hand, g)
+            got, want = jax.tree.leaves((p, s[1])), jax.tree.leaves((p_hand, s_hand[0]))
+            assert len(got) == len(want)
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(a).reshape(-1).view(np.uint8),
+                                              np.asarray(b).reshape(-1).view(np.uint8))
 
 
 def test_peak_flops_only_for_known_devices():

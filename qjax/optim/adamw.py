@@ -1,0 +1,219 @@
+"""AdamW with low-precision states (adamw_8bit, adamw_4bit, adamw_fp8) and the step that applies it in place.
+
+  tx = qjax.optim.adamw_8bit(learning_rate=schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
+  state = tx.init(params); updates, state = tx.update(grads, state, params); params = optax.apply_updates(...)
+  params, state = qjax.optim.apply_gradients(tx, grads, state, params)     # the same step, fused where possible
+  tx = qjax.optim.chain_fused(optax.clip_by_global_norm(1.0), qjax.optim.adamw_fp8(schedule, use_kernel=True))
+
+Each is one `quantized_adamw(config, ...)` transformation: Adam with m and v stored per `adam.StateConfig` (the
+per-tensor math is in `qjax.optim.adam`), decoupled weight decay (optax's `mask`) and the learning rate, with the ops
+and order of `optax.chain(scale_by_quantized_adam, add_decayed_weights, scale_by_learning_rate)` (how `optax.adamw`
+is built), so `update` returns that chain's updates bit for bit. Per tensor, in float32, returned in the gradient's
+dtype: update = -lr * (direction + wd * param), from the old param; wd is 0 where `mask` is False.
+
+Its state is one `adam.QuantizedAdamState(count, mu, nu)`: count, the steps taken, gives Adam's step t = count + 1
+(bias correction) and the schedule's argument lr(count), as the chain's two counts did. It composes with
+`optax.chain`, clipping, schedules, `optax.MultiSteps`, sharded params and orbax like any optax transformation.
+
+It is also a `FusedTransformation`: `step(grads, state, params) -> (params, state)` applies its own update. With
+`use_kernel=True` (e4m3 or 8-bit states, on a single Hopper GPU) the step updates each eligible tensor's param and
+moments in place in one kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param); every
+other tensor, and every tensor without `use_kernel`, takes the `update` path. `apply_gradients(tx, ...)` runs a
+`FusedTransformation`'s step, any other transformation's update + `optax.apply_updates`. `chain_fused(*pre, tx)`
+chains transformations before it (e.g. clipping) and keeps its step; wrapped in `optax.chain` or `optax.MultiSteps`
+it is an ordinary optax transformation (the same results through `update`, no kernel).
+"""
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from qjax.optim import adam, fused_adam
+
+_DEFAULT_BLOCK = {"dynamic_signed_8bit": 256, "dynamic_unsigned_8bit": 256, "dynamic_signed_4bit": 128,
+                  "linear_unsigned_4bit": 128, "e4m3": 256, "e4m3_dre": 128}
+
+
+class FusedTransformation(optax.GradientTransformation):
+    """An `optax.GradientTransformation` (`init`, `update`; isinstance checks and tuple unpacking work as for any
+    optax transformation) that also applies its update itself: `step(grads, state, params) -> (params, state)`, the
+    result of `update` + `optax.apply_updates` (where a kernel takes a tensor, up to float32 rounding on a GPU).
+    `apply_gradients` calls it."""
+
+    step: Callable  # set in __new__: a NamedTuple subclass cannot add fields, but may add attributes
+
+    def __new__(cls, init: Callable, update: Callable, step: Callable):
+        self = super().__new__(cls, init, update)
+        self.step = step
+        return self
+
+
+def apply_gradients(tx, grads, opt_state, params):
+    """One optimizer step -> (new params, new opt_state); the same result as `tx.update` + `optax.apply_updates`.
+
+    Any optax transformation works. A `FusedTransformation` (the AdamWs here, `chain_fused`) runs its `step`: with
+    `use_kernel=True`, each float32 tensor with e4m3 or 8-bit states is updated by one fused kernel that reads and
+    writes param, gradient and states once (`qjax.optim.fused_adam`; on a GPU its results may differ from the optax
+    path by float32 rounding).
+    """
+    if isinstance(tx, FusedTransformation):
+        return tx.step(grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def chain_fused(*transforms) -> FusedTransformation:
+    """`optax.chain(*transforms)` whose `step` runs the last transformation's `apply_gradients` (its fused step)
+    after the others' updates, e.g. `chain_fused(optax.clip_by_global_norm(1.0), adamw_fp8(lr, use_kernel=True))`.
+
+    State: the tuple of the transformations' states, in order (`optax.chain`'s layout); `update` equals
+    `optax.chain`'s.
+    """
+    if not transforms:
+        raise ValueError("chain_fused needs at least one transformation")
+    *pre, last = transforms
+
+    def run(txs, updates, states, params):
+        new_states = []
+        for tx, state in zip(txs, states, strict=True):
+            updates, state = tx.update(updates, state, params)
+            new_states.append(state)
+        return updates, tuple(new_states)
+
+    def init_fn(params):
+        return tuple(tx.init(params) for tx in transforms)
+
+    def update_fn(updates, state, params=None):
+        return run(transforms, updates, state, params)
+
+    def step_fn(grads, state, params):
+        grads, pre_states = run(pre, grads, state[:-1], params)
+        params, last_state = apply_gradients(last, grads, state[-1], params)
+        return params, (*pre_states, last_state)
+
+    return FusedTransformation(init_fn, update_fn, step_fn)
+
+
+def _decays(weight_decay: float, mask, grads) -> list:
+    """Each gradient leaf's weight decay (0 where `mask` is False), as optax.masked applies a mask (tree prefix).
+    optax calls a callable mask on the updates reaching add_decayed_weights: the gradients' tree, shapes, dtypes."""
+    if mask is None:
+        return [weight_decay] * len(jax.tree.leaves(grads))
+    mask_tree = mask(grads) if callable(mask) else mask
+    per_leaf = jax.tree.map(lambda m, sub: jax.tree.map(lambda _: weight_decay if m else 0.0, sub), mask_tree, grads)
+    return jax.tree.leaves(per_leaf)
+
+
+class _Coefficients(NamedTuple):
+    """One step's scalars: bc1, bc2_sqrt float32 1 - b1**t and sqrt(1 - b2**t); step_size -lr (float or scalar)."""
+
+    bc1: jax.Array
+    bc2_sqrt: jax.Array
+    step_size: float | jax.Array
+
+
+def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                    weight_decay: float = 1e-4, mask=None, use_kernel: bool = False) -> FusedTransformation:
+    """AdamW with m and v stored per `config` (module docstring).
+
+    Args:
+      config: the moments' formats, block size and `min_quantized_size`.
+      learning_rate: a float, or an optax schedule called with the count of steps taken (0 at the first step).
+      b1, b2, eps: Adam's. weight_decay: >= 0, decoupled; mask: as in `optax.adamw` (which params get decay).
+      use_kernel: `step` runs the fused kernel where `fused_adam.kernel_mode()` allows it (a single Hopper GPU);
+        needs `config`'s formats in `fused_adam.KERNEL_FORMATS` and its block size in `KERNEL_BLOCK_SIZES`.
+    Returns:
+      A `FusedTransformation` whose state is an `adam.QuantizedAdamState`; updates have the grads' dtypes.
+    """
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    if not isinstance(use_kernel, bool):
+        raise ValueError(f"use_kernel must be True or False, got {use_kernel!r}")
+    if use_kernel and not ((config.mu_format, config.nu_format) in fused_adam.KERNEL_FORMATS
+                           and config.block_size in fused_adam.KERNEL_BLOCK_SIZES):
+        raise ValueError(f"use_kernel=True: the fused kernel supports e4m3 states (adamw_fp8 without dynamic range "
+                         f"expansion) and adamw_8bit's states, with block_size 128 or 256; got mu "
+                         f"{config.mu_format!r}, nu {config.nu_format!r}, block {config.block_size}; use "
+                         "use_kernel=False")
+    weight_decay = float(weight_decay)  # a Python float: optax skips a zero decay only then, and so does the kernel
+    init_fn = adam.scale_by_quantized_adam(config, b1, b2, eps).init  # checks b1, b2, eps; count 0, zero moments
+
+    def map_tensors(tensor_step, grads, state, params):
+        """tensor_step(g, mu, nu, p, weight_decay, _Coefficients) -> (x, mu, nu) for each tensor
+        -> (tree of x like grads, new state)."""
+        if params is None:
+            raise ValueError("quantized_adamw's update needs params (weight decay): pass update(grads, state, params)")
+        count = optax.safe_increment(state.count)
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate  # the schedule's step: count
+        coefficients = _Coefficients(*adam.bias_corrections(count, b1, b2), -1 * lr)
+        g_leaves, treedef = jax.tree.flatten(grads)
+        tensors = zip(g_leaves, *(treedef.flatten_up_to(tree) for tree in (state.mu, state.nu, params)),
+                      _decays(weight_decay, mask, grads), strict=True)
+        out = [tensor_step(g, mu, nu, p, wd, coefficients) for g, mu, nu, p, wd in tensors]
+        x, mu, nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))
+        return x, adam.QuantizedAdamState(count, mu, nu)
+
+    def tensor_update(g, mu, nu, p, wd, c):
+        """One tensor's update with optax's ops: Adam's direction in g's dtype, add_decayed_weights (skipped at 0),
+        scale_by_learning_rate (a schedule's value cast to the update's dtype, a constant multiplied as it is)."""
+        direction, mu, nu = adam.update_reference(g, mu, nu, config, b1, b2, eps, c.bc1, c.bc2_sqrt)
+        u = direction.astype(g.dtype)
+        u = u + wd * p if wd else u
+        u = jnp.array(c.step_size, dtype=u.dtype) * u if callable(learning_rate) else c.step_size * u
+        return u, mu, nu
+
+    def update_fn(grads, state, params=None):
+        return map_tensors(tensor_update, grads, state, params)
+
+    def step_fn(grads, state, params):
+        run_kernel, interpret = fused_adam.kernel_mode() if use_kernel else (False, False)
+
+        def tensor_step(g, mu, nu, p, wd, c):
+            if run_kernel and fused_adam.kernel_eligible(p, g, mu, nu):
+                return fused_adam.fused_step(p, g, mu, nu, b1, b2, eps, c.bc1, c.bc2_sqrt,
+                                             jnp.asarray(c.step_size, jnp.float32), wd, interpret=interpret)
+            u, mu, nu = tensor_update(g, mu, nu, p, wd, c)
+            return optax.apply_updates(p, u), mu, nu
+
+        return map_tensors(tensor_step, grads, state, params)
+
+    return FusedTransformation(init_fn, update_fn, step_fn)
+
+
+def adamw_8bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
+               mask=None, block_size: int = 256, min_quantized_size: int = 4096,
+               use_kernel: bool = False) -> FusedTransformation:
+    """AdamW with 8-bit states: blocks of 256, fp32 absmax, m on the signed and v on the unsigned dynamic tree map.
+
+    State: 2 bytes + 8 / block_size bytes per element (0.254x fp32 AdamW at block 256). `learning_rate` is a float
+    or an optax schedule; `mask` as in `optax.adamw` (which params get weight decay); `use_kernel` as in
+    `quantized_adamw` (the fused step in `apply_gradients`).
+    """
+    config = adam.StateConfig("dynamic_signed_8bit", "dynamic_unsigned_8bit", block_size, min_quantized_size)
+    return quantized_adamw(config, learning_rate, b1, b2, eps, weight_decay, mask, use_kernel)
+
+
+def adamw_4bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
+               mask=None, block_size: int = 128, min_quantized_size: int = 4096) -> FusedTransformation:
+    """AdamW with 4-bit states: blocks of 128, two codes per byte; m on the 3-exponent-bit signed dynamic map, v on
+    the linear map 1/16..1 (no zero). State: 1 byte + 8 / block_size bytes per element (0.133x fp32 AdamW)."""
+    config = adam.StateConfig("dynamic_signed_4bit", "linear_unsigned_4bit", block_size, min_quantized_size)
+    return quantized_adamw(config, learning_rate, b1, b2, eps, weight_decay, mask)
+
+
+def adamw_fp8(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
+              mask=None, block_size: int | None = None, dynamic_range_expansion: bool = False,
+              min_quantized_size: int = 4096, use_kernel: bool = False) -> FusedTransformation:
+    """AdamW with e4m3 states: blocks of 256 with scale = absmax / 448 (torchao), or with
+    `dynamic_range_expansion=True` COAT's per-group (128) expansion storing (codes, scale, k, c).
+
+    State: 2 bytes + 8 / 256 bytes per element (0.254x), or 2 + 14 / 128 with expansion (0.264x).
+    """
+    if dynamic_range_expansion not in (True, False):
+        raise TypeError(f"dynamic_range_expansion must be a bool, got {dynamic_range_expansion!r}")
+    fmt = "e4m3_dre" if dynamic_range_expansion else "e4m3"
+    block_size = _DEFAULT_BLOCK[fmt] if block_size is None else block_size
+    config = adam.StateConfig(fmt, fmt, block_size, min_quantized_size)
+    return quantized_adamw(config, learning_rate, b1, b2, eps, weight_decay, mask, use_kernel)
