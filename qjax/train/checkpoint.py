@@ -50,6 +50,15 @@ def _short_reason(error: BaseException, directory: str, limit: int = 200) -> str
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _out_of_memory(error: BaseException) -> bool:
+    """True if `error` or one of its causes is an allocation failure (host or device memory)."""
+    while error is not None:
+        if isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error):
+            return True
+        error = error.__cause__
+    return False
+
+
 @contextlib.contextmanager
 def _quiet_logs():
     """Mutes orbax's and asyncio's log records while reading: a failed read logs a multi-kilobyte TensorStore spec
@@ -104,6 +113,8 @@ class Checkpointer:
             try:
                 return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
             except Exception as e:  # the tree fits (checked above), so a failure here is a file that does not read
+                if _out_of_memory(e):  # the device's problem, not the checkpoint's: never move it aside for that
+                    raise
                 raise CorruptCheckpointError(step, self.directory, _short_reason(e, self.directory)) from e
 
     def _saved_tree(self, step: int) -> dict:

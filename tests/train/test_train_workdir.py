@@ -223,3 +223,24 @@ def test_a_run_that_fails_its_checks_leaves_no_workdir(token_dir, tmp_path, prob
     with pytest.raises(ConfigError):
         train(config, tmp_path / "runs" / "bad", stream=io.StringIO())
     assert not (tmp_path / "runs").exists()
+
+
+def test_out_of_memory_while_restoring_is_not_taken_for_a_corrupt_checkpoint(tmp_path, monkeypatch):
+    """A device out of memory fails every restore the same way: it is raised as is and no checkpoint is moved."""
+    from qjax.train.checkpoint import abstract_like
+
+    state = {"params": np.ones(4, np.float32)}
+    checkpointer = Checkpointer(tmp_path, keep=2)
+    for step in (1, 2):
+        checkpointer.save(step, state)
+    checkpointer.close()
+
+    def out_of_memory(*args, **kwargs):
+        raise ValueError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.00GiB")
+
+    checkpointer = Checkpointer(tmp_path, keep=2)
+    monkeypatch.setattr(checkpointer._manager, "restore", out_of_memory)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with pytest.raises(ValueError, match="RESOURCE_EXHAUSTED"):
+        checkpointer.restore_latest(abstract_like(state, sharding), report=pytest.fail)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
