@@ -8,14 +8,11 @@ Public API:
   make_task(config, vocab_size=, num_classes=, image_shape=) -> Task    model + loss from a config
   check_config(config), ConfigError                       config validation with messages that say the fix
   make_optimizer(opt_config, total_steps) -> Optimizer    clipping + AdamW (fp32 / 8-bit / 4-bit / fp8) + lr; OPTIMIZERS
-  Checkpointer                                            orbax CheckpointManager wrapper (keep last K, atomic,
-                                                          skips and moves aside unreadable checkpoints)
-  ProgressMeter, peak_flops                               progress line, metrics.jsonl, TensorBoard events, MFU
-  python -m qjax.train.plot runs/<name>                   train / eval loss curves to a PNG
+  Checkpointer                                            orbax CheckpointManager wrapper (keep last K, atomic)
+  ProgressMeter, peak_flops                               progress line, metrics.jsonl, MFU
   make_mesh                                               the "data" mesh (batch split, params replicated)
 
-Modules: config, task, optimizer, step, checkpoint, metrics, mesh, loop, workdir (config.json / metrics.jsonl on
-resume, best checkpoint), plot.
+Modules: config, task, optimizer, step, checkpoint, metrics, mesh, loop.
 """
 
 from qjax.train.checkpoint import Checkpointer
