@@ -89,10 +89,14 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state) -> None:
-        """Save `state` as checkpoint `step` (asynchronous; see module docstring). Saving a step twice is a no-op."""
+    def save(self, step: int, state, *, replace: bool = False) -> None:
+        """Save `state` as checkpoint `step` (asynchronous; see module docstring). Saving a step twice is a no-op,
+        unless `replace`: then the saved one is deleted first."""
         if step in self._manager.all_steps():
-            return
+            if not replace:
+                return
+            self._manager.wait_until_finished()
+            self._manager.delete(step)
         self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
 
     def restore(self, step: int, abstract_state):

@@ -137,8 +137,8 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
                 say(f"config changed since the last start: {', '.join(changes)}")
         dropped = workdir_lib.truncate_metrics(workdir, start)
         if dropped:
-            say(f"metrics.jsonl: dropped {dropped} rows after step {start} (written after the newest checkpoint; "
-                "recomputed now)")
+            say(f"metrics.jsonl: dropped {dropped} rows after step {start}, where this start resumes (they are "
+                "recomputed)")
         _write_config(workdir, config)
         best = workdir_lib.BestCheckpoint(workdir)
 

@@ -124,7 +124,8 @@ class BestCheckpoint:
             return False
         if self._checkpointer is None:
             self._checkpointer = Checkpointer(self.directory, keep=1)
-        self._checkpointer.save(step, state)
+        # replace: a best checkpoint of this step from a killed run's lost steps may be there (recomputed now)
+        self._checkpointer.save(step, state, replace=True)
         self.loss, self.step = eval_loss, step
         with open(os.path.join(self.directory, BEST_FILE + ".tmp"), "w") as f:
             json.dump({"step": step, "eval_loss": eval_loss, "checkpoint": os.path.join(self.directory, str(step))}, f)

@@ -244,3 +244,22 @@ def test_out_of_memory_while_restoring_is_not_taken_for_a_corrupt_checkpoint(tmp
     with pytest.raises(ValueError, match="RESOURCE_EXHAUSTED"):
         checkpointer.restore_latest(abstract_like(state, sharding), report=pytest.fail)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+
+
+def test_saving_a_step_again_replaces_it_only_when_asked(tmp_path):
+    """The best checkpoint of a step recomputed after a kill replaces the lost run's one; regular saves of an
+    existing step stay no-ops."""
+    from qjax.train.checkpoint import abstract_like
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    ones, twos, threes = ({"x": np.full(4, v, np.float32)} for v in (1, 2, 3))
+    checkpointer = Checkpointer(tmp_path, keep=1)
+    checkpointer.save(5, ones)
+    checkpointer.save(5, twos)
+    checkpointer.close()
+    checkpointer = Checkpointer(tmp_path, keep=1)
+    assert float(checkpointer.restore_latest(abstract_like(ones, sharding))["x"][0]) == 1.0
+    checkpointer.save(5, threes, replace=True)
+    checkpointer.close()
+    restored = Checkpointer(tmp_path, keep=1).restore_latest(abstract_like(ones, sharding))
+    assert float(restored["x"][0]) == 3.0 and sorted(p.name for p in tmp_path.iterdir()) == ["5"]
