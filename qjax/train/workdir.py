@@ -59,8 +59,8 @@ def check_resume(config, step: int, directory: str) -> None:
     """ConfigError if `config` cannot continue a run whose newest checkpoint (in `directory`) is at `step`."""
     if config.steps < step:
         raise ConfigError(f"config.steps={config.steps} is below step {step} of the newest checkpoint in {directory}: "
-                          f"pass --config.steps={step} or more to continue the run (a longer schedule), or train in a "
-                          "new workdir")
+                          f"pass --config.steps={step} or more to continue this run (more lengthens its schedule), "
+                          "or train in a new workdir")
 
 
 def read_metrics(workdir: str) -> list[dict]:

@@ -156,8 +156,8 @@ def test_best_checkpoint_by_eval_loss_is_kept_and_resume_takes_the_newest(token_
     assert "resumed at step 9" in out.getvalue()  # the newest checkpoint, not the best
     best = json.loads((tmp_path / "best" / "best.json").read_text())
     assert best == {"step": 6, "eval_loss": 1.0, "checkpoint": str(tmp_path / "best" / "6")}
-    assert out.getvalue().splitlines()[-1] == f"best eval loss 1.0000 at step 6: checkpoint {tmp_path / 'best' / '6'} " \
-                                              "(the newest is in checkpoints/)"
+    best_line = f"best eval loss 1.0000 at step 6: checkpoint {tmp_path / 'best' / '6'} (the newest is in checkpoints/)"
+    assert out.getvalue().splitlines()[-1] == best_line
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), first.state)
     restored = Checkpointer(tmp_path / "best", keep=1).restore_latest(abstract)
     assert int(restored.step) == 6
