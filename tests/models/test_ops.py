@@ -17,7 +17,7 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 BF16_ULP = 2.0**-7  # relative spacing of bf16 (8 significant bits) at worst
 
 
-# The formulations the ops replace, as they were in llama.py: autodiff differentiates these.
+# The formulations the ops replace (as they were in llama.py; vit.py used Flax's LayerNorm and nn.gelu).
 def plain_rms_norm(x, scale, eps, dtype):
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
@@ -41,6 +41,18 @@ def plain_rope(x, positions, *, theta):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+# (module, name, plain formula): what the models use in place of the ops once monkeypatched.
+LLAMA_PLAIN = [(llama, "rms_norm", plain_rms_norm), (llama, "swiglu", plain_swiglu),
+               (llama, "apply_rope", plain_rope)]
+VIT_PLAIN = [(vit, "LayerNorm", lambda eps, dtype, param_dtype, name: nn.LayerNorm(
+    eps, dtype=dtype, param_dtype=param_dtype, name=name)), (vit, "gelu", nn.gelu)]
+
+
+def _use_plain(monkeypatch, patches):
+    for module, name, plain in patches:
+        monkeypatch.setattr(module, name, plain)
+
+
 def _value_and_vjp(fn, args, cotangent):
     """(fn(*args), the gradients of <fn(*args), cotangent> for every arg), jitted."""
     def run(args, cotangent):
@@ -54,7 +66,7 @@ def _normal(seed, shape, dtype, scale=1.0):
 
 
 def _cases(dtype):
-    """(custom op, plain formula, args with float32/bf16 data, float32 cotangent) for each op."""
+    """{name: (op, plain formula, args, cotangent)}; the activations and the cotangent in `dtype`."""
     x = _normal(0, (2, 8, 64), dtype, scale=3.0)
     scale = _normal(1, (64,), jnp.float32) + 1
     gate, up = _normal(2, (2, 8, 96), dtype, scale=2.0), _normal(3, (2, 8, 96), dtype)
@@ -105,8 +117,7 @@ def _assert_matches_plain(loss_fn, params, patches, monkeypatch, compute_dtype):
     [(module, name, plain formula)] in their place (the models read the ops from their module's globals)."""
     run = lambda: jax.jit(jax.value_and_grad(loss_fn, has_aux=True), compiler_options=FAST_COMPILE)(params)
     (loss, out), grads = run()  # a fresh function each call: traced again after the patches
-    for module, name, plain in patches:
-        monkeypatch.setattr(module, name, plain)
+    _use_plain(monkeypatch, patches)
     (loss_ref, out_ref), grads_ref = run()
     np.testing.assert_array_equal(out, out_ref)
     assert loss == loss_ref
@@ -135,8 +146,7 @@ def test_llama_matches_the_plain_formulation(compute_dtype, monkeypatch):
         logits = model.apply({"params": p}, tokens)
         return models.lm_loss(logits[:, :-1], tokens[:, 1:]), logits
 
-    patches = [(llama, "rms_norm", plain_rms_norm), (llama, "swiglu", plain_swiglu), (llama, "apply_rope", plain_rope)]
-    _assert_matches_plain(loss, _random_params(model, tokens), patches, monkeypatch, compute_dtype)
+    _assert_matches_plain(loss, _random_params(model, tokens), LLAMA_PLAIN, monkeypatch, compute_dtype)
 
 
 @pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
@@ -149,10 +159,7 @@ def test_vit_matches_flax_layer_norm_and_gelu(compute_dtype, monkeypatch):
         logits = model.apply({"params": p}, images)
         return models.classification_loss(logits, labels)[0], logits
 
-    flax_layer_norm = lambda eps, dtype, param_dtype, name: nn.LayerNorm(eps, dtype=dtype, param_dtype=param_dtype,
-                                                                         name=name)
-    patches = [(vit, "LayerNorm", flax_layer_norm), (vit, "gelu", nn.gelu)]
-    _assert_matches_plain(loss, _random_params(model, images), patches, monkeypatch, compute_dtype)
+    _assert_matches_plain(loss, _random_params(model, images), VIT_PLAIN, monkeypatch, compute_dtype)
 
 
 def _block_activations(block, x, *args):
@@ -160,7 +167,8 @@ def _block_activations(block, x, *args):
     axes: its activations (the weights' compute-dtype copies and attention's heads-first internals are left out)."""
     params = jax.eval_shape(block.init, jax.random.key(0), x, *args)
     loss = lambda p, x: block.apply(p, x, *args).astype(jnp.float32).sum()
-    return [(a.shape, a.dtype, source) for a, source in saved_residuals(loss, params, x) if a.shape[:2] == x.shape[:2]]
+    residuals = saved_residuals(loss, params, x)
+    return [(a.shape, a.dtype, source) for a, source in residuals if a.shape[:2] == x.shape[:2]]
 
 
 def _bytes_per_token(residuals, tokens):
@@ -181,9 +189,7 @@ def test_llama_block_saves_no_float32_copies_of_activations(monkeypatch):
     # output, residual-stream sum and MLP-norm output, gate and up, silu(gate) * up (the down GEMM's input).
     assert _bytes_per_token(saved, b * t) == 2 * (d + d + d + kv + kv + d + d + d + 2 * f + f) + 2 * 4
 
-    monkeypatch.setattr(llama, "rms_norm", plain_rms_norm)
-    monkeypatch.setattr(llama, "swiglu", plain_swiglu)
-    monkeypatch.setattr(llama, "apply_rope", plain_rope)
+    _use_plain(monkeypatch, LLAMA_PLAIN)
     plain = _block_activations(llama.Block(config), x, positions)
     # Autodiff of the plain RMSNorm saves its input cast to float32 and the normalized float32 value, per norm.
     assert [(s, dt) for s, dt, _ in plain].count(((b, t, d), jnp.float32)) == 4
@@ -202,9 +208,7 @@ def test_vit_block_saves_no_float32_copies_of_activations(monkeypatch):
     # output, fc1's output (GELU's input) and GELU's output (fc2's input).
     assert _bytes_per_token(saved, b * s) == 2 * (d + d + 3 * d + d + d + d + f + f) + 4 * 4
 
-    monkeypatch.setattr(vit, "LayerNorm", lambda eps, dtype, param_dtype, name: nn.LayerNorm(
-        eps, dtype=dtype, param_dtype=param_dtype, name=name))
-    monkeypatch.setattr(vit, "gelu", nn.gelu)
+    _use_plain(monkeypatch, VIT_PLAIN)
     plain = _block_activations(vit.Block(config), x)
     # Flax's LayerNorm saves x^2, x - mean and the normalized value in float32, per norm.
     assert [(sh, dt) for sh, dt, _ in plain].count(((b, s, d), jnp.float32)) == 6
