@@ -4,7 +4,7 @@
   python benchmarks/activations.py --size tiny --seq 64 --recipes bf16,int8_rowwise --append
 
 Traces the vjp of one `qjax.models.llama.Block` on ShapeDtypeStruct inputs (nothing is computed, so it runs on
-CPU in about a second at any size) and prints, per recipe, a table of the residuals grouped by where they come
+CPU in a few seconds at any size) and prints, per recipe, a table of the residuals grouped by where they come
 from (`jax._src.ad_checkpoint.saved_residuals`'s description: producing primitive, file:line, function), with
 shape, dtype and bytes per token, then the total per token and its ratio to the first recipe (bf16 by default).
 

@@ -12,7 +12,8 @@ computes the same forward, op for op (bit for bit), and saves:
   apply_rope  the int positions (T,); the backward recomputes cos and sin and rotates the gradient back.
 
 The backward passes compute in float32 and round once to the input's dtype, so their gradients equal autodiff's
-to float32 rounding (in bf16 they are closer to the exact gradient than bf16 autodiff, which rounds every step).
+to float32 rounding; in bf16, where autodiff of SwiGLU, GELU and Flax's LayerNorm rounds intermediate steps to bf16,
+they are closer to the exact gradient.
 """
 
 import functools
