@@ -12,9 +12,12 @@ Public API:
   ProgressMeter, peak_flops                               progress line, metrics.jsonl, MFU
   make_mesh                                               the "data" mesh (batch split, params replicated)
 
-Modules: config, task, optimizer, step, checkpoint, metrics, mesh, loop.
+  fields: load_config, flatten, field_docs, show_config   config files' fields and docs (train.py --show_config)
+
+Modules: config, fields, task, optimizer, step, checkpoint, metrics, mesh, loop.
 """
 
+from qjax.train import fields
 from qjax.train.checkpoint import Checkpointer
 from qjax.train.config import ConfigError, check_config
 from qjax.train.loop import TrainResult, train
