@@ -267,7 +267,8 @@ def test_int8_wgrad_over_many_tokens_does_not_wrap():
 def test_forward_only_needs_only_the_forward_layouts():
     x, w = jnp.ones((100, 256)), jnp.ones((128, 256))  # 100 tokens: fine forward, not tileable for wgrad
     np.testing.assert_allclose(qjax.dot_general(x, w, TN, recipe="fp8_blockwise"), jnp.full((100, 128), 256.0))
-    with pytest.raises(ValueError, match="wgrad rhs x as \\(K, M\\), M = tokens.*contracting % 128 == 0.*contracting=100"):
+    with pytest.raises(ValueError,
+                       match="wgrad rhs x as \\(K, M\\), M = tokens.*contracting % 128 == 0.*contracting=100"):
         jax.grad(lambda x: jnp.sum(qjax.dot_general(x, w, TN, recipe="fp8_blockwise")))(x)
 
 
