@@ -7,9 +7,9 @@
   python train.py --config configs/llama_int8.py --show_config        # every field, its value and its doc
 
 Any config field can be overridden with --config.<field>=<value> (ml_collections); a name that is no field is one
-line on stderr with the closest field (exit 2). Re-running with the same workdir
-resumes from its newest checkpoint. --stop_at=N ends this invocation at step N (the run's schedule still ends at
-config.steps), to split a run into pieces.
+line on stderr with the closest field (exit 2). Re-running with the same workdir resumes from its newest checkpoint.
+--stop_at=N ends this invocation at step N (the run's schedule still ends at config.steps), to split a run into
+pieces.
 """
 
 import pathlib
