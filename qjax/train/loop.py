@@ -22,6 +22,8 @@ import numpy as np
 
 from qjax import data as data_lib
 from qjax.models import num_params
+from qjax.train import header
+from qjax.train import memory
 from qjax.train import mesh as mesh_lib
 from qjax.train import workdir as workdir_lib
 from qjax.train.checkpoint import Checkpointer, abstract_like
@@ -109,6 +111,8 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
     dataset = make_dataset(config)
     task = _task_for(config, dataset)
     init_state, train_step = make_train_step(config, task, mesh)
+    # Before anything compiles: a run that cannot fit fails now, with the fix, not after minutes in XLA.
+    memory_estimate = memory.check_fits(config, task, jax.eval_shape(init_state), mesh)
     eval_step = make_eval_step(task, mesh)
     eval_batches = []
     if config.eval_every and config.eval_batches:
@@ -152,6 +156,12 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
               + f", {devices} {jax.devices()[0].platform} device{'s' * (devices > 1)}; "
               + (f"resumed at step {start}" if resumed else "from scratch") + f", running to step {end}/{config.steps}",
               file=stream, flush=True)
+        print(f"  recipes: {header.recipe_summary(task.model_config)}", file=stream)
+        print(f"  memory: {memory_estimate.summary()}", file=stream)
+        print(f"  workdir: {workdir}", file=stream, flush=True)
+        warning = header.quantizes_nothing(task.model_config)
+        if warning:
+            print(warning, file=stream, flush=True)
 
         train_record = eval_record = None
         pending: list[Any] = []

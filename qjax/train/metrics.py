@@ -5,8 +5,8 @@ the same scalars as TensorBoard event files in <workdir> (`tensorboard --logdir 
     | ETA 1m12s      (one line)
 
 MFU = (training FLOPs per token or image, from the model) x throughput / peak dense bf16 FLOP/s of the devices. The
-peak is known only for the GPUs we run on (H100 / H200: 989 TFLOP/s each); elsewhere MFU is left out rather than
-guessed. Memory is the device's `peak_bytes_in_use` where `memory_stats()` reports it (GPUs; not the CPU).
+peak is known only for the GPUs we run on (H100 / H200: 989 TFLOP/s each); elsewhere MFU reads "n/a" rather than
+a guess. Memory is the device's `peak_bytes_in_use` where `memory_stats()` reports it (GPUs; "n/a" on the CPU).
 """
 
 import json
@@ -67,10 +67,10 @@ def format_progress(record: dict, total_steps: int, unit: str) -> str:
     if "throughput" in record:
         short = {"tokens": "tok", "images": "img"}.get(unit, unit)
         parts.append(f"{record['throughput']:,.0f} {short}/s")
-    if record.get("mfu") is not None:
-        parts.append(f"MFU {100 * record['mfu']:.1f}%")
-    if record.get("peak_memory_bytes") is not None:
-        parts.append(f"mem {record['peak_memory_bytes'] / 2**30:.1f} GiB")
+    if "throughput" in record:  # "n/a": no peak FLOP/s known for this device (e.g. a CPU), so no MFU
+        parts.append(f"MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else "MFU n/a")
+    memory = record.get("peak_memory_bytes")  # "n/a": the backend does not report it (e.g. a CPU)
+    parts.append(f"mem {memory / 2**30:.1f} GiB" if memory is not None else "mem n/a")
     if "eta_s" in record:
         parts.append(f"ETA {_duration(record['eta_s'])}")
     return " | ".join(parts)
