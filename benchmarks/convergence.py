@@ -6,8 +6,7 @@
 Each recipe trains from the same seed, data order and schedule (`qjax.train.train`, workdir
 runs/convergence/<size-steps-batch-seq-lr>/<recipe>; a finished run with the same settings is reused). Prints the
 final eval loss per recipe and its relative difference to bf16 (target: within 1%), appends the table to
-RESULTS.md, and plots the train and eval loss curves to benchmarks/convergence.png when matplotlib is installed
-(`pip install -e ".[plot]"`).
+RESULTS.md, and plots the train and eval loss curves to benchmarks/convergence.png.
 Needs the corpus: `make data` (or python -m qjax.data.prepare shakespeare --out data/shakespeare).
 """
 
@@ -38,14 +37,10 @@ def read_metrics(workdir: pathlib.Path) -> tuple[list, list]:
     return sorted(train_curve.items()), sorted(eval_curve.items())
 
 
-def plot(curves: dict, path: pathlib.Path, title: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install -e '.[plot]')")
-        return False
+def plot(curves: dict, path: pathlib.Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for recipe, (train_curve, eval_curve) in curves.items():
         line, = ax.plot(*zip(*train_curve), label=f"{recipe} train", linewidth=1.2)
@@ -58,7 +53,6 @@ def plot(curves: dict, path: pathlib.Path, title: str) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
-    return True
 
 
 def main():
@@ -108,8 +102,8 @@ def main():
     report = "\n".join(lines) + "\n\n" + note + "\n"
     print("\n" + report)
     png = REPO / "benchmarks" / "convergence.png"
-    if plot(curves, png, f"Llama {size} on Shakespeare: bf16 vs int8 vs fp8"):
-        report += f"\nLoss curves: benchmarks/{png.name}\n"
+    plot(curves, png, f"Llama {size} on Shakespeare: bf16 vs int8 vs fp8")
+    report += f"\nLoss curves: benchmarks/{png.name}\n"
     if not args.no_append:
         append_results("convergence", report)
 

@@ -16,42 +16,57 @@ placeholder = config_dict.placeholder
 
 
 def get_config() -> config_dict.ConfigDict:
+    # One field per line, its trailing comment the one-line doc `train.py --show_config` prints.
     config = config_dict.ConfigDict()
-    config.task = "lm"
+    config.task = "lm"  # "lm" (next-token prediction) or "image" (classification)
     config.model = config_dict.ConfigDict({
-        "size": "tiny",
-        "vocab_size": placeholder(int), "dim": placeholder(int), "n_layers": placeholder(int),
-        "n_heads": placeholder(int), "n_kv_heads": placeholder(int), "ffn_dim": placeholder(int),
-        "max_seq_len": placeholder(int), "tie_embeddings": placeholder(bool), "rope_theta": placeholder(float),
-        "norm_eps": placeholder(float), "compute_dtype": placeholder(str), "param_dtype": placeholder(str),
-        "remat": placeholder(bool), "attention": placeholder(str),
+        "size": "tiny",  # preset of qjax.models.LLAMA_SIZES: tiny, 125m, 1b; the fields below replace its values
+        "vocab_size": placeholder(int),  # None: from the data
+        "dim": placeholder(int),  # width of the residual stream (None: the preset's)
+        "n_layers": placeholder(int),  # transformer blocks (None: the preset's)
+        "n_heads": placeholder(int),  # query heads; head_dim = dim // n_heads must be even (None: the preset's)
+        "n_kv_heads": placeholder(int),  # key/value heads, divides n_heads (grouped-query attention)
+        "ffn_dim": placeholder(int),  # SwiGLU hidden width (None: the preset's)
+        "max_seq_len": placeholder(int),  # longest sequence the model takes (None: seq_len)
+        "tie_embeddings": placeholder(bool),  # LM head reuses the embedding table (None: the preset's, False)
+        "rope_theta": placeholder(float),  # RoPE base (None: 10000)
+        "norm_eps": placeholder(float),  # RMSNorm epsilon (None: 1e-5)
+        "compute_dtype": placeholder(str),  # dtype of activations: float32, bfloat16, float16 (None: bfloat16)
+        "param_dtype": placeholder(str),  # dtype of params: float32 or bfloat16 (None: float32)
+        "remat": placeholder(bool),  # recompute each block in the backward pass: less activation memory
+        "attention": placeholder(str),  # auto (cuDNN flash attention on GPU where it applies), xla or cudnn
     })
-    # Quantization: a name from qjax.RECIPES; layers matching keep_high_precision (None: the model's default,
-    # the LM head) or narrower than min_features (None: 0) stay in bf16.
-    config.recipe = "bf16"
-    config.keep_high_precision = placeholder(tuple)
-    config.min_features = placeholder(int)
+    config.recipe = "bf16"  # how GEMMs are quantized: a name from qjax.RECIPES, e.g. int8_rowwise, fp8_tensorwise
+    config.keep_high_precision = placeholder(tuple)  # regexes of layer names kept in bf16 (None: ('lm_head',))
+    config.min_features = placeholder(int)  # layers narrower than this stay in bf16 (None: 0)
 
-    config.data = config_dict.ConfigDict({"kind": "tokens", "path": "data/shakespeare"})
+    config.data = config_dict.ConfigDict({
+        "kind": "tokens",  # uint16 token shards made by `python -m qjax.data.prepare`
+        "path": "data/shakespeare",  # directory with train.bin, val.bin and meta.json
+    })
     config.batch_size = 16  # sequences per optimizer step (all micro-batches together)
-    config.seq_len = 128
-    config.steps = 300
-    config.grad_accum_steps = 1
+    config.seq_len = 128  # tokens per sequence
+    config.steps = 300  # optimizer steps of the run (the LR schedule ends here)
+    config.grad_accum_steps = 1  # micro-batches per step (batch_size / grad_accum_steps sequences each)
 
     config.optimizer = config_dict.ConfigDict({
-        "name": "adamw",  # or adamw_8bit, adamw_4bit, adamw_fp8 (qjax.optim low-bit states)
-        "lr": 2e-3, "warmup_steps": placeholder(int),  # None: min(30, steps // 10)
-        "min_lr_ratio": 0.1,
-        "b1": 0.9, "b2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0,
-        # dynamic_range_expansion: adamw_fp8 only (COAT). stochastic_rounding: update bfloat16 params
-        # (--config.model.param_dtype=bfloat16) with stochastic rounding, no float32 master copy.
-        "dynamic_range_expansion": False, "stochastic_rounding": False,
+        "name": "adamw",  # adamw (fp32 states), adamw_8bit, adamw_4bit or adamw_fp8 (qjax.optim low-bit states)
+        "lr": 2e-3,  # peak learning rate (linear warmup, then cosine decay)
+        "warmup_steps": placeholder(int),  # None: min(30, steps // 10)
+        "min_lr_ratio": 0.1,  # final learning rate as a fraction of lr
+        "b1": 0.9,  # Adam first-moment decay
+        "b2": 0.95,  # Adam second-moment decay
+        "eps": 1e-8,  # Adam epsilon
+        "weight_decay": 0.1,  # decoupled (AdamW) weight decay
+        "grad_clip": 1.0,  # clip the global gradient norm to this
+        "dynamic_range_expansion": False,  # adamw_fp8 only: COAT's dynamic range expansion of the states
+        "stochastic_rounding": False,  # bfloat16 params (model.param_dtype) updated with SR, no fp32 master copy
     })
 
-    config.log_every = 25
-    config.eval_every = 100  # 0: no eval
-    config.eval_batches = 4
-    config.checkpoint_every = 100  # 0: only at the end
-    config.keep_checkpoints = 3
-    config.seed = 0
+    config.log_every = 25  # steps between progress lines
+    config.eval_every = 100  # steps between evals (0: no eval)
+    config.eval_batches = 4  # batches per eval
+    config.checkpoint_every = 100  # steps between checkpoints (0: only at the end)
+    config.keep_checkpoints = 3  # newest checkpoints kept
+    config.seed = 0  # seed of init, data order and stochastic rounding
     return config

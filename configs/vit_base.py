@@ -15,47 +15,61 @@ placeholder = config_dict.placeholder
 
 
 def get_config() -> config_dict.ConfigDict:
+    # One field per line, its trailing comment the one-line doc `train.py --show_config` prints.
     config = config_dict.ConfigDict()
-    config.task = "image"
+    config.task = "image"  # "image" (classification) or "lm" (next-token prediction)
     config.model = config_dict.ConfigDict({
-        "size": "digits",
-        "patch_size": placeholder(int), "dim": placeholder(int), "n_layers": placeholder(int),
-        "n_heads": placeholder(int), "mlp_dim": placeholder(int), "pool": placeholder(str),
-        "norm_eps": placeholder(float), "compute_dtype": placeholder(str), "param_dtype": placeholder(str),
-        "attention": placeholder(str),
+        "size": "digits",  # preset of qjax.models.VIT_SIZES: tiny, digits, s16; the fields below replace its values
+        "patch_size": placeholder(int),  # pixels per patch side (None: the preset's)
+        "dim": placeholder(int),  # width of the residual stream (None: the preset's)
+        "n_layers": placeholder(int),  # transformer blocks (None: the preset's)
+        "n_heads": placeholder(int),  # attention heads (None: the preset's)
+        "mlp_dim": placeholder(int),  # MLP hidden width (None: the preset's)
+        "pool": placeholder(str),  # cls (a learned class token) or mean (patch tokens averaged) (None: preset's)
+        "norm_eps": placeholder(float),  # LayerNorm epsilon (None: the preset's)
+        "compute_dtype": placeholder(str),  # dtype of activations: float32, bfloat16, float16 (None: bfloat16)
+        "param_dtype": placeholder(str),  # dtype of params: float32 or bfloat16 (None: float32)
+        "attention": placeholder(str),  # auto (cuDNN flash attention on GPU where it applies), xla or cudnn
     })
-    # Quantization: a name from qjax.RECIPES; layers matching keep_high_precision (None: the model's default,
-    # patch_embed and head) or narrower than min_features (None: 0) stay in bf16.
-    config.recipe = "bf16"
-    config.keep_high_precision = placeholder(tuple)
-    config.min_features = placeholder(int)
+    config.recipe = "bf16"  # how GEMMs are quantized: a name from qjax.RECIPES, e.g. int8_rowwise, fp8_tensorwise
+    config.keep_high_precision = placeholder(tuple)  # regexes of layer names kept in bf16 (None: patch_embed, head)
+    config.min_features = placeholder(int)  # layers narrower than this stay in bf16 (None: 0)
 
-    # Data: kind "digits" (offline, the default), "npz" (path) or "tfds" (name, data_dir; optionally train_split,
-    # test_split, image_key, label_key); image_size resizes. Every kind's fields are here so that the command line
-    # can set them (the config is locked); a field left at None is unset.
+    # Every data kind's fields are here so that the command line can set them (the config is locked); a field left
+    # at None is unset.
     config.data = config_dict.ConfigDict({
-        "kind": "digits", "image_size": placeholder(int), "path": placeholder(str), "name": placeholder(str),
-        "data_dir": placeholder(str), "train_split": placeholder(str), "test_split": placeholder(str),
-        "image_key": placeholder(str), "label_key": placeholder(str),
+        "kind": "digits",  # digits (scikit-learn's 8x8 digits, offline), npz (path) or tfds (name, data_dir)
+        "image_size": placeholder(int),  # resize images to this side (None: as stored)
+        "path": placeholder(str),  # npz: file with train_images, train_labels, test_images, test_labels
+        "name": placeholder(str),  # tfds: dataset name, e.g. imagenet2012
+        "data_dir": placeholder(str),  # tfds: where the prepared dataset lives
+        "train_split": placeholder(str),  # tfds: split to train on (None: train)
+        "test_split": placeholder(str),  # tfds: split to evaluate on (None: test)
+        "image_key": placeholder(str),  # tfds: feature holding the image (None: image)
+        "label_key": placeholder(str),  # tfds: feature holding the label (None: label)
     })
-    config.batch_size = 128
-    config.steps = 300
-    config.grad_accum_steps = 1
+    config.batch_size = 128  # images per optimizer step (all micro-batches together)
+    config.steps = 300  # optimizer steps of the run (the LR schedule ends here)
+    config.grad_accum_steps = 1  # micro-batches per step (batch_size / grad_accum_steps images each)
 
     config.optimizer = config_dict.ConfigDict({
-        "name": "adamw",  # or adamw_8bit, adamw_4bit, adamw_fp8
-        "lr": 1e-3, "warmup_steps": placeholder(int),  # None: min(30, steps // 10)
-        "min_lr_ratio": 0.1,
-        "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.05, "grad_clip": 1.0,
-        # dynamic_range_expansion: adamw_fp8 only (COAT). stochastic_rounding: update bfloat16 params
-        # (--config.model.param_dtype=bfloat16) with stochastic rounding, no float32 master copy.
-        "dynamic_range_expansion": False, "stochastic_rounding": False,
+        "name": "adamw",  # adamw (fp32 states), adamw_8bit, adamw_4bit or adamw_fp8 (qjax.optim low-bit states)
+        "lr": 1e-3,  # peak learning rate (linear warmup, then cosine decay)
+        "warmup_steps": placeholder(int),  # None: min(30, steps // 10)
+        "min_lr_ratio": 0.1,  # final learning rate as a fraction of lr
+        "b1": 0.9,  # Adam first-moment decay
+        "b2": 0.999,  # Adam second-moment decay
+        "eps": 1e-8,  # Adam epsilon
+        "weight_decay": 0.05,  # decoupled (AdamW) weight decay
+        "grad_clip": 1.0,  # clip the global gradient norm to this
+        "dynamic_range_expansion": False,  # adamw_fp8 only: COAT's dynamic range expansion of the states
+        "stochastic_rounding": False,  # bfloat16 params (model.param_dtype) updated with SR, no fp32 master copy
     })
 
-    config.log_every = 25
-    config.eval_every = 100  # 0: no eval
-    config.eval_batches = 2
-    config.checkpoint_every = 100  # 0: only at the end
-    config.keep_checkpoints = 3
-    config.seed = 0
+    config.log_every = 25  # steps between progress lines
+    config.eval_every = 100  # steps between evals (0: no eval)
+    config.eval_batches = 2  # batches per eval
+    config.checkpoint_every = 100  # steps between checkpoints (0: only at the end)
+    config.keep_checkpoints = 3  # newest checkpoints kept
+    config.seed = 0  # seed of init, data order and stochastic rounding
     return config

@@ -8,7 +8,11 @@ Public API:
   quantize, dequantize, QTensor                            reference quantization (tensor/row/1x128/128x128)
   stochastic_round(x, dtype, key)                          unbiased rounding to bf16 / fp8 / int8
   optim                                                    low-bit AdamW, bf16 + SR params, INT8 weight-only params
+  models, data, train                                      Llama / ViT, datasets, the training loop (imported on
+                                                           first use: `import qjax` then `qjax.train.make_mesh()`)
 """
+
+import importlib
 
 from qjax import optim
 from qjax.dot_general import dot_general
@@ -22,3 +26,17 @@ __all__ = [
     "DotGeneral", "GemmSpec", "QTensor", "QuantSpec", "RECIPES", "Recipe", "dequantize", "dot_general", "einsum",
     "make_dot_general", "optim", "quantize", "recipe", "recipe_for_layer", "stochastic_round", "with_stochastic_gradients",
 ]
+
+# Subpackages imported on first attribute access, so `import qjax` stays light (no flax model, orbax or data code)
+# and `qjax.train` can import `qjax` without a circle.
+_LAZY_SUBMODULES = ("data", "models", "train")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"qjax.{name}")
+    raise AttributeError(f"module 'qjax' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY_SUBMODULES))

@@ -30,9 +30,9 @@ def _check_shape(shape, granularity, operand):
         rows, k = shape[-2:]
         if k % block_k or rows % block_r:
             raise ValueError(
-                f"{operand}: {granularity!r} quantization needs rows % {block_r} == 0 and K % {block_k} == 0 (K is "
-                f"the contracting dimension), got rows={rows}, K={k}; pad the operand or use a 'row' or 'tensor' "
-                "recipe")
+                f"{operand}: {granularity!r} quantization needs rows % {block_r} == 0 and contracting % {block_k} == 0 "
+                f"(its last dimension, the one the GEMM sums over), got rows={rows}, contracting={k}; pad the "
+                "operand or use a 'row' or 'tensor' recipe")
 
 
 def amax(x32, granularity):

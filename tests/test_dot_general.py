@@ -215,7 +215,7 @@ def test_bad_input():
         qjax.dot_general(x.astype(jnp.int32), w, TN, recipe="int8_rowwise")
     with pytest.raises(ValueError, match="unknown recipe"):
         qjax.dot_general(x, w, TN, recipe="int3")
-    with pytest.raises(ValueError, match="K % 128 == 0"):
+    with pytest.raises(ValueError, match="contracting % 128 == 0"):
         qjax.dot_general(x[:, :100], w[:, :100], TN, recipe="fp8_blockwise")
     with pytest.raises(TypeError, match="PRNG key"):
         qjax.dot_general(x, w, TN, recipe=qjax.with_stochastic_gradients(INT8), key=3)
@@ -267,7 +267,8 @@ def test_int8_wgrad_over_many_tokens_does_not_wrap():
 def test_forward_only_needs_only_the_forward_layouts():
     x, w = jnp.ones((100, 256)), jnp.ones((128, 256))  # 100 tokens: fine forward, not tileable for wgrad
     np.testing.assert_allclose(qjax.dot_general(x, w, TN, recipe="fp8_blockwise"), jnp.full((100, 128), 256.0))
-    with pytest.raises(ValueError, match="wgrad rhs x as \\(K, M\\), M = tokens.*K % 128 == 0.*K=100"):
+    with pytest.raises(ValueError,
+                       match="wgrad rhs x as \\(K, M\\), M = tokens.*contracting % 128 == 0.*contracting=100"):
         jax.grad(lambda x: jnp.sum(qjax.dot_general(x, w, TN, recipe="fp8_blockwise")))(x)
 
 

@@ -120,7 +120,7 @@ def test_qtensor_is_a_pytree():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="K % 128"):
+    with pytest.raises(ValueError, match="contracting % 128"):
         qjax.quantize(jnp.ones((128, 100)), QuantSpec("int8", "1x128"))
     with pytest.raises(ValueError, match="rows % 128"):
         qjax.quantize(jnp.ones((100, 128)), QuantSpec("e4m3", "128x128"))

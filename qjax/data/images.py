@@ -15,6 +15,9 @@ last partial batch (so every batch has the same shape and nothing is double coun
 modest downscaling; preprocess real datasets offline if quality matters).
 """
 
+import os
+import zipfile
+
 import numpy as np
 
 from qjax.data import order
@@ -166,6 +169,10 @@ def _check_npz_split(data, path, split: str):
 
 def load_npz(path, *, batch_size: int, seed: int, image_size: int | None = None) -> ImageDataset:
     """Images from a local .npz (see the module docstring for its arrays); loaded into memory."""
+    if os.path.isfile(path) and not zipfile.is_zipfile(path):
+        # np.load would try it as a pickle and suggest allow_pickle=True, which runs code from the file: never that.
+        raise ValueError(f"{path} is not a valid .npz file (a zip of arrays, as np.savez writes): save "
+                         "train_images, train_labels, test_images and test_labels with np.savez")
     with np.load(path) as data:
         train_images, train_labels = _check_npz_split(data, path, "train")
         test_images, test_labels = _check_npz_split(data, path, "test")

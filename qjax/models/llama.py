@@ -9,7 +9,9 @@
 Every projection (qkv, o, gate_up, down, lm_head) runs its three GEMMs per `config.recipe`, except layers whose
 name matches a regex in `config.keep_high_precision` (default: the LM head), layers narrower than
 `config.min_features`, and layers a block-scaled recipe cannot tile; those run in bf16 (`qjax.recipe_for_layer`).
-Attention scores and values stay in the compute dtype. Parameter tree (names are what the filter matches):
+Attention scores and values stay in the compute dtype. RMSNorm, SwiGLU and RoPE have hand-written backward
+passes (`qjax.models.ops`) that save their compute-dtype inputs (RoPE: only the positions), not float32
+intermediates. Parameter tree (names are what the filter matches):
 
   embed/embedding (vocab, dim)
   layers_{i}/attn_norm/scale, layers_{i}/attn/{qkv,o}_proj/kernel, layers_{i}/mlp_norm/scale,
@@ -32,6 +34,7 @@ import optax
 
 import qjax
 from qjax.models import layers
+from qjax.models.ops import apply_rope, rms_norm, swiglu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,23 +126,8 @@ def llama_config(size: str, **overrides) -> LlamaConfig:
     return dataclasses.replace(LLAMA_SIZES[size], **overrides)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, *, theta: float) -> jax.Array:
-    """Rotary position embedding, Llama's half-rotation convention (pairs are (x[i], x[i + head_dim/2])).
-
-    x: (B, T, heads, head_dim), any float dtype; positions: (T,) int. Each pair is rotated by the angle
-    position * theta^(-2i / head_dim), computed in float32, so <rope(q, m), rope(k, n)> depends on m - n only.
-    Returns x's shape and dtype.
-    """
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2 / x.shape[-1])
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq  # (T, half)
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # broadcast over heads
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
 class RMSNorm(nn.Module):
-    """x / rms(x) * scale, statistics in float32 (bf16 sums of squares lose the small components)."""
+    """x / rms(x) * scale, statistics in float32; saves x and the per-row 1/rms for its backward (`ops.rms_norm`)."""
 
     eps: float
     dtype: Any
@@ -148,9 +136,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * scale.astype(jnp.float32)).astype(self.dtype)
+        return rms_norm(x, scale, self.eps, self.dtype)
 
 
 def _init(config: LlamaConfig, residual: bool = False):
@@ -190,7 +176,7 @@ class MLP(nn.Module):
         proj = lambda name, f_in, f_out, residual=False: layers.dense(
             self, c, name, f_in, f_out, use_bias=False, kernel_init=_init(c, residual))
         gate, up = jnp.split(proj("gate_up_proj", c.dim, 2 * c.ffn_dim)(x), 2, axis=-1)
-        hidden = nn.silu(gate) * up
+        hidden = swiglu(gate, up)  # saves gate and up only (`ops.swiglu`)
         return proj("down_proj", c.ffn_dim, c.dim, residual=True)(hidden)
 
 

@@ -8,7 +8,9 @@
 
 Patches are flattened and embedded by a Dense ("patch_embed"), so that GEMM goes through the recipe and the
 high-precision filter too (by default it, and the classification "head", stay in bf16). Blocks are pre-norm:
-LayerNorm, multi-head attention (scores in the compute dtype), LayerNorm, GELU MLP. Parameter tree:
+LayerNorm, multi-head attention (scores in the compute dtype), LayerNorm, GELU MLP; the norms and GELU have
+hand-written backward passes (`qjax.models.ops`) that save their compute-dtype inputs, not float32 copies.
+Parameter tree:
 
   patch_embed/{kernel,bias}, cls_token (pool="cls" only), pos_embed (1, tokens, dim),
   layers_{i}/attn_norm, layers_{i}/attn/{qkv,o}_proj, layers_{i}/mlp_norm, layers_{i}/mlp/{fc1,fc2},
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from qjax.models import layers
+from qjax.models.ops import gelu, layer_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +128,21 @@ def patchify(images: jax.Array, patch_size: int) -> jax.Array:
     return x.reshape(b, (h // p) * (w // p), p * p * c)
 
 
+class LayerNorm(nn.Module):
+    """`nn.LayerNorm`'s output and parameters (scale, bias); saves x and the per-row mean and 1/std for its backward
+    (`ops.layer_norm`), not float32 copies of x."""
+
+    eps: float
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.param_dtype)
+        return layer_norm(x, scale, bias, self.eps, self.dtype)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention (no mask): (B, S, dim) -> (B, S, dim)."""
 
@@ -155,7 +173,7 @@ class MLP(nn.Module):
     def __call__(self, x):
         c = self.config
         init = nn.initializers.xavier_uniform()
-        x = nn.gelu(layers.dense(self, c, "fc1", c.dim, c.mlp_dim, use_bias=True, kernel_init=init)(x))
+        x = gelu(layers.dense(self, c, "fc1", c.dim, c.mlp_dim, use_bias=True, kernel_init=init)(x))
         return layers.dense(self, c, "fc2", c.mlp_dim, c.dim, use_bias=True, kernel_init=init)(x)
 
 
@@ -167,8 +185,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.config
-        norm = lambda name: nn.LayerNorm(c.norm_eps, dtype=jnp.dtype(c.compute_dtype),
-                                         param_dtype=jnp.dtype(c.param_dtype), name=name)
+        norm = lambda name: LayerNorm(c.norm_eps, jnp.dtype(c.compute_dtype), jnp.dtype(c.param_dtype), name=name)
         x = x + Attention(c, name="attn")(norm("attn_norm")(x))
         return x + MLP(c, name="mlp")(norm("mlp_norm")(x))
 
@@ -199,7 +216,7 @@ class ViT(nn.Module):
                            param_dtype).astype(compute)
         for i in range(c.n_layers):
             x = Block(c, name=f"layers_{i}")(x)
-        x = nn.LayerNorm(c.norm_eps, dtype=compute, param_dtype=param_dtype, name="norm")(x)
+        x = LayerNorm(c.norm_eps, compute, param_dtype, name="norm")(x)
         pooled = x[:, 0] if c.pool == "cls" else x.mean(axis=1)
         # Zero-initialised head (big_vision): every class starts at logit 0, loss log(num_classes).
         logits = layers.dense(self, c, "head", c.dim, c.num_classes, use_bias=True,

@@ -11,10 +11,14 @@ Public API:
   Checkpointer                                            orbax CheckpointManager wrapper (keep last K, atomic)
   ProgressMeter, peak_flops                               progress line, metrics.jsonl, MFU
   make_mesh                                               the "data" mesh (batch split, params replicated)
+  memory.check_fits(config, task, abstract_state, mesh)   per-device memory estimate, ConfigError when it cannot fit
+  header.recipe_summary(model_config)                     which recipe each layer runs, for the start-up lines
+  fields.show_config(config, path), fields.field_docs     config files' fields and docs (train.py --show_config)
 
-Modules: config, task, optimizer, step, checkpoint, metrics, mesh, loop.
+Modules: config, fields, memory, header, task, optimizer, step, checkpoint, metrics, mesh, loop.
 """
 
+from qjax.train import fields, header, memory
 from qjax.train.checkpoint import Checkpointer
 from qjax.train.config import ConfigError, check_config
 from qjax.train.loop import TrainResult, train

@@ -9,14 +9,69 @@ stored as its uint32 key data), one sub-directory per step. Saves are atomic: or
 directory and renames it only once everything is on disk, so a run killed mid-save leaves the previous checkpoint
 as the latest; orbax keeps only the last `keep`. Saving is asynchronous: the arrays are copied to host memory
 before `save` returns (so the next step may donate them) and written in the background.
+
+A checkpoint that cannot be read (a truncated or missing file: a full disk, a copy cut short) is not the end of a
+run: `restore_latest` falls back to the newest one that restores and renames each unreadable one to
+`<step>.corrupt-<n>` (kept for inspection, never deleted; orbax does not list that name as a step). A checkpoint that
+reads but does not fit the run (another model, optimizer or dtypes) is a ConfigError and is left where it is.
 """
 
+import contextlib
+import logging
 import os
+import sys
 
 import jax
 import orbax.checkpoint as ocp
 
 from qjax.train.config import ConfigError
+
+# orbax's layout of a step directory: <step>/default/_METADATA (the tree: paths, shapes, dtypes) beside the arrays.
+_ITEM = "default"
+_TREE_METADATA = "_METADATA"
+
+
+class CorruptCheckpointError(ConfigError):
+    """A checkpoint whose files cannot be read (truncated, missing, garbled); `reason` says which in one line."""
+
+    def __init__(self, step: int, directory: str, reason: str):
+        super().__init__(f"checkpoint {step} in {directory} does not restore ({reason}): move it out of {directory} "
+                         "(or delete it) to resume from an older one")
+        self.step, self.reason = step, reason
+
+
+def _short_reason(error: BaseException, directory: str, limit: int = 200) -> str:
+    """The first line of the innermost cause of `error` (tensorstore's message, not orbax's wrapper), with paths
+    relative to `directory` and shortened."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = str(error).replace(directory + os.sep, "").strip().splitlines()
+    text = lines[0] if lines else type(error).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """True if `error` or one of its causes is an allocation failure (host or device memory)."""
+    while error is not None:
+        if isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error):
+            return True
+        error = error.__cause__
+    return False
+
+
+@contextlib.contextmanager
+def _quiet_logs():
+    """Mutes orbax's and asyncio's log records while reading: a failed read logs a multi-kilobyte TensorStore spec
+    per array (thousands of lines); the caller reports the failure in one line instead."""
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 class Checkpointer:
@@ -34,10 +89,14 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state) -> None:
-        """Save `state` as checkpoint `step` (asynchronous; see module docstring). Saving a step twice is a no-op."""
+    def save(self, step: int, state, *, replace: bool = False) -> None:
+        """Save `state` as checkpoint `step` (asynchronous; see module docstring). Saving a step twice is a no-op,
+        unless `replace`: then the saved one is deleted first."""
         if step in self._manager.all_steps():
-            return
+            if not replace:
+                return
+            self._manager.wait_until_finished()
+            self._manager.delete(step)
         self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
 
     def restore(self, step: int, abstract_state):
@@ -46,39 +105,100 @@ class Checkpointer:
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct` with `sharding` set (e.g. from `jax.eval_shape` of
         the init function). A checkpoint of another model or optimizer, or of an older layout of the train state
         (an older one nested grad clipping's empty state in the optimizer state: `optax.chain(clip, adamw)`),
-        raises ConfigError (a ValueError; train.py prints it as one line) naming the checkpoint and orbax's
-        mismatching entry. So does one whose arrays have other dtypes than the run's (e.g. float32 params resumed
-        with `model.param_dtype=bfloat16`): orbax would cast them silently.
+        raises ConfigError (a ValueError; train.py prints it as one line) naming the checkpoint and the mismatching
+        entry. So does one whose arrays have other dtypes than the run's (e.g. float32 params resumed with
+        `model.param_dtype=bfloat16`): orbax would cast them silently. A checkpoint whose files cannot be read
+        raises CorruptCheckpointError (a ConfigError): its tree metadata is missing or unreadable, or, with the
+        tree matching the run's, reading the arrays fails.
         """
-        self._check_dtypes(step, abstract_state)
+        with _quiet_logs():
+            saved = self._saved_tree(step)
+            self._check_fits(step, saved, abstract_state)
+            try:
+                return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
+            except Exception as e:  # the tree fits (checked above), so a failure here is a file that does not read
+                if _out_of_memory(e):  # the device's problem, not the checkpoint's: never move it aside for that
+                    raise
+                raise CorruptCheckpointError(step, self.directory, _short_reason(e, self.directory)) from e
+
+    def _saved_tree(self, step: int) -> dict:
+        """{path tuple: array metadata} of checkpoint `step`; CorruptCheckpointError if that cannot be read."""
+        if not os.path.isfile(os.path.join(self.directory, str(step), _ITEM, _TREE_METADATA)):
+            raise CorruptCheckpointError(step, self.directory, f"{_ITEM}/{_TREE_METADATA} is missing")
         try:
-            return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
-        except ValueError as e:
+            metadata = self._manager.item_metadata(step)
+            return ocp.tree.to_flat_dict(metadata.tree)
+        except Exception as e:  # a garbled metadata or manifest file: tensorstore / json errors of any type
+            raise CorruptCheckpointError(step, self.directory, _short_reason(e, self.directory)) from e
+
+    def _check_fits(self, step: int, saved: dict, abstract_state) -> None:
+        """ConfigError if checkpoint `step`'s tree has other entries, shapes or dtypes than `abstract_state`."""
+        wanted = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract_state, keep_empty_nodes=True))
+        name = lambda path: "/".join(map(str, path))  # noqa: E731
+        if saved.keys() != wanted.keys():
+            parts = []
+            for where, paths in (("checkpoint", saved.keys() - wanted.keys()), ("run", wanted.keys() - saved.keys())):
+                if paths:
+                    parts.append(f"only in the {where}: {', '.join(sorted(map(name, paths))[:3])}")
+            entries = "; ".join(parts)
             raise ConfigError(f"checkpoint {step} in {self.directory} does not fit this run's train state (another "
                               "model, optimizer or grad-clipping setting, or a layout from an older qjax): train in a "
-                              f"new workdir, or restore with the config and qjax version that wrote it. orbax: {e}"
-                              ) from e
-
-    def _check_dtypes(self, step: int, abstract_state) -> None:
-        """ConfigError if an array saved at `step` has another dtype than the same entry of `abstract_state`."""
-        metadata = self._manager.item_metadata(step)
-        if metadata is None:  # nothing to compare against: the restore itself reports what does not fit
-            return
-        saved = ocp.tree.to_flat_dict(metadata.tree)
-        wanted = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract_state, keep_empty_nodes=True))
-        differ = [f"{'/'.join(map(str, path))} is {saved[path].dtype}, this run's is {leaf.dtype}"
+                              f"new workdir, or restore with the config and qjax version that wrote it ({entries})")
+        shapes = [f"{name(path)} is {tuple(saved[path].shape)}, this run's is {tuple(leaf.shape)}"
                   for path, leaf in wanted.items()
-                  if path in saved and getattr(saved[path], "dtype", None) not in (None, leaf.dtype)]
+                  if getattr(saved[path], "shape", None) is not None and hasattr(leaf, "shape")
+                  and tuple(saved[path].shape) != tuple(leaf.shape)]
+        if shapes:
+            more = f" (and {len(shapes) - 3} more)" if len(shapes) > 3 else ""
+            raise ConfigError(f"checkpoint {step} in {self.directory} does not fit this run's train state (another "
+                              f"model size?): {'; '.join(shapes[:3])}{more}. Train in a new workdir, or resume with "
+                              "the config that wrote the checkpoint.")
+        differ = [f"{name(path)} is {saved[path].dtype}, this run's is {leaf.dtype}"
+                  for path, leaf in wanted.items()
+                  if getattr(saved[path], "dtype", None) not in (None, getattr(leaf, "dtype", None))]
         if differ:
             more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
             raise ConfigError(f"checkpoint {step} in {self.directory} holds other dtypes than this run's train state: "
                               f"{'; '.join(differ[:3])}{more}. A changed param_dtype or optimizer state format? Train "
                               "in a new workdir, or resume with the config that wrote the checkpoint.")
 
-    def restore_latest(self, abstract_state):
-        """The newest checkpoint restored into `abstract_state`'s layout, or None if there is none."""
-        step = self.latest_step()
-        return None if step is None else self.restore(step, abstract_state)
+    def restore_latest(self, abstract_state, report=None):
+        """The newest checkpoint that restores into `abstract_state`'s layout, or None if there is none.
+
+        Unreadable checkpoints are skipped, newest first. Once an older one restores, each skipped one is renamed
+        to `<step>.corrupt-<n>` and `report` (default: print to stderr) gets one line saying which, why and where
+        it went. If none restores, ConfigError naming the directory, and nothing is moved. A checkpoint that does
+        not fit the run raises ConfigError at once (see `restore`).
+        """
+        report = report or (lambda line: print(line, file=sys.stderr, flush=True))
+        skipped = []
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                state = self.restore(step, abstract_state)
+            except CorruptCheckpointError as e:
+                skipped.append(e)
+                continue
+            for bad in skipped:
+                moved = self._move_aside(bad.step)
+                report(f"checkpoint {bad.step} in {self.directory} does not restore ({bad.reason}): moved aside to "
+                       f"{moved}; resuming from {step}")
+            if skipped:
+                self._manager.reload()  # forget the moved steps (orbax caches the step list)
+            return state
+        if skipped:
+            reasons = "; ".join(f"{e.step}: {e.reason}" for e in skipped[:3])
+            raise ConfigError(f"no checkpoint in {self.directory} restores ({reasons}): move {self.directory} aside "
+                              "(or delete it) to start this run from scratch, or train in a new workdir")
+        return None
+
+    def _move_aside(self, step: int) -> str:
+        """Renames checkpoint `step` to `<step>.corrupt-<n>` (first free n): out of orbax's view, not deleted."""
+        n = 1
+        while os.path.exists(os.path.join(self.directory, f"{step}.corrupt-{n}")):
+            n += 1
+        target = os.path.join(self.directory, f"{step}.corrupt-{n}")
+        os.rename(os.path.join(self.directory, str(step)), target)
+        return target
 
     def close(self) -> None:
         self._manager.wait_until_finished()

@@ -2,11 +2,15 @@
 
   result = train(config, "runs/llama_int8")    # resumes from runs/llama_int8/checkpoints if a checkpoint is there
 
-Workdir layout: config.json (the config of the latest start), metrics.jsonl (appended), checkpoints/<step>/.
-A run restarted in the same workdir continues from its newest checkpoint and, because batches, RNG keys and the
-LR schedule are pure functions of the step, computes exactly what the uninterrupted run would have (bit for bit on
-the same devices). `stop_at` ends this invocation early at a given step (saving a checkpoint there) without
-changing the run itself: the schedule still ends at `config.steps`.
+Workdir layout (created only once the config, data and model checks pass): config.json (the config of the latest
+start), metrics.jsonl (appended) beside TensorBoard event files, checkpoints/<step>/ (the newest few), best/<step>/
+with best.json (the state of the lowest eval loss so far; see qjax.train.workdir).
+A run restarted in the same workdir continues from its newest checkpoint that restores (an unreadable one is moved
+aside, see qjax.train.checkpoint) and, because batches, RNG keys and the LR schedule are pure functions of the step,
+computes exactly what the uninterrupted run would have (bit for bit on the same devices); the metrics rows written
+after that checkpoint are dropped, and the config fields changed since the last start are listed in one line.
+`stop_at` ends this invocation early at a given step (saving a checkpoint there) without changing the run itself:
+the schedule still ends at `config.steps`.
 """
 
 import os
@@ -18,7 +22,10 @@ import numpy as np
 
 from qjax import data as data_lib
 from qjax.models import num_params
+from qjax.train import header
+from qjax.train import memory
 from qjax.train import mesh as mesh_lib
+from qjax.train import workdir as workdir_lib
 from qjax.train.checkpoint import Checkpointer, abstract_like
 from qjax.train.config import ConfigError, check_config
 from qjax.train.metrics import ProgressMeter, check_finite
@@ -82,7 +89,7 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
 
     Args:
       config: a training ConfigDict (configs/*.py); checked first (ConfigError for a bad field).
-      workdir: directory for checkpoints and metrics; created if missing.
+      workdir: directory for checkpoints and metrics; created if missing, once the checks pass.
       stop_at: stop after this global step (None: run to config.steps), e.g. to split a run into pieces.
       stream: where progress lines go (default stdout).
 
@@ -95,7 +102,6 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
         raise ValueError(f"stop_at must be a positive int step or None, got {stop_at!r}")
     stream = sys.stdout if stream is None else stream
     workdir = os.path.abspath(os.fspath(workdir))
-    os.makedirs(workdir, exist_ok=True)
 
     mesh = mesh_lib.make_mesh()
     try:
@@ -105,6 +111,8 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
     dataset = make_dataset(config)
     task = _task_for(config, dataset)
     init_state, train_step = make_train_step(config, task, mesh)
+    # Before anything compiles: a run that cannot fit fails now, with the fix, not after minutes in XLA.
+    memory_estimate = memory.check_fits(config, task, jax.eval_shape(init_state), mesh)
     eval_step = make_eval_step(task, mesh)
     eval_batches = []
     if config.eval_every and config.eval_batches:
@@ -113,20 +121,34 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
         except ValueError as e:
             raise ConfigError(f"config.eval_batches: {e}") from None
     eval_key = jax.random.key_data(jax.random.fold_in(jax.random.key(config.seed), _EVAL_KEY_SALT))
+    abstract = abstract_like(jax.eval_shape(init_state), mesh_lib.replicated(mesh))
 
+    # Only now: a run that fails a check above leaves no (empty) workdir behind.
+    os.makedirs(workdir, exist_ok=True)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
+    best = meter = None
+    say = lambda line: print(line, file=stream, flush=True)  # noqa: E731
     try:
-        abstract = abstract_like(jax.eval_shape(init_state), mesh_lib.replicated(mesh))
-        state = checkpointer.restore_latest(abstract)
+        state = checkpointer.restore_latest(abstract, report=say)
         resumed = state is not None
         state = init_state() if state is None else state
         start = int(state.step)
         end = config.steps if stop_at is None else min(stop_at, config.steps)
+        if resumed:
+            workdir_lib.check_resume(config, start, checkpointer.directory)
+            changes = workdir_lib.config_changes(workdir_lib.read_saved_config(workdir), config)
+            if changes:
+                say(f"config changed since the last start: {', '.join(changes)}")
+        dropped = workdir_lib.truncate_metrics(workdir, start)
+        if dropped:
+            say(f"metrics.jsonl: dropped {dropped} rows after step {start}, where this start resumes (they are "
+                "recomputed)")
         _write_config(workdir, config)
+        best = workdir_lib.BestCheckpoint(workdir)
 
         units_per_step = config.batch_size * task.units_per_example
         meter = ProgressMeter(workdir, config.steps, task.unit, units_per_step, task.flops_per_unit,
-                              mesh.devices.flat, stream)
+                              mesh.devices.flat, stream, start_step=start)
         devices = mesh.devices.size
         print(f"{config.task}: {type(task.model).__name__} {config.model.size} ({num_params(state.params) / 1e6:.2f}M "
               f"params), recipe {config.recipe}, optimizer {config.optimizer.name}, batch {config.batch_size}"
@@ -134,6 +156,12 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
               + f", {devices} {jax.devices()[0].platform} device{'s' * (devices > 1)}; "
               + (f"resumed at step {start}" if resumed else "from scratch") + f", running to step {end}/{config.steps}",
               file=stream, flush=True)
+        print(f"  recipes: {header.recipe_summary(task.model_config)}", file=stream)
+        print(f"  memory: {memory_estimate.summary()}", file=stream)
+        print(f"  workdir: {workdir}", file=stream, flush=True)
+        warning = header.quantizes_nothing(task.model_config)
+        if warning:
+            print(warning, file=stream, flush=True)
 
         train_record = eval_record = None
         pending: list[Any] = []
@@ -151,6 +179,7 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
                 check_finite(done, "grad_norm", train_record["grad_norm"])
             if eval_batches and (done % config.eval_every == 0 or done == config.steps):
                 eval_record = meter.eval(done, evaluate(eval_step, state.params, eval_batches, eval_key))
+                best.update(done, eval_record["eval_loss"], state)
             if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == end:
                 last = jax.device_get(metrics)
                 check_finite(done, "loss", float(last["loss"]))
@@ -158,4 +187,10 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
                 checkpointer.save(done, state)
     finally:
         checkpointer.close()
+        for closing in (best, meter):
+            if closing is not None:
+                closing.close()
+    summary = best.summary()
+    if summary and end == config.steps:  # the run is over: name the model to use
+        say(summary)
     return TrainResult(state, train_record, eval_record)

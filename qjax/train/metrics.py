@@ -1,11 +1,12 @@
-"""Progress of a run: one line per log interval on stdout and one JSON object per line in <workdir>/metrics.jsonl.
+"""Progress of a run: one line per log interval on stdout, one JSON object per line in <workdir>/metrics.jsonl and
+the same scalars as TensorBoard event files in <workdir> (`tensorboard --logdir runs/`; tags train/loss, eval/loss...).
 
   step 120/300 [########------------]  40% | loss 2.4137 | lr 8.10e-04 | 41,230 tok/s | MFU 37.2% | mem 21.3 GiB
     | ETA 1m12s      (one line)
 
 MFU = (training FLOPs per token or image, from the model) x throughput / peak dense bf16 FLOP/s of the devices. The
-peak is known only for the GPUs we run on (H100 / H200: 989 TFLOP/s each); elsewhere MFU is left out rather than
-guessed. Memory is the device's `peak_bytes_in_use` where `memory_stats()` reports it (GPUs; not the CPU).
+peak is known only for the GPUs we run on (H100 / H200: 989 TFLOP/s each); elsewhere MFU reads "n/a" rather than
+a guess. Memory is the device's `peak_bytes_in_use` where `memory_stats()` reports it (GPUs; "n/a" on the CPU).
 """
 
 import json
@@ -15,6 +16,7 @@ import sys
 import time
 
 import jax
+from tensorboardX import SummaryWriter
 
 # Dense bf16 tensor-core peak per device (no sparsity), by a substring of `device.device_kind`.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
@@ -65,10 +67,10 @@ def format_progress(record: dict, total_steps: int, unit: str) -> str:
     if "throughput" in record:
         short = {"tokens": "tok", "images": "img"}.get(unit, unit)
         parts.append(f"{record['throughput']:,.0f} {short}/s")
-    if record.get("mfu") is not None:
-        parts.append(f"MFU {100 * record['mfu']:.1f}%")
-    if record.get("peak_memory_bytes") is not None:
-        parts.append(f"mem {record['peak_memory_bytes'] / 2**30:.1f} GiB")
+    if "throughput" in record:  # "n/a": no peak FLOP/s known for this device (e.g. a CPU), so no MFU
+        parts.append(f"MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else "MFU n/a")
+    memory = record.get("peak_memory_bytes")  # "n/a": the backend does not report it (e.g. a CPU)
+    parts.append(f"mem {memory / 2**30:.1f} GiB" if memory is not None else "mem n/a")
     if "eta_s" in record:
         parts.append(f"ETA {_duration(record['eta_s'])}")
     return " | ".join(parts)
@@ -89,10 +91,13 @@ class ProgressMeter:
       flops_per_unit: training FLOPs per token / image, or None (then no MFU).
       devices: the devices the step runs on (peak FLOP/s and memory are summed / maxed over them).
       stream: where the lines go (stdout by default).
+      start_step: the step the run starts from (a resumed run's); TensorBoard hides the events of earlier starts
+        after it (they were recomputed), as metrics.jsonl drops those rows.
+      tensorboard: also write TensorBoard event files into workdir. Call `close()` at the end to flush them.
     """
 
     def __init__(self, workdir, total_steps: int, unit: str, units_per_step: int, flops_per_unit: float | None,
-                 devices=None, stream=None):
+                 devices=None, stream=None, *, start_step: int = 0, tensorboard: bool = True):
         self.path = os.path.join(os.fspath(workdir), "metrics.jsonl")
         self.total_steps = total_steps
         self.unit = unit
@@ -104,14 +109,28 @@ class ProgressMeter:
         self.stream = sys.stdout if stream is None else stream
         self._mark_step = None
         self._mark_time = None
+        # purge_step: TensorBoard discards older files' events from this step on (a resumed run rewrites them)
+        self._writer = SummaryWriter(os.fspath(workdir), purge_step=start_step + 1) if tensorboard else None
 
     def mark(self, step: int) -> None:
         """Start timing from `step` (call after the first step so compilation is not counted as throughput)."""
         self._mark_step, self._mark_time = step, time.perf_counter()
 
-    def _write(self, record: dict) -> None:
+    def _write(self, record: dict, prefix: str) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self._writer is not None:
+            for key, value in record.items():
+                if key not in ("step", "time") and isinstance(value, (int, float)):
+                    tag = f"{prefix}/{key.removeprefix('eval_')}"
+                    self._writer.add_scalar(tag, value, global_step=record["step"], walltime=record["time"])
+            self._writer.flush()  # a few bytes per log point; a killed run keeps its curves
+
+    def close(self) -> None:
+        """Flushes and closes the TensorBoard writer."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
     def train(self, step: int, metrics: dict) -> dict:
         """Record the train metrics of `step` (floats: loss, lr, grad_norm, ...) plus throughput, MFU, memory, ETA.
@@ -132,14 +151,14 @@ class ProgressMeter:
         if memory:
             record["peak_memory_bytes"] = max(memory)
         self._mark_step, self._mark_time = step, now
-        self._write(record)
+        self._write(record, "train")
         print(format_progress(record, self.total_steps, self.unit), file=self.stream, flush=True)
         return record
 
     def eval(self, step: int, metrics: dict) -> dict:
         """Record eval metrics (keys get an "eval_" prefix) of the params after `step` steps."""
         record = {"step": step, **{f"eval_{k}": float(v) for k, v in metrics.items()}, "time": time.time()}
-        self._write(record)
+        self._write(record, "eval")
         print(format_eval(record), file=self.stream, flush=True)
         return record
 

@@ -181,3 +181,16 @@ def test_tfds_tiny_local_dataset(tmp_path):
     np.testing.assert_array_equal(evals[0]["labels"], example_number(evals[0]) % 3)
     with pytest.raises(ValueError, match="tfds build qjax_tiny_images"):
         qjax.data.make_dataset(dict(config, test_split="validation"), batch_size=4, seed=0)
+
+
+@pytest.mark.parametrize("content", [b"label,pixels\n1,0 0 0\n", None])
+def test_npz_path_that_is_not_an_npz_says_so_without_allow_pickle(tmp_path, content):
+    path = tmp_path / "images.npz"
+    if content is None:
+        np.save(path, np.zeros(3))  # a .npy written under an .npz name
+        path = tmp_path / "images.npz.npy"
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match=r"is not a valid \.npz file") as error:
+        images.load_npz(path, batch_size=8, seed=0)
+    assert "allow_pickle" not in str(error.value)

@@ -1,6 +1,7 @@
 """A `train.py` process killed (SIGKILL) mid-run and started again ends with exactly the parameters, optimizer state
 and RNG of a run that was never interrupted."""
 
+import json
 import os
 import pathlib
 import signal
@@ -61,6 +62,9 @@ def test_killed_run_restarts_to_the_uninterrupted_result(token_dir, tmp_path):
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     resumed_at = max(s for s in at_kill)
     assert f"resumed at step {resumed_at}" in restarted.stdout, restarted.stdout[-2000:]
+    rows = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert steps == list(range(250, STEPS + 1, 250)), steps  # rows the killed run wrote after its checkpoint: dropped
 
     whole = tmp_path / "whole"
     uninterrupted = subprocess.run(_command(whole, token_dir), env=_env(), cwd=ROOT, capture_output=True, text=True,

@@ -50,7 +50,13 @@ def _check_resume(config, tmp_path, whole, stop_at, kill_after=None):
         np.testing.assert_array_equal(a, b)
     assert resumed.train_metrics["loss"] == whole.train_metrics["loss"]
     assert resumed.eval_metrics == {**whole.eval_metrics, "time": resumed.eval_metrics["time"]}
-    assert _records(pieces)[0][-1]["step"] == config.steps  # the restart appended to the same metrics file
+    train_rows, eval_rows = _records(pieces)
+    assert train_rows[-1]["step"] == config.steps  # the restart appended to the same metrics file
+    # One row per step: the rows written after the restored checkpoint (kill_after) were dropped on resume (the
+    # first piece also logged its last step, stop_at, which the uninterrupted run may not have).
+    for rows, whole_rows in zip((train_rows, eval_rows), _records(tmp_path / "whole")):
+        steps = [r["step"] for r in rows]
+        assert steps == sorted(set(steps)) and {r["step"] for r in whole_rows} <= set(steps), steps
 
 
 def test_llama_int8_run_falls_and_resumes_bit_identically(token_dir, tmp_path):
