@@ -11,6 +11,8 @@ field left at None keeps the preset's value. num_classes, image_size and channel
 
 from ml_collections import config_dict
 
+from configs import common
+
 placeholder = config_dict.placeholder
 
 
@@ -52,24 +54,4 @@ def get_config() -> config_dict.ConfigDict:
     config.steps = 300  # optimizer steps of the run (the LR schedule ends here)
     config.grad_accum_steps = 1  # micro-batches per step (batch_size / grad_accum_steps images each)
 
-    config.optimizer = config_dict.ConfigDict({
-        "name": "adamw",  # adamw (fp32 states), adamw_8bit, adamw_4bit or adamw_fp8 (qjax.optim low-bit states)
-        "lr": 1e-3,  # peak learning rate (linear warmup, then cosine decay)
-        "warmup_steps": placeholder(int),  # None: min(30, steps // 10)
-        "min_lr_ratio": 0.1,  # final learning rate as a fraction of lr
-        "b1": 0.9,  # Adam first-moment decay
-        "b2": 0.999,  # Adam second-moment decay
-        "eps": 1e-8,  # Adam epsilon
-        "weight_decay": 0.05,  # decoupled (AdamW) weight decay
-        "grad_clip": 1.0,  # clip the global gradient norm to this
-        "dynamic_range_expansion": False,  # adamw_fp8 only: COAT's dynamic range expansion of the states
-        "stochastic_rounding": False,  # bfloat16 params (model.param_dtype) updated with SR, no fp32 master copy
-    })
-
-    config.log_every = 25  # steps between progress lines
-    config.eval_every = 100  # steps between evals (0: no eval)
-    config.eval_batches = 2  # batches per eval
-    config.checkpoint_every = 100  # steps between checkpoints (0: only at the end)
-    config.keep_checkpoints = 3  # newest checkpoints kept
-    config.seed = 0  # seed of init, data order and stochastic rounding
-    return config
+    return common.add_optimizer_and_loop(config, lr=1e-3, b2=0.999, weight_decay=0.05, eval_batches=2)
