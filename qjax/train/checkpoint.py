@@ -17,6 +17,7 @@ reads but does not fit the run (another model, optimizer or dtypes) is a ConfigE
 """
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -50,13 +51,29 @@ def _short_reason(error: BaseException, directory: str, limit: int = 200) -> str
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _chain(error: BaseException):
+    """`error` and the exceptions it was raised from or while handling."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 def _out_of_memory(error: BaseException) -> bool:
     """True if `error` or one of its causes is an allocation failure (host or device memory)."""
-    while error is not None:
-        if isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error):
-            return True
-        error = error.__cause__
-    return False
+    return any(isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e) for e in _chain(error))
+
+
+# TensorStore's status codes for a file that is missing, short or garbled (a truncated chunk reads OUT_OF_RANGE).
+_DATA_ERRORS = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "INVALID_ARGUMENT")
+
+
+def _unreadable_data(error: BaseException) -> bool:
+    """True if `error` says a checkpoint file is missing or garbled; other failures (permissions, I/O errors of the
+    storage) are not the checkpoint's fault and must not get it moved aside."""
+    return any(isinstance(e, (FileNotFoundError, json.JSONDecodeError)) or any(code in str(e) for code in _DATA_ERRORS)
+               for e in _chain(error))
 
 
 @contextlib.contextmanager
@@ -116,8 +133,8 @@ class Checkpointer:
             self._check_fits(step, saved, abstract_state)
             try:
                 return self._manager.restore(step, args=ocp.args.StandardRestore(abstract_state))
-            except Exception as e:  # the tree fits (checked above), so a failure here is a file that does not read
-                if _out_of_memory(e):  # the device's problem, not the checkpoint's: never move it aside for that
+            except Exception as e:  # the tree fits (checked above): a file that does not read, or the machine's fault
+                if _out_of_memory(e) or not _unreadable_data(e):  # never move a checkpoint aside for those
                     raise
                 raise CorruptCheckpointError(step, self.directory, _short_reason(e, self.directory)) from e
 

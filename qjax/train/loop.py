@@ -79,10 +79,6 @@ def evaluate(eval_step, params, batches: list[dict], key_data: jax.Array) -> dic
     return {key: float(np.mean([r[key] for r in results])) for key in results[0]}
 
 
-def _write_config(workdir: str, config) -> None:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2) if hasattr(config, "to_json_best_effort") else str(config))
-
 
 def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainResult:
     """Trains per `config` in `workdir` (module docstring) and returns the final state and last metrics.
@@ -139,11 +135,16 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
             changes = workdir_lib.config_changes(workdir_lib.read_saved_config(workdir), config)
             if changes:
                 say(f"config changed since the last start: {', '.join(changes)}")
-        dropped = workdir_lib.truncate_metrics(workdir, start)
-        if dropped:
-            say(f"metrics.jsonl: dropped {dropped} rows after step {start}, where this start resumes (they are "
-                "recomputed)")
-        _write_config(workdir, config)
+            dropped = workdir_lib.truncate_metrics(workdir, start)
+            if dropped:
+                say(f"metrics.jsonl: dropped {dropped} rows after step {start}, where this start resumes (they are "
+                    "recomputed)")
+        else:
+            previous = workdir_lib.set_aside_previous_run(workdir)
+            if previous:
+                say(f"no checkpoint to resume from: the metrics and best checkpoint of an earlier start in this "
+                    f"workdir were moved to {previous}")
+        workdir_lib.write_config(workdir, config)
         best = workdir_lib.BestCheckpoint(workdir)
 
         units_per_step = config.batch_size * task.units_per_example

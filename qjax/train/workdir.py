@@ -78,6 +78,32 @@ def read_metrics(workdir: str) -> list[dict]:
     return rows
 
 
+def set_aside_previous_run(workdir: str) -> str | None:
+    """Before a start from scratch: moves an earlier run's metrics.jsonl, TensorBoard events and best checkpoint
+    (left behind when its checkpoints were moved or deleted) into <workdir>/previous-<n>/, so this run neither
+    appends to nor reports them. Returns that directory, or None when there was nothing to move."""
+    names = [name for name in sorted(os.listdir(workdir))
+             if name in (METRICS_FILE, BEST_DIR) or name.startswith("events.out.tfevents.")]
+    if not names:
+        return None
+    n = 1
+    while os.path.exists(os.path.join(workdir, f"previous-{n}")):
+        n += 1
+    target = os.path.join(workdir, f"previous-{n}")
+    os.makedirs(target)
+    for name in names:
+        os.rename(os.path.join(workdir, name), os.path.join(target, name))
+    return target
+
+
+def write_config(workdir: str, config) -> None:
+    """config.json of this start, replaced atomically (a kill mid-write leaves the previous one)."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    with open(path + ".tmp", "w") as f:
+        f.write(config.to_json_best_effort(indent=2) if hasattr(config, "to_json_best_effort") else str(config))
+    os.replace(path + ".tmp", path)
+
+
 def truncate_metrics(workdir: str, step: int) -> int:
     """Keeps the metrics.jsonl rows of steps <= `step` (the restored one); returns how many rows were dropped.
 

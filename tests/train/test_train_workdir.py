@@ -225,8 +225,12 @@ def test_a_run_that_fails_its_checks_leaves_no_workdir(token_dir, tmp_path, prob
     assert not (tmp_path / "runs").exists()
 
 
-def test_out_of_memory_while_restoring_is_not_taken_for_a_corrupt_checkpoint(tmp_path, monkeypatch):
-    """A device out of memory fails every restore the same way: it is raised as is and no checkpoint is moved."""
+@pytest.mark.parametrize("error", [ValueError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.00GiB"),
+                                   PermissionError(13, "Permission denied"), OSError(5, "Input/output error")],
+                         ids=["out_of_memory", "permission", "io_error"])
+def test_a_failure_that_is_not_the_checkpoints_is_raised_and_nothing_is_moved(tmp_path, monkeypatch, error):
+    """Out of memory, permissions or a storage I/O error would fail every restore alike: raised as is, no checkpoint
+    moved aside (only missing or garbled files make a checkpoint corrupt)."""
     from qjax.train.checkpoint import abstract_like
 
     state = {"params": np.ones(4, np.float32)}
@@ -235,15 +239,33 @@ def test_out_of_memory_while_restoring_is_not_taken_for_a_corrupt_checkpoint(tmp
         checkpointer.save(step, state)
     checkpointer.close()
 
-    def out_of_memory(*args, **kwargs):
-        raise ValueError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4.00GiB")
+    def fail(*args, **kwargs):
+        raise error
 
     checkpointer = Checkpointer(tmp_path, keep=2)
-    monkeypatch.setattr(checkpointer._manager, "restore", out_of_memory)
+    monkeypatch.setattr(checkpointer._manager, "restore", fail)
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    with pytest.raises(ValueError, match="RESOURCE_EXHAUSTED"):
+    with pytest.raises(type(error)):
         checkpointer.restore_latest(abstract_like(state, sharding), report=pytest.fail)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+
+
+def test_a_start_from_scratch_sets_an_earlier_runs_metrics_aside(token_dir, tmp_path):
+    """Checkpoints moved away, the rest of the workdir kept: the new run neither appends to the old metrics nor
+    reports the old best checkpoint; both are kept in previous-1/."""
+    workdir = tmp_path / "run"
+    assert _run(workdir, token_dir, steps=4).returncode == 0
+    old_rows = _rows(workdir)
+    shutil.rmtree(workdir / "checkpoints")
+    result = _run(workdir, token_dir, steps=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"were moved to {workdir / 'previous-1'}" in result.stdout
+    assert {row["step"] for row in _rows(workdir)} == {2}  # this run's log and final eval rows only
+    assert [json.loads(line) for line in (workdir / "previous-1" / "metrics.jsonl").read_text().splitlines()] \
+        == old_rows
+    old_best = json.loads((workdir / "previous-1" / "best" / "best.json").read_text())
+    assert old_best["step"] in (3, 4) and (workdir / "previous-1" / "best" / str(old_best["step"])).is_dir()
+    assert f"at step 2: checkpoint {workdir / 'best' / '2'}" in result.stdout  # this run's, not the old one
 
 
 def test_saving_a_step_again_replaces_it_only_when_asked(tmp_path):
