@@ -11,7 +11,6 @@ Needs the corpus: `make data` (or python -m qjax.data.prepare shakespeare --out 
 """
 
 import argparse
-import json
 import pathlib
 import sys
 
@@ -20,39 +19,9 @@ from common import REPO, append_results
 sys.path.insert(0, str(REPO))  # the configs/ package
 from configs import llama_base  # noqa: E402
 from qjax.train import train  # noqa: E402
+from qjax.train.plot import curves as read_curves, plot_runs  # noqa: E402
 
 RECIPES = ("bf16", "int8_rowwise", "fp8_tensorwise")
-
-
-def read_metrics(workdir: pathlib.Path) -> tuple[list, list]:
-    """(train [(step, loss)], eval [(step, eval_loss)]) from a run's metrics.jsonl (last record per step wins,
-    so a resumed run's repeated steps count once)."""
-    train_curve, eval_curve = {}, {}
-    for line in (workdir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record:
-            train_curve[record["step"]] = record["loss"]
-        if "eval_loss" in record:
-            eval_curve[record["step"]] = record["eval_loss"]
-    return sorted(train_curve.items()), sorted(eval_curve.items())
-
-
-def plot(curves: dict, path: pathlib.Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for recipe, (train_curve, eval_curve) in curves.items():
-        line, = ax.plot(*zip(*train_curve), label=f"{recipe} train", linewidth=1.2)
-        ax.plot(*zip(*eval_curve), "o--", color=line.get_color(), label=f"{recipe} eval", markersize=4)
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / byte)")
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
 
 
 def main():
@@ -67,7 +36,7 @@ def main():
     parser.add_argument("--no-append", action="store_true")
     args = parser.parse_args()
 
-    curves, finals = {}, {}
+    workdirs, finals = [], {}
     for recipe in args.recipes:
         config = llama_base.get_config()
         config.recipe = recipe
@@ -86,8 +55,8 @@ def main():
         workdir = pathlib.Path(args.workdir) / tag / recipe
         print(f"== {recipe} -> {workdir}", flush=True)
         train(config, str(workdir))
-        curves[recipe] = read_metrics(workdir)
-        finals[recipe] = curves[recipe][1][-1]
+        workdirs.append(str(workdir))
+        finals[recipe] = read_curves(str(workdir))[1][-1]
 
     base = finals.get("bf16")
     lines = ["| recipe | final step | final eval loss | vs bf16 |", "|---|---:|---:|---:|"]
@@ -102,7 +71,7 @@ def main():
     report = "\n".join(lines) + "\n\n" + note + "\n"
     print("\n" + report)
     png = REPO / "benchmarks" / "convergence.png"
-    plot(curves, png, f"Llama {size} on Shakespeare: bf16 vs int8 vs fp8")
+    print(f"wrote {plot_runs(workdirs, str(png), f'Llama {size} on Shakespeare: bf16 vs int8 vs fp8')}")
     report += f"\nLoss curves: benchmarks/{png.name}\n"
     if not args.no_append:
         append_results("convergence", report)

@@ -17,18 +17,20 @@ decision it was traced with.
 """
 
 import contextlib
+import contextvars
 import functools
 import warnings
 
 import jax
 
-from qjax import quantize
 from qjax.kernels import quantize_mgpu, scaled_matmul, scaled_matmul_mgpu
 from qjax.qtensor import QTensor, QuantSpec
+from qjax.quantize import quantize_pair_reference
 
 BACKENDS = ("auto", "xla", "pallas")
 FORCED_MODES = ("kernel", "interpret", "reference")
-_forced: str | None = None
+# A context variable, not a global: each thread (and asyncio task) sees only its own `force`.
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("qjax_dispatch_forced", default=None)
 
 
 @contextlib.contextmanager
@@ -36,14 +38,13 @@ def force(mode: str):
     """Within the `with`, backend "auto" means `mode`: "kernel" (compiled), "interpret" (the Mosaic GPU interpreter,
     any machine) or "reference" (never a kernel), whatever the machine. Backends "xla" and "pallas" are explicit
     requests and keep their meaning."""
-    global _forced
     if mode not in FORCED_MODES:
         raise ValueError(f"unknown dispatch mode {mode!r}; use one of {FORCED_MODES}")
-    previous, _forced = _forced, mode
+    token = _forced.set(mode)
     try:
         yield
     finally:
-        _forced = previous
+        _forced.reset(token)
 
 
 def on_hopper_gpu() -> bool:
@@ -78,8 +79,9 @@ def kernel_mode(backend: str = "auto") -> tuple[bool, bool]:
     hopper = on_hopper_gpu()
     if backend == "pallas":
         return True, not hopper
-    if _forced is not None:
-        return _forced != "reference", _forced == "interpret"
+    forced = _forced.get()
+    if forced is not None:
+        return forced != "reference", forced == "interpret"
     if hopper and jax.device_count() > 1 and not per_device_region():
         _warn_kernels_off(jax.device_count())
         return False, False
@@ -94,7 +96,8 @@ def _warn_kernels_off(device_count: int) -> None:
                   "runs the XLA path instead of the Pallas kernels (they have no partitioning rule). Set the "
                   "mesh while tracing "
                   "(`with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):` or `jax.set_mesh(mesh)`): "
-                  "qjax.dot_general then runs its GEMMs per device; qjax's train step does this.", stacklevel=3)
+                  "qjax.dot_general then runs its GEMMs per device; qjax's train step does this. The fused AdamW "
+                  "step has no per-device form yet: with several GPUs it runs the optax path.", stacklevel=3)
 
 
 def _unsupported(backend: str, what: str, reason: str):
@@ -105,11 +108,11 @@ def _unsupported(backend: str, what: str, reason: str):
 
 
 def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None, seed, seed_t, *,
-                  backend: str = "xla", operands: tuple[str, str] = ("array", "transposed array"),
+                  backend: str = "auto", operands: tuple[str, str] = ("array", "transposed array"),
                   row_axes: tuple[str, ...] = ()) -> tuple[QTensor | None, QTensor | None]:
     """x (..., R, C) quantized per `spec` and its transpose (..., C, R) per `spec_t` (either may be None): the fused
     kernel (both layouts from one read) where `backend` selects it and it supports the case, else
-    `quantize.quantize_pair_reference` (same arguments but backend; results bit-identical). Batched x, a single
+    `qjax.quantize.quantize_pair_reference` (same arguments but backend; results bit-identical). Batched x, a single
     layout and tensorwise pairs the reference does once take the reference."""
     if spec is not None and spec_t is not None and x.ndim == 2:
         run_kernel, interpret = kernel_mode(backend)
@@ -119,7 +122,7 @@ def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None
                 return quantize_mgpu.quantize_pair_kernel(x, spec, spec_t, seed, seed_t, interpret=interpret,
                                                           row_axes=row_axes)
             _unsupported(backend, "fused quantize", reason)
-    return quantize.quantize_pair_reference(x, spec, spec_t, seed, seed_t, operands=operands, row_axes=row_axes)
+    return quantize_pair_reference(x, spec, spec_t, seed, seed_t, operands=operands, row_axes=row_axes)
 
 
 def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation: bool = False,

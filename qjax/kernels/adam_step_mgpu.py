@@ -183,8 +183,6 @@ def _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, formats, b1,
     return tuple(jax.freeze(refs[i]) for i in written)
 
 
-
-
 def adam_step_kernel(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, formats, b1, b2, eps, weight_decay,
                      interpret=None):
     """One tensor's AdamW step on (n, B) blocks, n % ROW_MULTIPLE == 0, B in BLOCK_SIZES (module docstring).

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from qjax import dispatch
 from qjax.optim import adam, fused_adam
 
 _DEFAULT_BLOCK = {"dynamic_signed_8bit": 256, "dynamic_unsigned_8bit": 256, "dynamic_signed_4bit": 128,
@@ -122,7 +123,7 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
       config: the moments' formats, block size and `min_quantized_size`.
       learning_rate: a float, or an optax schedule called with the count of steps taken (0 at the first step).
       b1, b2, eps: Adam's. weight_decay: >= 0, decoupled; mask: as in `optax.adamw` (which params get decay).
-      use_kernel: `step` runs the fused kernel where `fused_adam.kernel_mode()` allows it (a single Hopper GPU);
+      use_kernel: `step` runs the fused kernel where `qjax.dispatch.kernel_mode()` allows it (a single Hopper GPU);
         needs `config`'s formats in `fused_adam.KERNEL_FORMATS` and its block size in `KERNEL_BLOCK_SIZES`.
     Returns:
       A `FusedTransformation` whose state is an `adam.QuantizedAdamState`; updates have the grads' dtypes.
@@ -168,7 +169,7 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
         return map_tensors(tensor_update, grads, state, params)
 
     def step_fn(grads, state, params):
-        run_kernel, interpret = fused_adam.kernel_mode() if use_kernel else (False, False)
+        run_kernel, interpret = dispatch.kernel_mode() if use_kernel else (False, False)
 
         def tensor_step(g, mu, nu, p, wd, c):
             if run_kernel and fused_adam.kernel_eligible(p, g, mu, nu):

@@ -10,7 +10,8 @@ decay, learning rate and `apply_updates`. Both call the same formulas (`qjax.num
 Which tensors take the kernel (`kernel_eligible`): float32 param and gradient, moments in one of `KERNEL_FORMATS`
 (e4m3 `Fp8State`s, or 8-bit `CodebookState`s on the signed / unsigned dynamic maps) with blocks of 128 or 256 and a
 block count that is a multiple of 4. Everything else stays on the optax path. Whether kernels run at all is
-`kernel_mode()` (`qjax.dispatch`: a single Hopper GPU, or as `qjax.dispatch.force` says).
+`qjax.dispatch.kernel_mode()`: on a single Hopper GPU (with several devices the step sees global arrays and stays on
+the optax path), or as `qjax.dispatch.force` says.
 """
 
 import dataclasses
@@ -19,12 +20,10 @@ import jax
 import jax.numpy as jnp
 
 from qjax import numerics
-from qjax.dispatch import kernel_mode
 from qjax.kernels import adam_step_mgpu
 from qjax.optim import adam, blockwise
 
-__all__ = ["KERNEL_BLOCK_SIZES", "KERNEL_FORMATS", "fused_step", "fused_step_reference", "kernel_eligible",
-           "kernel_mode"]
+__all__ = ["KERNEL_BLOCK_SIZES", "KERNEL_FORMATS", "fused_step", "fused_step_reference", "kernel_eligible"]
 
 KERNEL_FORMATS = adam_step_mgpu.KERNEL_FORMATS  # (m format, v format) pairs: "e4m3" or an 8-bit map's name
 KERNEL_BLOCK_SIZES = adam_step_mgpu.BLOCK_SIZES

@@ -13,17 +13,17 @@ Per device, in bytes (P params; c = bytes of the compute dtype, 2 for bfloat16):
   gradients    P x the param dtype's bytes, plus a float32 accumulator (4 B/param) when grad_accum_steps > 1
   activations  what the backward pass keeps of one micro-batch on one device, T = its tokens (micro-batch x
                seq_len, or x patches for a ViT), L = n_layers, per token and layer:
-                 c x (5 dim + 2 kv_dim + 3 ffn_dim)   block input, norm outputs, q/k/v, attention output, the MLP's
-                                                      gate/up (ViT: fc1) output and hidden
+                 c x (6 dim + 2 kv_dim + 3 ffn_dim)   what a block saves for its backward (tests/models/test_ops.py
+                                                      counts it): block input and mid-block sum, norm outputs, q/k/v,
+                                                      attention output, the MLP's gate/up (ViT: fc1) output, hidden
                  + 8 x n_heads x seq_len              float32 attention scores and probabilities, where attention
                                                       is materialised (XLA; cuDNN flash attention keeps none)
                times L (with model.remat: c x dim x L, the block inputs, plus one block's worth), plus the output
                layer: T x vocab_size x 10 (the logits in c, float32 logits and their gradient).
 
-XLA's temporaries, fusion choices and fragmentation are left out, so the estimate is typically within ~20% of the
-measured peak (1.1B Llama, batch 8 x 2048, bf16, cuDNN attention: 42.8 GB estimated, 40.1 GB peak measured on an
-H100, benchmarks/RESULTS.md). It is used only to
-reject runs whose estimate exceeds the device's memory; a run close to the limit is left to XLA to decide.
+XLA's temporaries, fusion choices and fragmentation are left out (benchmarks/NOTES.md compares estimates with
+measured peaks). It is used only to reject runs whose estimate exceeds the device's memory; a run close to the limit
+is left to XLA to decide.
 """
 
 import dataclasses
@@ -84,7 +84,7 @@ def activation_bytes(task, examples: int) -> int:
         output_rows = examples
     tokens = examples * seq
     scores = 8 * c.n_heads * seq if attention_implementation(c, c.dim // c.n_heads) == "xla" else 0
-    per_layer = elt * (5 * c.dim + 2 * kv + 3 * ffn) + scores
+    per_layer = elt * (6 * c.dim + 2 * kv + 3 * ffn) + scores
     if getattr(c, "remat", False):
         blocks = tokens * (c.n_layers * elt * c.dim + per_layer)
     else:

@@ -30,16 +30,19 @@ def curves(workdir: str) -> tuple[list, list]:
     return sorted(train.items()), sorted(evals.items())
 
 
-def plot_runs(workdirs: list[str], out: str) -> str:
-    """Draws the train and eval loss of each run in `workdirs` into the PNG `out`; returns `out`.
+def plot_runs(workdirs: list[str], out: str, title: str | None = None) -> str:
+    """Draws the train and eval loss of each run in `workdirs` (labelled by directory name) into the PNG `out`;
+    returns `out`. title: the figure's (default: the run names).
 
     Raises ValueError if a run has no metrics rows (a wrong path, or a run that has not logged yet)."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    runs = {}
     for workdir in workdirs:
         train, evals = curves(workdir)
         if not train and not evals:
             raise ValueError(f"no metrics in {os.path.join(workdir, METRICS_FILE)}: is {workdir} a run's workdir?")
-        name = os.path.basename(os.path.normpath(workdir))
+        runs[os.path.basename(os.path.normpath(workdir))] = (train, evals)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, (train, evals) in runs.items():
         color = None
         if train:
             (line,) = ax.plot(*zip(*train), label=f"{name} train", linewidth=1.2)
@@ -48,7 +51,7 @@ def plot_runs(workdirs: list[str], out: str) -> str:
             ax.plot(*zip(*evals), "o--", color=color, label=f"{name} eval", markersize=4)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(", ".join(os.path.basename(os.path.normpath(w)) for w in workdirs))
+    ax.set_title(title or ", ".join(runs))
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

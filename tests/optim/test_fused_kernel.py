@@ -194,7 +194,7 @@ def test_use_kernel_off_hopper_takes_the_optax_path():
     params = {"w": jnp.ones((16, 256))}
     if on_hopper_gpu():
         pytest.skip("on a Hopper GPU the kernel runs")
-    assert fused_adam.kernel_mode() == (False, False)
+    assert dispatch.kernel_mode() == (False, False)
     tx = optim.adamw_fp8(1e-3, use_kernel=True)
     text = jax.jit(lambda p, s, g: optim.apply_gradients(tx, g, s, p)).lower(params, tx.init(params), params).as_text()
     assert "mosaic" not in text.lower()
