@@ -122,7 +122,21 @@ def _bits(tree):
 
 
 def _unbits(tree, like):
+    """The inverse of `_bits`: leaves back to the dtypes of `like`'s."""
     return jax.tree.map(lambda a, b: jax.lax.bitcast_convert_type(a, b.dtype) if a.dtype != b.dtype else a, tree, like)
+
+
+def _rows(state_bits, like, r0: int, r1: int, block: int):
+    """Block rows r0:r1 of a quantized state held as `_bits`: a state of (r1 - r0) * block elements like `like`."""
+    part = _unbits(jax.tree.map(lambda a: a[r0:r1], state_bits), like)
+    return dataclasses.replace(part, shape=((r1 - r0) * block,))
+
+
+def _set_rows(state_bits, part, r0: int, r1: int):
+    """`state_bits` (a state held as `_bits`) with block rows r0:r1 replaced by quantized state `part`."""
+    leaves = [a.at[r0:r1].set(b) for a, b in zip(jax.tree.leaves(state_bits), jax.tree.leaves(_bits(part)),
+                                                   strict=True)]
+    return jax.tree.unflatten(jax.tree.structure(state_bits), leaves)
 
 
 def in_chunks(tensor_step, g, mu, nu, p, in_place: bool) -> tuple:
@@ -143,14 +157,12 @@ def in_chunks(tensor_step, g, mu, nu, p, in_place: bool) -> tuple:
     mu_bits, nu_bits = _bits(mu), _bits(nu)
     for r0 in range(0, n_blocks, rows):
         r1 = min(r0 + rows, n_blocks)
-        flat = lambda a: a.reshape(-1)[r0 * block:r1 * block]
-        take = lambda whole, like: dataclasses.replace(_unbits(jax.tree.map(lambda a: a[r0:r1], whole), like),
-                                                       shape=((r1 - r0) * block,))
-        x_part, mu_part, nu_part = tensor_step(flat(g), take(mu_bits, mu), take(nu_bits, nu), flat(x if in_place else p))
-        x = x.reshape(-1).at[r0 * block:r1 * block].set(x_part).reshape(x.shape)
-        put = lambda whole, part: jax.tree.unflatten(jax.tree.structure(whole), [
-            a.at[r0:r1].set(b) for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(_bits(part)), strict=True)])
-        mu_bits, nu_bits = put(mu_bits, mu_part), put(nu_bits, nu_part)
+        lo, hi = r0 * block, r1 * block
+        p_rows = (x if in_place else p).reshape(-1)[lo:hi]
+        x_part, mu_part, nu_part = tensor_step(g.reshape(-1)[lo:hi], _rows(mu_bits, mu, r0, r1, block),
+                                               _rows(nu_bits, nu, r0, r1, block), p_rows)
+        x = x.reshape(-1).at[lo:hi].set(x_part).reshape(x.shape)
+        mu_bits, nu_bits = _set_rows(mu_bits, mu_part, r0, r1), _set_rows(nu_bits, nu_part, r0, r1)
     return x, _unbits(mu_bits, mu), _unbits(nu_bits, nu)
 
 

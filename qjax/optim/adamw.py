@@ -18,8 +18,10 @@ Its state is one `adam.QuantizedAdamState(count, mu, nu)`: count, the steps take
 It is also a `FusedTransformation`: `step(grads, state, params) -> (params, state)` applies its own update. With
 `use_kernel=True` (e4m3 or 8-bit states, on a single Hopper GPU) the step updates each eligible tensor's param and
 moments in place in one kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param); every
-other tensor, and every tensor without `use_kernel`, takes the `update` path. `apply_gradients(tx, ...)` runs a
-`FusedTransformation`'s step, any other transformation's update + `optax.apply_updates`. `chain_fused(*pre, tx)`
+other tensor, and every tensor without `use_kernel`, takes the `update` path. Both run one tensor after another,
+large quantized tensors in chunks of rows (`adam.map_in_sequence`, `adam.in_chunks`; bit-identical), so the step's
+temporaries stay about one chunk's float32 m, v and update, not every tensor's at once. `apply_gradients(tx, ...)` runs
+a `FusedTransformation`'s step, any other transformation's update + `optax.apply_updates`. `chain_fused(*pre, tx)`
 chains transformations before it (e.g. clipping) and keeps its step; wrapped in `optax.chain` or `optax.MultiSteps`
 it is an ordinary optax transformation (the same results through `update`, no kernel).
 """
