@@ -94,78 +94,6 @@ def update_reference(g, mu, nu, config: StateConfig, b1, b2, eps, bc1, bc2_sqrt)
             _store(v, nu, config.nu_format, config.block_size))
 
 
-def map_in_sequence(fn, tensors, static=None) -> list:
-    """[fn(*arrays, *extra) for arrays, extra in zip(tensors, static)], computed one tensor after another: each
-    tensor's `arrays` (pytrees of arrays) pass an `optimization_barrier` with the previous tensor's outputs, so its
-    work cannot start before they exist; `static` holds per-tensor Python values (default: none).
-
-    Without the chain XLA schedules every tensor's dequantize -> update -> quantize at once and holds float32 m, v
-    (and more) for all tensors; with it the step's temporaries are those of about one tensor (the largest)."""
-    tensors = list(tensors)
-    static = [()] * len(tensors) if static is None else list(static)
-    out = []
-    for arrays, extra in zip(tensors, static, strict=True):
-        if out:
-            arrays, _ = jax.lax.optimization_barrier((tuple(arrays), out[-1]))
-        out.append(fn(*arrays, *extra))
-    return out
-
-
-CHUNK_ELEMENTS = 1 << 22  # a chunk's float32 temporaries are 16 MiB each, whatever the tensor's size
-
-
-def _bits(tree):
-    """float8 leaves as uint8 (same bits): XLA on CPU holds float8 arrays in float16 buffers, so updating whole
-    float8 codes chunk by chunk would copy them at twice their size per chunk."""
-    is_f8 = lambda a: jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize == 1
-    return jax.tree.map(lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8) if is_f8(a) else a, tree)
-
-
-def _unbits(tree, like):
-    """The inverse of `_bits`: leaves back to the dtypes of `like`'s."""
-    return jax.tree.map(lambda a, b: jax.lax.bitcast_convert_type(a, b.dtype) if a.dtype != b.dtype else a, tree, like)
-
-
-def _rows(state_bits, like, r0: int, r1: int, block: int):
-    """Block rows r0:r1 of a quantized state held as `_bits`: a state of (r1 - r0) * block elements like `like`."""
-    part = _unbits(jax.tree.map(lambda a: a[r0:r1], state_bits), like)
-    return dataclasses.replace(part, shape=((r1 - r0) * block,))
-
-
-def _set_rows(state_bits, part, r0: int, r1: int):
-    """`state_bits` (a state held as `_bits`) with block rows r0:r1 replaced by quantized state `part`."""
-    leaves = [a.at[r0:r1].set(b) for a, b in zip(jax.tree.leaves(state_bits), jax.tree.leaves(_bits(part)),
-                                                   strict=True)]
-    return jax.tree.unflatten(jax.tree.structure(state_bits), leaves)
-
-
-def in_chunks(tensor_step, g, mu, nu, p, in_place: bool) -> tuple:
-    """tensor_step(g, mu, nu, p) -> (x, mu, nu) of one tensor, run on consecutive ranges of its state blocks of at
-    most about `CHUNK_ELEMENTS` elements (g, p flattened), each chunk's results written in place into the whole
-    x, mu, nu before the next chunk reads its rows: only one chunk's float32 temporaries exist at a time. Smaller
-    tensors and float32 states run whole. x is the new param when `in_place` (p's rows are then read from it),
-    else an array like g (the update).
-
-    Quantize and dequantize work per block and Adam per element, so the results are bit-identical to the whole
-    tensor's."""
-    if not blockwise.is_quantized(mu) or g.size <= CHUNK_ELEMENTS:
-        return tensor_step(g, mu, nu, p)
-    n_blocks = mu.codes.shape[0]
-    block = g.size // n_blocks
-    rows = max(1, CHUNK_ELEMENTS // block)
-    x = p if in_place else jnp.zeros_like(g)
-    mu_bits, nu_bits = _bits(mu), _bits(nu)
-    for r0 in range(0, n_blocks, rows):
-        r1 = min(r0 + rows, n_blocks)
-        lo, hi = r0 * block, r1 * block
-        p_rows = (x if in_place else p).reshape(-1)[lo:hi]
-        x_part, mu_part, nu_part = tensor_step(g.reshape(-1)[lo:hi], _rows(mu_bits, mu, r0, r1, block),
-                                               _rows(nu_bits, nu, r0, r1, block), p_rows)
-        x = x.reshape(-1).at[lo:hi].set(x_part).reshape(x.shape)
-        mu_bits, nu_bits = _set_rows(mu_bits, mu_part, r0, r1), _set_rows(nu_bits, nu_part, r0, r1)
-    return x, _unbits(mu_bits, mu), _unbits(nu_bits, nu)
-
-
 def bias_corrections(count, b1: float, b2: float):
     """float32 1 - b1**t and sqrt(1 - b2**t) for the 1-based step t = count."""
     t = count.astype(jnp.float32)
@@ -195,8 +123,8 @@ def scale_by_quantized_adam(config: StateConfig, b1: float = 0.9, b2: float = 0.
         bc1, bc2_sqrt = bias_corrections(count, b1, b2)
 
         g_leaves, treedef = jax.tree.flatten(updates)
-        out = map_in_sequence(lambda g, mu, nu: update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt),
-                              zip(g_leaves, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)))
+        out = [update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt)
+               for g, mu, nu in zip(g_leaves, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu))]
         new_updates = treedef.unflatten([d.astype(g.dtype) for (d, _, _), g in zip(out, g_leaves)])
         new_mu = treedef.unflatten([o[1] for o in out])
         new_nu = treedef.unflatten([o[2] for o in out])

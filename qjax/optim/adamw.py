@@ -18,10 +18,8 @@ Its state is one `adam.QuantizedAdamState(count, mu, nu)`: count, the steps take
 It is also a `FusedTransformation`: `step(grads, state, params) -> (params, state)` applies its own update. With
 `use_kernel=True` (e4m3 or 8-bit states, on a single Hopper GPU) the step updates each eligible tensor's param and
 moments in place in one kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param); every
-other tensor, and every tensor without `use_kernel`, takes the `update` path. Both run one tensor after another,
-large quantized tensors in chunks of rows (`adam.map_in_sequence`, `adam.in_chunks`; bit-identical), so the step's
-temporaries stay about one chunk's float32 m, v and update, not every tensor's at once. `apply_gradients(tx, ...)` runs
-a `FusedTransformation`'s step, any other transformation's update + `optax.apply_updates`. `chain_fused(*pre, tx)`
+other tensor, and every tensor without `use_kernel`, takes the `update` path. `apply_gradients(tx, ...)` runs a
+`FusedTransformation`'s step, any other transformation's update + `optax.apply_updates`. `chain_fused(*pre, tx)`
 chains transformations before it (e.g. clipping) and keeps its step; wrapped in `optax.chain` or `optax.MultiSteps`
 it is an ordinary optax transformation (the same results through `update`, no kernel).
 """
@@ -143,25 +141,18 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     weight_decay = float(weight_decay)  # a Python float: optax skips a zero decay only then, and so does the kernel
     init_fn = adam.scale_by_quantized_adam(config, b1, b2, eps).init  # checks b1, b2, eps; count 0, zero moments
 
-    def map_tensors(tensor_step, grads, state, params, in_place=False, chunked=True):
+    def map_tensors(tensor_step, grads, state, params):
         """tensor_step(g, mu, nu, p, weight_decay, _Coefficients) -> (x, mu, nu) for each tensor
-        -> (tree of x like grads, new state). x is the new param when `in_place` (a chunk's p is then read from
-        the param being overwritten), else the update. With `chunked`, large quantized tensors go in chunks."""
+        -> (tree of x like grads, new state)."""
         if params is None:
             raise ValueError("quantized_adamw's update needs params (weight decay): pass update(grads, state, params)")
         count = optax.safe_increment(state.count)
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate  # the schedule's step: count
         coefficients = _Coefficients(*adam.bias_corrections(count, b1, b2), -1 * lr)
-
-        def tensor(g, mu, nu, p, wd):
-            step = lambda g, mu, nu, p: tensor_step(g, mu, nu, p, wd, coefficients)
-            return adam.in_chunks(step, g, mu, nu, p, in_place) if chunked else step(g, mu, nu, p)
-
         g_leaves, treedef = jax.tree.flatten(grads)
-        tensors = zip(g_leaves, *(treedef.flatten_up_to(tree) for tree in (state.mu, state.nu, params)), strict=True)
-        # One tensor after another (adam.map_in_sequence), large ones in chunks (adam.in_chunks): peak temporaries of
-        # about one chunk, not of all tensors at once.
-        out = adam.map_in_sequence(tensor, tensors, [(wd,) for wd in _decays(weight_decay, mask, grads)])
+        tensors = zip(g_leaves, *(treedef.flatten_up_to(tree) for tree in (state.mu, state.nu, params)),
+                      _decays(weight_decay, mask, grads), strict=True)
+        out = [tensor_step(g, mu, nu, p, wd, coefficients) for g, mu, nu, p, wd in tensors]
         x, mu, nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))
         return x, adam.QuantizedAdamState(count, mu, nu)
 
@@ -187,8 +178,7 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
             u, mu, nu = tensor_update(g, mu, nu, p, wd, c)
             return optax.apply_updates(p, u), mu, nu
 
-        # The kernel streams a tensor itself and needs whole tensors; the jnp path goes in chunks.
-        return map_tensors(tensor_step, grads, state, params, in_place=True, chunked=not run_kernel)
+        return map_tensors(tensor_step, grads, state, params)
 
     return FusedTransformation(init_fn, update_fn, step_fn)
 
