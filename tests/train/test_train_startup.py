@@ -81,7 +81,7 @@ def test_estimate_counts_state_exactly_and_activations_by_the_formula(token_dir)
     assert estimate.state >= 4 * n + 8 * n  # float32 params + two float32 Adam moments (+ scalars)
     assert estimate.gradients == 4 * n
     c = task.model_config
-    per_layer = 2 * (5 * c.dim + 2 * c.n_kv_heads * c.head_dim + 3 * c.ffn_dim) + 8 * c.n_heads * config.seq_len
+    per_layer = 2 * (6 * c.dim + 2 * c.n_kv_heads * c.head_dim + 3 * c.ffn_dim) + 8 * c.n_heads * config.seq_len
     tokens = config.batch_size * config.seq_len
     assert estimate.activations == tokens * (c.n_layers * per_layer + 10 * c.vocab_size)
     assert estimate.available > 0  # the host's memory on a CPU
