@@ -43,7 +43,7 @@ from jaxlib.mlir.dialects import arith, memref
 from qjax import codebooks, numerics
 from qjax.kernels import resolve_interpret
 
-# Elements per program: the fastest of 1024..8192 in H100 sweeps (benchmarks/NOTES.md).
+# Elements per program: chosen by the tile-size sweep recorded in benchmarks/NOTES.md.
 _TILE_ELEMENTS = 2048
 _LANE_COLUMNS = 128  # a warp sweeps 32 lanes x 4 columns per register
 ROW_MULTIPLE = 4  # the warps: a tensor's block count must be a multiple (no padding pass)

@@ -5,8 +5,8 @@ the same scalars as TensorBoard event files in <workdir> (`tensorboard --logdir 
     | ETA 1m12s      (one line)
 
 MFU = (training FLOPs per token or image, from the model) x throughput / peak dense bf16 FLOP/s of the devices. The
-peak is known only for the GPUs we run on (H100 / H200: 989 TFLOP/s each); elsewhere MFU reads "n/a" rather than
-a guess. Memory is the device's `peak_bytes_in_use` where `memory_stats()` reports it (GPUs; "n/a" on the CPU).
+peak is known only for the GPUs in `PEAK_BF16_FLOPS` (vendor figures); elsewhere MFU reads "n/a" rather than a
+guess. Memory is the device's `peak_bytes_in_use` where `memory_stats()` reports it (GPUs; "n/a" on the CPU).
 """
 
 import json
