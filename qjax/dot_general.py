@@ -120,19 +120,28 @@ def _spec(gemm: recipes_lib.GemmSpec | None, side: str) -> QuantSpec | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision,
-                   token_axes: tuple[str, ...] = ()):
-    """Builds the custom_vjp function (lhs, rhs, seeds) -> out for one static configuration. token_axes: inside
-    `_per_device`, the mesh axes the token rows (M) of x and g are split over (see the module docstring)."""
+def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision,
+                 token_axes: tuple[str, ...] = ()):
+    """The quantized GEMM's two halves for one static configuration, for custom VJPs built around it:
+
+      forward(lhs, rhs, seeds, with_residuals, save_x=True) -> (out, (w_res, x_res))   the forward GEMM, and
+                 (with_residuals) what the backward GEMMs read, quantized in their layouts; x_res None unless save_x
+      wgrad_operand(lhs, seeds) -> x_res                                  x as wgrad reads it, for a backward that
+                 recomputes lhs instead of saving it (`qjax.prologue`)
+      backward((w_res, x_res, seeds), g) -> (dlhs, drhs, None)            dgrad and wgrad
+
+    token_axes: inside `_per_device`, the mesh axes the token rows (M) of x and g are split over (module docstring).
+    """
     gemm = functools.partial(dispatch.quantized_matmul, backend=recipe.backend)
     quantize_both = functools.partial(dispatch.quantize_pair, backend=recipe.backend)
     fwd, dgrad, wgrad = recipe.fwd, recipe.dgrad, recipe.wgrad
 
-    def forward_gemm(lhs, rhs, seeds, with_residuals):
+    def forward_gemm(lhs, rhs, seeds, with_residuals, save_x=True):
         """out, and (with_residuals) what the backward GEMMs read of w and x: quantized in their layouts, or the
         originals for GEMMs in high precision. Each input is quantized once for both GEMMs that read it."""
         x, w = layout.lhs_mk(lhs), layout.rhs_nk(rhs)
-        x_spec_t = _spec(wgrad, "rhs") if with_residuals else None
+        save_x = with_residuals and save_x
+        x_spec_t = _spec(wgrad, "rhs") if save_x else None
         w_spec_t = _spec(dgrad, "rhs") if with_residuals else None
         xq, x_res = quantize_both(x, _spec(fwd, "lhs"), x_spec_t, seeds[_FWD_LHS], seeds[_WGRAD_RHS],
                                   operands=("forward lhs x as (M, K)", "wgrad rhs x as (K, M), M = tokens"),
@@ -143,12 +152,15 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
             out = _high_precision_matmul(x, w, out_dtype, precision)
         else:
             out = _varying(gemm(xq, wq, out_dtype), token_axes)
-        residuals = (rhs if w_spec_t is None else w_res, lhs if x_spec_t is None else x_res)
+        residuals = (rhs if w_spec_t is None else w_res, x_res if x_spec_t is not None else lhs if save_x else None)
         return out.reshape(layout.out_shape()), residuals
 
-    def forward(lhs, rhs, seeds):
-        out, (w_res, x_res) = forward_gemm(lhs, rhs, seeds, with_residuals=True)
-        return out, (w_res, x_res, seeds)
+    def wgrad_operand(lhs, seeds):
+        spec_t = _spec(wgrad, "rhs")
+        if spec_t is None:
+            return lhs
+        return quantize_both(layout.lhs_mk(lhs), None, spec_t, seeds[_FWD_LHS], seeds[_WGRAD_RHS],
+                             operands=("", "wgrad rhs x as (K, M), M = tokens"), row_axes=token_axes)[1]
 
     def backward(residuals, g):
         w_res, x_res, seeds = residuals
@@ -170,6 +182,19 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
         else:
             dw = gemm(x_res, gq_wgrad, rhs_dtype, precise_accumulation=True)
         return layout.lhs_from_mk(_varying(dx, token_axes)), layout.rhs_from_kn(_varying(dw, token_axes)), None
+
+    return forward_gemm, wgrad_operand, backward
+
+
+@functools.lru_cache(maxsize=None)
+def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision,
+                   token_axes: tuple[str, ...] = ()):
+    """The custom_vjp function (lhs, rhs, seeds) -> out for one static configuration (`linear_parts`)."""
+    forward_gemm, _, backward = linear_parts(layout, recipe, out_dtype, lhs_dtype, rhs_dtype, precision, token_axes)
+
+    def forward(lhs, rhs, seeds):
+        out, (w_res, x_res) = forward_gemm(lhs, rhs, seeds, with_residuals=True)
+        return out, (w_res, x_res, seeds)
 
     @jax.custom_vjp
     def quantized_dot(lhs, rhs, seeds):
@@ -225,20 +250,23 @@ def _device_axes(recipe: recipes_lib.Recipe, layout: _Layout) -> tuple[str, ...]
     return tuple(mesh.axis_names)
 
 
-def _per_device(fn, axes: tuple[str, ...]):
-    """fn (lhs, rhs, seeds) -> out, run inside `jax.shard_map` over the context mesh: lhs and out split along dim 0
-    over `axes`, rhs and seeds whole (module docstring)."""
+def _per_device(fn, axes: tuple[str, ...], n_split: int = 1):
+    """fn (*split, *whole, seeds) -> out, run inside `jax.shard_map` over the context mesh: the first `n_split`
+    arguments and out split along dim 0 over `axes`, the rest (weights) and seeds whole (module docstring)."""
 
-    def body(lhs, rhs, seeds):
+    def body(*args):
+        *arrays, seeds = args
         device = lax.axis_index(axes).astype(jnp.uint32)
         seeds = seeds + device * jnp.uint32(0x9E3779B9)  # distinct stochastic-rounding streams per device
-        # rhs varies per device inside: its cotangent (per-device partial weight gradients) is summed by the
+        # The weights vary per device inside: their cotangents (per-device partial gradients) are summed by the
         # transpose of this cast.
-        return fn(lhs, lax.pcast(rhs, axes, to="varying"), seeds)
+        whole = [lax.pcast(a, axes, to="varying") for a in arrays[n_split:]]
+        return fn(*arrays[:n_split], *whole, seeds)
 
     split = jax.sharding.PartitionSpec(axes)
     whole = jax.sharding.PartitionSpec()
-    return jax.shard_map(body, in_specs=(split, whole, whole), out_specs=split)
+    return lambda *args: jax.shard_map(body, in_specs=(split,) * n_split + (whole,) * (len(args) - n_split),
+                                       out_specs=split)(*args)
 
 
 def _seeds(recipe: recipes_lib.Recipe, key) -> jax.Array:

@@ -55,6 +55,11 @@ class Recipe:
     (batched operands, a single layout, a tensorwise quantization reused by transposition) run the reference.
     Quantized codes are identical on every backend; GEMM outputs agree up to float32 rounding (fp8: up to Hopper's
     reduced-precision fp8 accumulation inside each 128-long block).
+
+    saved, saved_group: the data-flow recipes' 8-bit activations. The inputs a norm or an activation function
+    saves for its backward (the norm's input, SwiGLU's gate and up) are saved quantized per `saved` (a "row"
+    QuantSpec), one float32 scale per `saved_group` consecutive features (0: per row), where the model fuses that
+    op with the linear layer after it (`qjax.prologue`). None: saved in the compute dtype.
     """
 
     name: str
@@ -62,10 +67,18 @@ class Recipe:
     dgrad: GemmSpec | None = None
     wgrad: GemmSpec | None = None
     backend: str = "auto"
+    saved: QuantSpec | None = None
+    saved_group: int = 0
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend {self.backend!r}; use one of {BACKENDS}")
+        if self.saved is not None and (self.saved.granularity != "row" or self.saved.stochastic):
+            raise ValueError(f"Recipe.saved quantizes saved activations per row (or per group of saved_group "
+                             f"features) with nearest rounding; got {self.saved}")
+        if isinstance(self.saved_group, bool) or not isinstance(self.saved_group, int) or self.saved_group < 0:
+            raise ValueError(f"Recipe.saved_group must be an int >= 0 (0: one scale per row), got "
+                             f"{self.saved_group!r}")
 
     @property
     def is_high_precision(self) -> bool:
@@ -84,6 +97,11 @@ class Recipe:
 def _gemm(lhs_dtype, lhs_granularity, rhs_dtype, rhs_granularity, pow2_scale=False):
     return GemmSpec(QuantSpec(lhs_dtype, lhs_granularity, pow2_scale=pow2_scale),
                     QuantSpec(rhs_dtype, rhs_granularity, pow2_scale=pow2_scale))
+
+
+def _gemm_sr_lhs(gemm):
+    """gemm with stochastic rounding of its lhs (the gradient, in dgrad and wgrad)."""
+    return dataclasses.replace(gemm, lhs=dataclasses.replace(gemm.lhs, stochastic=True))
 
 
 def _same_three(name, gemm):
@@ -111,6 +129,20 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            fwd=_gemm("e4m3", "1x128", "e4m3", "128x128"),
            dgrad=_gemm("e4m3", "1x128", "e4m3", "128x128"),
            wgrad=_gemm("e4m3", "1x128", "e4m3", "1x128")),
+    # The data-flow recipes (docs/design.md, "Data flow"): the linear layers as fp8_tensorwise / int8_rowwise with
+    # stochastically rounded gradients, and the norm and SwiGLU / GELU inputs saved in 8 bits: COAT's e4m3 1x16
+    # groups; Jetfire's int8 with 1x32 groups (its 32 x 32 blocks along the features only: the saving op's
+    # backward works row by row).
+    Recipe("fp8_dataflow",
+           fwd=_gemm("e4m3", "tensor", "e4m3", "tensor"),
+           dgrad=_gemm("e5m2", "tensor", "e4m3", "tensor"),
+           wgrad=_gemm("e5m2", "tensor", "e4m3", "tensor"),
+           saved=QuantSpec("e4m3", "row"), saved_group=16),
+    Recipe("int8_dataflow",
+           fwd=_INT8_ROW,
+           dgrad=_gemm_sr_lhs(_INT8_ROW),
+           wgrad=_gemm_sr_lhs(_INT8_ROW),
+           saved=QuantSpec("int8", "row"), saved_group=32),
     Recipe("int8_blockwise",
            fwd=_gemm("int8", "1x128", "int8", "128x128"),
            dgrad=_gemm("int8", "1x128", "int8", "128x128"),
@@ -130,9 +162,5 @@ def recipe(name: str) -> Recipe:
 def with_stochastic_gradients(r: Recipe) -> Recipe:
     """`r` with stochastic rounding on the gradient operand (lhs) of dgrad and wgrad, as in gau-nernst's SR runs."""
 
-    def sr_lhs(gemm):
-        if gemm is None:
-            return None
-        return dataclasses.replace(gemm, lhs=dataclasses.replace(gemm.lhs, stochastic=True))
-
+    sr_lhs = lambda gemm: None if gemm is None else _gemm_sr_lhs(gemm)
     return dataclasses.replace(r, name=r.name + "_sr", dgrad=sr_lhs(r.dgrad), wgrad=sr_lhs(r.wgrad))

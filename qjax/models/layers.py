@@ -8,12 +8,14 @@ recipe each layer runs without building the model.
 
 import functools
 import re
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 import qjax
+from qjax.prologue import Prologue, prologue_dot
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")
@@ -83,6 +85,44 @@ def dense(module: nn.Module, config, name: str, features_in: int, features: int,
     return nn.Dense(features, use_bias=use_bias, dtype=jnp.dtype(config.compute_dtype),
                     param_dtype=jnp.dtype(config.param_dtype), kernel_init=kernel_init,
                     dot_general_cls=functools.partial(qjax.DotGeneral, recipe=recipe), name=name)
+
+
+class _Param(nn.Module):
+    """One parameter alone, for layers whose parameters feed a fused op (same path and initialisation as the
+    Flax layer it stands in for, e.g. `nn.Dense`'s "kernel")."""
+
+    param_name: str
+    initializer: Any
+    shape: tuple[int, ...]
+    dtype: Any
+
+    @nn.compact
+    def __call__(self):
+        return self.param(self.param_name, self.initializer, self.shape, self.dtype)
+
+
+def param(module: nn.Module, name: str, param_name: str, init, shape: tuple[int, ...], dtype) -> jax.Array:
+    """The parameter `name/param_name` of `module` (call inside its compact method), e.g. a norm's "scale"."""
+    return _Param(param_name, init, shape, dtype, name=name)()
+
+
+def prologue_dense(module: nn.Module, config, name: str, op: Prologue, x, params: tuple, features: int, *,
+                   kernel_init) -> jax.Array:
+    """op(x, *params) through the bias-free projection `name` (a child of `module`; call in its compact method).
+
+    Where the layer's recipe saves 8-bit activations (`Recipe.saved`: the data-flow recipes) op and GEMM run as
+    one `qjax.prologue.prologue_dot`; otherwise op.apply, then `dense`. Same parameters either way.
+    """
+    features_in = jax.eval_shape(op.apply, x, *params).shape[-1]
+    recipe = recipe_for(config, layer_name(module, name), features_in, features)
+    if recipe.saved is None:
+        return dense(module, config, name, features_in, features, use_bias=False, kernel_init=kernel_init)(
+            op.apply(x, *params))
+    compute = jnp.dtype(config.compute_dtype)
+    kernel = param(module, name, "kernel", kernel_init, (features_in, features), jnp.dtype(config.param_dtype))
+    key = module.make_rng("quant") if recipe.needs_key else None
+    return prologue_dot(op, x, params, kernel.astype(compute), recipe=recipe, key=key,
+                        layer=layer_name(module, name))
 
 
 def attention_implementation(config, head_dim: int) -> str:

@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import optax
 
 import qjax
-from qjax.models import layers
-from qjax.models.ops import apply_rope, rms_norm, swiglu
+from qjax.models import layers, ops
+from qjax.models.ops import apply_rope, rms_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +139,10 @@ class RMSNorm(nn.Module):
         return rms_norm(x, scale, self.eps, self.dtype)
 
 
+def _norm(config: LlamaConfig) -> ops.Prologue:
+    return ops.rms_norm_prologue(config.norm_eps, jnp.dtype(config.compute_dtype))
+
+
 def _init(config: LlamaConfig, residual: bool = False):
     # GPT-2 / nanoGPT init: std 0.02, projections into the residual stream scaled down by sqrt(2 * n_layers).
     std = 0.02 / math.sqrt(2 * config.n_layers) if residual else 0.02
@@ -151,13 +155,16 @@ class Attention(nn.Module):
     config: LlamaConfig
 
     @nn.compact
-    def __call__(self, x, positions):
+    def __call__(self, x, norm_scale, positions):
+        """x: the block's input (B, T, dim), normalized here with norm_scale (dim,) before the qkv projection."""
         c = self.config
         b, t, _ = x.shape
         kv = c.n_kv_heads * c.head_dim
         proj = lambda name, f_in, f_out, residual=False: layers.dense(
             self, c, name, f_in, f_out, use_bias=False, kernel_init=_init(c, residual))
-        q, k, v = jnp.split(proj("qkv_proj", c.dim, c.dim + 2 * kv)(x), [c.dim, c.dim + kv], axis=-1)
+        qkv = layers.prologue_dense(self, c, "qkv_proj", _norm(c), x, (norm_scale,), c.dim + 2 * kv,
+                                    kernel_init=_init(c))
+        q, k, v = jnp.split(qkv, [c.dim, c.dim + kv], axis=-1)
         q = q.reshape(b, t, c.n_heads, c.head_dim)
         k, v = k.reshape(b, t, c.n_kv_heads, c.head_dim), v.reshape(b, t, c.n_kv_heads, c.head_dim)
         q, k = apply_rope(q, positions, theta=c.rope_theta), apply_rope(k, positions, theta=c.rope_theta)
@@ -171,13 +178,14 @@ class MLP(nn.Module):
     config: LlamaConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, norm_scale):
+        """x: the block's residual stream (B, T, dim), normalized here with norm_scale (dim,)."""
         c = self.config
-        proj = lambda name, f_in, f_out, residual=False: layers.dense(
-            self, c, name, f_in, f_out, use_bias=False, kernel_init=_init(c, residual))
-        gate, up = jnp.split(proj("gate_up_proj", c.dim, 2 * c.ffn_dim)(x), 2, axis=-1)
-        hidden = swiglu(gate, up)  # saves gate and up only (`ops.swiglu`)
-        return proj("down_proj", c.ffn_dim, c.dim, residual=True)(hidden)
+        gate_up = layers.prologue_dense(self, c, "gate_up_proj", _norm(c), x, (norm_scale,), 2 * c.ffn_dim,
+                                        kernel_init=_init(c))
+        # SwiGLU saves gate and up only (`ops.swiglu`), in 8 bits under the data-flow recipes.
+        return layers.prologue_dense(self, c, "down_proj", ops.SWIGLU, gate_up, (), c.dim,
+                                     kernel_init=_init(c, residual=True))
 
 
 class Block(nn.Module):
@@ -188,9 +196,11 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, positions):
         c = self.config
-        norm = lambda name: RMSNorm(c.norm_eps, jnp.dtype(c.compute_dtype), jnp.dtype(c.param_dtype), name=name)
-        x = x + Attention(c, name="attn")(norm("attn_norm")(x), positions)
-        return x + MLP(c, name="mlp")(norm("mlp_norm")(x))
+        # The norms run inside the projections after them (`layers.prologue_dense`): fused with their GEMM where the
+        # recipe saves 8-bit activations. Their scales keep RMSNorm's parameter paths.
+        scale = lambda name: layers.param(self, name, "scale", nn.initializers.ones, (c.dim,), jnp.dtype(c.param_dtype))
+        x = x + Attention(c, name="attn")(x, scale("attn_norm"), positions)
+        return x + MLP(c, name="mlp")(x, scale("mlp_norm"))
 
 
 class Llama(nn.Module):

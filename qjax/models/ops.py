@@ -22,6 +22,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from qjax.prologue import Prologue
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype) -> jax.Array:
@@ -180,3 +182,34 @@ def _rope_bwd(theta, positions, dy):
 
 
 _rope.defvjp(_rope_fwd, _rope_bwd)
+
+
+# The same ops as `qjax.prologue.Prologue`s, for the data-flow recipes' fused op + linear layers (which save the
+# op's input in 8 bits and recompute these residuals from it). SwiGLU takes gate and up as one (..., 2 * ffn_dim)
+# array, the output of the fused gate_up projection.
+
+
+def rms_norm_prologue(eps: float, dtype) -> Prologue:
+    return Prologue("rms_norm", apply=lambda x, scale: rms_norm(x, scale, eps, dtype),
+                    forward=lambda x, scale: _rms_norm_fwd(x, scale, eps, dtype),
+                    backward=functools.partial(_rms_norm_bwd, eps, dtype))
+
+
+def layer_norm_prologue(eps: float, dtype) -> Prologue:
+    return Prologue("layer_norm", apply=lambda x, scale, bias: layer_norm(x, scale, bias, eps, dtype),
+                    forward=lambda x, scale, bias: _layer_norm_fwd(x, scale, bias, eps, dtype),
+                    backward=functools.partial(_layer_norm_bwd, eps, dtype))
+
+
+def _swiglu_packed(gate_up):
+    return swiglu(*jnp.split(gate_up, 2, axis=-1))
+
+
+def _swiglu_packed_bwd(residuals, dh):
+    (gate_up,) = residuals
+    return (jnp.concatenate(_swiglu_bwd(jnp.split(gate_up, 2, axis=-1), dh), axis=-1),)
+
+
+SWIGLU = Prologue("swiglu", apply=_swiglu_packed, forward=lambda gate_up: (_swiglu_packed(gate_up), (gate_up,)),
+                  backward=_swiglu_packed_bwd)
+GELU = Prologue("gelu", apply=gelu, forward=lambda x: (gelu(x), (x,)), backward=lambda res, dy: _gelu_bwd(res[0], dy))

@@ -1,0 +1,122 @@
+"""A quantized linear layer fused with the op before it: y = op(x, *params), out = y . kernel, one custom VJP.
+
+The data-flow recipes (`fp8_dataflow`, `int8_dataflow`) keep only 8-bit tensors for the backward of a norm or an
+activation function and the linear layer that reads its output (COAT, Jetfire, DeepSeek-V3). `qjax.dot_general`
+alone cannot: its input y is the op's output, and what the op's own backward needs (the norm's input, SwiGLU's
+gate and up) is saved by the op, in the compute dtype. Here the op and the GEMM share one VJP:
+
+  forward    y = op(x, *params); out = the recipe's forward GEMM of y and the kernel
+             saved: x quantized per `recipe.saved` in groups of `recipe.saved_group` consecutive features (one
+             float32 scale per group), the params, and the kernel as dgrad reads it. Not y, not the op's statistics.
+  backward   x' = dequantized x; y', op residuals = op.forward(x', *params)    (recomputed: elementwise, cheap)
+             dy, dkernel = the recipe's dgrad GEMM, and wgrad on y' quantized as wgrad reads it
+             dx, dparams = op.backward(op residuals, dy)
+
+so a norm + linear saves one 8-bit copy of the norm's input, and SwiGLU + linear one of gate and up (DeepSeek-V3
+recomputes SwiGLU's output the same way). Quantizing y for wgrad moves from the forward to the backward: no extra
+pass. The GEMMs are those of `qjax.dot_general` (`dot_general.linear_parts`): same quantization, kernels and mesh
+path.
+"""
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from qjax import recipes as recipes_lib
+# dot_general's own GEMM halves, layout and mesh helpers: this module is its fused variant.
+from qjax.dot_general import _device_axes, _layout_from, _per_device, _seeds, linear_parts
+from qjax.qtensor import QuantSpec
+from qjax.quantize import quantize_with_seed
+
+
+@dataclasses.dataclass(frozen=True)
+class Prologue:
+    """An op run before a linear layer, with its hand-written backward.
+
+    apply(x, *params) -> y: the op alone, differentiable (where no linear layer is fused after it).
+    forward(x, *params) -> (y, residuals): y (..., K) in the compute dtype, residuals what backward reads.
+    backward(residuals, dy) -> (dx, *dparams), in the dtypes of x and params.
+    """
+
+    name: str
+    apply: Callable
+    forward: Callable
+    backward: Callable
+
+
+def check_saved_group(recipe: recipes_lib.Recipe, features: int, layer: str) -> None:
+    """ValueError naming `layer` when `recipe` saves activations in groups that do not tile `features`."""
+    if recipe.saved is not None and recipe.saved_group and features % recipe.saved_group:
+        raise ValueError(f"{layer}: recipe {recipe.name!r} saves activations in groups of {recipe.saved_group} "
+                         f"features, which do not tile {features}; make the layer's width a multiple of "
+                         f"{recipe.saved_group} or keep it in high precision (keep_high_precision)")
+
+
+def _save(x: jax.Array, spec: QuantSpec | None, group: int):
+    """x (..., F) -> the QTensor of its (..., F / group, group) view, one scale per group (per row if group 0);
+    x itself where spec is None."""
+    if spec is None:
+        return x
+    view = x.reshape(*x.shape[:-1], x.shape[-1] // group, group) if group else x
+    return quantize_with_seed(view, spec, None, operand="saved activation")
+
+
+def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *, recipe, key=None,
+                 layer: str = "linear") -> jax.Array:
+    """op(x, *params) . kernel, quantized per `recipe`; saves x (8-bit per `recipe.saved`, else as it is), not y.
+
+    Args:
+      op: the `Prologue` (e.g. `qjax.models.ops.rms_norm_prologue(eps, dtype)`, `ops.SWIGLU`).
+      x: (B, ..., features) activation, the op's first input; params: the op's other inputs (norm scale, bias).
+      kernel: (K, N), the Dense layout, in the compute dtype (cast it before: its gradient flows back through
+        the cast).
+      recipe: a `qjax.Recipe` or name; key: `jax.random.key` for recipes that round stochastically.
+      layer: the layer's name in error messages.
+
+    Returns:
+      (B, ..., N) in the promoted dtype of y and kernel. Under a context mesh the layer runs per device as
+      `qjax.dot_general` does (x split along dim 0, params and kernel whole).
+    """
+    recipe = recipes_lib.recipe(recipe)
+    x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+    y = jax.eval_shape(lambda *a: op.forward(*a)[0], x, *params)
+    if kernel.ndim != 2 or y.shape[-1] != kernel.shape[0]:
+        raise ValueError(f"{layer}: kernel must be (features_in, features_out) = ({y.shape[-1]}, N), got "
+                         f"{kernel.shape}")
+    check_saved_group(recipe, x.shape[-1], f"{layer} input")
+    layout = _layout_from(y.shape, kernel.shape, (((y.ndim - 1,), (0,)), ((), ())))
+    out_dtype = jnp.result_type(y.dtype, kernel.dtype)
+    axes, seeds = _device_axes(recipe, layout), _seeds(recipe, key)
+    if axes:
+        devices = jax.sharding.get_abstract_mesh().size
+        layout = dataclasses.replace(layout, lhs_shape=(layout.lhs_shape[0] // devices, *layout.lhs_shape[1:]))
+    gemm_forward, wgrad_operand, gemm_backward = linear_parts(layout, recipe, out_dtype, y.dtype, kernel.dtype,
+                                                              None, axes)
+
+    def fwd(x, *rest):
+        *params, kernel, seeds = rest
+        out, (w_res, _) = gemm_forward(op.forward(x, *params)[0], kernel, seeds, with_residuals=True, save_x=False)
+        return out, (_save(x, recipe.saved, recipe.saved_group), tuple(params), w_res, seeds)
+
+    def bwd(residuals, g):
+        x_saved, params, w_res, seeds = residuals
+        x_restored = x_saved
+        if recipe.saved is not None:
+            x_restored = x_saved.dequantize(jnp.float32).reshape(g.shape[:-1] + (x_features,)).astype(x_dtype)
+        y, op_residuals = op.forward(x_restored, *params)
+        dy, dkernel, _ = gemm_backward((w_res, wgrad_operand(y, seeds), seeds), g)
+        return (*op.backward(op_residuals, dy), dkernel, None)
+
+    x_features, x_dtype = x.shape[-1], x.dtype
+
+    @jax.custom_vjp
+    def fused(x, *rest):
+        *params, kernel, seeds = rest
+        return gemm_forward(op.forward(x, *params)[0], kernel, seeds, with_residuals=False)[0]
+
+    fused.defvjp(fwd, bwd)
+    if axes:
+        return _per_device(fused, axes)(x, *params, kernel, seeds)
+    return fused(x, *params, kernel, seeds)
