@@ -62,6 +62,8 @@ step_command() {
                           "/tmp/default_run" ;;
         train-sr) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_rowwise_sr --steps 5 --warmup 2" \
                        "--no-peer" ;;
+        dataflow) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise fp8_dataflow int8_dataflow --steps 5" \
+                       "--warmup 2 --no-peer" ;;
         *) return 1 ;;
     esac
 }

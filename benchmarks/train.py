@@ -12,8 +12,8 @@ compiled for one row stays resident during the next.
 
 Rows (--rows): bf16; int8 fwd only; int8 fwd+dgrad; int8_rowwise (all three GEMMs); the last two with stochastic
 rounding of the gradient operand (`qjax.with_stochastic_gradients`; forward-only int8 has no gradient operand to
-round); fp8_tensorwise; fp8_blockwise; and "<recipe>@xla" rows that force the XLA path (no Pallas kernels) to show
-what the kernels buy. A row may name an optimizer after "+" ("int8_rowwise+adamw_fp8": e4m3 AdamW states through the
+round); fp8_tensorwise; fp8_blockwise; the data-flow recipes fp8_dataflow and int8_dataflow; and "<recipe>@xla"
+rows that force the XLA path (no Pallas kernels) to show what the kernels buy. A row may name an optimizer after "+" ("int8_rowwise+adamw_fp8": e4m3 AdamW states through the
 fused step kernel); without one it is optax AdamW with fp32 states. Then, unless --no-peer, Hugging Face
 LlamaForCausalLM of the same shape under torch.compile (bf16, torchao float8 tensorwise / rowwise, int8 mixed
 precision) in a subprocess (benchmarks/torch_peer.py).
@@ -31,7 +31,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 ROWS = ("bf16", "int8_fwd", "int8_fwd_dgrad", "int8_rowwise", "int8_fwd_dgrad_sr", "int8_rowwise_sr",
-        "fp8_tensorwise", "fp8_blockwise", "int8_rowwise@xla", "fp8_tensorwise@xla")
+        "fp8_tensorwise", "fp8_blockwise", "int8_rowwise@xla", "fp8_tensorwise@xla", "fp8_dataflow", "int8_dataflow")
 DEFAULT_ROWS = ("bf16", "int8_fwd", "int8_fwd_dgrad", "int8_rowwise", "int8_rowwise_sr", "fp8_tensorwise",
                 "fp8_blockwise", "int8_rowwise@xla")
 PEER_VARIANTS = ("bf16", "float8_tensorwise", "float8_rowwise", "int8_mixed_precision")
