@@ -124,10 +124,8 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
                  token_axes: tuple[str, ...] = ()):
     """The quantized GEMM's two halves for one static configuration, for custom VJPs built around it:
 
-      forward(lhs, rhs, seeds, with_residuals, save_x=True) -> (out, (w_res, x_res))   the forward GEMM, and
-                 (with_residuals) what the backward GEMMs read, quantized in their layouts; x_res None unless save_x
-      wgrad_operand(lhs, seeds) -> x_res                                  x as wgrad reads it, for a backward that
-                 recomputes lhs instead of saving it (`qjax.prologue`)
+      forward(lhs, rhs, seeds, with_residuals) -> (out, (w_res, x_res))   the forward GEMM, and (with_residuals)
+                                                  what the backward GEMMs read, quantized in their layouts
       backward((w_res, x_res, seeds), g) -> (dlhs, drhs, None)            dgrad and wgrad
 
     token_axes: inside `_per_device`, the mesh axes the token rows (M) of x and g are split over (module docstring).
@@ -136,12 +134,11 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
     quantize_both = functools.partial(dispatch.quantize_pair, backend=recipe.backend)
     fwd, dgrad, wgrad = recipe.fwd, recipe.dgrad, recipe.wgrad
 
-    def forward_gemm(lhs, rhs, seeds, with_residuals, save_x=True):
+    def forward_gemm(lhs, rhs, seeds, with_residuals):
         """out, and (with_residuals) what the backward GEMMs read of w and x: quantized in their layouts, or the
         originals for GEMMs in high precision. Each input is quantized once for both GEMMs that read it."""
         x, w = layout.lhs_mk(lhs), layout.rhs_nk(rhs)
-        save_x = with_residuals and save_x
-        x_spec_t = _spec(wgrad, "rhs") if save_x else None
+        x_spec_t = _spec(wgrad, "rhs") if with_residuals else None
         w_spec_t = _spec(dgrad, "rhs") if with_residuals else None
         xq, x_res = quantize_both(x, _spec(fwd, "lhs"), x_spec_t, seeds[_FWD_LHS], seeds[_WGRAD_RHS],
                                   operands=("forward lhs x as (M, K)", "wgrad rhs x as (K, M), M = tokens"),
@@ -152,15 +149,8 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
             out = _high_precision_matmul(x, w, out_dtype, precision)
         else:
             out = _varying(gemm(xq, wq, out_dtype), token_axes)
-        residuals = (rhs if w_spec_t is None else w_res, x_res if x_spec_t is not None else lhs if save_x else None)
+        residuals = (rhs if w_spec_t is None else w_res, lhs if x_spec_t is None else x_res)
         return out.reshape(layout.out_shape()), residuals
-
-    def wgrad_operand(lhs, seeds):
-        spec_t = _spec(wgrad, "rhs")
-        if spec_t is None:
-            return lhs
-        return quantize_both(layout.lhs_mk(lhs), None, spec_t, seeds[_FWD_LHS], seeds[_WGRAD_RHS],
-                             operands=("", "wgrad rhs x as (K, M), M = tokens"), row_axes=token_axes)[1]
 
     def backward(residuals, g):
         w_res, x_res, seeds = residuals
@@ -183,14 +173,14 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
             dw = gemm(x_res, gq_wgrad, rhs_dtype, precise_accumulation=True)
         return layout.lhs_from_mk(_varying(dx, token_axes)), layout.rhs_from_kn(_varying(dw, token_axes)), None
 
-    return forward_gemm, wgrad_operand, backward
+    return forward_gemm, backward
 
 
 @functools.lru_cache(maxsize=None)
 def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision,
                    token_axes: tuple[str, ...] = ()):
     """The custom_vjp function (lhs, rhs, seeds) -> out for one static configuration (`linear_parts`)."""
-    forward_gemm, _, backward = linear_parts(layout, recipe, out_dtype, lhs_dtype, rhs_dtype, precision, token_axes)
+    forward_gemm, backward = linear_parts(layout, recipe, out_dtype, lhs_dtype, rhs_dtype, precision, token_axes)
 
     def forward(lhs, rhs, seeds):
         out, (w_res, x_res) = forward_gemm(lhs, rhs, seeds, with_residuals=True)

@@ -7,15 +7,18 @@ gate and up) is saved by the op, in the compute dtype. Here the op and the GEMM 
 
   forward    y = op(x, *params); out = the recipe's forward GEMM of y and the kernel
              saved: x quantized per `recipe.saved` in groups of `recipe.saved_group` consecutive features (one
-             float32 scale per group), the params, and the kernel as dgrad reads it. Not y, not the op's statistics.
-  backward   x' = dequantized x; y', op residuals = op.forward(x', *params)    (recomputed: elementwise, cheap)
-             dy, dkernel = the recipe's dgrad GEMM, and wgrad on y' quantized as wgrad reads it
+             float32 scale per group), the params, and what the GEMM saves anyway (y and the kernel quantized as
+             wgrad and dgrad read them, from one read of each: `qjax.dispatch.quantize_pair`). Not the op's
+             compute-dtype input or its float32 statistics.
+  backward   x' = dequantized x; the op's residuals recomputed from x' (elementwise, cheap)
+             dy, dkernel = the recipe's dgrad and wgrad GEMMs
              dx, dparams = op.backward(op residuals, dy)
 
-so a norm + linear saves one 8-bit copy of the norm's input, and SwiGLU + linear one of gate and up (DeepSeek-V3
-recomputes SwiGLU's output the same way). Quantizing y for wgrad moves from the forward to the backward: no extra
-pass. The GEMMs are those of `qjax.dot_general` (`dot_general.linear_parts`): same quantization, kernels and mesh
-path.
+so a norm + linear saves an 8-bit copy of the norm's input beside the GEMM's 8-bit copy of its output, and
+SwiGLU + linear an 8-bit copy of gate and up. The GEMMs are those of `qjax.dot_general`
+(`dot_general.linear_parts`): same quantization, kernels and mesh path. (Recomputing y in the backward instead of
+saving its codes, as DeepSeek-V3 does for SwiGLU, saves another 8 bits per element but moves its wgrad
+quantization out of the fused quantize kernel: benchmarks/NOTES.md.)
 """
 
 import dataclasses
@@ -92,21 +95,20 @@ def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *
     if axes:
         devices = jax.sharding.get_abstract_mesh().size
         layout = dataclasses.replace(layout, lhs_shape=(layout.lhs_shape[0] // devices, *layout.lhs_shape[1:]))
-    gemm_forward, wgrad_operand, gemm_backward = linear_parts(layout, recipe, out_dtype, y.dtype, kernel.dtype,
-                                                              None, axes)
+    gemm_forward, gemm_backward = linear_parts(layout, recipe, out_dtype, y.dtype, kernel.dtype, None, axes)
 
     def fwd(x, *rest):
         *params, kernel, seeds = rest
-        out, (w_res, _) = gemm_forward(op.forward(x, *params)[0], kernel, seeds, with_residuals=True, save_x=False)
-        return out, (_save(x, recipe.saved, recipe.saved_group), tuple(params), w_res, seeds)
+        out, gemm_residuals = gemm_forward(op.forward(x, *params)[0], kernel, seeds, with_residuals=True)
+        return out, (_save(x, recipe.saved, recipe.saved_group), tuple(params), gemm_residuals, seeds)
 
     def bwd(residuals, g):
-        x_saved, params, w_res, seeds = residuals
+        x_saved, params, (w_res, y_res), seeds = residuals
         x_restored = x_saved
         if recipe.saved is not None:
             x_restored = x_saved.dequantize(jnp.float32).reshape(g.shape[:-1] + (x_features,)).astype(x_dtype)
-        y, op_residuals = op.forward(x_restored, *params)
-        dy, dkernel, _ = gemm_backward((w_res, wgrad_operand(y, seeds), seeds), g)
+        _, op_residuals = op.forward(x_restored, *params)  # y itself is not needed: wgrad reads its saved codes
+        dy, dkernel, _ = gemm_backward((w_res, y_res, seeds), g)
         return (*op.backward(op_residuals, dy), dkernel, None)
 
     x_features, x_dtype = x.shape[-1], x.dtype

@@ -9,6 +9,7 @@ import optax
 
 import qjax
 from qjax.data import text
+from qjax.models.layers import PrologueDense
 
 
 def snr_db(reference, output) -> float:
@@ -38,11 +39,12 @@ def flat(tree) -> np.ndarray:
 
 
 def used_recipes(fn, *args):
-    """Runs `fn(*args)` -> ({layer name: recipe name} for every qjax.DotGeneral the model really called, output)."""
+    """Runs `fn(*args)` -> ({layer name: recipe name} for every qjax.DotGeneral or fused PrologueDense the model
+    really called, output)."""
     used = {}
 
     def record(next_fun, call_args, kwargs, context):
-        if isinstance(context.module, qjax.DotGeneral) and context.method_name == "__call__":
+        if isinstance(context.module, (qjax.DotGeneral, PrologueDense)) and context.method_name == "__call__":
             path = context.module.path
             name = "/".join(path[:-1] if path[-1].startswith("DotGeneral") else path)
             used[name] = context.module.recipe.name

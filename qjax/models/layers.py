@@ -106,23 +106,40 @@ def param(module: nn.Module, name: str, param_name: str, init, shape: tuple[int,
     return _Param(param_name, init, shape, dtype, name=name)()
 
 
+class PrologueDense(nn.Module):
+    """A bias-free projection fused with the op before it: op(x, *params) . kernel in one custom VJP
+    (`qjax.prologue.prologue_dot`) that saves x in 8 bits. Its "kernel" parameter is `nn.Dense`'s."""
+
+    op: Prologue
+    features: int
+    recipe: Any
+    kernel_init: Any
+    compute_dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x, *params):
+        features_in = jax.eval_shape(self.op.apply, x, *params).shape[-1]
+        kernel = self.param("kernel", self.kernel_init, (features_in, self.features), self.param_dtype)
+        key = self.make_rng("quant") if self.recipe.needs_key else None
+        return prologue_dot(self.op, x, params, kernel.astype(self.compute_dtype), recipe=self.recipe, key=key,
+                            layer="/".join(self.path))
+
+
 def prologue_dense(module: nn.Module, config, name: str, op: Prologue, x, params: tuple, features: int, *,
                    kernel_init) -> jax.Array:
     """op(x, *params) through the bias-free projection `name` (a child of `module`; call in its compact method).
 
     Where the layer's recipe saves 8-bit activations (`Recipe.saved`: the data-flow recipes) op and GEMM run as
-    one `qjax.prologue.prologue_dot`; otherwise op.apply, then `dense`. Same parameters either way.
+    one `PrologueDense`; otherwise op.apply, then `dense`. Same parameters either way.
     """
     features_in = jax.eval_shape(op.apply, x, *params).shape[-1]
     recipe = recipe_for(config, layer_name(module, name), features_in, features)
     if recipe.saved is None:
         return dense(module, config, name, features_in, features, use_bias=False, kernel_init=kernel_init)(
             op.apply(x, *params))
-    compute = jnp.dtype(config.compute_dtype)
-    kernel = param(module, name, "kernel", kernel_init, (features_in, features), jnp.dtype(config.param_dtype))
-    key = module.make_rng("quant") if recipe.needs_key else None
-    return prologue_dot(op, x, params, kernel.astype(compute), recipe=recipe, key=key,
-                        layer=layer_name(module, name))
+    return PrologueDense(op, features, recipe, kernel_init, jnp.dtype(config.compute_dtype),
+                         jnp.dtype(config.param_dtype), name=name)(x, *params)
 
 
 def attention_implementation(config, head_dim: int) -> str:

@@ -1,0 +1,68 @@
+"""The data-flow recipes on a 2-layer Llama: close to float32, per-parameter gradient SNR floors, and training."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import adamw_losses, snr_db
+
+from qjax import models
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+CONFIG = models.llama_config("tiny", vocab_size=128, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=256,
+                             max_seq_len=64)
+# Byte-level text with structure to learn: a few words repeated in a random order.
+_WORDS = b"the king queen lord lady love night day sword crown speak hear heart".split()
+_RNG = np.random.default_rng(0)
+TEXT = np.frombuffer(b" ".join(_RNG.choice(_WORDS, size=2000)), np.uint8) % 128
+TOKENS = jnp.asarray(TEXT[:16 * 64].reshape(16, 64).astype(np.int32))
+
+# Gradient SNR floors against float32, from the formats: int8 codes carry ~40 dB per tensor and e4m3 ~30 dB, the
+# three quantized GEMMs and the 8-bit saved inputs of each layer compound to about 15 dB less; the issue's floors
+# (18 dB int8, 13 dB fp8) sit below that, and each parameter must meet them, the norm scales too.
+FLOORS = {"int8_dataflow": 18.0, "fp8_dataflow": 13.0}
+
+
+def _value_and_grad(config, tokens):
+    model = models.Llama(config)
+
+    def loss(params, key):
+        logits = model.apply({"params": params}, tokens, rngs={"quant": key})
+        return models.lm_loss(logits[:, :-1], tokens[:, 1:])
+
+    return jax.jit(jax.value_and_grad(loss), compiler_options=FAST_COMPILE)
+
+
+@pytest.fixture(scope="module")
+def params():
+    init = lambda key: models.Llama(CONFIG).init(key, TOKENS)["params"]
+    return jax.jit(init, compiler_options=FAST_COMPILE)(jax.random.key(1))
+
+
+@pytest.mark.parametrize("recipe", list(FLOORS))
+def test_close_to_float32_with_per_parameter_gradient_snr(recipe, params):
+    # A few steps in, so the gradients are not those of a uniform prediction.
+    trained = params
+    step32 = _value_and_grad(dataclasses.replace(CONFIG, compute_dtype="float32"), TOKENS)
+    for i in range(3):
+        _, grads = step32(trained, jax.random.key(i))
+        trained = jax.tree.map(lambda p, g: p - 0.5 * g, trained, grads)
+    ref_loss, ref_grads = step32(trained, jax.random.key(5))
+    loss, grads = _value_and_grad(dataclasses.replace(CONFIG, recipe=recipe), TOKENS)(trained, jax.random.key(5))
+    assert abs(float(loss) / float(ref_loss) - 1) < 0.005
+    paths = jax.tree_util.tree_leaves_with_path(ref_grads)
+    for (path, ref), got in zip(paths, jax.tree.leaves(grads)):
+        name = jax.tree_util.keystr(path)
+        assert snr_db(ref, got) > FLOORS[recipe], name
+
+
+@pytest.mark.parametrize("recipe", list(FLOORS))
+def test_training_tracks_bf16(recipe, params):
+    bf16 = adamw_losses(_value_and_grad(CONFIG, TOKENS), params, steps=40, learning_rate=3e-3)
+    ours = adamw_losses(_value_and_grad(dataclasses.replace(CONFIG, recipe=recipe), TOKENS), params, steps=40,
+                        learning_rate=3e-3)
+    assert bf16[-1] < 0.6 * bf16[0]  # it learns (from ln 128 = 4.85 to the words' ~2)
+    # Step-to-step noise of the last losses is ~10% here (4.8 -> ~0.6 in 40 steps): the mean of the last ten.
+    assert abs(np.mean(ours[-10:]) / np.mean(bf16[-10:]) - 1) < 0.10, (ours[-10:], bf16[-10:])
