@@ -1,4 +1,5 @@
-"""Convergence: the same Llama run in bf16, int8_rowwise and fp8_tensorwise; final eval loss vs bf16 and a PNG.
+"""Convergence: the same Llama run per recipe (default bf16, int8_rowwise, fp8_tensorwise); final eval loss vs bf16
+and a PNG.
 
   python benchmarks/convergence.py                       # the default config (tiny Llama, Shakespeare bytes)
   python benchmarks/convergence.py --size 125m --seq-len 1024 --batch-size 32 --steps 2000     # on a GPU
@@ -71,7 +72,7 @@ def main():
     report = "\n".join(lines) + "\n\n" + note + "\n"
     print("\n" + report)
     png = REPO / "benchmarks" / "convergence.png"
-    print(f"wrote {plot_runs(workdirs, str(png), f'Llama {size} on Shakespeare: bf16 vs int8 vs fp8')}")
+    print(f"wrote {plot_runs(workdirs, str(png), f'Llama {size} on Shakespeare: ' + ' vs '.join(finals))}")
     report += f"\nLoss curves: benchmarks/{png.name}\n"
     if not args.no_append:
         append_results("convergence", report)

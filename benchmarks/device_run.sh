@@ -18,7 +18,9 @@
 # int8_rowwise with stochastic rounding of the gradients), linear-ab (int8_rowwise and fp8_tensorwise at two shapes, no
 # peer, not appended), optim-ab (the low-bit AdamW step rows against optax.adamw), train-row (the 1.1B
 # int8_rowwise row, not appended), default-run (the GPU default of `make
-# train` on the Shakespeare corpus: carry "data" prepared here). A step written STEP@base runs in .baseline, an
+# train` on the Shakespeare corpus: carry "data" prepared here), dataflow (the 1.1B rows of the data-flow recipes),
+# dataflow-conv (benchmarks/convergence.py at the default run's 125M settings for bf16 and the data-flow recipes;
+# the new PNG comes back in $OUT). A step written STEP@base runs in .baseline, an
 # exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -37,6 +39,7 @@ fi
 [ -n "$QJAX_COMMIT" ] || echo "QJAX_COMMIT is not set: headings name the device copy's git" | tee -a "$LOG"
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader 2>&1 | tee -a "$LOG"
 cp benchmarks/RESULTS.md /tmp/RESULTS.before
+cp benchmarks/convergence.png /tmp/convergence.before.png
 
 step_command() {
     local kernel_rows="int8_row_kernel fp8_row_kernel int8_block_kernel fp8_block_kernel"
@@ -64,6 +67,8 @@ step_command() {
                        "--no-peer" ;;
         dataflow) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise fp8_dataflow int8_dataflow --steps 5" \
                        "--warmup 2 --no-peer" ;;
+        dataflow-conv) echo "python3 benchmarks/convergence.py --recipes bf16 fp8_dataflow int8_dataflow --size 125m" \
+                            "--seq-len 1024 --batch-size 32 --steps 750 --lr 6e-4 --workdir /tmp/convergence" ;;
         *) return 1 ;;
     esac
 }
@@ -86,4 +91,5 @@ for step in "$@"; do
 done
 [ -f /tmp/default_run/metrics.jsonl ] && cp /tmp/default_run/metrics.jsonl "$OUT/default_run_metrics.jsonl"
 diff /tmp/RESULTS.before benchmarks/RESULTS.md > "$OUT/results.diff"
+cmp -s /tmp/convergence.before.png benchmarks/convergence.png || cp benchmarks/convergence.png "$OUT/"
 exit 0
