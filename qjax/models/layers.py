@@ -87,32 +87,32 @@ def dense(module: nn.Module, config, name: str, features_in: int, features: int,
                     dot_general_cls=functools.partial(qjax.DotGeneral, recipe=recipe), name=name)
 
 
-class _Param(nn.Module):
-    """One parameter alone, for layers whose parameters feed a fused op (same path and initialisation as the
-    Flax layer it stands in for, e.g. `nn.Dense`'s "kernel")."""
+class _Params(nn.Module):
+    """Parameters alone, for layers whose parameters feed a fused op (same paths and initialisation as the Flax
+    layer they stand in for, e.g. a norm's "scale" and "bias")."""
 
-    param_name: str
-    initializer: Any
-    shape: tuple[int, ...]
+    specs: tuple  # ((param name, initializer, shape), ...)
     dtype: Any
 
     @nn.compact
     def __call__(self):
-        return self.param(self.param_name, self.initializer, self.shape, self.dtype)
+        return tuple(self.param(name, init, shape, self.dtype) for name, init, shape in self.specs)
 
 
-def param(module: nn.Module, name: str, param_name: str, init, shape: tuple[int, ...], dtype) -> jax.Array:
-    """The parameter `name/param_name` of `module` (call inside its compact method), e.g. a norm's "scale"."""
-    return _Param(param_name, init, shape, dtype, name=name)()
+def params(module: nn.Module, name: str, specs: tuple, dtype) -> tuple:
+    """The parameters `name/<param name>` of `module` (call inside its compact method) as a tuple, one per
+    (param name, initializer, shape) in `specs`, e.g. a norm's (("scale", ones, (dim,)),)."""
+    return _Params(tuple(specs), dtype, name=name)()
 
 
 class PrologueDense(nn.Module):
-    """A bias-free projection fused with the op before it: op(x, *params) . kernel in one custom VJP
-    (`qjax.prologue.prologue_dot`) that saves x in 8 bits. Its "kernel" parameter is `nn.Dense`'s."""
+    """A projection fused with the op before it: op(x, *params) . kernel (+ bias) in one custom VJP
+    (`qjax.prologue.prologue_dot`) that saves x in 8 bits. Its "kernel" and "bias" parameters are `nn.Dense`'s."""
 
     op: Prologue
     features: int
     recipe: Any
+    use_bias: bool
     kernel_init: Any
     compute_dtype: Any
     param_dtype: Any
@@ -122,13 +122,16 @@ class PrologueDense(nn.Module):
         features_in = jax.eval_shape(self.op.apply, x, *params).shape[-1]
         kernel = self.param("kernel", self.kernel_init, (features_in, self.features), self.param_dtype)
         key = self.make_rng("quant") if self.recipe.needs_key else None
-        return prologue_dot(self.op, x, params, kernel.astype(self.compute_dtype), recipe=self.recipe, key=key,
-                            layer="/".join(self.path))
+        y = prologue_dot(self.op, x, params, kernel.astype(self.compute_dtype), recipe=self.recipe, key=key,
+                         layer="/".join(self.path))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(y.dtype)
+        return y
 
 
 def prologue_dense(module: nn.Module, config, name: str, op: Prologue, x, params: tuple, features: int, *,
-                   kernel_init) -> jax.Array:
-    """op(x, *params) through the bias-free projection `name` (a child of `module`; call in its compact method).
+                   kernel_init, use_bias: bool = False) -> jax.Array:
+    """op(x, *params) through the projection `name` (a child of `module`; call in its compact method).
 
     Where the layer's recipe saves 8-bit activations (`Recipe.saved`: the data-flow recipes) op and GEMM run as
     one `PrologueDense`; otherwise op.apply, then `dense`. Same parameters either way.
@@ -136,9 +139,9 @@ def prologue_dense(module: nn.Module, config, name: str, op: Prologue, x, params
     features_in = jax.eval_shape(op.apply, x, *params).shape[-1]
     recipe = recipe_for(config, layer_name(module, name), features_in, features)
     if recipe.saved is None:
-        return dense(module, config, name, features_in, features, use_bias=False, kernel_init=kernel_init)(
+        return dense(module, config, name, features_in, features, use_bias=use_bias, kernel_init=kernel_init)(
             op.apply(x, *params))
-    return PrologueDense(op, features, recipe, kernel_init, jnp.dtype(config.compute_dtype),
+    return PrologueDense(op, features, recipe, use_bias, kernel_init, jnp.dtype(config.compute_dtype),
                          jnp.dtype(config.param_dtype), name=name)(x, *params)
 
 

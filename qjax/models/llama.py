@@ -198,7 +198,8 @@ class Block(nn.Module):
         c = self.config
         # The norms run inside the projections after them (`layers.prologue_dense`): fused with their GEMM where the
         # recipe saves 8-bit activations. Their scales keep RMSNorm's parameter paths.
-        scale = lambda name: layers.param(self, name, "scale", nn.initializers.ones, (c.dim,), jnp.dtype(c.param_dtype))
+        scale = lambda name: layers.params(self, name, (("scale", nn.initializers.ones, (c.dim,)),),
+                                           jnp.dtype(c.param_dtype))[0]
         x = x + Attention(c, name="attn")(x, scale("attn_norm"), positions)
         return x + MLP(c, name="mlp")(x, scale("mlp_norm"))
 

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import optax
 
 from qjax.models import layers
-from qjax.models.ops import gelu, layer_norm
+from qjax.models import ops
+from qjax.models.ops import layer_norm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,26 +139,34 @@ class LayerNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), self.param_dtype)
+        scale, bias = _norm_params(self, None, x.shape[-1], self.param_dtype)
         return layer_norm(x, scale, bias, self.eps, self.dtype)
 
 
+def _norm_params(module, name, dim, param_dtype):
+    """A LayerNorm's (scale, bias) at `name/scale`, `name/bias` of `module` (its own when name is None)."""
+    specs = (("scale", nn.initializers.ones, (dim,)), ("bias", nn.initializers.zeros, (dim,)))
+    if name is None:
+        return tuple(module.param(n, init, shape, param_dtype) for n, init, shape in specs)
+    return layers.params(module, name, specs, param_dtype)
+
+
 class Attention(nn.Module):
-    """Multi-head self-attention (no mask): (B, S, dim) -> (B, S, dim)."""
+    """Multi-head self-attention (no mask) after a LayerNorm: (B, S, dim) -> (B, S, dim)."""
 
     config: ViTConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, norm_params):
+        """x: the block's input, normalized here with norm_params (scale, bias) before the qkv projection."""
         c = self.config
         b, s, _ = x.shape
         heads = lambda y: y.reshape(b, s, c.n_heads, c.dim // c.n_heads)
         # One qkv projection (columns [q | k | v]): the input is quantized once, not three times. Xavier-uniform
         # on the fused (dim, 3 dim) kernel would see fan_out 3 dim; scale 2 gives each third the limit sqrt(3 / dim)
         # a separate (dim, dim) xavier-uniform kernel has.
-        qkv = layers.dense(self, c, "qkv_proj", c.dim, 3 * c.dim, use_bias=True,
-                           kernel_init=nn.initializers.variance_scaling(2.0, "fan_avg", "uniform"))(x)
+        qkv = layers.prologue_dense(self, c, "qkv_proj", _norm(c), x, norm_params, 3 * c.dim, use_bias=True,
+                                    kernel_init=nn.initializers.variance_scaling(2.0, "fan_avg", "uniform"))
         q, k, v = (heads(y) for y in jnp.split(qkv, 3, axis=-1))
         out = layers.attention(c, q, k, v, is_causal=False)
         return layers.dense(self, c, "o_proj", c.dim, c.dim, use_bias=True,
@@ -165,29 +174,35 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """fc2(gelu(fc1(x))): (B, S, dim) -> (B, S, dim)."""
+    """fc2(gelu(fc1(ln(x)))): (B, S, dim) -> (B, S, dim)."""
 
     config: ViTConfig
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, norm_params):
         c = self.config
         init = nn.initializers.xavier_uniform()
-        x = gelu(layers.dense(self, c, "fc1", c.dim, c.mlp_dim, use_bias=True, kernel_init=init)(x))
-        return layers.dense(self, c, "fc2", c.mlp_dim, c.dim, use_bias=True, kernel_init=init)(x)
+        h = layers.prologue_dense(self, c, "fc1", _norm(c), x, norm_params, c.mlp_dim, use_bias=True,
+                                  kernel_init=init)
+        return layers.prologue_dense(self, c, "fc2", ops.GELU, h, (), c.dim, use_bias=True, kernel_init=init)
+
+
+def _norm(config: ViTConfig) -> ops.Prologue:
+    return ops.layer_norm_prologue(config.norm_eps, jnp.dtype(config.compute_dtype))
 
 
 class Block(nn.Module):
-    """Pre-norm encoder block: x + attn(ln(x)), then + mlp(ln(x))."""
+    """Pre-norm encoder block: x + attn(ln(x)), then + mlp(ln(x)); each norm runs inside the projection after it
+    (`layers.prologue_dense`: fused with its GEMM under the data-flow recipes)."""
 
     config: ViTConfig
 
     @nn.compact
     def __call__(self, x):
         c = self.config
-        norm = lambda name: LayerNorm(c.norm_eps, jnp.dtype(c.compute_dtype), jnp.dtype(c.param_dtype), name=name)
-        x = x + Attention(c, name="attn")(norm("attn_norm")(x))
-        return x + MLP(c, name="mlp")(norm("mlp_norm")(x))
+        norm = lambda name: _norm_params(self, name, c.dim, jnp.dtype(c.param_dtype))
+        x = x + Attention(c, name="attn")(x, norm("attn_norm"))
+        return x + MLP(c, name="mlp")(x, norm("mlp_norm"))
 
 
 class ViT(nn.Module):

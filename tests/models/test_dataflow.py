@@ -66,3 +66,27 @@ def test_training_tracks_bf16(recipe, params):
     assert bf16[-1] < 0.6 * bf16[0]  # it learns (from ln 128 = 4.85 to the words' ~2)
     # Step-to-step noise of the last losses is ~10% here (4.8 -> ~0.6 in 40 steps): the mean of the last ten.
     assert abs(np.mean(ours[-10:]) / np.mean(bf16[-10:]) - 1) < 0.10, (ours[-10:], bf16[-10:])
+
+
+@pytest.mark.parametrize("recipe", list(FLOORS))
+def test_vit_layer_norm_and_gelu_flow(recipe):
+    """ViT's LayerNorm -> qkv / fc1 and GELU -> fc2 run fused (their inputs saved 8-bit), close to float32."""
+    config = models.vit_config("tiny", dim=64, mlp_dim=128)
+    images = jax.random.normal(jax.random.key(0), (8, 8, 8, 3))
+    labels = jnp.arange(8) % config.num_classes
+
+    def value_and_grad(config):
+        def loss(params):
+            logits = models.ViT(config).apply({"params": params}, images, rngs={"quant": jax.random.key(1)})
+            return models.classification_loss(logits, labels)[0]
+        return jax.jit(jax.value_and_grad(loss), compiler_options=FAST_COMPILE)
+
+    params = jax.jit(lambda k: models.ViT(config).init(k, images)["params"])(jax.random.key(2))
+    params["head"]["kernel"] = 0.1 * jax.random.normal(jax.random.key(3), params["head"]["kernel"].shape)
+    ref_loss, ref_grads = value_and_grad(dataclasses.replace(config, compute_dtype="float32"))(params)
+    quantized = dataclasses.replace(config, recipe=recipe, keep_high_precision=("head", "patch_embed"))
+    assert {r.name for r in models.layer_recipes(quantized).values()} == {recipe, "bf16"}
+    loss, grads = value_and_grad(quantized)(params)
+    assert abs(float(loss) / float(ref_loss) - 1) < 0.01
+    for (path, ref), got in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
+        assert snr_db(ref, got) > FLOORS[recipe], jax.tree_util.keystr(path)
