@@ -11,7 +11,8 @@ name matches a regex in `config.keep_high_precision` (default: the LM head), lay
 `config.min_features`, and layers a block-scaled recipe cannot tile; those run in bf16 (`qjax.recipe_for_layer`).
 Attention scores and values stay in the compute dtype. RMSNorm, SwiGLU and RoPE have hand-written backward
 passes (`qjax.models.ops`) that save their compute-dtype inputs (RoPE: only the positions), not float32
-intermediates. Parameter tree (names are what the filter matches):
+intermediates; under the data-flow recipes each norm and SwiGLU runs fused with the projection after it and saves
+its input in 8 bits (`qjax.prologue`). Parameter tree (names are what the filter matches):
 
   embed/embedding (vocab, dim)
   layers_{i}/attn_norm/scale, layers_{i}/attn/{qkv,o}_proj/kernel, layers_{i}/mlp_norm/scale,

@@ -9,7 +9,8 @@
 Patches are flattened and embedded by a Dense ("patch_embed"), so that GEMM goes through the recipe and the
 high-precision filter too (by default it, and the classification "head", stay in bf16). Blocks are pre-norm:
 LayerNorm, multi-head attention (scores in the compute dtype), LayerNorm, GELU MLP; the norms and GELU have
-hand-written backward passes (`qjax.models.ops`) that save their compute-dtype inputs, not float32 copies.
+hand-written backward passes (`qjax.models.ops`) that save their compute-dtype inputs, not float32 copies; under
+the data-flow recipes each runs fused with the projection after it and saves its input in 8 bits (`qjax.prologue`).
 Parameter tree:
 
   patch_embed/{kernel,bias}, cls_token (pool="cls" only), pos_embed (1, tokens, dim),
