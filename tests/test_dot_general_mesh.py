@@ -1,5 +1,6 @@
 """`qjax.dot_general` under a context mesh of 8 CPU devices: the GEMMs run per device inside `jax.shard_map` and
-give the unsharded results (scales from global amax; weight gradient summed over devices), also under vmap and scan.
+give the unsharded results (scales from global amax; weight gradient summed over devices), also under vmap and scan,
+and so does a norm fused with its linear layer (`qjax.prologue`).
 
 XLA_FLAGS must be set before jax initialises, so the checks run in a subprocess. Only the reference (XLA) path can
 run per device here: the Mosaic GPU interpreter does not run on several CPU devices at once (it fails with
@@ -73,6 +74,24 @@ _SCRIPT = textwrap.dedent("""
                                        err_msg=name)
         print(name, "ok")
 
+    # A norm fused with its linear layer (qjax.prologue, the data-flow recipes) runs per device the same way.
+    from qjax.models import ops
+    from qjax.prologue import prologue_dot
+    norm = ops.rms_norm_prologue(1e-5, jnp.float32)
+    scale = 1 + 0.1 * jax.random.normal(jax.random.key(5), (256,))
+    fused = lambda x, scale, w: jnp.sum(prologue_dot(norm, x, (scale,), w, recipe="fp8_dataflow") ** 2)
+    fused_grad = jax.value_and_grad(fused, argnums=(0, 1, 2))
+
+    def fused_on_mesh(x, scale, w):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fused_grad(x, scale, w)
+
+    assert "shard_map" in str(jax.make_jaxpr(fused_on_mesh)(x, scale, w))
+    got = jax.jit(fused_on_mesh, in_shardings=(shardings[0], None, None))(x, scale, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(fused_grad)(x, scale, w))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * np.abs(b).max())
+    print("prologue ok")
+
     # Left to XLA (no shard_map): a leading dim that does not split evenly over 8 devices, and batch dims.
     x6 = x[:6]
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -89,5 +108,5 @@ def test_per_device_gemms_on_8_cpu_devices_match_unsharded():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stdout + out.stderr[-5000:]
     assert out.stdout.split() == ["int8_rowwise", "ok", "fp8_tensorwise", "ok", "fp8_blockwise", "ok",
-                                  "sr", "ok", "vmap", "ok", "scan", "ok",
+                                  "sr", "ok", "vmap", "ok", "scan", "ok", "prologue", "ok",
                                   "fallbacks", "ok"], out.stdout
