@@ -41,11 +41,22 @@ def plain_rope(x, positions, *, theta):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-# (module, name, plain formula): what the models use in place of the ops once monkeypatched.
-LLAMA_PLAIN = [(llama, "rms_norm", plain_rms_norm), (llama, "swiglu", plain_swiglu),
-               (llama, "apply_rope", plain_rope)]
+def _plain(name, apply):
+    """A `Prologue` whose op is the plain formula (the models call only `apply` outside the data-flow recipes)."""
+    return ops.Prologue(name, apply=apply, forward=None, backward=None)
+
+
+# (module, name, plain formula): what the models use in place of the ops once monkeypatched. The blocks' norms,
+# SwiGLU and GELU are `Prologue`s (`layers.prologue_dense`); the final norms call the ops directly.
+LLAMA_PLAIN = [(llama, "rms_norm", plain_rms_norm), (llama, "apply_rope", plain_rope),
+               (llama, "_norm", lambda c: _plain("rms_norm", lambda x, s: plain_rms_norm(
+                   x, s, c.norm_eps, jnp.dtype(c.compute_dtype)))),
+               (ops, "SWIGLU", _plain("swiglu", lambda gate_up: plain_swiglu(*jnp.split(gate_up, 2, axis=-1))))]
 VIT_PLAIN = [(vit, "LayerNorm", lambda eps, dtype, param_dtype, name: nn.LayerNorm(
-    eps, dtype=dtype, param_dtype=param_dtype, name=name)), (vit, "gelu", nn.gelu)]
+    eps, dtype=dtype, param_dtype=param_dtype, name=name)),
+             (vit, "_norm", lambda c: _plain("layer_norm", lambda x, s, b: plain_layer_norm(
+                 x, s, b, c.norm_eps, jnp.dtype(c.compute_dtype)))),
+             (ops, "GELU", _plain("gelu", nn.gelu))]
 
 
 def _use_plain(monkeypatch, patches):
