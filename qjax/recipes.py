@@ -115,6 +115,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            fwd=_gemm("int8", "1x128", "int8", "128x128"),
            dgrad=_gemm("int8", "1x128", "int8", "128x128"),
            wgrad=_gemm("int8", "1x128", "int8", "1x128")),
+    # OCP MXFP8 (torchao's mxfp8): e4m3 codes, E8M0 scales per 32 of each GEMM's contracting dim, every operand.
+    # Hopper has no MX GEMM: the codes times their power-of-two scales are exact in bf16, so a bf16 GEMM runs them.
+    _same_three("mxfp8", _gemm("e4m3", "1x32", "e4m3", "1x32", pow2_scale=True)),
 )}
 
 
