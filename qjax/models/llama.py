@@ -34,6 +34,7 @@ import optax
 
 import qjax
 from qjax.models import layers
+from qjax.models.moe import MoE, MoEConfig
 from qjax.models.ops import apply_rope, rms_norm, swiglu
 
 
@@ -54,6 +55,8 @@ class LlamaConfig:
       compute_dtype, param_dtype: "float32", "bfloat16" or "float16".
       remat: recompute each block in the backward pass (jax.checkpoint), trading FLOPs for activation memory.
       attention: "auto" (cuDNN flash attention on GPU where it applies, else XLA), "xla" or "cudnn".
+      moe: None (a dense SwiGLU of ffn_dim per block) or a `MoEConfig`: every block's feed-forward is a mixture of
+        experts (`qjax.models.moe`); ffn_dim is then unused.
     """
 
     vocab_size: int
@@ -73,6 +76,7 @@ class LlamaConfig:
     param_dtype: str = "float32"
     remat: bool = False
     attention: str = "auto"
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
         layers.check_positive_ints(self, ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
@@ -88,6 +92,8 @@ class LlamaConfig:
         if not (self.rope_theta > 0 and self.norm_eps > 0):
             raise ValueError(f"LlamaConfig.rope_theta ({self.rope_theta}) and norm_eps ({self.norm_eps}) must be > 0")
         layers.check_quantization_fields(self)
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise ValueError(f"LlamaConfig.moe must be None or a qjax.models.MoEConfig, got {type(self.moe).__name__}")
 
     @property
     def head_dim(self) -> int:
@@ -98,6 +104,9 @@ class LlamaConfig:
         kv = self.n_kv_heads * self.head_dim
         per_layer = {"attn/qkv_proj": (self.dim, self.dim + 2 * kv), "attn/o_proj": (self.dim, self.dim),
                      "mlp/gate_up_proj": (self.dim, 2 * self.ffn_dim), "mlp/down_proj": (self.ffn_dim, self.dim)}
+        if self.moe is not None:  # per expert; the routed experts' FLOPs per token are top_k times these
+            del per_layer["mlp/gate_up_proj"], per_layer["mlp/down_proj"]
+            per_layer.update(self.moe.projections(self.dim))
         out = {f"layers_{i}/{name}": shape for i in range(self.n_layers) for name, shape in per_layer.items()}
         out["lm_head"] = (self.dim, self.vocab_size)
         return out
@@ -190,7 +199,7 @@ class Block(nn.Module):
         c = self.config
         norm = lambda name: RMSNorm(c.norm_eps, jnp.dtype(c.compute_dtype), jnp.dtype(c.param_dtype), name=name)
         x = x + Attention(c, name="attn")(norm("attn_norm")(x), positions)
-        return x + MLP(c, name="mlp")(norm("mlp_norm")(x))
+        return x + (MoE(c, name="moe") if c.moe else MLP(c, name="mlp"))(norm("mlp_norm")(x))
 
 
 class Llama(nn.Module):
