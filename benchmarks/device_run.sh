@@ -18,7 +18,8 @@
 # int8_rowwise with stochastic rounding of the gradients), linear-ab (int8_rowwise and fp8_tensorwise at two shapes, no
 # peer, not appended), optim-ab (the low-bit AdamW step rows against optax.adamw), train-row (the 1.1B
 # int8_rowwise row, not appended), default-run (the GPU default of `make
-# train` on the Shakespeare corpus: carry "data" prepared here). A step written STEP@base runs in .baseline, an
+# train` on the Shakespeare corpus: carry "data" prepared here), moe (benchmarks/ragged.py: MoE grouped GEMMs per
+# recipe vs bf16 lax.ragged_dot), linear-mxfp8 (linear.py's fp8_blockwise and mxfp8 rows, no peer). A step written STEP@base runs in .baseline, an
 # exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -60,6 +61,9 @@ step_command() {
         optim-ab) echo "python3 benchmarks/optim.py --rows 8bit 8bit_kernel fp8 fp8_kernel --rounds 3" ;;
         default-run) echo "python3 train.py --config configs/llama_int8.py $(make -s train-args) --workdir" \
                           "/tmp/default_run" ;;
+        moe) echo "python3 benchmarks/ragged.py" ;;
+        linear-mxfp8) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
+                           "fp8_blockwise mxfp8 --no-peer" ;;
         train-sr) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_rowwise_sr --steps 5 --warmup 2" \
                        "--no-peer" ;;
         *) return 1 ;;
