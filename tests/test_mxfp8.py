@@ -78,9 +78,8 @@ def _snrs(recipe, x, w, g):
 def test_mxfp8_snr_on_outlier_data(outlier_rows):
     """Above the fp8 targets (18 / 17 dB), and within 6 dB of fp8_blockwise. Not above it (the issue's criterion):
     fp8_blockwise's amax / 448 scales put each block's largest value, here the outlier that dominates the signal,
-    exactly on a code; power-of-two scales cannot, and FLOOR saturates block maxima above 448 * 2^k
-    (measured 2026-11-25, out / dgrad / wgrad: mxfp8 26.3 / 27.3 / 28.3 dB vs fp8_blockwise 30.4 / 29.1 / 29.6;
-    with outlier rows 25.6 / 27.3 / 26.0 vs 30.7 / 29.1 / 31.8)."""
+    exactly on a code; power-of-two scales cannot, and FLOOR saturates block maxima above 448 * 2^k (the measured
+    numbers: benchmarks/NOTES.md, "MXFP8 numerics on the CPU")."""
     operands = _operands(outlier_rows)
     mx, block = _snrs("mxfp8", *operands), _snrs("fp8_blockwise", *operands)
     assert min(mx) >= 25 and all(m >= b - 6 for m, b in zip(mx, block)), (mx, block)
