@@ -264,11 +264,14 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), the PaLM / nanoGPT accounting used for MFU.
 
       6 * N_matmul           every weight does 2 FLOPs per token forward and 4 backward; N_matmul counts the
-                             projections and the LM head (also when tied), not the embedding lookup or norms
+                             projections and the LM head (also when tied), not the embedding lookup or norms; with
+                             MoE, top_k routed experts and the shared ones per token, not the float32 router
       + 12 * n_layers * dim * seq_len   QKᵀ and AV: 2 * 2 * seq_len * dim forward per layer, times 3; the causal
                              mask is not discounted (as in PaLM's appendix B and nanoGPT)
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     n_matmul = sum(f_in * f_out for f_in, f_out in config.projections().values())
+    if config.moe is not None:  # projections() lists each routed expert's GEMMs once; a token runs top_k of them
+        n_matmul += (config.moe.top_k - 1) * config.n_layers * 3 * config.dim * config.moe.expert_ffn_dim
     return float(6 * n_matmul + 12 * config.n_layers * config.dim * seq_len)

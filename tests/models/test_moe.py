@@ -71,6 +71,12 @@ def test_quantized_moe_llama_trains_and_reports_its_aux_loss():
     assert jax.eval_shape(dense.loss, jax.eval_shape(dense.init, jax.random.key(0)), batch, jax.random.key(1))[1] == {}
 
 
+def test_flops_count_top_k_experts_per_token():
+    dense_ffn = dataclasses.replace(CONFIG, moe=None, ffn_dim=(MOE.top_k + MOE.n_shared_experts) * 64)
+    # top_k routed + shared experts of width 64 per token: the FLOPs of a dense SwiGLU of their total width
+    assert models.flops_per_token(CONFIG, 64) == models.flops_per_token(dense_ffn, 64)
+
+
 def test_bad_moe_configs_raise():
     with pytest.raises(ValueError, match="top_k"):
         models.MoEConfig(n_experts=2, top_k=3)
