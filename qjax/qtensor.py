@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from qjax import formats
 
 GRANULARITIES = ("tensor", "row", "1x128", "128x128", "1x32")
-BLOCK_SHAPES = {"1x128": (1, 128), "128x128": (128, 128), "1x32": (1, 32)}  # block-scaled granularities: (rows, K) per scale
+# block-scaled granularities: (rows, K) per scale
+BLOCK_SHAPES = {"1x128": (1, 128), "128x128": (128, 128), "1x32": (1, 32)}
 
 
 @dataclasses.dataclass(frozen=True)

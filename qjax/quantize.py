@@ -1,4 +1,4 @@
-"""Quantize reference: scales at tensor, row, 1x128, 128x128 and 1x32 (MX) granularity (the types are in `qjax.qtensor`).
+"""Quantize reference: scales at tensor, row, 1x128, 128x128 and 1x32 (MX) granularity (types: `qjax.qtensor`).
 
 These functions define the semantics every kernel must reproduce bit for bit (docs/design.md, "Recipes"). Arrays
 are quantized in the layout the GEMM reads them: shape (..., R, K) with K, the contracting dimension, last:

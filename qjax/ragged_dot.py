@@ -15,8 +15,8 @@ recipe's "row" is one scale per row along that GEMM's contracting dimension:
 The wgrad GEMM is `lax.ragged_dot_general` with the tokens as a ragged contracting dimension: dw[e] sums over group
 e's tokens only; its row scales (constant along the tokens) factor out of every group's sum. They span all groups'
 tokens (one quantization of x and g for every expert, as dot_general's), so a NaN or Inf in one group's tokens
-makes every non-empty group's weight gradient non-finite, where lax's stays finite for the other groups. Block-scaled operands
-("1x128", "128x128", "1x32") are dequantized for the GEMM (`qjax.kernels.scaled_matmul.dequantize_for_gemm`); a
+makes every non-empty group's weight gradient non-finite, where lax's stays finite for the other groups.
+Block-scaled operands ("1x128", "128x128", "1x32") are dequantized for the GEMM (`qjax.kernels.scaled_matmul.dequantize_for_gemm`); a
 128x128 weight block is 128 x 128 of one expert. Quantization runs through `qjax.dispatch.quantize_pair` (the fused
 kernel where it applies); the grouped GEMMs run on XLA: there is no grouped Mosaic GPU kernel yet.
 
@@ -50,8 +50,9 @@ _RAGGED_CONTRACT = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1
 
 def _check_group_sizes(group_sizes, m: int, groups: int):
     if not isinstance(group_sizes, jax.Array | np.ndarray) or group_sizes.dtype != jnp.int32:
-        raise ValueError(f"group_sizes must be an int32 array of shape ({groups},), got "
-                         f"{getattr(group_sizes, 'dtype', type(group_sizes).__name__)}; use jnp.asarray(..., jnp.int32)")
+        got = getattr(group_sizes, "dtype", type(group_sizes).__name__)
+        raise ValueError(f"group_sizes must be an int32 array of shape ({groups},), got {got}; use "
+                         "jnp.asarray(sizes, jnp.int32)")
     if group_sizes.shape != (groups,):
         raise ValueError(f"group_sizes must have shape ({groups},), one size per group of rhs (G, K, N), got "
                          f"{group_sizes.shape}")
