@@ -16,9 +16,10 @@ The wgrad GEMM is `lax.ragged_dot_general` with the tokens as a ragged contracti
 e's tokens only; its row scales (constant along the tokens) factor out of every group's sum. They span all groups'
 tokens (one quantization of x and g for every expert, as dot_general's), so a NaN or Inf in one group's tokens
 makes every non-empty group's weight gradient non-finite, where lax's stays finite for the other groups.
-Block-scaled operands ("1x128", "128x128", "1x32") are dequantized for the GEMM (`qjax.kernels.scaled_matmul.dequantize_for_gemm`); a
-128x128 weight block is 128 x 128 of one expert. Quantization runs through `qjax.dispatch.quantize_pair` (the fused
-kernel where it applies); the grouped GEMMs run on XLA: there is no grouped Mosaic GPU kernel yet.
+Block-scaled operands ("1x128", "128x128", "1x32") are dequantized for the GEMM
+(`qjax.kernels.scaled_matmul.dequantize_for_gemm`); a 128x128 weight block is 128 x 128 of one expert. Quantization
+runs through `qjax.dispatch.quantize_pair` (the fused kernel where it applies); the grouped GEMMs run on XLA: there
+is no grouped Mosaic GPU kernel yet.
 
 Rows after sum(group_sizes) (padding) are zeroed before quantization, so they neither produce output nor enter the
 scales of real tokens, as lax.ragged_dot ignores them.
