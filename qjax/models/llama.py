@@ -199,7 +199,7 @@ class Block(nn.Module):
         c = self.config
         norm = lambda name: RMSNorm(c.norm_eps, jnp.dtype(c.compute_dtype), jnp.dtype(c.param_dtype), name=name)
         x = x + Attention(c, name="attn")(norm("attn_norm")(x), positions)
-        return x + (MoE(c, name="moe") if c.moe else MLP(c, name="mlp"))(norm("mlp_norm")(x))
+        return x + (MoE(c, _init, name="moe") if c.moe else MLP(c, name="mlp"))(norm("mlp_norm")(x))
 
 
 class Llama(nn.Module):

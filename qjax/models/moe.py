@@ -18,6 +18,7 @@ moe/shared_gate_up_proj/kernel, moe/shared_down_proj/kernel.
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -68,9 +69,12 @@ class MoEConfig:
 
 
 class MoE(nn.Module):
-    """(B, T, dim) -> (B, T, dim), compute dtype; `config` is the LlamaConfig, `config.moe` a MoEConfig."""
+    """(B, T, dim) -> (B, T, dim), compute dtype; `config` is the LlamaConfig, `config.moe` a MoEConfig;
+    kernel_init(config, residual) -> a weight's initializer (the dense MLP's; residual=True for projections into
+    the residual stream)."""
 
     config: Any
+    kernel_init: Callable
 
     @nn.compact
     def __call__(self, x):
@@ -79,7 +83,7 @@ class MoE(nn.Module):
         batch, seq, dim = x.shape
         tokens = x.reshape(-1, dim)
 
-        router = self.param("router", nn.initializers.normal(0.02), (dim, m.n_experts), jnp.float32)
+        router = self.param("router", self.kernel_init(c), (dim, m.n_experts), jnp.float32)
         probs = jax.nn.softmax(jnp.dot(tokens.astype(jnp.float32), router, precision=lax.Precision.HIGHEST))
         top_probs, top_experts = lax.top_k(probs, m.top_k)  # (tokens, top_k)
         top_probs = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
@@ -90,16 +94,15 @@ class MoE(nn.Module):
         token_of_row = order // m.top_k
         group_sizes = jnp.bincount(flat_experts, length=m.n_experts).astype(jnp.int32)
 
-        def expert_weights(name, shape):
-            std = 0.02 if name == "experts_gate_up" else 0.02 / (2 * c.n_layers) ** 0.5  # as the dense MLP
-            w = self.param(name, nn.initializers.normal(std), shape, param_dtype).astype(compute)
+        def expert_weights(name, shape, residual=False):
+            w = self.param(name, self.kernel_init(c, residual), shape, param_dtype).astype(compute)
             recipe = layers.recipe_for(c, layers.layer_name(self, name), shape[1], shape[2])
             key = self.make_rng("quant") if recipe.needs_key else None
             return lambda rows: qjax.ragged_dot(rows, w, group_sizes, recipe=recipe, key=key)
 
         f = m.expert_ffn_dim
         gate_up = expert_weights("experts_gate_up", (m.n_experts, dim, 2 * f))
-        down = expert_weights("experts_down", (m.n_experts, f, dim))
+        down = expert_weights("experts_down", (m.n_experts, f, dim), residual=True)
         gate, up = jnp.split(gate_up(tokens.astype(compute)[token_of_row]), 2, axis=-1)
         rows_out = down(swiglu(gate, up)).astype(jnp.float32) * top_probs.reshape(-1)[order][:, None]
         out = jnp.zeros((tokens.shape[0], dim), jnp.float32).at[token_of_row].add(rows_out).astype(compute)
@@ -110,9 +113,8 @@ class MoE(nn.Module):
 
         if m.n_shared_experts:
             shared = m.n_shared_experts * f
-            dense = lambda name, f_in, f_out, std: layers.dense(self, c, name, f_in, f_out, use_bias=False,
-                                                                kernel_init=nn.initializers.normal(std))
-            s_gate, s_up = jnp.split(dense("shared_gate_up_proj", dim, 2 * shared, 0.02)(x), 2, axis=-1)
-            out = out + dense("shared_down_proj", shared, dim, 0.02 / (2 * c.n_layers) ** 0.5)(
-                swiglu(s_gate, s_up)).reshape(-1, dim)
+            dense = lambda name, f_in, f_out, residual=False: layers.dense(
+                self, c, name, f_in, f_out, use_bias=False, kernel_init=self.kernel_init(c, residual))
+            s_gate, s_up = jnp.split(dense("shared_gate_up_proj", dim, 2 * shared)(x), 2, axis=-1)
+            out = out + dense("shared_down_proj", shared, dim, residual=True)(swiglu(s_gate, s_up)).reshape(-1, dim)
         return out.reshape(batch, seq, dim)

@@ -3,6 +3,7 @@ the auxiliary loss through the train task, config checks."""
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +16,7 @@ from qjax.models.moe import MoE
 from qjax.train.task import make_task
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
+INIT = lambda config, residual=False: nn.initializers.normal(0.02)  # noqa: E731
 MOE = models.MoEConfig(n_experts=4, top_k=2, n_shared_experts=1, expert_ffn_dim=64, aux_loss_weight=0.01)
 CONFIG = models.llama_config("tiny", vocab_size=64, n_layers=1, max_seq_len=64, moe=MOE, recipe="int8_rowwise")
 
@@ -37,8 +39,8 @@ def _reference_moe(params, x, moe):
 def test_moe_layer_equals_every_expert_reference():
     config = dataclasses.replace(CONFIG, recipe="bf16", compute_dtype="float32")
     x = jax.random.normal(jax.random.key(0), (2, 8, config.dim))
-    params = jax.jit(MoE(config).init)(jax.random.key(1), x)["params"]
-    out, state = jax.jit(lambda p, x: MoE(config).apply({"params": p}, x, mutable=["losses"]))(params, x)
+    params = jax.jit(MoE(config, INIT).init)(jax.random.key(1), x)["params"]
+    out, state = jax.jit(lambda p, x: MoE(config, INIT).apply({"params": p}, x, mutable=["losses"]))(params, x)
     np.testing.assert_allclose(np.asarray(out), np.asarray(_reference_moe(params, x, MOE)), rtol=2e-4, atol=2e-5)
     (aux,) = state["losses"]["moe_aux_loss"]
     assert 0.5 * MOE.aux_loss_weight < float(aux) < MOE.n_experts * MOE.aux_loss_weight  # 1 x weight when balanced
