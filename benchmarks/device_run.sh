@@ -18,8 +18,9 @@
 # int8_rowwise with stochastic rounding of the gradients), linear-ab (int8_rowwise and fp8_tensorwise at two shapes, no
 # peer, not appended), optim-ab (the low-bit AdamW step rows against optax.adamw), train-row (the 1.1B
 # int8_rowwise row, not appended), default-run (the GPU default of `make
-# train` on the Shakespeare corpus: carry "data" prepared here), moe (benchmarks/ragged.py: MoE grouped GEMMs per
-# recipe vs bf16 lax.ragged_dot), linear-mxfp8 (linear.py's fp8_blockwise and mxfp8 rows, no peer). A step written STEP@base runs in .baseline, an
+# train` on the Shakespeare corpus: carry "data" prepared here), tests-moe (the ragged_dot, MXFP8 and MoE tests on the
+# GPU: XLA's grouped GEMMs on 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16
+# lax.ragged_dot), linear-mxfp8 (linear.py's fp8_blockwise and mxfp8 rows, no peer). A step written STEP@base runs in .baseline, an
 # exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -61,6 +62,8 @@ step_command() {
         optim-ab) echo "python3 benchmarks/optim.py --rows 8bit 8bit_kernel fp8 fp8_kernel --rounds 3" ;;
         default-run) echo "python3 train.py --config configs/llama_int8.py $(make -s train-args) --workdir" \
                           "/tmp/default_run" ;;
+        tests-moe) echo "python3 -m pytest -x -q -p no:cacheprovider tests/test_ragged_dot.py tests/test_mxfp8.py" \
+                        "tests/models/test_moe.py" ;;
         moe) echo "python3 benchmarks/ragged.py" ;;
         linear-mxfp8) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
                            "fp8_blockwise mxfp8 --no-peer" ;;
