@@ -21,7 +21,8 @@
 # train` on the Shakespeare corpus: carry "data" prepared here), tests-moe (the ragged_dot, MXFP8 and MoE tests on the
 # GPU: XLA's grouped GEMMs on 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16
 # lax.ragged_dot), linear-mxfp8 (linear.py's fp8_blockwise and mxfp8 rows, no peer). A step written STEP@base
-# runs in .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
+# runs in .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a
+# before/after A/B in one call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}
