@@ -20,8 +20,10 @@
 # int8_rowwise row, not appended), default-run (the GPU default of `make
 # train` on the Shakespeare corpus: carry "data" prepared here), dataflow (the 1.1B rows of the data-flow recipes),
 # dataflow-conv (benchmarks/convergence.py at the default run's 125M settings for bf16 and the data-flow recipes;
-# the new PNG comes back in $OUT). A step written STEP@base runs in .baseline, an
-# exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
+# the new PNG comes back in $OUT), tests-moe (the ragged_dot, MXFP8 and MoE tests on the GPU: XLA's grouped GEMMs on
+# 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16 lax.ragged_dot), linear-mxfp8
+# (linear.py's fp8_blockwise and mxfp8 rows, no peer). A step written STEP@base runs in .baseline, an exported tree
+# of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}
@@ -63,6 +65,11 @@ step_command() {
         optim-ab) echo "python3 benchmarks/optim.py --rows 8bit 8bit_kernel fp8 fp8_kernel --rounds 3" ;;
         default-run) echo "python3 train.py --config configs/llama_int8.py $(make -s train-args) --workdir" \
                           "/tmp/default_run" ;;
+        tests-moe) echo "python3 -m pytest -x -q -p no:cacheprovider tests/test_ragged_dot.py tests/test_mxfp8.py" \
+                        "tests/models/test_moe.py" ;;
+        moe) echo "python3 benchmarks/ragged.py" ;;
+        linear-mxfp8) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
+                           "fp8_blockwise mxfp8 --no-peer" ;;
         train-sr) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_rowwise_sr --steps 5 --warmup 2" \
                        "--no-peer" ;;
         dataflow) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise fp8_dataflow int8_dataflow --steps 5" \

@@ -4,6 +4,7 @@ Public API:
   recipe(name), RECIPES, Recipe, GemmSpec, QuantSpec      how each GEMM of a linear layer is quantized
   dot_general(lhs, rhs, dims, ..., recipe=, key=)          quantized, differentiable lax.dot_general
   einsum(subscripts, lhs, rhs, recipe=, key=)              quantized two-operand einsum
+  ragged_dot(lhs, rhs, group_sizes, recipe=, key=)         quantized lax.ragged_dot (mixture-of-experts GEMMs)
   make_dot_general(recipe), DotGeneral, recipe_for_layer   Flax integration
   quantize, dequantize, QTensor                            reference quantization (tensor/row/1x128/128x128)
   stochastic_round(x, dtype, key)                          unbiased rounding to bf16 / fp8 / int8
@@ -19,12 +20,14 @@ from qjax.dot_general import dot_general
 from qjax.flax import DotGeneral, einsum, make_dot_general, recipe_for_layer
 from qjax.qtensor import QTensor, QuantSpec, dequantize
 from qjax.quantize import quantize
+from qjax.ragged_dot import ragged_dot
 from qjax.recipes import RECIPES, GemmSpec, Recipe, recipe, with_stochastic_gradients
 from qjax.stochastic import stochastic_round
 
 __all__ = [
     "DotGeneral", "GemmSpec", "QTensor", "QuantSpec", "RECIPES", "Recipe", "dequantize", "dot_general", "einsum",
-    "make_dot_general", "optim", "quantize", "recipe", "recipe_for_layer", "stochastic_round", "with_stochastic_gradients",
+    "make_dot_general", "optim", "quantize", "ragged_dot", "recipe", "recipe_for_layer", "stochastic_round",
+    "with_stochastic_gradients",
 ]
 
 # Subpackages imported on first attribute access, so `import qjax` stays light (no flax model, orbax or data code)

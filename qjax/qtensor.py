@@ -6,6 +6,7 @@ scales), with `dequantize`. Shapes and granularities:
   "row"         (..., R, 1)          row, i.e. reduced along K
   "1x128"       (..., R, K/128)      1 row x 128 consecutive K
   "128x128"     (..., R/128, K/128)  128 x 128 tile
+  "1x32"        (..., R, K/32)       1 row x 32 consecutive K: OCP MX blocks, power-of-two (E8M0) scales
 
 Arrays are (..., R, K) with K, the contracting dimension of the GEMM that reads them, last. Scales are float32
 *dequantization* multipliers: x ~= code * scale. `qjax.quantize` computes them (the reference semantics).
@@ -18,8 +19,9 @@ import jax.numpy as jnp
 
 from qjax import formats
 
-GRANULARITIES = ("tensor", "row", "1x128", "128x128")
-BLOCK_SHAPES = {"1x128": (1, 128), "128x128": (128, 128)}  # block-scaled granularities: (rows, K) per scale
+GRANULARITIES = ("tensor", "row", "1x128", "128x128", "1x32")
+# block-scaled granularities: (rows, K) per scale
+BLOCK_SHAPES = {"1x128": (1, 128), "128x128": (128, 128), "1x32": (1, 32)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,9 +30,10 @@ class QuantSpec:
 
     Attributes:
       dtype: "int8", "e4m3" or "e5m2".
-      granularity: "tensor", "row", "1x128" or "128x128" (blocks are rows x K of the (..., R, K) operand).
+      granularity: "tensor", "row", "1x128", "128x128" or "1x32" (blocks are rows x K of the (..., R, K) operand).
       stochastic: stochastic rounding instead of round-half-to-even (needs a key).
-      pow2_scale: round each scale up to a power of two (torchao's fp8 rowwise does, so scaling is exact).
+      pow2_scale: round each scale up to a power of two (torchao's fp8 rowwise does, so scaling is exact). "1x32"
+        (MX) requires it and means the OCP MX E8M0 scale instead, rounded *down* (`numerics.e8m0_scale_from_amax`).
     """
 
     dtype: str
@@ -45,6 +48,8 @@ class QuantSpec:
         object.__setattr__(self, "dtype", fmt.name)
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"unknown granularity {self.granularity!r}; use one of {GRANULARITIES}")
+        if self.is_mx and not self.pow2_scale:
+            raise ValueError("granularity '1x32' (MX) has power-of-two E8M0 scales: pass pow2_scale=True")
 
     @property
     def format(self) -> formats.Format:
@@ -52,8 +57,13 @@ class QuantSpec:
 
     @property
     def is_block_scaled(self) -> bool:
-        """Scaled per 128 of K ("1x128" or "128x128"), not per row or tensor."""
+        """Scaled per block of K ("1x128", "128x128" or "1x32"), not per row or tensor."""
         return self.granularity in BLOCK_SHAPES
+
+    @property
+    def is_mx(self) -> bool:
+        """OCP MX: blocks of 32 along K with E8M0 (power-of-two) scales, as MXFP8."""
+        return self.granularity == "1x32"
 
 
 @jax.tree_util.register_dataclass

@@ -1,10 +1,11 @@
-"""Quantize reference: scales at tensor, row, 1x128 and 128x128 granularity (the types are in `qjax.qtensor`).
+"""Quantize reference: scales at tensor, row, 1x128, 128x128 and 1x32 (MX) granularity (types: `qjax.qtensor`).
 
 These functions define the semantics every kernel must reproduce bit for bit (docs/design.md, "Recipes"). Arrays
 are quantized in the layout the GEMM reads them: shape (..., R, K) with K, the contracting dimension, last:
 
   amax  = max |x| over the block                 (`numerics.amax`: NaN if the block holds a NaN, else Inf if an Inf)
   scale = max(amax / fmt.max, f32 tiny); 1 where amax == 0; optionally rounded *up* to a power of two
+          (MX "1x32": 2^(floor(log2 amax) - emax), `numerics.e8m0_scale_from_amax`)
   code  = cast(round(x * (1 / scale)))           round = half-to-even, or stochastic (qjax.stochastic)
 
 NaN or Inf in a block makes that block's scale NaN or Inf, so all its dequantized values (and any GEMM output that
@@ -56,7 +57,10 @@ def quantize_with_seed(x: jax.Array, spec: QuantSpec, seed: jax.Array | None, op
     block_amax = amax(x32, spec.granularity)
     if amax_axes:
         block_amax = numerics.amax_across(block_amax, amax_axes)
-    scale = numerics.scale_from_amax(block_amax, fmt, spec.pow2_scale)
+    if spec.is_mx:
+        scale = numerics.e8m0_scale_from_amax(block_amax, fmt)
+    else:
+        scale = numerics.scale_from_amax(block_amax, fmt, spec.pow2_scale)
     inv_scale = jnp.float32(1) / scale
     if spec.granularity == "tensor":
         y = x32 * inv_scale

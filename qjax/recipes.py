@@ -129,6 +129,13 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            fwd=_gemm("e4m3", "1x128", "e4m3", "128x128"),
            dgrad=_gemm("e4m3", "1x128", "e4m3", "128x128"),
            wgrad=_gemm("e4m3", "1x128", "e4m3", "1x128")),
+    Recipe("int8_blockwise",
+           fwd=_gemm("int8", "1x128", "int8", "128x128"),
+           dgrad=_gemm("int8", "1x128", "int8", "128x128"),
+           wgrad=_gemm("int8", "1x128", "int8", "1x128")),
+    # OCP MXFP8 (torchao's mxfp8): e4m3 codes, E8M0 scales per 32 of each GEMM's contracting dim, every operand.
+    # Hopper has no MX GEMM: the codes times their power-of-two scales are exact in bf16, so a bf16 GEMM runs them.
+    _same_three("mxfp8", _gemm("e4m3", "1x32", "e4m3", "1x32", pow2_scale=True)),
     # The data-flow recipes (docs/design.md, "Data flow"): the linear layers as fp8_tensorwise / int8_rowwise with
     # stochastically rounded gradients, and the norm and SwiGLU / GELU inputs saved in 8 bits: COAT's e4m3 1x16
     # groups; Jetfire's int8 with 1x32 groups (its 32 x 32 blocks along the features only: the saving op's
@@ -143,10 +150,6 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            dgrad=_gemm_sr_lhs(_INT8_ROW),
            wgrad=_gemm_sr_lhs(_INT8_ROW),
            saved=QuantSpec("int8", "row"), saved_group=32),
-    Recipe("int8_blockwise",
-           fwd=_gemm("int8", "1x128", "int8", "128x128"),
-           dgrad=_gemm("int8", "1x128", "int8", "128x128"),
-           wgrad=_gemm("int8", "1x128", "int8", "1x128")),
 )}
 
 

@@ -92,6 +92,8 @@ def supports(x, row_spec: QuantSpec, col_spec: QuantSpec | None = None) -> str |
             return f"{name} must be a qjax.QuantSpec, got {type(spec).__name__}"
     if row_spec is None:
         return "row_spec is required (col_spec alone: quantize x.T with quantize_kernel instead)"
+    if any(spec is not None and spec.granularity == "1x32" for spec in (row_spec, col_spec)):
+        return "MX (1x32) scales are computed by the jnp reference only"
     shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
     if shape is None or len(shape) != 2:
         return f"the quantize kernel takes a 2-D x (M, K), got shape {shape}; reshape leading dims into M"

@@ -2,7 +2,8 @@
 `qjax.dispatch.quantized_matmul` runs where no kernel does).
 
 (B?, M, K) x (B?, N, K) QTensors -> (B?, M, N): the GEMM runs on the 8-bit codes and the scales are applied after it
-(row/tensor scales) or, for block-scaled operands, the reference dequantizes and multiplies in float32.
+(row/tensor scales) or, for block-scaled operands, the reference dequantizes and multiplies in float32 (MX "1x32"
+operands in bfloat16, exactly: `dequantize_for_gemm`).
 """
 
 import jax
@@ -32,8 +33,8 @@ def scaled_matmul(a: QTensor, b: QTensor, out_dtype, precise_accumulation: bool 
     """
     dims = contract_last(a.data.ndim)
     if a.is_block_scaled or b.is_block_scaled:
-        out = lax.dot_general(dequantize(a), dequantize(b), dims, lax.Precision.HIGHEST,
-                              preferred_element_type=jnp.float32)
+        a_values, b_values, precision = dequantize_for_gemm(a, b)
+        out = lax.dot_general(a_values, b_values, dims, precision, preferred_element_type=jnp.float32)
         return out.astype(out_dtype)
     if jnp.issubdtype(a.data.dtype, jnp.integer):
         acc = _int8_matmul(a.data, b.data, dims)
@@ -45,6 +46,18 @@ def scaled_matmul(a: QTensor, b: QTensor, out_dtype, precise_accumulation: bool 
         acc = lax.dot_general(a.data, b.data, dims, precision, preferred_element_type=acc_dtype).astype(jnp.float32)
     b_scale = b.scale if b.granularity == "tensor" else jnp.swapaxes(b.scale, -1, -2)
     return (acc * a.scale * b_scale).astype(out_dtype)
+
+
+def dequantize_for_gemm(a: QTensor, b: QTensor):
+    """Block-scaled operands -> (a values, b values, precision) for a float GEMM accumulating in float32.
+
+    MX operands (both "1x32": 8-bit codes times power-of-two scales) dequantize to bfloat16 exactly (a code has at
+    most 7 significant bits, bf16 holds 8, with float32's exponent range; only products below bf16's normal range,
+    blocks with amax under ~2^-100, round), so a bf16 GEMM with float32 accumulation computes what an MX tensor core
+    does, at bf16 speed: Hopper has no MX GEMM. Other block scales are not powers of two: float32 at HIGHEST."""
+    if a.granularity == b.granularity == "1x32":
+        return dequantize(a, jnp.bfloat16), dequantize(b, jnp.bfloat16), lax.Precision.DEFAULT
+    return dequantize(a), dequantize(b), lax.Precision.HIGHEST
 
 
 def _int8_matmul(a, b, dims):

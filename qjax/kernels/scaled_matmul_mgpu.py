@@ -96,6 +96,8 @@ def supports(a, b, out_dtype) -> str | None:
     for name, q in (("a", a), ("b", b)):
         if q.granularity not in GRANULARITIES:
             return f"{name}: unknown granularity {q.granularity!r}"
+        if q.granularity == "1x32":
+            return f"{name}: MX (1x32) blocks have no Hopper GEMM; the reference runs them as an exact bf16 GEMM"
         if jnp.dtype(q.scale.dtype) != jnp.float32:
             return f"{name}: scales must be float32, got {q.scale.dtype}"
         rows = q.data.shape[0]

@@ -35,6 +35,7 @@ import optax
 
 import qjax
 from qjax.models import layers, ops
+from qjax.models.moe import MoE, MoEConfig
 from qjax.models.ops import apply_rope, rms_norm
 
 
@@ -55,6 +56,8 @@ class LlamaConfig:
       compute_dtype, param_dtype: "float32", "bfloat16" or "float16".
       remat: recompute each block in the backward pass (jax.checkpoint), trading FLOPs for activation memory.
       attention: "auto" (cuDNN flash attention on GPU where it applies, else XLA), "xla" or "cudnn".
+      moe: None (a dense SwiGLU of ffn_dim per block) or a `MoEConfig`: every block's feed-forward is a mixture of
+        experts (`qjax.models.moe`); ffn_dim is then unused.
     """
 
     vocab_size: int
@@ -74,6 +77,7 @@ class LlamaConfig:
     param_dtype: str = "float32"
     remat: bool = False
     attention: str = "auto"
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
         layers.check_positive_ints(self, ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
@@ -89,6 +93,8 @@ class LlamaConfig:
         if not (self.rope_theta > 0 and self.norm_eps > 0):
             raise ValueError(f"LlamaConfig.rope_theta ({self.rope_theta}) and norm_eps ({self.norm_eps}) must be > 0")
         layers.check_quantization_fields(self)
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise ValueError(f"LlamaConfig.moe must be None or a qjax.models.MoEConfig, got {type(self.moe).__name__}")
 
     @property
     def head_dim(self) -> int:
@@ -99,6 +105,9 @@ class LlamaConfig:
         kv = self.n_kv_heads * self.head_dim
         per_layer = {"attn/qkv_proj": (self.dim, self.dim + 2 * kv), "attn/o_proj": (self.dim, self.dim),
                      "mlp/gate_up_proj": (self.dim, 2 * self.ffn_dim), "mlp/down_proj": (self.ffn_dim, self.dim)}
+        if self.moe is not None:  # per expert; the routed experts' FLOPs per token are top_k times these
+            del per_layer["mlp/gate_up_proj"], per_layer["mlp/down_proj"]
+            per_layer.update(self.moe.projections(self.dim))
         out = {f"layers_{i}/{name}": shape for i in range(self.n_layers) for name, shape in per_layer.items()}
         out["lm_head"] = (self.dim, self.vocab_size)
         return out
@@ -202,6 +211,8 @@ class Block(nn.Module):
         scale = lambda name: layers.params(self, name, (("scale", nn.initializers.ones, (c.dim,)),),
                                            jnp.dtype(c.param_dtype))[0]
         x = x + Attention(c, name="attn")(x, scale("attn_norm"), positions)
+        if c.moe:  # the router reads the normalized input: the norm runs unfused, in the compute dtype
+            return x + MoE(c, _init, name="moe")(_norm(c).apply(x, scale("mlp_norm")))
         return x + MLP(c, name="mlp")(x, scale("mlp_norm"))
 
 
@@ -267,11 +278,14 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), the PaLM / nanoGPT accounting used for MFU.
 
       6 * N_matmul           every weight does 2 FLOPs per token forward and 4 backward; N_matmul counts the
-                             projections and the LM head (also when tied), not the embedding lookup or norms
+                             projections and the LM head (also when tied), not the embedding lookup or norms; with
+                             MoE, top_k routed experts and the shared ones per token, not the float32 router
       + 12 * n_layers * dim * seq_len   QKᵀ and AV: 2 * 2 * seq_len * dim forward per layer, times 3; the causal
                              mask is not discounted (as in PaLM's appendix B and nanoGPT)
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     n_matmul = sum(f_in * f_out for f_in, f_out in config.projections().values())
+    if config.moe is not None:  # projections() lists each routed expert's GEMMs once; a token runs top_k of them
+        n_matmul += (config.moe.top_k - 1) * config.n_layers * 3 * config.dim * config.moe.expert_ffn_dim
     return float(6 * n_matmul + 12 * config.n_layers * config.dim * seq_len)

@@ -60,16 +60,26 @@ class Task:
         return self.model.init({"params": params_key, "quant": quant_key}, inputs)["params"]
 
     def loss(self, params, batch: dict, key: jax.Array) -> tuple[jax.Array, dict]:
-        """(mean loss float32 (), aux dict of float32 () metrics) of `params` on one batch; `key` feeds "quant"."""
-        logits = self.model.apply({"params": params}, batch[self.input_key()], rngs={"quant": key})
+        """(mean loss float32 (), aux dict of float32 () metrics) of `params` on one batch; `key` feeds "quant".
+        A mixture-of-experts Llama's loss includes its layers' load-balancing losses, also reported as the metric
+        "moe_aux_loss"."""
+        logits, state = self.model.apply({"params": params}, batch[self.input_key()], rngs={"quant": key},
+                                         mutable=["losses"])
         if self.kind == "lm":
-            return models.lm_loss(logits, batch["targets"]).astype(jnp.float32), {}
+            loss = models.lm_loss(logits, batch["targets"]).astype(jnp.float32)
+            aux_losses = jax.tree.leaves(state.get("losses", {}))  # MoE layers' load-balancing losses, if any
+            if not aux_losses:
+                return loss, {}
+            aux_loss = sum(aux_losses).astype(jnp.float32)
+            return loss + aux_loss, {"moe_aux_loss": aux_loss}
         loss, accuracy = models.classification_loss(logits, batch["labels"])
         return loss.astype(jnp.float32), {"accuracy": accuracy.astype(jnp.float32)}
 
 
 def _model_overrides(config) -> dict:
     overrides = {k: v for k, v in config.model.items() if k != "size" and v is not None}
+    if "moe" in overrides:  # a ConfigDict of MoEConfig's fields
+        overrides["moe"] = models.MoEConfig(**overrides["moe"])
     overrides["recipe"] = config.recipe
     if config.get("keep_high_precision") is not None:
         overrides["keep_high_precision"] = tuple(config.keep_high_precision)
