@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from qjax import numerics
 from qjax.kernels import adam_step_mgpu
-from qjax.optim import adam, blockwise
+from qjax.optim import adam, blockwise, sr_params
 
 __all__ = ["KERNEL_BLOCK_SIZES", "KERNEL_FORMATS", "fused_step", "fused_step_reference", "kernel_eligible"]
 
@@ -29,11 +29,14 @@ KERNEL_FORMATS = adam_step_mgpu.KERNEL_FORMATS  # (m format, v format) pairs: "e
 KERNEL_BLOCK_SIZES = adam_step_mgpu.BLOCK_SIZES
 
 
-def fused_step_reference(p, g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float):
-    """jnp reference of one tensor's fused step, any state format: `adam.update_reference`, then the param update.
-    Args as in `fused_step`, plus the `adam.StateConfig`."""
+def fused_step_reference(p, g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float,
+                         seed=None, offset=0):
+    """jnp reference of one tensor's fused step, any state format: `adam.update_reference`, then the param update in
+    float32, rounded to p's dtype (`sr_params.round_param`: stochastically for bfloat16 with a `seed`, from element
+    index `offset` on). Args as in `fused_step`, plus the `adam.StateConfig`."""
     direction, mu, nu = adam.update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt)
-    return numerics.param_update(p, direction, step_size, weight_decay), mu, nu
+    new_p = numerics.param_update(p.astype(jnp.float32), direction, step_size, weight_decay)
+    return sr_params.round_param(new_p, p.dtype, seed, offset), mu, nu
 
 
 def _state_format(state) -> str | None:
@@ -65,7 +68,8 @@ def kernel_eligible(p, g, mu, nu) -> bool:
             and jnp.dtype(p.dtype) == jnp.float32 and jnp.dtype(g.dtype) == jnp.float32)
 
 
-def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float, *, interpret=None):
+def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float, *, seed=None,
+               interpret=None):
     """One tensor's AdamW step with quantized moments in one kernel; the result of `fused_step_reference`.
 
     Args:
