@@ -51,6 +51,22 @@ def make_tree(shapes, key, scale):
     return {name: jax.random.normal(k, shape, jnp.float32) * scale for k, (name, shape) in zip(keys, shapes.items())}
 
 
+def step_memory(tx, params, stochastic_rounding: bool = False) -> dict:
+    """Bytes per param of one jitted `optim.apply_gradients` step of `tx` on `params` (ShapeDtypeStructs), params
+    and state donated, from XLA's compiled memory analysis: {"state", "temp", "total"}. temp is
+    `temp_size_in_bytes` (what XLA allocates inside the step besides arguments and outputs; with the donated
+    outputs aliasing the inputs, state + temp is what the step adds to params and grads at its peak).
+    stochastic_rounding: the step gets a key (bfloat16 params rounded stochastically)."""
+    n = sum(p.size for p in jax.tree.leaves(params))
+    state = jax.eval_shape(tx.init, params)
+    key = jax.eval_shape(lambda: jax.random.key(0)) if stochastic_rounding else None
+    step = jax.jit(lambda g, s, p, k: optim.apply_gradients(tx, g, s, p, k), donate_argnums=(1, 2))
+    analysis = step.lower(params, state, params, key).compile().memory_analysis()
+    state_bytes = blockwise.nbytes(state)
+    return {"state": state_bytes / n, "temp": analysis.temp_size_in_bytes / n,
+            "total": (state_bytes + analysis.temp_size_in_bytes) / n}
+
+
 class Prepared:
     """One optimizer's compiled steps and its carried (params, state), warmed up.
 

@@ -3,14 +3,15 @@
 Left alone, XLA schedules every tensor's dequantize -> Adam -> quantize at once and holds each tensor's float32
 m, v and update at the same time: a low-bit AdamW step then peaks above fp32 AdamW's. `run` bounds that:
 
-  groups  consecutive tensors (tree order) whose sizes add up to at most `GROUP_ELEMENTS` run one group after
-          another: a group's inputs pass an `optimization_barrier` with the previous group's outputs, so its work
-          cannot start before they exist. Inside a group nothing is ordered, so XLA fuses as it does without
-          streaming (a barrier per tensor instead made the 1.1B step launch 3x the kernels: benchmarks/NOTES.md).
-  chunks  a tensor with quantized states larger than `GROUP_ELEMENTS` is a group of its own and runs in a
-          `lax.fori_loop` over chunks of whole state blocks (about `GROUP_ELEMENTS` elements each, the rest as one
-          static tail), each chunk's results written in place into the loop's carry: one compiled body per tensor,
-          not one per chunk.
+  groups  consecutive tensors (tree order) whose sizes add up to at most a budget (1/`GROUPS` of the tree) run
+          one group after another: a group's inputs pass an `optimization_barrier` with the previous group's
+          outputs, so its work cannot start before they exist. Inside a group nothing is ordered, so XLA fuses as
+          it does without streaming (a barrier per tensor made the 1.1B step launch 3x the kernels:
+          benchmarks/NOTES.md).
+  chunks  a tensor with quantized states larger than the budget is a group of its own and runs in a
+          `lax.fori_loop` over chunks of whole state blocks (about the budget each, the rest as one static tail
+          after the loop), each chunk's results written in place into the loop's carry: one compiled body per
+          tensor, not one per chunk.
 
 Quantization works per block and Adam per element, so results are bit-identical to the unstreamed step (tested).
 Float32 states are never chunked (the optimizers keep only small or odd-sized tensors in float32).
@@ -25,9 +26,11 @@ from jax import lax
 
 from qjax.optim import blockwise
 
-# About 64 MiB per float32 temporary: small beside any model that needs streaming, large enough that a 1.1B-param
-# tree is ~80 groups of fused work (the sizing reasoning is in benchmarks/NOTES.md).
-GROUP_ELEMENTS = 1 << 24
+# A group holds about 1/GROUPS of the tree's elements, at least MIN_GROUP_ELEMENTS: the step's temporaries (~16
+# bytes per element of a group on CPU) are then ~0.5 bytes per param whatever the model's size, while the number
+# of sequenced groups (hence the fusions XLA cannot merge across them) stays ~GROUPS (benchmarks/NOTES.md).
+GROUPS = 32
+MIN_GROUP_ELEMENTS = 1 << 20
 
 
 def groups(sizes: Sequence[int], budget: int) -> list[list[int]]:
@@ -77,7 +80,9 @@ def _chunked(fn, g, mu, nu, p, extra, in_place: bool, budget: int):
 
     n_full, tail = divmod(n_blocks, rows)
     carry = lax.fori_loop(0, n_full, lambda i, c: chunk(c, i * rows, rows), (x2, mu, nu))
-    if tail:
+    if tail:  # after the loop: the barrier keeps XLA from computing the tail's temporaries beside the loop's
+        # (in place, p's rows come from the carry: passing p2 too would keep the old param alive, a copy)
+        (g2, p2), carry = lax.optimization_barrier(((g2, None if in_place else p2), carry))
         carry = chunk(carry, jnp.int32(n_full * rows), tail)
     x2, mu, nu = carry
     return x2.reshape(g.shape), mu, nu
@@ -95,12 +100,13 @@ def run(fn: Callable, tensors: Sequence[tuple], *, in_place: bool, whole: Callab
         extra: values passed through unchanged (a weight decay, a seed).
       in_place: x overwrites p (a chunk reads p's rows before writing them).
       whole: whole(g, mu, nu, p) True runs that tensor unchunked (e.g. a kernel that streams it itself).
-      budget: elements per group (default `GROUP_ELEMENTS`, read at call time).
+      budget: elements per group (default: 1/GROUPS of all tensors' elements, at least MIN_GROUP_ELEMENTS).
     Returns:
       fn's results, one tuple per tensor, in order.
     """
-    budget = GROUP_ELEMENTS if budget is None else budget
     tensors = [tuple(t) for t in tensors]
+    if budget is None:
+        budget = max(MIN_GROUP_ELEMENTS, -(-sum(t[0].size for t in tensors) // GROUPS))
     out: list = [None] * len(tensors)
     previous = ()
     for group in groups([t[0].size for t in tensors], budget):
