@@ -186,7 +186,7 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     def step_fn(grads, state, params, key=None):
         run_kernel, interpret = dispatch.kernel_mode() if use_kernel else (False, False)
         seeds = None if key is None else sr_params.leaf_seeds(key, len(jax.tree.leaves(params)))
-        eligible = lambda g, mu, nu, p: run_kernel and fused_adam.kernel_eligible(p, g, mu, nu)
+        eligible = lambda g, mu, nu, p: run_kernel and fused_adam.kernel_eligible(p, g, mu, nu, key is not None)
 
         def tensor_step(g, mu, nu, p, offset, wd, c, seed):
             step_size = jnp.asarray(c.step_size, jnp.float32)
