@@ -194,7 +194,8 @@ def main():
               f"  XLA bytes {xla_ratio:.2f}x the minimum  temp {bench.temp_bytes / n_params:.2f} B/param", flush=True)
         del bench  # frees this row's params and state before the next row
 
-    table = [f"{n_params / 1e9:.3f}B float32 params (bfloat16 in the bf16+SR rows) ({'small' if small else 'TinyLlama 1.1B'} shapes), float32 grads. "
+    table = [f"{n_params / 1e9:.3f}B float32 params and grads ({'small' if small else 'TinyLlama 1.1B'} shapes; "
+             "bfloat16 in the bf16+SR rows). "
              f"Each row is timed alternately with optax.adamw ({args.rounds} rounds of {args.iters} steps in one "
              "jitted fori_loop each, after one warm-up round; only the two optimizers resident); step ms is the "
              "median over rounds of the mean step time, the ratio is against optax.adamw's median in the same "
