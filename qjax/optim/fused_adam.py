@@ -86,12 +86,12 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
       interpret: None / False runs the compiled kernel (needs a Hopper GPU); True or a `plgpu.InterpretGPUParams`
         runs it under the Mosaic GPU interpreter (CPU).
     Returns:
-      (new param float32 of p's shape, new mu, new nu) of mu's and nu's types.
+      (new param of p's shape and dtype, new mu, new nu) of mu's and nu's types.
     """
     if not kernel_eligible(p, g, mu, nu, seed is not None):
         raise ValueError(f"fused_step needs float32 p and g (or bfloat16 ones with a seed) and moments in "
-                         f"{KERNEL_FORMATS} with blocks of {KERNEL_BLOCK_SIZES}, a multiple of {adam_step_mgpu.ROW_MULTIPLE} blocks; got p "
-                         f"{p.dtype}, g {g.dtype}, mu {type(mu).__name__} {_state_format(mu)}, nu "
+                         f"{KERNEL_FORMATS} with blocks of {KERNEL_BLOCK_SIZES}, a multiple of "
+                         f"{adam_step_mgpu.ROW_MULTIPLE} blocks; got p {p.dtype}, g {g.dtype}, mu {type(mu).__name__} {_state_format(mu)}, nu "
                          f"{type(nu).__name__} {_state_format(nu)}")
     n_blocks, block = mu.codes.shape
     if nu.codes.shape != (n_blocks, block) or mu.shape != nu.shape or p.shape != mu.shape or g.shape != p.shape:
