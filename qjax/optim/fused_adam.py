@@ -91,8 +91,8 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
     if not kernel_eligible(p, g, mu, nu, seed is not None):
         raise ValueError(f"fused_step needs float32 p and g (or bfloat16 ones with a seed) and moments in "
                          f"{KERNEL_FORMATS} with blocks of {KERNEL_BLOCK_SIZES}, a multiple of "
-                         f"{adam_step_mgpu.ROW_MULTIPLE} blocks; got p {p.dtype}, g {g.dtype}, mu {type(mu).__name__} {_state_format(mu)}, nu "
-                         f"{type(nu).__name__} {_state_format(nu)}")
+                         f"{adam_step_mgpu.ROW_MULTIPLE} blocks; got p {p.dtype}, g {g.dtype}, mu "
+                         f"{type(mu).__name__} {_state_format(mu)}, nu {type(nu).__name__} {_state_format(nu)}")
     n_blocks, block = mu.codes.shape
     if nu.codes.shape != (n_blocks, block) or mu.shape != nu.shape or p.shape != mu.shape or g.shape != p.shape:
         raise ValueError(f"shapes differ: p {p.shape}, g {g.shape}, mu {mu.shape} {mu.codes.shape}, nu {nu.shape} "
