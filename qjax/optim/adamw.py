@@ -15,10 +15,13 @@ Its state is one `adam.QuantizedAdamState(count, mu, nu)`: count, the steps take
 (bias correction) and the schedule's argument lr(count), as the chain's two counts did. It composes with
 `optax.chain`, clipping, schedules, `optax.MultiSteps`, sharded params and orbax like any optax transformation.
 
-It is also a `FusedTransformation`: `step(grads, state, params) -> (params, state)` applies its own update. With
-`use_kernel=True` (e4m3 or 8-bit states, on a single Hopper GPU) the step updates each eligible tensor's param and
-moments in place in one kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param); every
-other tensor, and every tensor without `use_kernel`, takes the `update` path. `apply_gradients(tx, ...)` runs a
+It is also a `FusedTransformation`: `step(grads, state, params, key=None) -> (params, state)` applies its own
+update: per tensor `fused_adam.fused_step_reference` (the update in float32, rounded once to the param's dtype;
+bfloat16 stochastically with `key`), for float32 params and grads bit for bit `update` + `optax.apply_updates`.
+With `use_kernel=True` (e4m3 or 8-bit states, on a single Hopper GPU) the step updates each eligible tensor's param
+and moments in place in one kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param).
+`update` and `step` both stream (`qjax.optim.streaming`): groups of tensors in sequence, large tensors in chunks,
+so their temporaries stay about one group's. `apply_gradients(tx, ...)` runs a
 `FusedTransformation`'s step, any other transformation's update + `optax.apply_updates`. `chain_fused(*pre, tx)`
 chains transformations before it (e.g. clipping) and keeps its step; wrapped in `optax.chain` or `optax.MultiSteps`
 it is an ordinary optax transformation (the same results through `update`, no kernel).

@@ -74,7 +74,7 @@ def _chunked(fn, g, mu, nu, p, extra, in_place: bool, budget: int):
         p_rows = None if source is None else lax.dynamic_slice_in_dim(source, start, n_rows).reshape(-1)
         x, mu_part, nu_part = fn(lax.dynamic_slice_in_dim(g2, start, n_rows).reshape(-1),
                                  _rows_of(mu_all, start, n_rows, block), _rows_of(nu_all, start, n_rows, block),
-                                 p_rows, (start * block).astype(jnp.uint32), *extra)
+                                 p_rows, start.astype(jnp.uint32) * jnp.uint32(block), *extra)
         x2 = lax.dynamic_update_slice_in_dim(x2, x.reshape(n_rows, block), start, 0)
         return x2, _set_rows(mu_all, mu_part, start), _set_rows(nu_all, nu_part, start)
 
