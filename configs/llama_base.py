@@ -5,7 +5,7 @@
   python train.py --config configs/llama_int8.py --config.model.size=1b --config.seq_len=2048 \
       --config.batch_size=8 --config.optimizer.lr=3e-4                # the ~1B model, on a GPU
 
-Model: the `config.model.size` preset of `qjax.models.LLAMA_SIZES` ("tiny", "125m", "1b"); any other
+Model: the `config.model.size` preset of `qjax.models.LLAMA_SIZES` ("tiny", "125m", "1b", "8b"); any other
 config.model field left at None keeps the preset's value, a value replaces it (e.g. --config.model.n_layers=4).
 vocab_size comes from the data and max_seq_len from seq_len unless set here.
 """
@@ -22,7 +22,7 @@ def get_config() -> config_dict.ConfigDict:
     config = config_dict.ConfigDict()
     config.task = "lm"  # "lm" (next-token prediction) or "image" (classification)
     config.model = config_dict.ConfigDict({
-        "size": "tiny",  # preset of qjax.models.LLAMA_SIZES: tiny, 125m, 1b; the fields below replace its values
+        "size": "tiny",  # preset of qjax.models.LLAMA_SIZES: tiny, 125m, 1b, 8b; the fields below replace its values
         "vocab_size": placeholder(int),  # None: from the data
         "dim": placeholder(int),  # width of the residual stream (None: the preset's)
         "n_layers": placeholder(int),  # transformer blocks (None: the preset's)

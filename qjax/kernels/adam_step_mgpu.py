@@ -40,7 +40,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref
 
-from qjax import codebooks, numerics
+from qjax import codebooks, numerics, stochastic
+from qjax.formats import BF16
 from qjax.kernels import resolve_interpret
 
 # Elements per program: chosen by the tile-size sweep recorded in benchmarks/NOTES.md.
@@ -120,10 +121,20 @@ def _load(ref, layout):
     return plgpu.load(ref, layout=layout, optimized=False)
 
 
-def _tile_step(coef_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_codes_ref, m_scale_ref, v_codes_ref, v_scale_ref,
-               *, formats, b1, b2, eps, weight_decay, interpret):
+def _round_param(p, seed, row0):
+    """f32 (R, B) new param -> bfloat16 by stochastic rounding with bits hash_uint32(seed, row-major index) (the
+    tile's first row is row0 of the (n, B) param): `sr_params.round_param`'s bits, kernel-safe ops."""
+    n_rows, block = p.shape
+    rows = plgpu.broadcasted_iota(jnp.uint32, p.shape, 0, layout=_LAYOUT) + row0
+    index = rows * jnp.uint32(block) + plgpu.broadcasted_iota(jnp.uint32, p.shape, 1, layout=_LAYOUT)
+    return stochastic.stochastic_codes(p, BF16, stochastic.hash_uint32(seed, index), may_be_inf=True)
+
+
+def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_codes_ref, m_scale_ref, v_codes_ref,
+               v_scale_ref, *, row0, formats, b1, b2, eps, weight_decay, interpret):
     """One tile in GMEM, updated in place: the fused step of `fused_step_reference` on (R, B) arrays.
-    m_table_ref, v_table_ref: the 8-bit formats' `codebooks.codec_table` (unused for e4m3)."""
+    m_table_ref, v_table_ref: the 8-bit formats' `codebooks.codec_table` (unused for e4m3). A bfloat16 param is
+    read as float32 and written back with stochastic rounding (seed_ref[0], the tile's first row row0)."""
     m_format, v_format = formats
     m_table = functools.partial(_lookup, m_table_ref, interpret=interpret)
     v_table = functools.partial(_lookup, v_table_ref, interpret=interpret)
@@ -131,13 +142,14 @@ def _tile_step(coef_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_codes_ref, m_
     def load_state(codes_ref, scale_ref, fmt, table):
         return _dequantize_rows(_load(codes_ref, _LAYOUT), _load(scale_ref, _ROW_LAYOUT), fmt, table)
 
-    p = _load(p_ref, _LAYOUT)
-    g = _load(g_ref, _LAYOUT)
+    p = _load(p_ref, _LAYOUT).astype(jnp.float32)
+    g = _load(g_ref, _LAYOUT).astype(jnp.float32)
     bc1, bc2_sqrt, step_size = coef_ref[0], coef_ref[1], coef_ref[2]
     m_old = load_state(m_codes_ref, m_scale_ref, m_format, m_table)
     v_old = load_state(v_codes_ref, v_scale_ref, v_format, v_table)
     direction, m, v = numerics.adam_math(g, m_old, v_old, b1, b2, eps, bc1, bc2_sqrt)
-    p_ref[...] = numerics.param_update(p, direction, step_size, weight_decay)
+    new_p = numerics.param_update(p, direction, step_size, weight_decay)
+    p_ref[...] = new_p if p_ref.dtype == jnp.float32 else _round_param(new_p, seed_ref[0], row0)
     m_codes_ref[...], m_scale_ref[...] = _quantize_rows(m, m_format, m_table)
     v_codes_ref[...], v_scale_ref[...] = _quantize_rows(v, v_format, v_table)
 
@@ -150,7 +162,8 @@ def _tile_rows(n_rows: int, block_size: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("formats", "b1", "b2", "eps", "weight_decay", "interpret"))
-def _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, formats, b1, b2, eps, weight_decay, interpret):
+def _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, seed, *, formats, b1, b2, eps, weight_decay,
+               interpret):
     n_rows, block = p2.shape
     rows = _tile_rows(n_rows, block)
     inputs = (p2, g2, m_codes, m_scale, v_codes, v_scale)
@@ -158,7 +171,7 @@ def _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, formats, b1,
 
     code_tables = formats[0] != "e4m3"
 
-    def body(coef_ref, m_table_ref, v_table_ref, *refs):
+    def body(coef_ref, seed_ref, m_table_ref, v_table_ref, *refs):
         if code_tables:  # each program copies the two 2 KB tables to SMEM (lookups: ld.shared)
             *refs, m_table_smem, v_table_smem, barrier = refs
             plgpu.copy_gmem_to_smem(m_table_ref, m_table_smem, barrier.at[0])
@@ -166,9 +179,10 @@ def _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, formats, b1,
             plgpu.barrier_wait(barrier.at[0])
             plgpu.barrier_wait(barrier.at[1])
             m_table_ref, v_table_ref = m_table_smem, v_table_smem
-        tile = pl.ds(lax.axis_index("program") * rows, rows)
-        _tile_step(coef_ref, m_table_ref, v_table_ref, *(ref.at[tile] for ref in refs), formats=formats, b1=b1,
-                   b2=b2, eps=eps, weight_decay=weight_decay, interpret=interpret is not None)
+        row0 = lax.axis_index("program") * rows
+        _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, *(ref.at[pl.ds(row0, rows)] for ref in refs),
+                   row0=row0.astype(jnp.uint32), formats=formats, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                   interpret=interpret is not None)
 
     # The param and state arrays go in as mutable refs, updated in place (the kernel's aliased outputs): with the
     # step's params and state donated, XLA then writes them where they are instead of copying each kernel output
@@ -179,16 +193,17 @@ def _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, formats, b1,
     if code_tables:
         scratch = (*(plgpu.SMEM(t.shape, jnp.float32) for t in tables), plgpu.Barrier(num_barriers=2))
     plgpu.kernel(body, out_type=(), grid=(n_rows // rows,), grid_names=("program",), scratch_types=scratch,
-                 interpret=interpret)(coef, *tables, *refs)
+                 interpret=interpret)(coef, seed, *tables, *refs)
     return tuple(jax.freeze(refs[i]) for i in written)
 
 
 def adam_step_kernel(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, formats, b1, b2, eps, weight_decay,
-                     interpret=None):
+                     seed=None, interpret=None):
     """One tensor's AdamW step on (n, B) blocks, n % ROW_MULTIPLE == 0, B in BLOCK_SIZES (module docstring).
 
     Args:
-      p2, g2: float32 (n, B) param and gradient.
+      p2, g2: float32 (n, B) param and gradient, or both bfloat16: the new param is then rounded stochastically
+        with `seed` (uint32 scalar; bits hash_uint32(seed, row-major index), as `sr_params.round_param`).
       m_codes, m_scale, v_codes, v_scale: the moments' codes (n, B) (float8_e4m3fn or uint8) and f32 (n,) scales
         (e4m3) or absmax (8-bit), in the formats `formats`, a pair from KERNEL_FORMATS.
       coef: float32 (3,): 1 - b1**t, sqrt(1 - b2**t), -learning_rate.
@@ -197,5 +212,11 @@ def adam_step_kernel(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, format
     Returns:
       (p2, m_codes, m_scale, v_codes, v_scale), new, with the inputs' shapes and dtypes.
     """
-    return _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, formats=formats, b1=b1, b2=b2, eps=eps,
-                      weight_decay=weight_decay, interpret=resolve_interpret(interpret))
+    if p2.dtype != g2.dtype or p2.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"adam_step_kernel needs float32 or bfloat16 param and gradient of one dtype, got p "
+                         f"{p2.dtype}, g {g2.dtype}")
+    if p2.dtype == jnp.bfloat16 and seed is None:
+        raise ValueError("a bfloat16 param is rounded stochastically: pass seed= (a uint32 scalar)")
+    seed = jnp.zeros((1,), jnp.uint32) if seed is None else jnp.asarray(seed, jnp.uint32).reshape(1)
+    return _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, seed, formats=formats, b1=b1, b2=b2,
+                      eps=eps, weight_decay=weight_decay, interpret=resolve_interpret(interpret))

@@ -122,6 +122,8 @@ LLAMA_SIZES: dict[str, LlamaConfig] = {
                         max_seq_len=2048),
     "1b": LlamaConfig(vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632,
                       max_seq_len=2048),
+    "8b": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                      max_seq_len=8192, rope_theta=500000.0),
 }
 
 

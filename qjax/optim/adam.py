@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from qjax import numerics
-from qjax.optim import blockwise
+from qjax.optim import blockwise, streaming
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,10 +122,16 @@ def scale_by_quantized_adam(config: StateConfig, b1: float = 0.9, b2: float = 0.
         count = optax.safe_increment(state.count)
         bc1, bc2_sqrt = bias_corrections(count, b1, b2)
 
+        def tensor(g, mu, nu, p, offset):
+            del p, offset
+            direction, mu, nu = update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt)
+            return direction.astype(g.dtype), mu, nu
+
         g_leaves, treedef = jax.tree.flatten(updates)
-        out = [update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt)
-               for g, mu, nu in zip(g_leaves, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu))]
-        new_updates = treedef.unflatten([d.astype(g.dtype) for (d, _, _), g in zip(out, g_leaves)])
+        # Streamed: temporaries of about one group of tensors, not every tensor's float32 m and v at once.
+        out = streaming.run(tensor, [(g, mu, nu, None) for g, mu, nu in zip(
+            g_leaves, treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu))], in_place=False)
+        new_updates = treedef.unflatten([o[0] for o in out])
         new_mu = treedef.unflatten([o[1] for o in out])
         new_nu = treedef.unflatten([o[2] for o in out])
         return new_updates, QuantizedAdamState(count, new_mu, new_nu)

@@ -15,10 +15,13 @@ Its state is one `adam.QuantizedAdamState(count, mu, nu)`: count, the steps take
 (bias correction) and the schedule's argument lr(count), as the chain's two counts did. It composes with
 `optax.chain`, clipping, schedules, `optax.MultiSteps`, sharded params and orbax like any optax transformation.
 
-It is also a `FusedTransformation`: `step(grads, state, params) -> (params, state)` applies its own update. With
-`use_kernel=True` (e4m3 or 8-bit states, on a single Hopper GPU) the step updates each eligible tensor's param and
-moments in place in one kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param); every
-other tensor, and every tensor without `use_kernel`, takes the `update` path. `apply_gradients(tx, ...)` runs a
+It is also a `FusedTransformation`: `step(grads, state, params, key=None) -> (params, state)` applies its own
+update: per tensor `fused_adam.fused_step_reference` (the update in float32, rounded once to the param's dtype;
+bfloat16 stochastically with `key`), for float32 params and grads bit for bit `update` + `optax.apply_updates`.
+With `use_kernel=True` (e4m3 or 8-bit states, on a single Hopper GPU) the step updates each eligible tensor's param
+and moments in place in one kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param).
+`update` and `step` both stream (`qjax.optim.streaming`): groups of tensors in sequence, large tensors in chunks,
+so their temporaries stay about one group's. `apply_gradients(tx, ...)` runs a
 `FusedTransformation`'s step, any other transformation's update + `optax.apply_updates`. `chain_fused(*pre, tx)`
 chains transformations before it (e.g. clipping) and keeps its step; wrapped in `optax.chain` or `optax.MultiSteps`
 it is an ordinary optax transformation (the same results through `update`, no kernel).
@@ -31,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from qjax import dispatch
-from qjax.optim import adam, fused_adam
+from qjax.optim import adam, fused_adam, sr_params, streaming
 
 _DEFAULT_BLOCK = {"dynamic_signed_8bit": 256, "dynamic_unsigned_8bit": 256, "dynamic_signed_4bit": 128,
                   "linear_unsigned_4bit": 128, "e4m3": 256, "e4m3_dre": 128}
@@ -41,7 +44,8 @@ class FusedTransformation(optax.GradientTransformation):
     """An `optax.GradientTransformation` (`init`, `update`; isinstance checks and tuple unpacking work as for any
     optax transformation) that also applies its update itself: `step(grads, state, params) -> (params, state)`, the
     result of `update` + `optax.apply_updates` (where a kernel takes a tensor, up to float32 rounding on a GPU).
-    `apply_gradients` calls it."""
+    `apply_gradients` calls it; `step(grads, state, params, key)` takes a key for bfloat16 params' stochastic
+    rounding (None: to nearest)."""
 
     step: Callable  # set in __new__: a NamedTuple subclass cannot add fields, but may add attributes
 
@@ -51,18 +55,26 @@ class FusedTransformation(optax.GradientTransformation):
         return self
 
 
-def apply_gradients(tx, grads, opt_state, params):
-    """One optimizer step -> (new params, new opt_state); the same result as `tx.update` + `optax.apply_updates`.
+def apply_gradients(tx, grads, opt_state, params, key=None):
+    """One optimizer step -> (new params, new opt_state): `tx.update` + `optax.apply_updates`, or with `key`
+    + `apply_updates_sr` (bfloat16 params rounded stochastically).
 
-    Any optax transformation works. A `FusedTransformation` (the AdamWs here, `chain_fused`) runs its `step`: with
-    `use_kernel=True`, each float32 tensor with e4m3 or 8-bit states is updated by one fused kernel that reads and
-    writes param, gradient and states once (`qjax.optim.fused_adam`; on a GPU its results may differ from the optax
-    path by float32 rounding).
+    Any optax transformation works. A `FusedTransformation` (the AdamWs here, `chain_fused`) runs its `step`: it
+    streams (`qjax.optim.streaming`: temporaries of about one group of tensors) and computes each param's update in
+    float32, then rounds it to the param's dtype (bfloat16: stochastically with `key`, bits as `apply_updates_sr`
+    draws them); float32 params and gradients get exactly update + apply_updates. With `use_kernel=True`, each
+    tensor with e4m3 or 8-bit states and float32 params (or bfloat16 params and gradients) is updated by one fused
+    kernel that reads and writes param, gradient and states once (`qjax.optim.fused_adam`; on a GPU its results may
+    differ from the jnp step by float32 rounding).
+
+    key: a `jax.random.key`, fresh every step, for bfloat16 params (None: they are rounded to nearest).
     """
     if isinstance(tx, FusedTransformation):
-        return tx.step(grads, opt_state, params)
+        return tx.step(grads, opt_state, params, key)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+    if key is None:
+        return optax.apply_updates(params, updates), opt_state
+    return sr_params.apply_updates_sr(params, updates, key), opt_state
 
 
 def chain_fused(*transforms) -> FusedTransformation:
@@ -89,9 +101,9 @@ def chain_fused(*transforms) -> FusedTransformation:
     def update_fn(updates, state, params=None):
         return run(transforms, updates, state, params)
 
-    def step_fn(grads, state, params):
+    def step_fn(grads, state, params, key=None):
         grads, pre_states = run(pre, grads, state[:-1], params)
-        params, last_state = apply_gradients(last, grads, state[-1], params)
+        params, last_state = apply_gradients(last, grads, state[-1], params, key)
         return params, (*pre_states, last_state)
 
     return FusedTransformation(init_fn, update_fn, step_fn)
@@ -141,24 +153,30 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     weight_decay = float(weight_decay)  # a Python float: optax skips a zero decay only then, and so does the kernel
     init_fn = adam.scale_by_quantized_adam(config, b1, b2, eps).init  # checks b1, b2, eps; count 0, zero moments
 
-    def map_tensors(tensor_step, grads, state, params):
-        """tensor_step(g, mu, nu, p, weight_decay, _Coefficients) -> (x, mu, nu) for each tensor
-        -> (tree of x like grads, new state)."""
+    def map_tensors(tensor_step, grads, state, params, seeds=None, in_place=False, whole=None):
+        """tensor_step(g, mu, nu, p, offset, weight_decay, _Coefficients, seed) -> (x, mu, nu) for each tensor,
+        streamed (`streaming.run`: groups in sequence, large tensors in chunks of blocks at element `offset`)
+        -> (tree of x like grads, new state). x is the new param when `in_place`, else the update; `whole(g, mu,
+        nu, p)` True keeps a tensor unchunked (the kernel's); `seeds`: one per leaf, or None."""
         if params is None:
             raise ValueError("quantized_adamw's update needs params (weight decay): pass update(grads, state, params)")
         count = optax.safe_increment(state.count)
         lr = learning_rate(state.count) if callable(learning_rate) else learning_rate  # the schedule's step: count
         coefficients = _Coefficients(*adam.bias_corrections(count, b1, b2), -1 * lr)
         g_leaves, treedef = jax.tree.flatten(grads)
+        seeds = [None] * len(g_leaves) if seeds is None else seeds
         tensors = zip(g_leaves, *(treedef.flatten_up_to(tree) for tree in (state.mu, state.nu, params)),
-                      _decays(weight_decay, mask, grads), strict=True)
-        out = [tensor_step(g, mu, nu, p, wd, coefficients) for g, mu, nu, p, wd in tensors]
+                      _decays(weight_decay, mask, grads), seeds, strict=True)
+        out = streaming.run(lambda g, mu, nu, p, offset, wd, seed: tensor_step(g, mu, nu, p, offset, wd,
+                                                                               coefficients, seed),
+                            list(tensors), in_place=in_place, whole=whole)
         x, mu, nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))
         return x, adam.QuantizedAdamState(count, mu, nu)
 
-    def tensor_update(g, mu, nu, p, wd, c):
+    def tensor_update(g, mu, nu, p, offset, wd, c, seed):
         """One tensor's update with optax's ops: Adam's direction in g's dtype, add_decayed_weights (skipped at 0),
         scale_by_learning_rate (a schedule's value cast to the update's dtype, a constant multiplied as it is)."""
+        del offset, seed
         direction, mu, nu = adam.update_reference(g, mu, nu, config, b1, b2, eps, c.bc1, c.bc2_sqrt)
         u = direction.astype(g.dtype)
         u = u + wd * p if wd else u
@@ -168,17 +186,20 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     def update_fn(grads, state, params=None):
         return map_tensors(tensor_update, grads, state, params)
 
-    def step_fn(grads, state, params):
+    def step_fn(grads, state, params, key=None):
         run_kernel, interpret = dispatch.kernel_mode() if use_kernel else (False, False)
+        seeds = None if key is None else sr_params.leaf_seeds(key, len(jax.tree.leaves(params)))
+        eligible = lambda g, mu, nu, p: run_kernel and fused_adam.kernel_eligible(p, g, mu, nu, key is not None)
 
-        def tensor_step(g, mu, nu, p, wd, c):
-            if run_kernel and fused_adam.kernel_eligible(p, g, mu, nu):
-                return fused_adam.fused_step(p, g, mu, nu, b1, b2, eps, c.bc1, c.bc2_sqrt,
-                                             jnp.asarray(c.step_size, jnp.float32), wd, interpret=interpret)
-            u, mu, nu = tensor_update(g, mu, nu, p, wd, c)
-            return optax.apply_updates(p, u), mu, nu
+        def tensor_step(g, mu, nu, p, offset, wd, c, seed):
+            step_size = jnp.asarray(c.step_size, jnp.float32)
+            if eligible(g, mu, nu, p):
+                return fused_adam.fused_step(p, g, mu, nu, b1, b2, eps, c.bc1, c.bc2_sqrt, step_size, wd,
+                                             seed=seed, interpret=interpret)
+            return fused_adam.fused_step_reference(p, g, mu, nu, config, b1, b2, eps, c.bc1, c.bc2_sqrt, step_size,
+                                                   wd, seed, offset)
 
-        return map_tensors(tensor_step, grads, state, params)
+        return map_tensors(tensor_step, grads, state, params, seeds, in_place=True, whole=eligible)
 
     return FusedTransformation(init_fn, update_fn, step_fn)
 

@@ -7,9 +7,10 @@ computation in jnp: `adam.update_reference` (what `scale_by_quantized_adam` does
 decay, learning rate and `apply_updates`. Both call the same formulas (`qjax.numerics.adam_math`,
 `numerics.param_update`, the state quantizers of `blockwise`), so they are bit-identical under the CPU interpreter.
 
-Which tensors take the kernel (`kernel_eligible`): float32 param and gradient, moments in one of `KERNEL_FORMATS`
+Which tensors take the kernel (`kernel_eligible`): float32 param and gradient (or bfloat16 ones with a stochastic
+rounding seed: the kernel rounds the new param as `sr_params.round_param` does), moments in one of `KERNEL_FORMATS`
 (e4m3 `Fp8State`s, or 8-bit `CodebookState`s on the signed / unsigned dynamic maps) with blocks of 128 or 256 and a
-block count that is a multiple of 4. Everything else stays on the optax path. Whether kernels run at all is
+block count that is a multiple of 4. Everything else stays on the jnp path. Whether kernels run at all is
 `qjax.dispatch.kernel_mode()`: on a single Hopper GPU (with several devices the step sees global arrays and stays on
 the optax path), or as `qjax.dispatch.force` says.
 """
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 
 from qjax import numerics
 from qjax.kernels import adam_step_mgpu
-from qjax.optim import adam, blockwise
+from qjax.optim import adam, blockwise, sr_params
 
 __all__ = ["KERNEL_BLOCK_SIZES", "KERNEL_FORMATS", "fused_step", "fused_step_reference", "kernel_eligible"]
 
@@ -29,11 +30,14 @@ KERNEL_FORMATS = adam_step_mgpu.KERNEL_FORMATS  # (m format, v format) pairs: "e
 KERNEL_BLOCK_SIZES = adam_step_mgpu.BLOCK_SIZES
 
 
-def fused_step_reference(p, g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float):
-    """jnp reference of one tensor's fused step, any state format: `adam.update_reference`, then the param update.
-    Args as in `fused_step`, plus the `adam.StateConfig`."""
+def fused_step_reference(p, g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float,
+                         seed=None, offset=0):
+    """jnp reference of one tensor's fused step, any state format: `adam.update_reference`, then the param update in
+    float32, rounded to p's dtype (`sr_params.round_param`: stochastically for bfloat16 with a `seed`, from element
+    index `offset` on). Args as in `fused_step`, plus the `adam.StateConfig`."""
     direction, mu, nu = adam.update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt)
-    return numerics.param_update(p, direction, step_size, weight_decay), mu, nu
+    new_p = numerics.param_update(p.astype(jnp.float32), direction, step_size, weight_decay)
+    return sr_params.round_param(new_p, p.dtype, seed, offset), mu, nu
 
 
 def _state_format(state) -> str | None:
@@ -58,33 +62,37 @@ def _with_state(like, codes, scale):
     return dataclasses.replace(like, codes=codes, **{_scale_field(like): scale})
 
 
-def kernel_eligible(p, g, mu, nu) -> bool:
-    """Whether one tensor's step can run in the kernel (module docstring); otherwise it takes the optax path."""
+def kernel_eligible(p, g, mu, nu, seeded: bool = False) -> bool:
+    """Whether one tensor's step can run in the kernel (module docstring); otherwise it takes the jnp path.
+    seeded: a stochastic-rounding seed comes with the tensor (needed for bfloat16 params)."""
+    dtypes = (jnp.dtype(p.dtype), jnp.dtype(g.dtype))
     return ((_state_format(mu), _state_format(nu)) in KERNEL_FORMATS
             and mu.codes.shape[1] in KERNEL_BLOCK_SIZES and mu.codes.shape[0] % adam_step_mgpu.ROW_MULTIPLE == 0
-            and jnp.dtype(p.dtype) == jnp.float32 and jnp.dtype(g.dtype) == jnp.float32)
+            and (dtypes == (jnp.float32, jnp.float32) or (seeded and dtypes == (jnp.bfloat16, jnp.bfloat16))))
 
 
-def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float, *, interpret=None):
+def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float, *, seed=None,
+               interpret=None):
     """One tensor's AdamW step with quantized moments in one kernel; the result of `fused_step_reference`.
 
     Args:
-      p, g: float32 param and gradient of the same shape, size == mu's size.
+      p, g: float32 param and gradient of the same shape, size == mu's size; or both bfloat16, with `seed`.
       mu, nu: moments in one of `KERNEL_FORMATS`: `blockwise.Fp8State` (codes float8_e4m3fn (n, B), scale float32
         (n,)) or 8-bit `blockwise.CodebookState` (codes uint8 (n, B), absmax float32 (n,)); B = 128 or 256,
         n % 4 == 0.
       b1, b2, eps: Python floats. bc1, bc2_sqrt: float32 scalars 1 - b1**t and sqrt(1 - b2**t).
       step_size: float32 scalar, -learning_rate at this step. weight_decay: Python float (0: none, as optax).
+      seed: uint32 scalar, for bfloat16 p: stochastic rounding's seed (element offset 0: whole tensors only).
       interpret: None / False runs the compiled kernel (needs a Hopper GPU); True or a `plgpu.InterpretGPUParams`
         runs it under the Mosaic GPU interpreter (CPU).
     Returns:
-      (new param float32 of p's shape, new mu, new nu) of mu's and nu's types.
+      (new param of p's shape and dtype, new mu, new nu) of mu's and nu's types.
     """
-    if not kernel_eligible(p, g, mu, nu):
-        raise ValueError(f"fused_step needs float32 p and g and moments in {KERNEL_FORMATS} with blocks of "
-                         f"{KERNEL_BLOCK_SIZES}, a multiple of {adam_step_mgpu.ROW_MULTIPLE} blocks; got p "
-                         f"{p.dtype}, g {g.dtype}, mu {type(mu).__name__} {_state_format(mu)}, nu "
-                         f"{type(nu).__name__} {_state_format(nu)}")
+    if not kernel_eligible(p, g, mu, nu, seed is not None):
+        raise ValueError(f"fused_step needs float32 p and g (or bfloat16 ones with a seed) and moments in "
+                         f"{KERNEL_FORMATS} with blocks of {KERNEL_BLOCK_SIZES}, a multiple of "
+                         f"{adam_step_mgpu.ROW_MULTIPLE} blocks; got p {p.dtype}, g {g.dtype}, mu "
+                         f"{type(mu).__name__} {_state_format(mu)}, nu {type(nu).__name__} {_state_format(nu)}")
     n_blocks, block = mu.codes.shape
     if nu.codes.shape != (n_blocks, block) or mu.shape != nu.shape or p.shape != mu.shape or g.shape != p.shape:
         raise ValueError(f"shapes differ: p {p.shape}, g {g.shape}, mu {mu.shape} {mu.codes.shape}, nu {nu.shape} "
@@ -93,5 +101,5 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
     p_new, m_codes, m_scale, v_codes, v_scale = adam_step_mgpu.adam_step_kernel(
         p.reshape(n_blocks, block), g.reshape(n_blocks, block), mu.codes, _scale(mu), nu.codes, _scale(nu), coef,
         formats=(_state_format(mu), _state_format(nu)), b1=float(b1), b2=float(b2), eps=float(eps),
-        weight_decay=float(weight_decay), interpret=interpret)
+        weight_decay=float(weight_decay), seed=seed, interpret=interpret)
     return p_new.reshape(p.shape), _with_state(mu, m_codes, m_scale), _with_state(nu, v_codes, v_scale)

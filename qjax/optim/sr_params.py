@@ -13,13 +13,30 @@ NaN / Inf in p + u stay NaN / Inf (stochastic rounding passes non-finite values 
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from qjax import stochastic
+from qjax import formats, stochastic
 
 
 def leaf_seeds(key: jax.Array, n: int) -> list:
     """n uint32 seeds, one per pytree leaf: key_to_seed(fold_in(key, i)) for leaf i in tree-flatten order."""
     return [stochastic.key_to_seed(jax.random.fold_in(key, i)) for i in range(n)]
+
+
+def round_param(total: jax.Array, dtype, seed: jax.Array | None, offset=0) -> jax.Array:
+    """float32 `total` -> `dtype`: stochastic rounding to bfloat16 with bits hash_uint32(seed, offset + row-major
+    index) (the bits `stochastic.stochastic_round_with_seed` draws for a whole tensor when offset is 0, so a
+    tensor updated in chunks gets the same bits), plain rounding for other dtypes or when `seed` is None.
+
+    Args:
+      total: float32 array. dtype: the param's dtype. seed: uint32 scalar or None.
+      offset: uint32 scalar, the index of `total`'s first element in the whole param (chunks of a flattened param).
+    """
+    if jnp.dtype(dtype) != jnp.bfloat16 or seed is None:
+        return total.astype(dtype)
+    index = jnp.asarray(offset, jnp.uint32) + lax.iota(jnp.uint32, total.size).reshape(total.shape)
+    bits = stochastic.hash_uint32(seed, index)
+    return stochastic.round_to_grid(total, formats.BF16, bits).astype(jnp.bfloat16)  # exact: on the bf16 grid
 
 
 def add_sr(param: jax.Array, update: jax.Array, seed: jax.Array) -> jax.Array:
@@ -33,10 +50,7 @@ def add_sr(param: jax.Array, update: jax.Array, seed: jax.Array) -> jax.Array:
     Returns:
       The new param, same shape and dtype as `param`.
     """
-    total = param.astype(jnp.float32) + update.astype(jnp.float32)
-    if param.dtype == jnp.bfloat16:
-        return stochastic.stochastic_round_with_seed(total, jnp.bfloat16, seed)
-    return total.astype(param.dtype)
+    return round_param(param.astype(jnp.float32) + update.astype(jnp.float32), param.dtype, seed)
 
 
 def apply_updates_sr(params, updates, key: jax.Array):

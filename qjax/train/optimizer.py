@@ -13,8 +13,8 @@
 
 Options beyond AdamW's hyperparameters: `dynamic_range_expansion` (adamw_fp8 only: COAT's per-group expansion of
 the e4m3 states) and `stochastic_rounding` (params kept in bfloat16, `config.model.param_dtype="bfloat16"`, are
-updated with stochastic rounding by `qjax.optim.apply_updates_sr`: no float32 master copy; the step then goes through
-`tx.update`, never the fused kernel, which updates float32 params only).
+updated with stochastic rounding by `qjax.optim.apply_gradients(..., key)`: no float32 master copy; the low-bit
+AdamWs' streamed step computes each update in float32 and rounds it once with the bits `apply_updates_sr` draws).
 
 Weight decay applies to every parameter with ndim >= 2 (weight matrices, and also the token embedding and the ViT's
 position embedding and class token), not to norm scales and biases, as in nanoGPT.
@@ -114,8 +114,7 @@ class Optimizer(NamedTuple):
             return qoptim.apply_gradients(self.tx, grads, opt_state, params)
         if key is None:
             raise ValueError("an optimizer with stochastic_rounding=True needs key= (a fresh jax.random.key per step)")
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        return qoptim.apply_updates_sr(params, updates, key), opt_state
+        return qoptim.apply_gradients(self.tx, grads, opt_state, params, key)
 
 
 def make_optimizer(opt, total_steps: int) -> Optimizer:

@@ -132,6 +132,31 @@ def test_nan_and_inf_gradients(fmt):
     assert np.isnan(scale[1]) and np.isinf(scale[5]) and np.isfinite(np.delete(scale, [1, 5, 9])).all()
 
 
+@interpreter_only
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("shape,block_size", [((24, 256), 256), ((44, 128), 128)])
+def test_bf16_params_with_stochastic_rounding(fmt, shape, block_size):
+    """bfloat16 param and gradient with a seed: the kernel rounds the float32 new param stochastically with the
+    reference's bits (`sr_params.round_param`), bit for bit, NaN and Inf gradients included; the states as for
+    float32 params."""
+    p, g, mu, nu = _inputs(shape, seed=4, block_size=block_size, fmt=fmt)
+    p, g = p.astype(jnp.bfloat16), g.at[1, 7].set(jnp.nan).at[5, 0].set(jnp.inf).astype(jnp.bfloat16)
+    c, seed = _coefficients(2), jnp.uint32(12345)
+    interpret = None if on_hopper_gpu() else True
+    kernel = jax.jit(lambda p, g, mu, nu, seed, *c: fused_adam.fused_step(p, g, mu, nu, B1, B2, EPS, *c, 0.01,
+                                                                          seed=seed, interpret=interpret))
+    reference = jax.jit(lambda p, g, mu, nu, seed, *c: fused_adam.fused_step_reference(
+        p, g, mu, nu, _config(fmt, block_size), B1, B2, EPS, *c, 0.01, seed))
+    (p_k, mu_k, nu_k), (p_r, mu_r, nu_r) = kernel(p, g, mu, nu, seed, *c), reference(p, g, mu, nu, seed, *c)
+    assert p_k.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(_bits(p_k), _bits(p_r))
+    _assert_identical((p_k.astype(jnp.float32), mu_k, nu_k), (p_r.astype(jnp.float32), mu_r, nu_r))
+    assert np.isnan(np.asarray(p_k[1, 7], np.float32))
+    # the rounding is stochastic: rounding to nearest would give other bits for some elements
+    nearest = fused_adam.fused_step_reference(p, g, mu, nu, _config(fmt, block_size), B1, B2, EPS, *c, 0.01)[0]
+    assert not np.array_equal(_bits(nearest), _bits(p_k))
+
+
 def _train(use_kernel, params, grads, lr=1e-3, mask=None, weight_decay=0.01, fmt="e4m3"):
     make = optim.adamw_fp8 if fmt == "e4m3" else optim.adamw_8bit
     tx = make(lr, weight_decay=weight_decay, mask=mask, use_kernel=use_kernel)
@@ -423,3 +448,29 @@ def test_gpu_apply_gradients_uses_kernel_and_tracks_optax(fmt):
 def test_gpu_codec_in_kernel(map_name):
     assert on_hopper_gpu(), jax.devices()
     _check_codec_in_kernel(map_name, interpret=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_gpu_bf16_stochastic_rounding_matches_reference(fmt):
+    """Compiled, bfloat16 params + SR: the float32 new param may differ by an ulp (FMA contraction), which moves a
+    stochastic rounding across a bf16 grid point only rarely: params within one bf16 ulp, nearly all bit-equal."""
+    assert on_hopper_gpu(), jax.devices()
+    p, g, mu, nu = _inputs((2048, 4096), seed=11, fmt=fmt)
+    p, g = p.astype(jnp.bfloat16), g.astype(jnp.bfloat16)
+    c, seed = _coefficients(3), jnp.uint32(99)
+    kernel = jax.jit(lambda *a: fused_adam.fused_step(*a[:4], B1, B2, EPS, *a[4:], 0.01, seed=seed))
+    reference = jax.jit(lambda *a: fused_adam.fused_step_reference(*a[:4], _config(fmt), B1, B2, EPS, *a[4:], 0.01,
+                                                                   seed))
+    (p_k, mu_k, nu_k), (p_r, mu_r, nu_r) = kernel(p, g, mu, nu, *c), reference(p, g, mu, nu, *c)
+    p_k, p_r = np.asarray(p_k, np.float32), np.asarray(p_r, np.float32)
+    differ = p_k != p_r
+    print(f"{fmt} bf16 + SR: params differing {differ.mean():.2e}")
+    assert differ.mean() <= 1e-3
+    assert np.all(np.abs(p_k - p_r) <= 2.0**-7 * np.abs(p_r) + 1e-30)
+    _assert_close_gpu((p_r, mu_k, nu_k), (p_r, mu_r, nu_r), f"{fmt} bf16 + SR states")
+    tx = (optim.adamw_fp8 if fmt == "e4m3" else optim.adamw_8bit)(1e-3, use_kernel=True)
+    params = {"w": p}
+    text = jax.jit(lambda p, s, g, k: optim.apply_gradients(tx, g, s, p, k)).lower(
+        params, tx.init(params), {"w": g}, jax.random.key(0)).as_text()
+    assert "mosaic_gpu" in text
