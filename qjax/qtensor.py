@@ -27,7 +27,8 @@ class QuantSpec:
     """How one GEMM operand is quantized.
 
     Attributes:
-      dtype: "int8", "e4m3" or "e5m2".
+      dtype: "int8", "e4m3" or "e5m2"; or "ternary" (BitNet b1.58 weights: int8 codes in {-1, 0, 1}, one "tensor"
+        scale = mean |x|, round to nearest).
       granularity: "tensor", "row", "1x128" or "128x128" (blocks are rows x K of the (..., R, K) operand).
       stochastic: stochastic rounding instead of round-half-to-even (needs a key).
       pow2_scale: round each scale up to a power of two (torchao's fp8 rowwise does, so scaling is exact).
@@ -45,6 +46,9 @@ class QuantSpec:
         object.__setattr__(self, "dtype", fmt.name)
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"unknown granularity {self.granularity!r}; use one of {GRANULARITIES}")
+        if self.dtype == "ternary" and (self.granularity != "tensor" or self.stochastic or self.pow2_scale):
+            raise ValueError("QuantSpec('ternary') takes one scale per tensor (the mean |x|) and rounds to nearest: "
+                             "use QuantSpec('ternary', 'tensor') without stochastic or pow2_scale")
 
     @property
     def format(self) -> formats.Format:
