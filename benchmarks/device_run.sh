@@ -18,7 +18,9 @@
 # int8_rowwise with stochastic rounding of the gradients), linear-ab (int8_rowwise and fp8_tensorwise at two shapes, no
 # peer, not appended), optim-ab (the low-bit AdamW step rows against optax.adamw), train-row (the 1.1B
 # int8_rowwise row, not appended), default-run (the GPU default of `make
-# train` on the Shakespeare corpus: carry "data" prepared here). A step written STEP@base runs in .baseline, an
+# train` on the Shakespeare corpus: carry "data" prepared here), bitnet (linear int8_rowwise vs bitnet_b158, no
+# peer), bitnet-train (the 1.1B bf16 / int8_rowwise / bitnet_b158 rows), int8-params (the 1.1B int8_rowwise row with
+# float32, int8 weight-only and bf16 + SR params), bitnet-conv (125M convergence, bf16 vs bitnet_b158: carry "data"). A step written STEP@base runs in .baseline, an
 # exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -62,6 +64,14 @@ step_command() {
                           "/tmp/default_run" ;;
         train-sr) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_rowwise_sr --steps 5 --warmup 2" \
                        "--no-peer" ;;
+        bitnet) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
+                     "int8_rowwise bitnet_b158 --no-peer" ;;
+        bitnet-train) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise bitnet_b158 --steps 5 --warmup 2" \
+                           "--no-peer" ;;
+        int8-params) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_rowwise_int8_params" \
+                          "int8_rowwise_bf16_params_sr --steps 5 --warmup 2 --no-peer" ;;
+        bitnet-conv) echo "python3 benchmarks/convergence.py --size 125m --seq-len 1024 --batch-size 16 --steps 800" \
+                          "--lr 6e-4 --recipes bf16 bitnet_b158 --png benchmarks/convergence_bitnet.png" ;;
         *) return 1 ;;
     esac
 }
@@ -83,5 +93,6 @@ for step in "$@"; do
     echo "== $step: exit ${PIPESTATUS[0]} at $SECONDS s" | tee -a "$LOG"
 done
 [ -f /tmp/default_run/metrics.jsonl ] && cp /tmp/default_run/metrics.jsonl "$OUT/default_run_metrics.jsonl"
+[ -f benchmarks/convergence_bitnet.png ] && cp benchmarks/convergence_bitnet.png "$OUT/"
 diff /tmp/RESULTS.before benchmarks/RESULTS.md > "$OUT/results.diff"
 exit 0
