@@ -113,10 +113,8 @@ def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None
     """x (..., R, C) quantized per `spec` and its transpose (..., C, R) per `spec_t` (either may be None): the fused
     kernel (both layouts from one read) where `backend` selects it and it supports the case, else
     `qjax.quantize.quantize_pair_reference` (same arguments but backend; results bit-identical). Batched x, a single
-    layout, tensorwise pairs the reference does once and ternary sides (scale from the mean |x|, which the kernel does
-    not compute) take the reference."""
-    ternary = "ternary" in (getattr(spec, "dtype", None), getattr(spec_t, "dtype", None))
-    if spec is not None and spec_t is not None and x.ndim == 2 and not ternary:
+    layout and tensorwise pairs the reference does once take the reference."""
+    if spec is not None and spec_t is not None and x.ndim == 2:
         run_kernel, interpret = kernel_mode(backend)
         if run_kernel:
             reason = quantize_mgpu.supports(x, spec, spec_t)

@@ -14,7 +14,6 @@ reads them) are non-finite: bad inputs stay visible. All-zero blocks get scale 1
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from qjax import formats, numerics, stochastic
 from qjax.qtensor import BLOCK_SHAPES, QTensor, QuantSpec, blocked, broadcast_scale, dequantize, row_split_amax_axes
@@ -55,10 +54,8 @@ def quantize_with_seed(x: jax.Array, spec: QuantSpec, seed: jax.Array | None, op
     _check_shape(x.shape, spec.granularity, operand)
     fmt = spec.format
     x32 = x.astype(jnp.float32)
-    if fmt.name == "ternary":  # granularity "tensor" (QuantSpec checks); shards of equal size: mean of means
-        block_amax = numerics.mean_abs(x32)
-        if amax_axes:
-            block_amax = lax.pmean(block_amax, amax_axes)
+    if fmt.name == "ternary":  # granularity "tensor" (QuantSpec checks)
+        block_amax = numerics.mean_abs(x32, amax_axes)
     else:
         block_amax = amax(x32, spec.granularity)
         if amax_axes:

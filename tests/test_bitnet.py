@@ -1,6 +1,10 @@
 """BitNet b1.58 (`bitnet_b158`): ternary weights x int8 activations on the int8 GEMM, straight-through gradients."""
 
 import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +45,19 @@ def test_ternary_quantization_is_the_absmean_formula():
     zero = qjax.quantize(jnp.zeros((4, 8)), qjax.QuantSpec("ternary", "tensor"))  # all-zero: scale 1, codes 0
     np.testing.assert_array_equal(zero.scale, 1.0)
     np.testing.assert_array_equal(zero.data, 0)
+
+
+def test_fused_quantize_kernel_matches_the_reference_bit_for_bit():
+    """The weight's pair (ternary (N, K) for the forward, int8 rows of (K, N) for dgrad) from the fused kernel."""
+    from qjax.kernels import quantize_mgpu
+    from qjax.quantize import quantize_pair_reference
+
+    _, w = _xw(k=128)
+    w = w.at[5, 7].set(0.5)  # one large weight: most codes 0, a few +-1
+    specs = (qjax.QuantSpec("ternary", "tensor"), qjax.QuantSpec("int8", "row"))
+    got = quantize_mgpu.quantize_pair_kernel(w, *specs, interpret=True)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(quantize_pair_reference(w, *specs, None, None))):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("mode", ["reference", "interpret"])
@@ -115,3 +132,38 @@ def test_recipe_variants_are_dataclass_replacements():
     assert r.dgrad == r.wgrad == qjax.recipe("int8_rowwise").dgrad
     assert qjax.recipe("bitnet_b158_bf16_bwd") == dataclasses.replace(r, name="bitnet_b158_bf16_bwd", dgrad=None,
                                                                        wgrad=None)
+
+
+_MESH_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import qjax
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    x = jax.random.normal(jax.random.key(0), (64, 128), jnp.float32)  # 8 tokens per device
+    w = jax.random.normal(jax.random.key(1), (128, 96), jnp.float32) * 0.05  # (K, N), a Dense kernel
+    dims = (((1,), (0,)), ((), ()))
+    w8 = qjax.quantize(w.T, qjax.QuantSpec("int8", "row"))  # stored int8 codes, (N, K)
+
+    def loss(x, w, recipe, rhs_quantized):
+        return jnp.sum(qjax.dot_general(x, w, dims, recipe=recipe, rhs_quantized=rhs_quantized) ** 2)
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
+    for recipe, rhs_q in (("bitnet_b158", None), ("int8_rowwise", w8)):
+        def on_mesh(x, w, rhs_q):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return jax.value_and_grad(loss, argnums=(0, 1))(x, w, recipe, rhs_q)
+        assert "shard_map" in str(jax.make_jaxpr(on_mesh)(x, w, rhs_q)), recipe
+        got = jax.jit(on_mesh)(jax.device_put(x, NamedSharding(mesh, P("data"))), w, rhs_q)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(grad(x, w, recipe, rhs_q))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * np.abs(b).max())
+        print(recipe, "ok")
+""")
+
+
+def test_per_device_gemms_on_8_cpu_devices_match_unsharded():
+    """Under a mesh the ternary scale (whole weight on every device) and stored int8 codes give unsharded results."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stdout + out.stderr[-5000:]
+    assert out.stdout.split() == ["bitnet_b158", "ok", "int8_rowwise", "ok"], out.stdout

@@ -28,7 +28,6 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-
 from flax.linen import dtypes as flax_dtypes
 
 from qjax import recipes as recipes_lib
@@ -96,8 +95,9 @@ def quantize_int8_param(w: jax.Array, seed: jax.Array | None = None) -> Int8Para
 
 
 def check_recipe(recipe) -> None:
-    """ValueError for recipes that cannot train int8 weight-only params: block-scaled ones (the weight's scales are
-    per output channel; 128x128 blocks would requantize every step what the stored codes already hold)."""
+    """ValueError for block-scaled recipes with int8 weight-only params: the stored per-output-channel scales cannot
+    serve as 128x128 block scales, so every step would requantize the weight from a dequantized copy (int8_rowwise
+    reads the codes as stored)."""
     recipe = recipes_lib.recipe(recipe)
     if recipe.is_block_scaled:
         raise ValueError(f"int8 weight-only params (one scale per output channel) do not run block-scaled recipes "

@@ -33,7 +33,8 @@ def _bits(tree):
 
 
 def test_int8_weight_only_run_falls_and_resumes_bit_identically(token_dir, tmp_path):
-    config = _int8_config(token_dir, steps=12, recipe="int8_rowwise", checkpoint_every=4, eval_every=6)
+    config = _int8_config(token_dir, steps=12, recipe="int8_rowwise", checkpoint_every=4, eval_every=6,
+                          grad_accum_steps=2)
     config.optimizer.lr = 1e-2
     whole = train(config, tmp_path / "whole", stream=io.StringIO())
     kernels = _kernels(whole.state.params)
