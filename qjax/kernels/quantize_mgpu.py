@@ -9,6 +9,7 @@ both from as few reads of x as the granularities allow:
   1x128, 128x128            1               tile kernel: per-block amax in registers, scales written by the kernel
   row (and tensor)          2               amax kernel (row and column amax from one read), then the tile kernel
   tensor (no row side)      2               XLA's max of |x| (a scalar), then the tile kernel
+  ternary (a tensor side)   +1              XLA's mean |x| in place of that side's amax (BitNet b1.58's scale)
 
 Tile kernel (on `tile_pipeline_mgpu.run_tiles`): programs of TILES_PER_PROGRAM consecutive 128 x 128 tiles (i, j)
 along K, two SMEM slots for x (tile t + 1 loads while tile t is computed) and one per output (its stores leave SMEM
