@@ -1,10 +1,6 @@
 """BitNet b1.58 (`bitnet_b158`): ternary weights x int8 activations on the int8 GEMM, straight-through gradients."""
 
 import dataclasses
-import os
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -114,7 +110,7 @@ def test_tiny_llama_trains_with_bitnet():
     config = qjax.models.llama_config("tiny", recipe="bitnet_b158", n_layers=1)
     model = qjax.models.Llama(config)
     tokens = jnp.tile(jnp.arange(32, dtype=jnp.int32) * 7 % 256, (4, 2))  # a repeating sequence to learn
-    params = model.init(jax.random.key(0), tokens)["params"]
+    params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
 
     def loss(params, key):
         logits = model.apply({"params": params}, tokens)
@@ -133,37 +129,3 @@ def test_recipe_variants_are_dataclass_replacements():
     assert qjax.recipe("bitnet_b158_bf16_bwd") == dataclasses.replace(r, name="bitnet_b158_bf16_bwd", dgrad=None,
                                                                        wgrad=None)
 
-
-_MESH_SCRIPT = textwrap.dedent("""
-    import jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    import qjax
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    x = jax.random.normal(jax.random.key(0), (64, 128), jnp.float32)  # 8 tokens per device
-    w = jax.random.normal(jax.random.key(1), (128, 96), jnp.float32) * 0.05  # (K, N), a Dense kernel
-    dims = (((1,), (0,)), ((), ()))
-    w8 = qjax.quantize(w.T, qjax.QuantSpec("int8", "row"))  # stored int8 codes, (N, K)
-
-    def loss(x, w, recipe, rhs_quantized):
-        return jnp.sum(qjax.dot_general(x, w, dims, recipe=recipe, rhs_quantized=rhs_quantized) ** 2)
-
-    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
-    for recipe, rhs_q in (("bitnet_b158", None), ("int8_rowwise", w8)):
-        def on_mesh(x, w, rhs_q):
-            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                return jax.value_and_grad(loss, argnums=(0, 1))(x, w, recipe, rhs_q)
-        assert "shard_map" in str(jax.make_jaxpr(on_mesh)(x, w, rhs_q)), recipe
-        got = jax.jit(on_mesh)(jax.device_put(x, NamedSharding(mesh, P("data"))), w, rhs_q)
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(grad(x, w, recipe, rhs_q))):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * np.abs(b).max())
-        print(recipe, "ok")
-""")
-
-
-def test_per_device_gemms_on_8_cpu_devices_match_unsharded():
-    """Under a mesh the ternary scale (whole weight on every device) and stored int8 codes give unsharded results."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert out.returncode == 0, out.stdout + out.stderr[-5000:]
-    assert out.stdout.split() == ["bitnet_b158", "ok", "int8_rowwise", "ok"], out.stdout

@@ -1,8 +1,13 @@
 """INT8 weight-only training from a config (`model.param_dtype=int8`): int8 kernels + per-channel scales and no
-float copy, the forward reading the stored codes, SR updates, bit-identical resume, the memory estimate, errors."""
+float copy, the forward reading the stored codes (also per device under a mesh), SR updates, bit-identical resume,
+the memory estimate, errors."""
 
 import io
 import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import flax.linen as nn
 import jax
@@ -13,6 +18,7 @@ from train_helpers import tiny_llama_config
 
 import qjax
 from qjax import dispatch, optim
+from qjax.dot_general import _quantized_dot
 from qjax.train import ConfigError, make_mesh, make_task, make_train_step, memory, train
 
 
@@ -57,20 +63,26 @@ def test_int8_weight_only_run_falls_and_resumes_bit_identically(token_dir, tmp_p
         np.testing.assert_array_equal(a, b)
 
 
-def test_forward_reads_the_stored_codes(token_dir, monkeypatch):
-    """int8_rowwise's forward multiplies the Int8Param's codes and scales, quantizing only the activation."""
-    weights_quantized = []
+@pytest.fixture
+def weights_quantized(monkeypatch):
+    """The spec of every forward-GEMM weight quantization traced while the fixture is active (None: none made)."""
+    specs = []
     original = dispatch.quantize_pair
 
     def record(x, spec, spec_t, *args, operands=("", ""), **kwargs):
         if operands[0].startswith("forward rhs"):
-            weights_quantized.append(spec)
+            specs.append(spec)
         return original(x, spec, spec_t, *args, operands=operands, **kwargs)
 
     monkeypatch.setattr(dispatch, "quantize_pair", record)
-    task = make_task(_int8_config(token_dir, recipe="int8_rowwise"))
-    params = jax.jit(task.init)(jax.random.key(0))
-    layer = params["layers_0"]["mlp"]["down_proj"]["kernel"]
+    _quantized_dot.cache_clear()  # built GEMMs hold the function they were built with
+    yield specs
+    _quantized_dot.cache_clear()
+
+
+def test_forward_reads_the_stored_codes(token_dir, weights_quantized):
+    """int8_rowwise's forward multiplies the Int8Param's codes and scales, quantizing only the activation."""
+    layer = optim.int8_params.quantize_int8_param(jax.random.normal(jax.random.key(0), (64, 32)))  # (in, out)
     x = jax.random.normal(jax.random.key(1), (16, layer.shape[0]), jnp.bfloat16)
     dense = nn.Dense(layer.shape[1], use_bias=False, dtype=jnp.bfloat16, promote_dtype=optim.int8_params.promote_dtype,
                      dot_general_cls=lambda: qjax.DotGeneral(recipe="int8_rowwise"))
@@ -80,7 +92,10 @@ def test_forward_reads_the_stored_codes(token_dir, monkeypatch):
     expected = (xq.data.astype(jnp.float32) @ layer.data.astype(jnp.float32)) * xq.scale * layer.scale
     np.testing.assert_allclose(y.astype(jnp.float32), expected, rtol=1e-2, atol=1e-3)  # output in bfloat16
     # The whole model traces the same way: every quantized projection reads its codes (the LM head runs bf16).
-    weights_quantized.clear()
+    task = make_task(_int8_config(token_dir, recipe="int8_rowwise"))
+    params = jax.eval_shape(task.init, jax.random.key(0))
+    assert isinstance(params["layers_0"]["attn"]["qkv_proj"]["kernel"], optim.Int8Param)
+    weights_quantized.clear()  # init runs the model on its float kernels, before they become int8
     jax.eval_shape(task.loss, params, task.dummy_batch(2), jax.random.key(2))
     assert weights_quantized == [None] * 4
     # fp8 recipes quantize the dequantized weight themselves.
@@ -122,3 +137,37 @@ def test_bad_inputs_raise(token_dir):
     with pytest.raises(ValueError, match="rhs_quantized must be rhs as"):
         qjax.dot_general(jnp.ones((4, 32)), jnp.ones((32, 16)), (((1,), (0,)), ((), ())), recipe="int8_rowwise",
                          rhs_quantized=qjax.quantize(jnp.ones((32, 16)), qjax.QuantSpec("int8", "row")))
+
+
+_MESH_SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    import qjax
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    x = jax.random.normal(jax.random.key(0), (64, 128), jnp.float32)  # 8 tokens per device
+    w = jax.random.normal(jax.random.key(1), (128, 96), jnp.float32) * 0.05  # (K, N), a Dense kernel
+    dims = (((1,), (0,)), ((), ()))
+    w8 = qjax.quantize(w.T, qjax.QuantSpec("int8", "row"))  # stored int8 codes, (N, K)
+
+    def loss(x, w):
+        return jnp.sum(qjax.dot_general(x, w, dims, recipe="int8_rowwise", rhs_quantized=w8) ** 2)
+
+    def on_mesh(x, w):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+    assert "shard_map" in str(jax.make_jaxpr(on_mesh)(x, w))
+    got = jax.jit(on_mesh)(jax.device_put(x, NamedSharding(mesh, P("data"))), w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5 * np.abs(b).max())
+    print("ok")
+""")
+
+
+def test_stored_codes_on_8_cpu_devices_match_unsharded():
+    """Under a mesh (GEMMs per device in `jax.shard_map`) the stored int8 codes give the unsharded results."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _MESH_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stdout + out.stderr[-5000:]
+    assert out.stdout.split() == ["ok"], out.stdout
