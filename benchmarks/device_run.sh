@@ -19,8 +19,9 @@
 # peer, not appended), optim-ab (the low-bit AdamW step rows against optax.adamw), train-row (the 1.1B
 # int8_rowwise row, not appended), default-run (the GPU default of `make
 # train` on the Shakespeare corpus: carry "data" prepared here), bitnet (linear int8_rowwise vs bitnet_b158, no
-# peer), bitnet-train (the 1.1B bf16 / int8_rowwise / bitnet_b158 rows), int8-params (the 1.1B int8_rowwise row with
-# float32, int8 weight-only and bf16 + SR params), bitnet-conv (125M convergence, bf16 vs bitnet_b158: carry "data"). A step written STEP@base runs in .baseline, an
+# peer), bitnet-train (the 1.1B bf16 / int8_rowwise / bitnet_b158 rows), int8-params (the 1.1B int8_rowwise rows with
+# int8 weight-only and with bf16 + SR params: run it after bitnet-train, whose int8_rowwise row has float32
+# params), bitnet-conv (125M convergence, bf16 vs bitnet_b158: carry "data"). A step written STEP@base runs in .baseline, an
 # exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -68,8 +69,8 @@ step_command() {
                      "int8_rowwise bitnet_b158 --no-peer" ;;
         bitnet-train) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise bitnet_b158 --steps 5 --warmup 2" \
                            "--no-peer" ;;
-        int8-params) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_rowwise_int8_params" \
-                          "int8_rowwise_bf16_params_sr --steps 5 --warmup 2 --no-peer" ;;
+        int8-params) echo "python3 benchmarks/train.py --rows int8_rowwise_int8_params int8_rowwise_bf16_params_sr" \
+                          "--steps 5 --warmup 2 --no-peer" ;;
         bitnet-conv) echo "python3 benchmarks/convergence.py --size 125m --seq-len 1024 --batch-size 16 --steps 800" \
                           "--lr 6e-4 --recipes bf16 bitnet_b158 --png benchmarks/convergence_bitnet.png" ;;
         *) return 1 ;;

@@ -34,7 +34,7 @@ from qjax import recipes as recipes_lib
 from qjax.optim import sr_params
 from qjax.quantize import QTensor, QuantSpec, quantize_with_seed
 
-INT8_ROW = QuantSpec("int8", "row")
+_INT8_ROW = QuantSpec("int8", "row")
 
 
 @jax.tree_util.register_dataclass
@@ -117,7 +117,7 @@ def weight_operands(recipe, lhs: jax.Array, weight: "Int8Param", dimension_numbe
     check_recipe(recipe)
     recipe = recipes_lib.recipe(recipe)
     (_, rhs_contract), (_, rhs_batch) = dimension_numbers
-    stored = (recipe.fwd is not None and recipe.fwd.rhs == INT8_ROW and weight.ndim == 2
+    stored = (recipe.fwd is not None and recipe.fwd.rhs == _INT8_ROW and weight.ndim == 2
               and tuple(rhs_contract) == (0,) and not tuple(rhs_batch))
     return weight.dequantize(lhs.dtype), (weight.forward_operand() if stored else None)
 
