@@ -22,7 +22,8 @@
 # peer), bitnet-train (the 1.1B bf16 / int8_rowwise / bitnet_b158 rows), int8-params (the 1.1B int8_rowwise rows with
 # int8 weight-only and with bf16 + SR params: run it after bitnet-train, whose int8_rowwise row has float32
 # params), bitnet-conv (125M convergence, bf16 vs bitnet_b158: carry "data"). A step written STEP@base runs in
-# .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
+# .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after
+# A/B in one call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}
