@@ -18,7 +18,8 @@
 # int8_rowwise with stochastic rounding of the gradients), linear-ab (int8_rowwise and fp8_tensorwise at two shapes, no
 # peer, not appended), optim-ab (the low-bit AdamW step rows against optax.adamw), train-row (the 1.1B
 # int8_rowwise row, not appended), default-run (the GPU default of `make
-# train` on the Shakespeare corpus: carry "data" prepared here), bitnet (linear int8_rowwise vs bitnet_b158, no
+# train` on the Shakespeare corpus: carry "data" prepared here), tests-bitnet (bitnet_b158's kernels compiled),
+# bitnet (linear int8_rowwise vs bitnet_b158, no
 # peer), bitnet-train (the 1.1B bf16 / int8_rowwise / bitnet_b158 rows), int8-params (the 1.1B int8_rowwise rows with
 # int8 weight-only and with bf16 + SR params: run it after bitnet-train, whose int8_rowwise row has float32
 # params), bitnet-conv (125M convergence, bf16 vs bitnet_b158: carry "data"). A step written STEP@base runs in
@@ -66,6 +67,7 @@ step_command() {
                           "/tmp/default_run" ;;
         train-sr) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_rowwise_sr --steps 5 --warmup 2" \
                        "--no-peer" ;;
+        tests-bitnet) echo "python3 -m pytest -x -q -p no:cacheprovider -m gpu tests/test_bitnet.py" ;;
         bitnet) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
                      "int8_rowwise bitnet_b158 --no-peer" ;;
         bitnet-train) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise bitnet_b158 --steps 5 --warmup 2" \

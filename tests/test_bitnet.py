@@ -129,3 +129,20 @@ def test_recipe_variants_are_dataclass_replacements():
     assert qjax.recipe("bitnet_b158_bf16_bwd") == dataclasses.replace(r, name="bitnet_b158_bf16_bwd", dgrad=None,
                                                                        wgrad=None)
 
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_on_the_gpu():
+    """The fused quantize kernel's ternary side and the int8 GEMM, compiled: as the reference and the formula."""
+    from qjax.kernels import quantize_mgpu
+    from qjax.quantize import quantize_pair_reference
+
+    x, w = _xw(m=2048, k=1536, n=1024)
+    specs = (qjax.QuantSpec("ternary", "tensor"), qjax.QuantSpec("int8", "row"))
+    got = jax.jit(lambda w: quantize_mgpu.quantize_pair_kernel(w, *specs))(w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(quantize_pair_reference(w, *specs, None, None))):
+        np.testing.assert_array_equal(a, b)
+    expected, _, _ = _formula(x, w)
+    with dispatch.force("kernel"):
+        out = jax.jit(lambda x, w: qjax.dot_general(x, w, DIMS, recipe="bitnet_b158"))(x, w)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
