@@ -3,6 +3,7 @@ and a PNG.
 
   python benchmarks/convergence.py                       # the default config (tiny Llama, Shakespeare bytes)
   python benchmarks/convergence.py --size 125m --seq-len 1024 --batch-size 32 --steps 2000     # on a GPU
+  python benchmarks/convergence.py --recipes bf16 bitnet_b158 --png benchmarks/convergence_bitnet.png
 
 Each recipe trains from the same seed, data order and schedule (`qjax.train.train`, workdir
 runs/convergence/<size-steps-batch-seq-lr>/<recipe>; a finished run with the same settings is reused). Prints the
@@ -35,6 +36,7 @@ def main():
     parser.add_argument("--lr", type=float)
     parser.add_argument("--workdir", default=str(REPO / "runs" / "convergence"))
     parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--png", default=str(REPO / "benchmarks" / "convergence.png"), help="where the curves go")
     args = parser.parse_args()
 
     workdirs, finals = [], {}
@@ -71,8 +73,8 @@ def main():
             "order per recipe; eval loss = mean over the config's eval batches.")
     report = "\n".join(lines) + "\n\n" + note + "\n"
     print("\n" + report)
-    png = REPO / "benchmarks" / "convergence.png"
-    print(f"wrote {plot_runs(workdirs, str(png), f'Llama {size} on Shakespeare: ' + ' vs '.join(finals))}")
+    png = pathlib.Path(args.png)
+    print(f"wrote {plot_runs(workdirs, str(png), f'Llama {size} on Shakespeare: ' + ' vs '.join(args.recipes))}")
     report += f"\nLoss curves: benchmarks/{png.name}\n"
     if not args.no_append:
         append_results("convergence", report)

@@ -21,11 +21,15 @@
 # tokens/s, MFU beside the estimate), train-row (the 1.1B
 # int8_rowwise row, not appended), default-run (the GPU default of `make
 # train` on the Shakespeare corpus: carry "data" prepared here), dataflow (the 1.1B rows of the data-flow recipes),
-# dataflow-conv (benchmarks/convergence.py at the default run's 125M settings for bf16 and the data-flow recipes;
-# the new PNG comes back in $OUT), tests-moe (the ragged_dot, MXFP8 and MoE tests on the GPU: XLA's grouped GEMMs on
-# 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16 lax.ragged_dot), linear-mxfp8
-# (linear.py's fp8_blockwise and mxfp8 rows, no peer). A step written STEP@base runs in .baseline, an exported tree
-# of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
+# dataflow-conv (benchmarks/convergence.py at the default run's 125M settings for bf16, the data-flow recipes and
+# bitnet_b158: carry "data"; the new PNG comes back in $OUT), tests-moe (the ragged_dot, MXFP8 and MoE tests on the
+# GPU: XLA's grouped GEMMs on 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16
+# lax.ragged_dot), linear-mxfp8 (linear.py's fp8_blockwise and mxfp8 rows, no peer), tests-bitnet (bitnet_b158's
+# kernels compiled), bitnet (linear int8_rowwise vs bitnet_b158, no peer), bitnet-train (the 1.1B bf16 /
+# int8_rowwise / bitnet_b158 rows), int8-params (the 1.1B int8_rowwise rows with int8 weight-only and with bf16 + SR
+# params: run it after bitnet-train, whose int8_rowwise row has float32 params), bitnet-conv (125M convergence, bf16
+# vs bitnet_b158: carry "data"). A step written STEP@base runs in .baseline, an exported tree of another commit
+# (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}
@@ -78,8 +82,18 @@ step_command() {
                        "--no-peer" ;;
         dataflow) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise fp8_dataflow int8_dataflow --steps 5" \
                        "--warmup 2 --no-peer" ;;
-        dataflow-conv) echo "python3 benchmarks/convergence.py --recipes bf16 fp8_dataflow int8_dataflow --size 125m" \
+        dataflow-conv) echo "python3 benchmarks/convergence.py --recipes bf16 fp8_dataflow int8_dataflow" \
+                            "bitnet_b158 --size 125m" \
                             "--seq-len 1024 --batch-size 32 --steps 750 --lr 6e-4 --workdir /tmp/convergence" ;;
+        tests-bitnet) echo "python3 -m pytest -x -q -p no:cacheprovider -m gpu tests/test_bitnet.py" ;;
+        bitnet) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
+                     "int8_rowwise bitnet_b158 --no-peer" ;;
+        bitnet-train) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise bitnet_b158 --steps 5 --warmup 2" \
+                           "--no-peer" ;;
+        int8-params) echo "python3 benchmarks/train.py --rows int8_rowwise_int8_params int8_rowwise_bf16_params_sr" \
+                          "--steps 5 --warmup 2 --no-peer" ;;
+        bitnet-conv) echo "python3 benchmarks/convergence.py --size 125m --seq-len 1024 --batch-size 16 --steps 800" \
+                          "--lr 6e-4 --recipes bf16 bitnet_b158 --png benchmarks/convergence_bitnet.png" ;;
         *) return 1 ;;
     esac
 }
@@ -101,6 +115,7 @@ for step in "$@"; do
     echo "== $step: exit ${PIPESTATUS[0]} at $SECONDS s" | tee -a "$LOG"
 done
 [ -f /tmp/default_run/metrics.jsonl ] && cp /tmp/default_run/metrics.jsonl "$OUT/default_run_metrics.jsonl"
+[ -f benchmarks/convergence_bitnet.png ] && cp benchmarks/convergence_bitnet.png "$OUT/"
 diff /tmp/RESULTS.before benchmarks/RESULTS.md > "$OUT/results.diff"
 cmp -s /tmp/convergence.before.png benchmarks/convergence.png || cp benchmarks/convergence.png "$OUT/"
 exit 0

@@ -12,8 +12,12 @@ compiled for one row stays resident during the next.
 
 Rows (--rows): bf16; int8 fwd only; int8 fwd+dgrad; int8_rowwise (all three GEMMs); the last two with stochastic
 rounding of the gradient operand (`qjax.with_stochastic_gradients`; forward-only int8 has no gradient operand to
-round); fp8_tensorwise; fp8_blockwise; the data-flow recipes fp8_dataflow and int8_dataflow; and "<recipe>@xla"
-rows that force the XLA path (no Pallas kernels) to show what the kernels buy. A row may name an optimizer after "+" ("int8_rowwise+adamw_fp8": e4m3 AdamW states through the
+round); fp8_tensorwise; fp8_blockwise; the data-flow recipes fp8_dataflow and int8_dataflow; bitnet_b158 (ternary
+forward weights, int8_rowwise backward); int8_rowwise with int8 weight-only params (`model.param_dtype=int8`: int8
+kernels + per-channel scales, SR updates, the forward reading the stored codes) and with bf16 params + SR, the two
+ways without a float32 master copy (their peak memory beside the float32 rows'); and "<recipe>@xla" rows that
+force the XLA path (no Pallas kernels) to show what the kernels buy. A row may name an optimizer after "+"
+("int8_rowwise+adamw_fp8": e4m3 AdamW states through the
 fused step kernel); without one it is optax AdamW with fp32 states. Then, unless --no-peer, Hugging Face
 LlamaForCausalLM of the same shape under torch.compile (bf16, torchao float8 tensorwise / rowwise, int8 mixed
 precision) in a subprocess (benchmarks/torch_peer.py).
@@ -31,7 +35,11 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 ROWS = ("bf16", "int8_fwd", "int8_fwd_dgrad", "int8_rowwise", "int8_fwd_dgrad_sr", "int8_rowwise_sr",
-        "fp8_tensorwise", "fp8_blockwise", "int8_rowwise@xla", "fp8_tensorwise@xla", "fp8_dataflow", "int8_dataflow")
+        "fp8_tensorwise", "fp8_blockwise", "bitnet_b158", "int8_rowwise_int8_params", "int8_rowwise_bf16_params_sr",
+        "int8_rowwise@xla", "fp8_tensorwise@xla", "fp8_dataflow", "int8_dataflow")
+# Rows whose params are not float32: row -> (config.model.param_dtype, config.optimizer.stochastic_rounding); their
+# recipe is int8_rowwise.
+PARAM_ROWS = {"int8_rowwise_int8_params": ("int8", False), "int8_rowwise_bf16_params_sr": ("bfloat16", True)}
 DEFAULT_ROWS = ("bf16", "int8_fwd", "int8_fwd_dgrad", "int8_rowwise", "int8_rowwise_sr", "fp8_tensorwise",
                 "fp8_blockwise", "int8_rowwise@xla")
 PEER_VARIANTS = ("bf16", "float8_tensorwise", "float8_rowwise", "int8_mixed_precision")
@@ -66,7 +74,7 @@ def row_recipe(row: str):
     }
     recipes["int8_fwd_dgrad_sr"] = qjax.with_stochastic_gradients(recipes["int8_fwd_dgrad"])
     recipes["int8_rowwise_sr"] = qjax.with_stochastic_gradients(int8)
-    recipe = recipes.get(name) or qjax.recipe(name)
+    recipe = recipes.get(name) or qjax.recipe("int8_rowwise" if name in PARAM_ROWS else name)
     return dataclasses.replace(recipe, backend=backend) if backend else recipe
 
 
@@ -89,6 +97,8 @@ def build_row(row: str, args):
     del config.recipe  # the config file's field is a recipe name; rows need Recipe objects (variants, backend)
     config.recipe = row_recipe(row)
     config.optimizer.name = row_optimizer(row)
+    param_dtype, sr = PARAM_ROWS.get(row.partition("+")[0].partition("@")[0], (None, False))
+    config.model.param_dtype, config.optimizer.stochastic_rounding = param_dtype, sr
     config.seq_len, config.batch_size = args.seq, args.batch
     config.steps = 1000  # the LR schedule's length; irrelevant to the timing
     task = make_task(config)

@@ -34,7 +34,7 @@ def get_config() -> config_dict.ConfigDict:
         "rope_theta": placeholder(float),  # RoPE base (None: 10000)
         "norm_eps": placeholder(float),  # RMSNorm epsilon (None: 1e-5)
         "compute_dtype": placeholder(str),  # dtype of activations: float32, bfloat16, float16 (None: bfloat16)
-        "param_dtype": placeholder(str),  # dtype of params: float32 or bfloat16 (None: float32)
+        "param_dtype": placeholder(str),  # float32, bfloat16, or int8: weight-only int8 kernels, SR updates (None: f32)
         "remat": placeholder(bool),  # recompute each block in the backward pass: less activation memory
         "attention": placeholder(str),  # auto (cuDNN flash attention on GPU where it applies), xla or cudnn
     })

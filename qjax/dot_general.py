@@ -30,7 +30,7 @@ from jax import lax
 from qjax import dispatch, stochastic
 from qjax import recipes as recipes_lib
 from qjax.kernels.scaled_matmul import contract_last
-from qjax.qtensor import QuantSpec
+from qjax.qtensor import QTensor, QuantSpec
 
 # Operand slots in the uint32 seed vector: one independent stochastic-rounding stream per quantized operand.
 _FWD_LHS, _FWD_RHS, _DGRAD_LHS, _DGRAD_RHS, _WGRAD_LHS, _WGRAD_RHS = range(6)
@@ -124,9 +124,10 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
                  token_axes: tuple[str, ...] = ()):
     """The quantized GEMM's two halves for one static configuration, for custom VJPs built around it:
 
-      forward(lhs, rhs, seeds, with_residuals) -> (out, (w_res, x_res))   the forward GEMM, and (with_residuals)
-                                                  what the backward GEMMs read, quantized in their layouts
-      backward((w_res, x_res, seeds), g) -> (dlhs, drhs, None)            dgrad and wgrad
+      forward(lhs, rhs, seeds, rhs_q, with_residuals) -> (out, (w_res, x_res))   the forward GEMM, and (with
+                 residuals) what the backward GEMMs read, quantized in their layouts; rhs_q: None, or the forward
+                 GEMM's rhs already quantized (`dot_general`'s rhs_quantized)
+      backward((w_res, x_res, seeds), g) -> (dlhs, drhs)                  dgrad and wgrad
 
     token_axes: inside `_per_device`, the mesh axes the token rows (M) of x and g are split over (module docstring).
     """
@@ -134,7 +135,7 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
     quantize_both = functools.partial(dispatch.quantize_pair, backend=recipe.backend)
     fwd, dgrad, wgrad = recipe.fwd, recipe.dgrad, recipe.wgrad
 
-    def forward_gemm(lhs, rhs, seeds, with_residuals):
+    def forward_gemm(lhs, rhs, seeds, rhs_q, with_residuals):
         """out, and (with_residuals) what the backward GEMMs read of w and x: quantized in their layouts, or the
         originals for GEMMs in high precision. Each input is quantized once for both GEMMs that read it."""
         x, w = layout.lhs_mk(lhs), layout.rhs_nk(rhs)
@@ -143,8 +144,10 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
         xq, x_res = quantize_both(x, _spec(fwd, "lhs"), x_spec_t, seeds[_FWD_LHS], seeds[_WGRAD_RHS],
                                   operands=("forward lhs x as (M, K)", "wgrad rhs x as (K, M), M = tokens"),
                                   row_axes=token_axes)
-        wq, w_res = quantize_both(w, _spec(fwd, "rhs"), w_spec_t, seeds[_FWD_RHS], seeds[_DGRAD_RHS],
+        w_spec = _spec(fwd, "rhs") if rhs_q is None else None
+        wq, w_res = quantize_both(w, w_spec, w_spec_t, seeds[_FWD_RHS], seeds[_DGRAD_RHS],
                                   operands=("forward rhs w as (N, K)", "dgrad rhs w as (K, N)"))
+        wq = wq if rhs_q is None else rhs_q
         if fwd is None:
             out = _high_precision_matmul(x, w, out_dtype, precision)
         else:
@@ -171,7 +174,7 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
             dw = _high_precision_matmul(layout.lhs_km(x_res), _swap_last(g_mn), rhs_dtype, precision)
         else:
             dw = gemm(x_res, gq_wgrad, rhs_dtype, precise_accumulation=True)
-        return layout.lhs_from_mk(_varying(dx, token_axes)), layout.rhs_from_kn(_varying(dw, token_axes)), None
+        return layout.lhs_from_mk(_varying(dx, token_axes)), layout.rhs_from_kn(_varying(dw, token_axes))
 
     return forward_gemm, backward
 
@@ -179,18 +182,18 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
 @functools.lru_cache(maxsize=None)
 def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision,
                    token_axes: tuple[str, ...] = ()):
-    """The custom_vjp function (lhs, rhs, seeds) -> out for one static configuration (`linear_parts`)."""
+    """The custom_vjp function (lhs, rhs, seeds, rhs_q) -> out for one static configuration (`linear_parts`)."""
     forward_gemm, backward = linear_parts(layout, recipe, out_dtype, lhs_dtype, rhs_dtype, precision, token_axes)
 
-    def forward(lhs, rhs, seeds):
-        out, (w_res, x_res) = forward_gemm(lhs, rhs, seeds, with_residuals=True)
+    def forward(lhs, rhs, seeds, rhs_q):
+        out, (w_res, x_res) = forward_gemm(lhs, rhs, seeds, rhs_q, with_residuals=True)
         return out, (w_res, x_res, seeds)
 
     @jax.custom_vjp
-    def quantized_dot(lhs, rhs, seeds):
-        return forward_gemm(lhs, rhs, seeds, with_residuals=False)[0]
+    def quantized_dot(lhs, rhs, seeds, rhs_q):
+        return forward_gemm(lhs, rhs, seeds, rhs_q, with_residuals=False)[0]
 
-    quantized_dot.defvjp(forward, backward)
+    quantized_dot.defvjp(forward, lambda residuals, g: (*backward(residuals, g), None, None))
     return quantized_dot
 
 
@@ -240,18 +243,20 @@ def _device_axes(recipe: recipes_lib.Recipe, layout: _Layout) -> tuple[str, ...]
     return tuple(mesh.axis_names)
 
 
-def _per_device(fn, axes: tuple[str, ...], n_split: int = 1):
-    """fn (*split, *whole, seeds) -> out, run inside `jax.shard_map` over the context mesh: the first `n_split`
-    arguments and out split along dim 0 over `axes`, the rest (weights) and seeds whole (module docstring)."""
+def _per_device(fn, axes: tuple[str, ...], n_split: int = 1, n_extra: int = 0):
+    """fn (*split, *weights, seeds, *extra) -> out, run inside `jax.shard_map` over the context mesh: the first
+    `n_split` arguments and out split along dim 0 over `axes`, the weights, seeds and the last `n_extra` arguments
+    (e.g. `dot_general`'s rhs_quantized, no gradient) whole (module docstring)."""
 
     def body(*args):
-        *arrays, seeds = args
+        n_arrays = len(args) - n_extra - 1
+        arrays, seeds, extra = args[:n_arrays], args[n_arrays], args[n_arrays + 1:]
         device = lax.axis_index(axes).astype(jnp.uint32)
         seeds = seeds + device * jnp.uint32(0x9E3779B9)  # distinct stochastic-rounding streams per device
         # The weights vary per device inside: their cotangents (per-device partial gradients) are summed by the
         # transpose of this cast.
         whole = [lax.pcast(a, axes, to="varying") for a in arrays[n_split:]]
-        return fn(*arrays[:n_split], *whole, seeds)
+        return fn(*arrays[:n_split], *whole, seeds, *extra)
 
     split = jax.sharding.PartitionSpec(axes)
     whole = jax.sharding.PartitionSpec()
@@ -270,7 +275,24 @@ def _seeds(recipe: recipes_lib.Recipe, key) -> jax.Array:
     return jax.random.bits(key, (6,), jnp.uint32)
 
 
-def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, recipe, key=None):
+def _check_rhs_quantized(rhs_q, recipe: recipes_lib.Recipe, layout: _Layout) -> None:
+    """ValueError unless rhs_q can stand in for the forward GEMM's quantization of rhs."""
+    spec = _spec(recipe.fwd, "rhs")
+    if not isinstance(rhs_q, QTensor):
+        raise TypeError(f"rhs_quantized must be a qjax.QTensor, got {type(rhs_q).__name__}")
+    if spec is None or spec.stochastic or spec.is_block_scaled:
+        raise ValueError(f"rhs_quantized replaces a row or tensor quantization of rhs in the forward GEMM; recipe "
+                         f"{recipe.name!r} quantizes it as {spec}: pass rhs alone")
+    expected = (layout.n, layout.k)
+    if layout.batch or rhs_q.shape != expected or rhs_q.granularity != spec.granularity or \
+            rhs_q.data.dtype != spec.format.dtype:
+        raise ValueError(f"rhs_quantized must be rhs as (N, K) = {expected} in {spec.dtype} codes with "
+                         f"{spec.granularity!r} scales (recipe {recipe.name!r}; no batch dims), got "
+                         f"{rhs_q.data.dtype} {rhs_q.shape} with {rhs_q.granularity!r} scales")
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, recipe, key=None,
+                rhs_quantized: QTensor | None = None):
     """Quantized `jax.lax.dot_general`: same arguments, same output shape, quantized per `recipe`.
 
     Args:
@@ -282,6 +304,11 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         of lhs and rhs.
       recipe: a `qjax.Recipe` or a recipe name (see `qjax.RECIPES`).
       key: `jax.random.key`, required when the recipe rounds stochastically; use a fresh one every step.
+      rhs_quantized: optional `QTensor`, rhs already quantized as the forward GEMM reads it: (N, K) codes in the
+        recipe's fwd.rhs format and granularity (row or tensor, nearest rounding), e.g. an int8 weight-only
+        parameter's stored codes and scales (`qjax.optim.Int8Param.forward_operand`). The forward GEMM then runs
+        on them instead of quantizing rhs; rhs (the same weight, dequantized) still feeds dgrad and receives the
+        gradient. Ignored by recipes that leave every GEMM in high precision.
 
     Returns:
       Array of shape (batch..., lhs free..., rhs free...), as lax.dot_general. Differentiable (custom VJP with
@@ -297,11 +324,14 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         if not jnp.issubdtype(array.dtype, jnp.floating):
             raise TypeError(f"recipe {recipe.name!r} quantizes float inputs; {name} has dtype {array.dtype}. "
                             "Cast it to bfloat16/float32 first, or use jax.lax.dot_general for integer math")
+    if rhs_quantized is not None:
+        _check_rhs_quantized(rhs_quantized, recipe, layout)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     axes, seeds = _device_axes(recipe, layout), _seeds(recipe, key)
     if not axes:
-        return _quantized_dot(layout, recipe, out_dtype, lhs.dtype, rhs.dtype, precision)(lhs, rhs, seeds)
+        return _quantized_dot(layout, recipe, out_dtype, lhs.dtype, rhs.dtype, precision)(lhs, rhs, seeds,
+                                                                                           rhs_quantized)
     devices = jax.sharding.get_abstract_mesh().size
     local = dataclasses.replace(layout, lhs_shape=(layout.lhs_shape[0] // devices, *layout.lhs_shape[1:]))
     fn = _quantized_dot(local, recipe, out_dtype, lhs.dtype, rhs.dtype, precision, axes)
-    return _per_device(fn, axes)(lhs, rhs, seeds)
+    return _per_device(fn, axes, n_extra=1)(lhs, rhs, seeds, rhs_quantized)

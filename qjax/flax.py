@@ -14,6 +14,7 @@ import flax.linen as nn
 
 from qjax import recipes as recipes_lib
 from qjax.dot_general import dot_general
+from qjax.optim import int8_params
 
 
 def make_dot_general(recipe, key=None):
@@ -38,7 +39,9 @@ class DotGeneral(nn.Module):
     """`dot_general_cls` for Flax layers: quantized per `recipe`, SR keys drawn from the `rng_collection` stream.
 
     Use as nn.Dense(..., dot_general_cls=functools.partial(qjax.DotGeneral, recipe="int8_rowwise")); recipes with
-    stochastic rounding then need `rngs={"quant": key}` in `apply`.
+    stochastic rounding then need `rngs={"quant": key}` in `apply`. The rhs may be an int8 weight-only parameter
+    (`qjax.optim.Int8Param`, passed through by `nn.Dense(promote_dtype=qjax.optim.int8_params.promote_dtype)`): a
+    forward that reads the weight as int8 rows runs on its stored codes, otherwise on its dequantized values.
     """
 
     recipe: Any
@@ -47,7 +50,11 @@ class DotGeneral(nn.Module):
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **unused):
         recipe = recipes_lib.recipe(self.recipe)
         key = self.make_rng(self.rng_collection) if recipe.needs_key else None
-        return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, key=key)
+        rhs_quantized = None
+        if isinstance(rhs, int8_params.Int8Param):
+            rhs, rhs_quantized = int8_params.weight_operands(recipe, lhs, rhs, dimension_numbers)
+        return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, key=key,
+                           rhs_quantized=rhs_quantized)
 
 
 def einsum(subscripts: str, lhs, rhs, *, recipe, key=None, precision=None, preferred_element_type=None):

@@ -1,6 +1,8 @@
 """Number formats qjax quantizes to: their ranges and saturating casts.
 
 A `Format` names an 8-bit storage type (int8, e4m3, e5m2) and the facts about it that scaling and rounding need.
+"ternary" (BitNet b1.58's weights) is int8 storage holding only -1, 0 and 1: max_value 1, and its scale comes from
+the mean |x| instead of the amax (`qjax.quantize`).
 The casts here are the reference semantics for every kernel: finite values saturate to the format's range (as
 Mosaic GPU's f32->fp8 cast does), NaN stays NaN, and +-Inf is never turned into a finite number.
 """
@@ -15,9 +17,9 @@ class Format:
     """An 8-bit (or 16-bit) storage format.
 
     Attributes:
-      name: "int8", "e4m3", "e5m2" or "bf16".
+      name: "int8", "ternary", "e4m3", "e5m2" or "bf16".
       dtype: the jnp dtype arrays of this format are stored in.
-      max_value: the largest finite magnitude (127 for int8, 448 for e4m3, 57344 for e5m2).
+      max_value: the largest finite magnitude (127 for int8, 1 for ternary, 448 for e4m3, 57344 for e5m2).
       mantissa_bits: explicit mantissa bits (0 for int8: its grid spacing is 1).
       min_exponent: exponent of the smallest normal number (floats only); below it the grid spacing is constant.
     """
@@ -37,13 +39,15 @@ INT8 = Format("int8", jnp.dtype(jnp.int8), 127.0, 0, 0)
 E4M3 = Format("e4m3", jnp.dtype(jnp.float8_e4m3fn), 448.0, 3, -6)
 E5M2 = Format("e5m2", jnp.dtype(jnp.float8_e5m2), 57344.0, 2, -14)
 BF16 = Format("bf16", jnp.dtype(jnp.bfloat16), float(jnp.finfo(jnp.bfloat16).max), 7, -126)
+TERNARY = Format("ternary", jnp.dtype(jnp.int8), 1.0, 0, 0)
 
-FORMATS = {f.name: f for f in (INT8, E4M3, E5M2, BF16)}
-_BY_DTYPE = {f.dtype: f for f in FORMATS.values()}
+FORMATS = {f.name: f for f in (INT8, TERNARY, E4M3, E5M2, BF16)}
+_BY_DTYPE = {f.dtype: f for f in (INT8, E4M3, E5M2, BF16)}  # jnp.int8 means int8, never ternary
 
 
 def get_format(name_or_dtype) -> Format:
-    """Returns the `Format` for a name ("int8", "e4m3", "e5m2", "bf16") or a dtype (jnp.int8, jnp.float8_e4m3fn, ...)."""
+    """Returns the `Format` for a name ("int8", "ternary", "e4m3", "e5m2", "bf16") or a dtype (jnp.int8,
+    jnp.float8_e4m3fn, ...)."""
     if isinstance(name_or_dtype, Format):
         return name_or_dtype
     if isinstance(name_or_dtype, str) and name_or_dtype in FORMATS:

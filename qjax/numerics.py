@@ -85,6 +85,14 @@ def amax(x, axis=None):
     return jnp.where(result == result, result, jnp.float32(jnp.nan))
 
 
+def mean_abs(x, axes: tuple[str, ...] = ()):
+    """mean |x| of f32 x over all elements: the ternary format's scale statistic (BitNet b1.58's absmean). A sum
+    keeps NaN (NaN if any element is NaN) and Inf (+Inf if any is, the rest finite), as `amax` does. axes: mesh axes
+    (inside `jax.shard_map`) x is split over in equal shards; the mean is then over the whole array."""
+    mean = jnp.mean(jnp.abs(x))
+    return lax.pmean(mean, axes) if axes else mean
+
+
 def amax_across(block_amax, axes: tuple[str, ...]):
     """`amax` values reduced over mesh axes (inside `jax.shard_map`): an int32 pmax of their bit patterns, so NaN
     wins over Inf whatever a float all-reduce does with NaN."""

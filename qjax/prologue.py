@@ -99,7 +99,7 @@ def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *
 
     def fwd(x, *rest):
         *params, kernel, seeds = rest
-        out, gemm_residuals = gemm_forward(op.forward(x, *params)[0], kernel, seeds, with_residuals=True)
+        out, gemm_residuals = gemm_forward(op.forward(x, *params)[0], kernel, seeds, None, with_residuals=True)
         return out, (_save(x, recipe.saved, recipe.saved_group), tuple(params), gemm_residuals, seeds)
 
     def bwd(residuals, g):
@@ -108,7 +108,7 @@ def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *
         if recipe.saved is not None:
             x_restored = x_saved.dequantize(jnp.float32).reshape(g.shape[:-1] + (x_features,)).astype(x_dtype)
         _, op_residuals = op.forward(x_restored, *params)  # y itself is not needed: wgrad reads its saved codes
-        dy, dkernel, _ = gemm_backward((w_res, y_res, seeds), g)
+        dy, dkernel = gemm_backward((w_res, y_res, seeds), g)
         return (*op.backward(op_residuals, dy), dkernel, None)
 
     x_features, x_dtype = x.shape[-1], x.dtype
@@ -116,7 +116,7 @@ def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *
     @jax.custom_vjp
     def fused(x, *rest):
         *params, kernel, seeds = rest
-        return gemm_forward(op.forward(x, *params)[0], kernel, seeds, with_residuals=False)[0]
+        return gemm_forward(op.forward(x, *params)[0], kernel, seeds, None, with_residuals=False)[0]
 
     fused.defvjp(fwd, bwd)
     if axes:

@@ -29,7 +29,8 @@ class QuantSpec:
     """How one GEMM operand is quantized.
 
     Attributes:
-      dtype: "int8", "e4m3" or "e5m2".
+      dtype: "int8", "e4m3" or "e5m2"; or "ternary" (BitNet b1.58 weights: int8 codes in {-1, 0, 1}, one "tensor"
+        scale = mean |x|, round to nearest).
       granularity: "tensor", "row", "1x128", "128x128" or "1x32" (blocks are rows x K of the (..., R, K) operand).
       stochastic: stochastic rounding instead of round-half-to-even (needs a key).
       pow2_scale: round each scale up to a power of two (torchao's fp8 rowwise does, so scaling is exact). "1x32"
@@ -50,6 +51,9 @@ class QuantSpec:
             raise ValueError(f"unknown granularity {self.granularity!r}; use one of {GRANULARITIES}")
         if self.is_mx and not self.pow2_scale:
             raise ValueError("granularity '1x32' (MX) has power-of-two E8M0 scales: pass pow2_scale=True")
+        if self.dtype == "ternary" and (self.granularity != "tensor" or self.stochastic or self.pow2_scale):
+            raise ValueError("QuantSpec('ternary') takes one scale per tensor (the mean |x|) and rounds to nearest: "
+                             "use QuantSpec('ternary', 'tensor') without stochastic or pow2_scale")
 
     @property
     def format(self) -> formats.Format:

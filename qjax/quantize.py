@@ -4,6 +4,7 @@ These functions define the semantics every kernel must reproduce bit for bit (do
 are quantized in the layout the GEMM reads them: shape (..., R, K) with K, the contracting dimension, last:
 
   amax  = max |x| over the block                 (`numerics.amax`: NaN if the block holds a NaN, else Inf if an Inf)
+          or, for the "ternary" format, mean |x| over the tensor (`numerics.mean_abs`, BitNet b1.58's absmean)
   scale = max(amax / fmt.max, f32 tiny); 1 where amax == 0; optionally rounded *up* to a power of two
           (MX "1x32": 2^(floor(log2 amax) - emax), `numerics.e8m0_scale_from_amax`)
   code  = cast(round(x * (1 / scale)))           round = half-to-even, or stochastic (qjax.stochastic)
@@ -54,9 +55,12 @@ def quantize_with_seed(x: jax.Array, spec: QuantSpec, seed: jax.Array | None, op
     _check_shape(x.shape, spec.granularity, operand)
     fmt = spec.format
     x32 = x.astype(jnp.float32)
-    block_amax = amax(x32, spec.granularity)
-    if amax_axes:
-        block_amax = numerics.amax_across(block_amax, amax_axes)
+    if fmt.name == "ternary":  # granularity "tensor" (QuantSpec checks)
+        block_amax = numerics.mean_abs(x32, amax_axes)
+    else:
+        block_amax = amax(x32, spec.granularity)
+        if amax_axes:
+            block_amax = numerics.amax_across(block_amax, amax_axes)
     if spec.is_mx:
         scale = numerics.e8m0_scale_from_amax(block_amax, fmt)
     else:

@@ -10,7 +10,8 @@ from qjax.quantize import QuantSpec
 
 def test_registry_names():
     assert list(qjax.RECIPES) == ["bf16", "int8_rowwise", "fp8_tensorwise", "fp8_rowwise", "fp8_rowwise_gw_hp",
-                                  "fp8_blockwise", "int8_blockwise", "mxfp8", "fp8_dataflow", "int8_dataflow"]
+                                  "fp8_blockwise", "int8_blockwise", "bitnet_b158", "bitnet_b158_bf16_bwd", "mxfp8",
+                                  "fp8_dataflow", "int8_dataflow"]
     assert qjax.recipe("bf16").is_high_precision
 
 

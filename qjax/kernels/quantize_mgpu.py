@@ -9,6 +9,7 @@ both from as few reads of x as the granularities allow:
   1x128, 128x128            1               tile kernel: per-block amax in registers, scales written by the kernel
   row (and tensor)          2               amax kernel (row and column amax from one read), then the tile kernel
   tensor (no row side)      2               XLA's max of |x| (a scalar), then the tile kernel
+  ternary (a tensor side)   +1              XLA's mean |x| in place of that side's amax (BitNet b1.58's scale)
 
 Tile kernel (on `tile_pipeline_mgpu.run_tiles`): programs of TILES_PER_PROGRAM consecutive 128 x 128 tiles (i, j)
 along K, two SMEM slots for x (tile t + 1 loads while tile t is computed) and one per output (its stores leave SMEM
@@ -246,11 +247,15 @@ def amax_pair(x: jax.Array, *, interpret=False, tiles_per_program=TILES_PER_PROG
 # ------------------------------------------------------------------------------------------------------- public
 
 
-def _inverse_scale(spec, row_amax, col_amax, length, transposed, row_axes):
+def _inverse_scale(spec, row_amax, col_amax, x, length, transposed, row_axes):
     """(scale in the reference's shape, inverse scale per row of this layout (length,)) for a row/tensor side;
-    amax reduced over the mesh axes x's rows are split over where the scale spans them (`row_split_amax_axes`)."""
-    side_amax = numerics.amax(row_amax) if spec.granularity == "tensor" else col_amax if transposed else row_amax
+    amax reduced over the mesh axes x's rows are split over where the scale spans them (`row_split_amax_axes`).
+    A ternary side's statistic is XLA's mean |x| instead (`numerics.mean_abs`)."""
     axes = row_split_amax_axes(spec, transposed, row_axes)
+    if spec.dtype == "ternary":
+        side_amax, axes = numerics.mean_abs(x.astype(jnp.float32), axes), ()
+    else:
+        side_amax = numerics.amax(row_amax) if spec.granularity == "tensor" else col_amax if transposed else row_amax
     if axes:
         side_amax = numerics.amax_across(side_amax, axes)
     scale = numerics.scale_from_amax(side_amax, spec.format, spec.pow2_scale)
@@ -310,7 +315,7 @@ def quantize_pair_kernel(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec 
     elif given:
         row_amax, col_amax = amax_pair(x, interpret=interpret, tiles_per_program=tiles_per_program)
     for spec, transposed in given:
-        scales[transposed], inverses[transposed] = _inverse_scale(spec, row_amax, col_amax, k if transposed else m,
+        scales[transposed], inverses[transposed] = _inverse_scale(spec, row_amax, col_amax, x, k if transposed else m,
                                                                   transposed, row_axes)
     outs = list(_tile_call(x, seeds, inverses[False], inverses[True], row=_Side.of(row_spec),
                            col=_Side.of(col_spec), steps=tiles_per_program, interpret=interpret))

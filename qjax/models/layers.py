@@ -79,12 +79,15 @@ def dense(module: nn.Module, config, name: str, features_in: int, features: int,
           kernel_init=nn.initializers.lecun_normal()) -> nn.Dense:
     """A child `nn.Dense` of `module` (call inside its compact method) whose GEMMs run the layer's recipe.
 
-    Params are created in `config.param_dtype`; the layer casts inputs and kernel to `config.compute_dtype`.
+    Params are created in `config.param_dtype`; the layer casts inputs and kernel to `config.compute_dtype`. A kernel
+    given as an int8 weight-only `qjax.optim.Int8Param` (qjax.train's `model.param_dtype=int8`) reaches the
+    layer's `qjax.DotGeneral` uncast.
     """
     recipe = recipe_for(config, layer_name(module, name), features_in, features)
     return nn.Dense(features, use_bias=use_bias, dtype=jnp.dtype(config.compute_dtype),
                     param_dtype=jnp.dtype(config.param_dtype), kernel_init=kernel_init,
-                    dot_general_cls=functools.partial(qjax.DotGeneral, recipe=recipe), name=name)
+                    dot_general_cls=functools.partial(qjax.DotGeneral, recipe=recipe),
+                    promote_dtype=qjax.optim.int8_params.promote_dtype, name=name)
 
 
 class _Params(nn.Module):

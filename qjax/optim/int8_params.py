@@ -11,10 +11,14 @@ all other axes; all-zero channels get scale 1. Each update requantizes with a *f
 rounding (qjax.stochastic, one seed per leaf), so small updates survive in expectation: E[new w] = w + u.
 
 The forward uses the int8 weight directly: `Int8Dense` (a Flax linen layer) computes x @ (data * scale) with the
-cast fused into the matmul by XLA; `Int8Param.dequantize` gives the float view anywhere else. Gradients: int8 arrays
-are not differentiable, so `int8_value_and_grad` differentiates with respect to the dequantized weight (the
-straight-through view used by torchao / gau-nernst int8 weight-only training) and returns a float32 gradient of
-the weight's shape in place of each `Int8Param`.
+cast fused into the matmul by XLA; `Int8Param.dequantize` gives the float view anywhere else. In a quantized model
+(an `nn.Dense` with `qjax.DotGeneral` and `promote_dtype=qjax.optim.int8_params.promote_dtype`, as qjax's models
+build), a recipe whose forward reads the weight as int8 rows (int8_rowwise) multiplies the stored codes and scales
+on the int8 GEMM (`Int8Param.forward_operand`), with no requantization; other recipes quantize the float view.
+
+Gradients: int8 arrays are not differentiable, so `int8_value_and_grad` differentiates with respect to the
+dequantized weight (the straight-through view used by torchao / gau-nernst int8 weight-only training) and returns a
+float32 gradient of the weight's shape in place of each `Int8Param`.
 
 NaN: a NaN in w + u makes that channel's scale NaN, so the whole channel dequantizes to NaN (never finite again).
 """
@@ -24,9 +28,13 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen import dtypes as flax_dtypes
 
+from qjax import recipes as recipes_lib
 from qjax.optim import sr_params
-from qjax.quantize import QuantSpec, quantize_with_seed
+from qjax.quantize import QTensor, QuantSpec, quantize_with_seed
+
+_INT8_ROW = QuantSpec("int8", "row")
 
 
 @jax.tree_util.register_dataclass
@@ -41,8 +49,20 @@ class Int8Param:
     def shape(self):
         return self.data.shape
 
+    @property
+    def ndim(self):
+        return self.data.ndim
+
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return (self.data.astype(jnp.float32) * self.scale).astype(dtype)
+
+    def forward_operand(self) -> QTensor:
+        """A 2-D (in, out) weight as the forward GEMM of y = x . w reads it: (out, in) int8 codes with one scale per
+        row (output channel), i.e. what `qjax.quantize(w.T, QuantSpec("int8", "row"))` computes, from the stored
+        codes (a transpose of int8 data: no pass over a float copy, no rounding)."""
+        if self.data.ndim != 2:
+            raise ValueError(f"forward_operand needs a 2-D (in, out) weight, got shape {self.data.shape}")
+        return QTensor(self.data.T, self.scale.T, "row")
 
 
 @jax.tree_util.register_dataclass
@@ -74,9 +94,49 @@ def quantize_int8_param(w: jax.Array, seed: jax.Array | None = None) -> Int8Para
     return Int8Param(q.data.T.reshape(w.shape), q.scale.T.reshape((1,) * (w.ndim - 1) + (out,)))
 
 
+def check_recipe(recipe) -> None:
+    """ValueError for block-scaled recipes with int8 weight-only params: the stored per-output-channel scales cannot
+    serve as 128x128 block scales, so every step would requantize the weight from a dequantized copy (int8_rowwise
+    reads the codes as stored)."""
+    recipe = recipes_lib.recipe(recipe)
+    if recipe.is_block_scaled:
+        raise ValueError(f"int8 weight-only params (one scale per output channel) do not run block-scaled recipes "
+                         f"such as {recipe.name!r}: use int8_rowwise (its forward reads the stored int8 codes) or "
+                         "another row / tensor recipe, or float params")
+
+
+def weight_operands(recipe, lhs: jax.Array, weight: "Int8Param", dimension_numbers):
+    """(float rhs, rhs_quantized or None) for `qjax.dot_general(lhs, rhs, ..., rhs_quantized=)` with an Int8Param
+    weight as rhs: its dequantized values in lhs's dtype, and its stored codes where the forward GEMM of `recipe`
+    reads the weight as int8 rows (nearest) and the weight is a 2-D (in, out) Dense kernel (rhs dim 0 contracted).
+
+    Raises TypeError for non-float activations and ValueError for block-scaled recipes (`check_recipe`)."""
+    if not jnp.issubdtype(lhs.dtype, jnp.floating):
+        raise TypeError(f"an int8 weight-only param multiplies float activations, got lhs of dtype {lhs.dtype}: "
+                        "cast it to bfloat16 / float32 first")
+    check_recipe(recipe)
+    recipe = recipes_lib.recipe(recipe)
+    (_, rhs_contract), (_, rhs_batch) = dimension_numbers
+    stored = (recipe.fwd is not None and recipe.fwd.rhs == _INT8_ROW and weight.ndim == 2
+              and tuple(rhs_contract) == (0,) and not tuple(rhs_batch))
+    return weight.dequantize(lhs.dtype), (weight.forward_operand() if stored else None)
+
+
+def promote_dtype(*args, dtype=None, inexact=True) -> list:
+    """Flax's `promote_dtype` (`nn.Dense(promote_dtype=...)`) that passes Int8Param leaves through unchanged, so
+    the layer's dot_general (`qjax.DotGeneral`) gets the int8 weight; other arguments are promoted as usual."""
+    floats = flax_dtypes.promote_dtype(*[None if _is_int8(a) else a for a in args], dtype=dtype, inexact=inexact)
+    return [a if _is_int8(a) else f for a, f in zip(args, floats)]
+
+
 def to_int8_params(params, min_size: int = 4096):
     """Converts float leaves with ndim >= 2 and at least `min_size` elements to Int8Param (round to nearest)."""
     return jax.tree.map(lambda w: quantize_int8_param(w) if w.ndim >= 2 and w.size >= min_size else w, params)
+
+
+def has_int8_params(params) -> bool:
+    """Whether a pytree holds Int8Param leaves."""
+    return any(_is_int8(p) for p in jax.tree.leaves(params, is_leaf=_is_int8))
 
 
 def dequantize_params(params, dtype=jnp.float32):

@@ -10,7 +10,8 @@ Per device, in bytes (P params; c = bytes of the compute dtype, 2 for bfloat16):
 
   state        params + optimizer states, exactly: the leaves of `jax.eval_shape(init_state)` (float32 params
                4 B/param; Adam states fp32 8 B/param, 8-bit ~2, 4-bit ~1, fp8 ~2, plus their block scales)
-  gradients    P x the param dtype's bytes, plus a float32 accumulator (4 B/param) when grad_accum_steps > 1
+  gradients    P x the param dtype's bytes (float32 for int8 weight-only params: their gradient is that of the
+               dequantized weight), plus a float32 accumulator (4 B/param) when grad_accum_steps > 1
   activations  what the backward pass keeps of one micro-batch on one device, T = its tokens (micro-batch x
                seq_len, or x patches for a ViT), L = n_layers, per token and layer:
                  c x (6 dim + 2 kv_dim + 3 ffn_dim)   what a block saves for its backward (tests/models/test_ops.py
@@ -32,6 +33,7 @@ import os
 import jax
 import numpy as np
 
+from qjax import optim as qoptim
 from qjax.models.layers import attention_implementation
 from qjax.train.config import ConfigError
 
@@ -120,9 +122,9 @@ def device_memory_bytes(device, devices_sharing: int = 1) -> int | None:
 def estimate(config, task, abstract_state, mesh) -> Estimate:
     """The per-device estimate of a train step (module docstring) for a checked config."""
     devices = mesh.devices.size
-    params = _tree_bytes(abstract_state.params)
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_state.params))
-    gradients = params + (4 * n_params if config.grad_accum_steps > 1 else 0)
+    grad_shapes = jax.eval_shape(qoptim.dequantize_params, abstract_state.params)  # Int8Param -> float32
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(grad_shapes))
+    gradients = _tree_bytes(grad_shapes) + (4 * n_params if config.grad_accum_steps > 1 else 0)
     examples = max(config.batch_size // config.grad_accum_steps // devices, 1)
     device = mesh.devices.flat[0]
     sharing = devices if device.platform == "cpu" else 1
@@ -141,6 +143,7 @@ def check_fits(config, task, abstract_state, mesh) -> Estimate:
                "--config.model.remat=True")
     else:
         fix = ("use a smaller config.model.size, a low-bit optimizer (--config.optimizer.name=adamw_8bit) or "
-               "bfloat16 params (--config.model.param_dtype=bfloat16 --config.optimizer.stochastic_rounding=True)")
+               "bfloat16 params (--config.model.param_dtype=bfloat16 --config.optimizer.stochastic_rounding=True) "
+               "or int8 weight-only params (--config.model.param_dtype=int8)")
     raise ConfigError(f"this run needs an estimated {_size(est.total)} per device ({est._parts()}), more than the "
                       f"{_size(est.available)} of a {est.platform} device: {fix}")

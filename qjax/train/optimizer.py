@@ -15,6 +15,9 @@ Options beyond AdamW's hyperparameters: `dynamic_range_expansion` (adamw_fp8 onl
 the e4m3 states) and `stochastic_rounding` (params kept in bfloat16, `config.model.param_dtype="bfloat16"`, are
 updated with stochastic rounding by `qjax.optim.apply_gradients(..., key)`: no float32 master copy; the low-bit
 AdamWs' streamed step computes each update in float32 and rounds it once with the bits `apply_updates_sr` draws).
+Int8 weight-only params (`qjax.optim.Int8Param` leaves, `config.model.param_dtype="int8"`) go through `tx.update`:
+AdamW sees their dequantized values (its states are shaped like the weights), and `qjax.optim.apply_updates_int8`
+requantizes each with a fresh absmax and stochastic rounding.
 
 Weight decay applies to every parameter with ndim >= 2 (weight matrices, and also the token embedding and the ViT's
 position embedding and class token), not to norm scales and biases, as in nanoGPT.
@@ -104,16 +107,22 @@ class Optimizer(NamedTuple):
     stochastic_rounding: bool = False
 
     def init(self, params):
-        return self.tx.init(params)
+        return self.tx.init(qoptim.dequantize_params(params))
 
     def step(self, grads, opt_state, params, key=None):
         """(grads, opt_state, params) -> (new params, new opt_state): clip, then one AdamW step.
 
-        key: a `jax.random.key`, fresh every step; required when `stochastic_rounding`, unused otherwise."""
-        if not self.stochastic_rounding:
+        key: a `jax.random.key`, fresh every step; required when `stochastic_rounding` or params hold Int8Param
+        leaves, unused otherwise."""
+        int8 = qoptim.has_int8_params(params)
+        if not (self.stochastic_rounding or int8):
             return qoptim.apply_gradients(self.tx, grads, opt_state, params)
         if key is None:
-            raise ValueError("an optimizer with stochastic_rounding=True needs key= (a fresh jax.random.key per step)")
+            raise ValueError("stochastic rounding of bfloat16 or int8 params needs key= (a fresh jax.random.key per "
+                             "step)")
+        if int8:
+            updates, opt_state = self.tx.update(grads, opt_state, qoptim.dequantize_params(params))
+            return qoptim.apply_updates_int8(params, updates, key), opt_state
         return qoptim.apply_gradients(self.tx, grads, opt_state, params, key)
 
 

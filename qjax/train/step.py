@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from qjax import optim as qoptim
 from qjax.train import mesh as mesh_lib
 from qjax.train.optimizer import make_optimizer
 from qjax.train.task import Task, make_task
@@ -56,8 +57,9 @@ def _split_micro_batches(batch: dict, accum: int) -> dict:
 
 
 def _loss_and_grads(task: Task, params, batch: dict, key: jax.Array, accum: int, mesh):
-    """Mean loss, aux metrics and gradients (params' dtypes) over `batch`, in `accum` micro-batches."""
-    grad_fn = jax.value_and_grad(task.loss, has_aux=True)
+    """Mean loss, aux metrics and gradients (params' dtypes; float32 for int8 weight-only params, with respect to
+    their dequantized values) over `batch`, in `accum` micro-batches."""
+    grad_fn = qoptim.int8_value_and_grad(task.loss, has_aux=True)  # jax.value_and_grad where no param is int8
     if accum == 1:
         (loss, aux), grads = grad_fn(params, batch, jax.random.fold_in(key, 0))
         return loss, aux, grads
@@ -77,7 +79,7 @@ def _loss_and_grads(task: Task, params, batch: dict, key: jax.Array, accum: int,
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (loss_shape, aux_shape, grad_shape))
     (loss, aux, grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accum), micro))
     scale = 1.0 / accum
-    grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), grads, params)
+    grads = jax.tree.map(lambda g, s: (g * scale).astype(s.dtype), grads, grad_shape)
     return loss * scale, jax.tree.map(lambda a: a * scale, aux), grads
 
 

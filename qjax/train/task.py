@@ -7,6 +7,12 @@
 The model config is the `config.model.size` preset with every non-None `config.model.<field>` replacing that field,
 plus the run-level `recipe`, `keep_high_precision` and `min_features`, plus what the data dictates (vocab size,
 number of classes, image shape; omitted -> the preset's, which is how benchmarks run a model on random inputs).
+
+`config.model.param_dtype="int8"` is INT8 weight-only training: the model is built with float32 params and `init`
+turns every projection's kernel into a `qjax.optim.Int8Param` (int8 codes + one float32 scale per output channel,
+no float copy); norms and embeddings stay float32. The model's layers take the Int8Param as it is (a recipe whose
+forward reads the weight as int8 rows runs the stored codes on the int8 GEMM); the optimizer requantizes them with
+stochastic rounding every step (`qjax.train.optimizer`).
 """
 
 import dataclasses
@@ -17,7 +23,10 @@ import jax
 import jax.numpy as jnp
 
 from qjax import models
+from qjax.optim import int8_params
 from qjax.train.config import ConfigError
+
+INT8 = "int8"  # config.model.param_dtype of INT8 weight-only training (module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +40,7 @@ class Task:
       unit: what throughput counts, "tokens" or "images"; units_per_example: seq_len for "lm", 1 for "image".
       flops_per_unit: training FLOPs per token / image (for MFU).
       seq_len: tokens per example ("lm" only).
+      int8_params: INT8 weight-only training: `init` returns the projections' kernels as Int8Param.
     """
 
     kind: str
@@ -40,6 +50,7 @@ class Task:
     units_per_example: int
     flops_per_unit: float
     seq_len: int | None = None
+    int8_params: bool = False
 
     def input_key(self) -> str:
         return "inputs" if self.kind == "lm" else "images"
@@ -57,7 +68,11 @@ class Task:
         """Fresh params for `key` (the "quant" stream gets its own key, used only by stochastic recipes)."""
         params_key, quant_key = jax.random.split(key)
         inputs = self.dummy_batch(batch_size)[self.input_key()]
-        return self.model.init({"params": params_key, "quant": quant_key}, inputs)["params"]
+        params = self.model.init({"params": params_key, "quant": quant_key}, inputs)["params"]
+        if not self.int8_params:
+            return params
+        return jax.tree_util.tree_map_with_path(
+            lambda path, p: int8_params.quantize_int8_param(p) if path[-1].key == "kernel" else p, params)
 
     def loss(self, params, batch: dict, key: jax.Array) -> tuple[jax.Array, dict]:
         """(mean loss float32 (), aux dict of float32 () metrics) of `params` on one batch; `key` feeds "quant".
@@ -80,6 +95,8 @@ def _model_overrides(config) -> dict:
     overrides = {k: v for k, v in config.model.items() if k != "size" and v is not None}
     if "moe" in overrides:  # a ConfigDict of MoEConfig's fields
         overrides["moe"] = models.MoEConfig(**overrides["moe"])
+    if overrides.get("param_dtype") == INT8:
+        overrides["param_dtype"] = "float32"  # what the model sees: its kernels become Int8Param after init
     overrides["recipe"] = config.recipe
     if config.get("keep_high_precision") is not None:
         overrides["keep_high_precision"] = tuple(config.keep_high_precision)
@@ -92,7 +109,10 @@ def make_task(config, *, vocab_size: int | None = None, num_classes: int | None 
               image_shape: tuple[int, int, int] | None = None) -> Task:
     """The task of a (checked) training config; data facts override the preset (module docstring)."""
     overrides = _model_overrides(config)
+    int8 = config.model.get("param_dtype") == INT8
     try:
+        if int8:
+            int8_params.check_recipe(config.recipe)
         if config.task == "lm":
             if vocab_size is not None:
                 overrides["vocab_size"] = vocab_size
@@ -102,7 +122,8 @@ def make_task(config, *, vocab_size: int | None = None, num_classes: int | None 
                 raise ValueError(f"config.seq_len {config.seq_len} exceeds config.model.max_seq_len "
                                  f"{model_config.max_seq_len}")
             return Task("lm", model_config, models.Llama(model_config), "tokens", config.seq_len,
-                        models.flops_per_token(model_config, config.seq_len), seq_len=config.seq_len)
+                        models.flops_per_token(model_config, config.seq_len), seq_len=config.seq_len,
+                        int8_params=int8)
         if num_classes is not None:
             overrides["num_classes"] = num_classes
         if image_shape is not None:
@@ -112,7 +133,7 @@ def make_task(config, *, vocab_size: int | None = None, num_classes: int | None 
             overrides.update(image_size=height, channels=channels)
         model_config = models.vit_config(config.model.size, **overrides)
         return Task("image", model_config, models.ViT(model_config), "images", 1,
-                    models.flops_per_example(model_config))
+                    models.flops_per_example(model_config), int8_params=int8)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"bad model config (config.model.* / recipe / keep_high_precision / min_features): {e}") \
             from None

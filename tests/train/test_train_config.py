@@ -16,7 +16,8 @@ from qjax.train import ConfigError, check_config, make_task, train
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECIPE_OF = {"llama_bf16": "bf16", "llama_int8": "int8_rowwise", "llama_fp8": "fp8_tensorwise",
-             "llama_fp8_blockwise": "fp8_blockwise", "vit_bf16": "bf16", "vit_int8": "int8_rowwise"}
+             "llama_fp8_blockwise": "fp8_blockwise", "llama_bitnet": "bitnet_b158", "vit_bf16": "bf16",
+             "vit_int8": "int8_rowwise"}
 
 
 def _load(*args):
