@@ -19,11 +19,13 @@
 The "quant" RNG stream is needed only by recipes with stochastic rounding (`qjax.with_stochastic_gradients`).
 """
 
+from qjax.models.hf_llama import load_hf_llama, save_hf_llama
 from qjax.models.layers import layer_recipes
 from qjax.models.llama import LLAMA_SIZES, Llama, LlamaConfig, flops_per_token, llama_config, lm_loss, num_params
 from qjax.models.vit import VIT_SIZES, ViT, ViTConfig, classification_loss, flops_per_example, vit_config
 
 __all__ = [
     "LLAMA_SIZES", "Llama", "LlamaConfig", "VIT_SIZES", "ViT", "ViTConfig", "classification_loss",
-    "flops_per_example", "flops_per_token", "layer_recipes", "llama_config", "lm_loss", "num_params", "vit_config",
+    "flops_per_example", "flops_per_token", "layer_recipes", "llama_config", "lm_loss", "load_hf_llama", "num_params",
+    "save_hf_llama", "vit_config",
 ]
