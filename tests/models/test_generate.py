@@ -13,6 +13,8 @@ import qjax
 from qjax import models
 from qjax.models.generate import _filter_logits
 
+# XLA's CPU backend spends most of a test's time compiling; -O0 halves that and the tiny model still runs fast.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
 CONFIG = models.llama_config("tiny", vocab_size=96, max_seq_len=48, compute_dtype="float32")
 PROMPT = jax.random.randint(jax.random.key(1), (3, 7), 0, 96)
 
@@ -36,7 +38,7 @@ def test_greedy_equals_full_forward_argmax_loop():
     """Each new token is the argmax of the full (no cache) forward over the prompt and the tokens before it."""
     new = models.generate(CONFIG, PARAMS, PROMPT, max_new_tokens=12)
     assert new.shape == (3, 12) and new.dtype == jnp.int32
-    apply = jax.jit(models.Llama(CONFIG).apply)
+    apply = jax.jit(models.Llama(CONFIG).apply, compiler_options=FAST_COMPILE)
     p = PROMPT.shape[1]
     tokens = jnp.concatenate([PROMPT, jnp.zeros((3, 12), PROMPT.dtype)], axis=1)  # causal: the zeros are unseen
     for i in range(12):
@@ -49,9 +51,9 @@ def test_greedy_equals_full_forward_argmax_loop():
 def test_cached_logits_equal_full_forward():
     """Prefill 5 tokens, then feed 3 one by one: each step's logits equal the full forward's at that position."""
     model = models.Llama(dataclasses.replace(CONFIG, max_seq_len=8))
-    apply = jax.jit(functools.partial(model.apply, mutable=["cache"]))
+    apply = jax.jit(functools.partial(model.apply, mutable=["cache"]), compiler_options=FAST_COMPILE)
     tokens = jnp.concatenate([PROMPT, PROMPT[:, :1]], axis=1)  # (3, 8)
-    full = jax.jit(model.apply)({"params": PARAMS}, tokens)
+    full = jax.jit(model.apply, compiler_options=FAST_COMPILE)({"params": PARAMS}, tokens)
     logits, state = apply({"params": PARAMS}, tokens[:, :5])
     steps = [logits]
     for t in range(5, 8):
@@ -103,22 +105,30 @@ def test_bad_arguments_raise(kwargs, message):
 
 # SNR of the logits of quantized inference against bf16 inference (same weights; the tiny 64-wide model, random
 # weights of std 1/sqrt(dim)). The CPU measures int8 rowwise 30.0 dB, fp8 rowwise 18.5 dB, int8 weight-only 32.6 dB.
+SNR_CONFIG = dataclasses.replace(CONFIG, compute_dtype="bfloat16", keep_high_precision=())
+
+
+@functools.cache
+def _snr_weights_and_bf16_logits():
+    weights = _params(std=CONFIG.dim ** -0.5)  # the scale of a trained model's weights
+    return weights, jax.jit(models.Llama(SNR_CONFIG).apply, compiler_options=FAST_COMPILE)({"params": weights}, PROMPT)
+
+
 @pytest.mark.parametrize("recipe, min_snr", [("int8_rowwise", 26), ("fp8_rowwise", 15), ("int8_weights", 28)])
 def test_quantized_inference_logits_snr(recipe, min_snr):
-    config = dataclasses.replace(CONFIG, compute_dtype="bfloat16", keep_high_precision=())
-    weights = _params(std=CONFIG.dim ** -0.5)  # the scale of a trained model's weights
-    params = weights
+    weights, bf16 = _snr_weights_and_bf16_logits()
+    config, params = SNR_CONFIG, weights
     if recipe == "int8_weights":
         params = models.dequantize_weights(models.int8_weights(weights), jnp.float32)
     else:
         config = dataclasses.replace(config, recipe=recipe)
-    bf16 = jax.jit(models.Llama(dataclasses.replace(config, recipe="bf16")).apply)({"params": weights}, PROMPT)
-    quantized = jax.jit(models.Llama(config).apply)({"params": params}, PROMPT)
+    quantized = jax.jit(models.Llama(config).apply, compiler_options=FAST_COMPILE)({"params": params}, PROMPT)
     snr = snr_db(bf16, quantized)
     assert min_snr <= snr < 100, snr  # < 100: the recipe really quantized
 
 
 def test_int8_weight_only_generate():
+    """int8_weights keeps int8 codes and generate dequantizes them: the same tokens as the dequantized params."""
     q = models.int8_weights(PARAMS)
     kernel = q["layers_0"]["attn"]["qkv_proj"]["kernel"]
     assert isinstance(kernel, qjax.QTensor) and kernel.data.dtype == jnp.int8
