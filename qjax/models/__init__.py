@@ -20,7 +20,7 @@ The "quant" RNG stream is needed only by recipes with stochastic rounding (`qjax
 """
 
 from qjax.models.generate import dequantize_weights, generate, int8_weights
-from qjax.models.hf_llama import load_hf_llama, save_hf_llama
+from qjax.models.hf_llama import load_hf_config, load_hf_llama, save_hf_llama
 from qjax.models.layers import layer_recipes
 from qjax.models.llama import LLAMA_SIZES, Llama, LlamaConfig, flops_per_token, llama_config, lm_loss, num_params
 from qjax.models.vit import VIT_SIZES, ViT, ViTConfig, classification_loss, flops_per_example, vit_config
@@ -28,5 +28,5 @@ from qjax.models.vit import VIT_SIZES, ViT, ViTConfig, classification_loss, flop
 __all__ = [
     "LLAMA_SIZES", "Llama", "LlamaConfig", "VIT_SIZES", "ViT", "ViTConfig", "classification_loss",
     "dequantize_weights", "flops_per_example", "flops_per_token", "generate", "int8_weights", "layer_recipes",
-    "llama_config", "lm_loss", "load_hf_llama", "num_params", "save_hf_llama", "vit_config",
+    "llama_config", "lm_loss", "load_hf_config", "load_hf_llama", "num_params", "save_hf_llama", "vit_config",
 ]

@@ -132,6 +132,15 @@ def _read_tensors(path: str, names) -> dict[str, np.ndarray]:
     return out
 
 
+def load_hf_config(path: str, **overrides) -> LlamaConfig:
+    """The `LlamaConfig` of the Hugging Face model directory `path` (its config.json), `overrides` replaced."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise ValueError(f"{path} has no config.json (a Hugging Face model directory has one)")
+    with open(config_path) as f:
+        return config_from_hf(json.load(f), **overrides)
+
+
 def load_hf_llama(path: str, **overrides) -> tuple[LlamaConfig, dict]:
     """(LlamaConfig, params) of the Hugging Face Llama checkpoint directory `path`.
 
@@ -139,11 +148,7 @@ def load_hf_llama(path: str, **overrides) -> tuple[LlamaConfig, dict]:
     numpy arrays in `config.param_dtype` shaped as `Llama(config).init` makes them. ValueError naming the tensor
     or config.json field for a missing tensor, a wrong shape or a model qjax's Llama does not compute.
     """
-    config_path = os.path.join(path, "config.json")
-    if not os.path.exists(config_path):
-        raise ValueError(f"{path} has no config.json (a Hugging Face model directory has one)")
-    with open(config_path) as f:
-        config = config_from_hf(json.load(f), **overrides)
+    config = load_hf_config(path, **overrides)
     shapes = expected_shapes(config)
     tensors = _read_tensors(path, shapes)
     for name, shape in shapes.items():

@@ -7,6 +7,10 @@
 The model config is the `config.model.size` preset with every non-None `config.model.<field>` replacing that field,
 plus the run-level `recipe`, `keep_high_precision` and `min_features`, plus what the data dictates (vocab size,
 number of classes, image shape; omitted -> the preset's, which is how benchmarks run a model on random inputs).
+With `config.init_from` (a Hugging Face Llama directory) the shape comes from its config.json instead, and the
+params are its weights (read by `init` through a host callback, so they never become constants of the program).
+
+Batches with a "loss_mask" (instruction data: 1 on answer tokens) average the loss over the masked-in tokens only.
 """
 
 import dataclasses
@@ -15,6 +19,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 
 from qjax import models
 from qjax.train.config import ConfigError
@@ -31,6 +36,7 @@ class Task:
       unit: what throughput counts, "tokens" or "images"; units_per_example: seq_len for "lm", 1 for "image".
       flops_per_unit: training FLOPs per token / image (for MFU).
       seq_len: tokens per example ("lm" only).
+      init_from: a Hugging Face Llama directory whose weights `init` returns ("lm" only; None: random init).
     """
 
     kind: str
@@ -40,6 +46,7 @@ class Task:
     units_per_example: int
     flops_per_unit: float
     seq_len: int | None = None
+    init_from: str | None = None
 
     def input_key(self) -> str:
         return "inputs" if self.kind == "lm" else "images"
@@ -57,11 +64,21 @@ class Task:
         """Fresh params for `key` (the "quant" stream gets its own key, used only by stochastic recipes)."""
         params_key, quant_key = jax.random.split(key)
         inputs = self.dummy_batch(batch_size)[self.input_key()]
-        return self.model.init({"params": params_key, "quant": quant_key}, inputs)["params"]
+        init = lambda: self.model.init({"params": params_key, "quant": quant_key}, inputs)["params"]
+        if self.init_from is None:
+            return init()
+        # Under jit, arrays read here would be baked into the program as constants (GBs for a 1B model): read them
+        # in a host callback instead, shaped and typed like the model's own init.
+        load = lambda: models.load_hf_llama(self.init_from, param_dtype=self.model_config.param_dtype)[1]
+        return jax.pure_callback(load, jax.eval_shape(init))
 
     def loss(self, params, batch: dict, key: jax.Array) -> tuple[jax.Array, dict]:
         """(mean loss float32 (), aux dict of float32 () metrics) of `params` on one batch; `key` feeds "quant"."""
         logits = self.model.apply({"params": params}, batch[self.input_key()], rngs={"quant": key})
+        if self.kind == "lm" and "loss_mask" in batch:
+            losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+            mask = batch["loss_mask"].astype(jnp.float32)
+            return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0), {}
         if self.kind == "lm":
             return models.lm_loss(logits, batch["targets"]).astype(jnp.float32), {}
         loss, accuracy = models.classification_loss(logits, batch["labels"])
@@ -78,21 +95,42 @@ def _model_overrides(config) -> dict:
     return overrides
 
 
+_NUMERICS_FIELDS = ("recipe", "keep_high_precision", "min_features", "compute_dtype", "param_dtype", "remat",
+                    "attention")
+
+
+def _pretrained_config(init_from: str, overrides: dict, vocab_size: int | None) -> models.LlamaConfig:
+    """The LlamaConfig of the checkpoint at `init_from` with the run's numerics; shape overrides are an error."""
+    shape = sorted(set(overrides) - set(_NUMERICS_FIELDS))
+    if shape:
+        raise ValueError(f"config.init_from={init_from!r} sets the model's shape: unset config.model.{shape[0]}")
+    model_config = models.load_hf_config(init_from, **overrides)
+    if vocab_size is not None and vocab_size > model_config.vocab_size:
+        raise ValueError(f"the data's tokenizer has {vocab_size} tokens, the model at config.init_from only "
+                         f"{model_config.vocab_size}: use the model's tokenizer (config.data.tokenizer)")
+    return model_config
+
+
 def make_task(config, *, vocab_size: int | None = None, num_classes: int | None = None,
               image_shape: tuple[int, int, int] | None = None) -> Task:
     """The task of a (checked) training config; data facts override the preset (module docstring)."""
     overrides = _model_overrides(config)
     try:
         if config.task == "lm":
-            if vocab_size is not None:
-                overrides["vocab_size"] = vocab_size
-            overrides.setdefault("max_seq_len", config.seq_len)
-            model_config = models.llama_config(config.model.size, **overrides)
+            init_from = config.get("init_from")
+            if init_from:
+                model_config = _pretrained_config(init_from, overrides, vocab_size)
+            else:
+                if vocab_size is not None:
+                    overrides["vocab_size"] = vocab_size
+                overrides.setdefault("max_seq_len", config.seq_len)
+                model_config = models.llama_config(config.model.size, **overrides)
             if config.seq_len > model_config.max_seq_len:
                 raise ValueError(f"config.seq_len {config.seq_len} exceeds config.model.max_seq_len "
                                  f"{model_config.max_seq_len}")
             return Task("lm", model_config, models.Llama(model_config), "tokens", config.seq_len,
-                        models.flops_per_token(model_config, config.seq_len), seq_len=config.seq_len)
+                        models.flops_per_token(model_config, config.seq_len), seq_len=config.seq_len,
+                        init_from=init_from or None)
         if num_classes is not None:
             overrides["num_classes"] = num_classes
         if image_shape is not None:
