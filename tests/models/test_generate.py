@@ -19,6 +19,13 @@ CONFIG = models.llama_config("tiny", vocab_size=96, max_seq_len=48, compute_dtyp
 PROMPT = jax.random.randint(jax.random.key(1), (3, 7), 0, 96)
 
 
+@pytest.fixture(autouse=True)
+def _float32_gemms():
+    """On a GPU float32 GEMMs would run in TF32, and the cached and full forwards differ by more than its rounding."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def _params(config=CONFIG, std=0.3):
     """Random weights large enough that the logits are far from uniform (a 0.02-std init gives near-ties)."""
     params = models.Llama(config).init(jax.random.key(0), PROMPT)["params"]

@@ -89,7 +89,9 @@ TOKENS = np.random.default_rng(1).integers(0, HF_CONFIG["vocab_size"], (2, 24))
 
 
 def _qjax_logits(config, params, tokens=TOKENS):
-    return np.asarray(jax.jit(models.Llama(config).apply)({"params": params}, jnp.asarray(tokens)))
+    # "highest": on a GPU, float32 GEMMs would otherwise run in TF32 (10-bit mantissas), far from 60 dB.
+    with jax.default_matmul_precision("highest"):
+        return np.asarray(jax.jit(models.Llama(config).apply)({"params": params}, jnp.asarray(tokens)))
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -189,5 +191,6 @@ def test_matches_transformers(tmp_path):
         with torch.no_grad():
             hf_greedy = model.generate(torch.as_tensor(TOKENS[:, :8]), max_new_tokens=8, do_sample=False,
                                        min_new_tokens=8, pad_token_id=0).numpy()
-        ours_greedy = models.generate(ours_config, ours, TOKENS[:, :8], max_new_tokens=8)
+        with jax.default_matmul_precision("highest"):
+            ours_greedy = models.generate(ours_config, ours, TOKENS[:, :8], max_new_tokens=8)
         np.testing.assert_array_equal(np.asarray(ours_greedy), hf_greedy[:, 8:])
