@@ -17,8 +17,9 @@
 # 1.1B table with the torch peer), train-qjax (the 1.1B table without the peer), train-sr (bf16, int8_rowwise and
 # int8_rowwise with stochastic rounding of the gradients), hf (the Hugging Face Llama and generate tests, the
 # transformers parity among them), hf-generate (benchmarks/generate.py: prefill and decode of the 1b preset, bf16 /
-# int8 weight-only / fp8 rowwise, batch 1 and 8), hf-finetune (benchmarks/finetune.py: 300 int8_rowwise steps from a random HF checkpoint on a JSONL task), linear-ab (int8_rowwise and fp8_tensorwise at two shapes, no
-# peer, not appended), optim-ab (the low-bit AdamW step rows against optax.adamw), train-row (the 1.1B
+# int8 weight-only / fp8 rowwise, batch 1 and 8), hf-finetune (benchmarks/finetune.py: 300 int8_rowwise steps from
+# a random HF checkpoint on a JSONL task), linear-ab (int8_rowwise and fp8_tensorwise at two shapes, no peer, not
+# appended), optim-ab (the low-bit AdamW step rows against optax.adamw), train-row (the 1.1B
 # int8_rowwise row, not appended), default-run (the GPU default of `make
 # train` on the Shakespeare corpus: carry "data" prepared here). A step written STEP@base runs in .baseline, an
 # exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
@@ -64,7 +65,8 @@ step_command() {
                           "/tmp/default_run" ;;
         train-sr) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_rowwise_sr --steps 5 --warmup 2" \
                        "--no-peer" ;;
-        hf) echo "python3 -m pytest -x -q -p no:cacheprovider tests/models/test_hf_llama.py tests/models/test_generate.py" ;;
+        hf) echo "python3 -m pytest -x -q -p no:cacheprovider tests/models/test_hf_llama.py" \
+                 "tests/models/test_generate.py" ;;
         hf-generate) echo "python3 benchmarks/generate.py" ;;
         hf-finetune) echo "python3 benchmarks/finetune.py --steps 300" ;;
         *) return 1 ;;

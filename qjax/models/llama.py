@@ -148,10 +148,10 @@ def _init(config: LlamaConfig, residual: bool = False):
 class Attention(nn.Module):
     """Grouped-query causal self-attention with RoPE: (B, T, dim) -> (B, T, dim), compute dtype.
 
-    Applied (not initialized) with the "cache" collection mutable (`apply(..., mutable=["cache"])`, as `qjax.models.generate` does),
-    it decodes: the cache holds k and v (B, max_seq_len, n_kv_heads, head_dim) and the number of positions filled;
-    the T new tokens take the positions after those, write their k and v there and attend to every filled
-    position up to their own. The first such call (no cache passed) creates an empty cache.
+    Applied (not initialized) with the "cache" collection mutable (`apply(..., mutable=["cache"])`, as
+    `qjax.models.generate` does), it decodes: the cache holds k and v (B, max_seq_len, n_kv_heads, head_dim) and the
+    number of positions filled; the T new tokens take the positions after those, write their k and v there and
+    attend to every filled position up to their own. The first such call (no cache passed) creates an empty cache.
     """
 
     config: LlamaConfig
