@@ -7,8 +7,8 @@ and quantized inference (a recipe for the forward GEMMs, or int8 weights quantiz
   new = generate(config, int8_weights(params), prompt_tokens, 64)                     # int8 weight-only
 
 The prompts of a batch have the same length (no padding). One jitted call runs the prefill (the whole prompt
-through `Llama` with a fresh cache) and then a `lax.while_loop` of one-token steps that stops once every row has
-emitted `eos_token` or after `max_new_tokens`.
+through `Llama` with a fresh cache, which gives the first new token) and then a `lax.while_loop` of one-token
+forwards that stops once every row has emitted `eos_token` or after `max_new_tokens`.
 """
 
 import dataclasses
@@ -66,26 +66,30 @@ def _next_token(logits, key, temperature, top_k, top_p):
 def _generate(config, params, prompt, max_new_tokens, temperature, top_k, top_p, eos_token, key):
     model = Llama(config)
     params = dequantize_weights(params, jnp.dtype(config.compute_dtype))
-    batch = prompt.shape[0]
-    logits, state = model.apply({"params": params}, prompt, mutable=["cache"])
-    eos = -1 if eos_token is None else eos_token
-    out = jnp.full((batch, max_new_tokens), eos if eos_token is not None else 0, jnp.int32)
+    eos = -1 if eos_token is None else eos_token  # -1: no token equals it, no row ever stops
+
+    def pick(i, logits, done):
+        """Token i from the last position's logits; rows already done repeat the end token."""
+        token = _next_token(logits[:, -1], jax.random.fold_in(key, i), temperature, top_k, top_p)
+        return jnp.where(done, eos, token)
+
+    logits, cache = model.apply({"params": params}, prompt, mutable=["cache"])  # prefill
+    token = pick(0, logits, jnp.zeros((prompt.shape[0],), bool))
+    out = jnp.zeros((prompt.shape[0], max_new_tokens), jnp.int32).at[:, 0].set(token)
 
     def step(carry):
-        i, logits, cache, out, done = carry
-        token = _next_token(logits, jax.random.fold_in(key, i), temperature, top_k, top_p)
-        token = jnp.where(done, eos, token)
-        out = out.at[:, i].set(token)
-        done = done | (token == eos)
-        logits, state = model.apply({"params": params, **cache}, token[:, None], mutable=["cache"])
-        return i + 1, logits[:, -1], state, out, done
+        i, token, cache, out, done = carry
+        logits, cache = model.apply({"params": params, **cache}, token[:, None], mutable=["cache"])
+        token = pick(i, logits, done)
+        return i + 1, token, cache, out.at[:, i].set(token), done | (token == eos)
 
     def more(carry):
         i, _, _, _, done = carry
         return (i < max_new_tokens) & ~jnp.all(done)
 
-    carry = (jnp.int32(0), logits[:, -1], state, out, jnp.zeros((batch,), bool))
-    return jax.lax.while_loop(more, step, carry)[3]
+    i, _, _, out, _ = jax.lax.while_loop(more, step, (jnp.int32(1), token, cache, out, token == eos))
+    # A loop that ended before max_new_tokens did so because every row had ended: the rest is end tokens.
+    return jnp.where(jnp.arange(max_new_tokens)[None, :] >= i, eos, out)
 
 
 def generate(config: LlamaConfig, params, prompt_tokens, max_new_tokens: int, temperature: float = 0.0,
