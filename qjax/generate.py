@@ -8,10 +8,12 @@
 encoded and decoded with the run's data tokenizer (the byte tokenizer or the local BPE of the token shards, or the
 instruct data's tokenizer). --hf_dir: a Hugging Face Llama directory; alone, its weights; with --workdir, only its
 tokenizer.json (the `tokenizers` package reads it). Greedy unless --temperature > 0; generation stops at
---max_new_tokens or at the end token (--eos_token; default the tokenizer's document separator, if it has one).
+--max_new_tokens or at the end token: --eos_token, else the eos_token_id in --hf_dir's config.json, else the
+instruct data's end token, else the tokenizer's document separator (if it has one).
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -55,6 +57,16 @@ def restore_workdir(workdir: str):
     return task.model_config, state.params, step, dataset
 
 
+def _hf_eos(hf_dir: str) -> int | None:
+    """eos_token_id of the directory's config.json, when it is one int."""
+    try:
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, ValueError):
+        return None
+    return eos if isinstance(eos, int) else None
+
+
 def _hf_tokenizer(hf_dir: str):
     path = os.path.join(hf_dir, "tokenizer.json")
     if not os.path.isfile(path):
@@ -73,7 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--top_p", type=float)
     parser.add_argument("--seed", type=int, default=0, help="sampling key")
     parser.add_argument("--num_samples", type=int, default=1, help="continuations of the prompt (one batch)")
-    parser.add_argument("--eos_token", type=int, help="stop token id (default: the tokenizer's separator)")
+    parser.add_argument("--eos_token", type=int, help="stop token id (default: --hf_dir's eos_token_id, else the "
+                        "tokenizer's separator)")
     parser.add_argument("--recipe", help="forward GEMM recipe for inference, e.g. fp8_rowwise (default: the run's)")
     parser.add_argument("--int8_weights", action="store_true", help="int8 weight-only inference")
     args = parser.parse_args(argv)
@@ -84,17 +97,20 @@ def main(argv=None) -> int:
             config, params, step, dataset = restore_workdir(args.workdir)
             tokenizer = (_hf_tokenizer(args.hf_dir) if args.hf_dir else
                          getattr(dataset, "tokenizer", None) or data_lib.load_tokenizer(dataset.directory))
-            source = f"{args.workdir} step {step}"
+            source, eos = f"{args.workdir} step {step}", getattr(dataset, "eos_token", None)  # instruct data's
         else:
             config, params = models.load_hf_llama(args.hf_dir)
-            tokenizer, source = _hf_tokenizer(args.hf_dir), args.hf_dir
+            tokenizer, source, eos = _hf_tokenizer(args.hf_dir), args.hf_dir, None
         source += f", {models.num_params(params) / 1e6:.2f}M params"
         if args.int8_weights:
             params = models.int8_weights(params)
         prompt = np.asarray(tokenizer.encode(args.prompt), np.int32)
         if prompt.size == 0:
             raise ConfigError("--prompt encodes to no tokens")
-        eos = args.eos_token if args.eos_token is not None else tokenizer.separator_id
+        for default in (args.eos_token, args.hf_dir and _hf_eos(args.hf_dir), eos, tokenizer.separator_id):
+            if default is not None:
+                eos = default
+                break
         new = models.generate(config, params, jnp.asarray(np.tile(prompt, (args.num_samples, 1))),
                               args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               key=jax.random.key(args.seed), eos_token=eos, recipe=args.recipe)

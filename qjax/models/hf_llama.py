@@ -51,11 +51,17 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
     if hf.get("model_type") != "llama" or hf.get("architectures", ["LlamaForCausalLM"]) != ["LlamaForCausalLM"]:
         raise ValueError(f"config.json: model_type {hf.get('model_type')!r} / architectures "
                          f"{hf.get('architectures')!r}; only model_type 'llama', LlamaForCausalLM loads")
-    unsupported = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,),
-                   "rope_scaling": (None,), "pretraining_tp": (1,)}
-    for field, ok in unsupported.items():
-        if hf.get(field, ok[0]) not in ok:
-            raise ValueError(f"config.json: {field}={hf[field]!r} is not supported (qjax's Llama needs {ok[0]!r})")
+    required = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
+    for field, value in required.items():
+        if hf.get(field, value) != value:
+            raise ValueError(f"config.json: {field}={hf[field]!r} is not supported (qjax's Llama needs {value!r})")
+    # transformers 5 nests the RoPE base in rope_parameters; older versions write rope_theta (and rope_scaling).
+    for field in ("rope_scaling", "rope_parameters"):
+        rope = hf.get(field) or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"config.json: {field}={rope!r} is not supported (qjax's Llama runs plain RoPE)")
+    if "rope_theta" in (hf.get("rope_parameters") or {}):
+        hf = dict(hf, rope_theta=hf["rope_parameters"]["rope_theta"])
     fields = {}
     for hf_name, name in _CONFIG_FIELDS.items():
         if hf_name in hf:

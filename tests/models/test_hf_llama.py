@@ -105,6 +105,12 @@ def test_logits_match_hf_reference(tmp_path, tied):
     assert snr_db(ref, _qjax_logits(config, params)) >= 60
 
 
+def test_rope_parameters_of_transformers_5():
+    hf = {k: v for k, v in HF_CONFIG.items() if k != "rope_theta"}
+    config = hf_llama.config_from_hf(dict(hf, rope_parameters={"rope_type": "default", "rope_theta": 123.0}))
+    assert config.rope_theta == 123.0 and hf_llama.config_from_hf(hf).rope_theta == 10000.0
+
+
 def test_save_load_round_trip_bit_exact(tmp_path):
     write_hf_dir(tmp_path / "in")
     config, params = models.load_hf_llama(str(tmp_path / "in"))
@@ -153,6 +159,7 @@ def _break(tmp_path, hf=HF_CONFIG, drop=None, reshape=None):
     ("type", {"hf": dict(HF_CONFIG, model_type="gpt2")}, "model_type 'gpt2'"),
     ("field", {"hf": {k: v for k, v in HF_CONFIG.items() if k != "intermediate_size"}}, "'intermediate_size'"),
     ("rope", {"hf": dict(HF_CONFIG, rope_scaling={"rope_type": "llama3"})}, "rope_scaling"),
+    ("rope5", {"hf": dict(HF_CONFIG, rope_parameters={"rope_type": "yarn"})}, "rope_parameters"),
 ])
 def test_bad_checkpoints_raise(tmp_path, kind, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -38,3 +38,21 @@ def test_sampling_several_continuations(run_dir, capsys):
 def test_errors_are_one_line(tmp_path, capsys):
     assert generate_cli.main(["--workdir", str(tmp_path), "--prompt", "x"]) == 2
     assert capsys.readouterr().err.strip() == f"error: {tmp_path} has no config.json: is it a train.py workdir?"
+
+
+def test_hf_dir_with_its_tokenizer(tmp_path, capsys):
+    """--hf_dir alone: weights and tokenizer.json of a Hugging Face directory (needs `tokenizers`; the GPU image has
+    it, CI may not)."""
+    pytest.importorskip("tokenizers")
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from qjax.data.text import train_bpe  # noqa: PLC0415
+
+    (tmp_path / "text.txt").write_text("the cat sat on the mat. " * 200)
+    tokenizer = train_bpe([tmp_path / "text.txt"], 300, tmp_path / "tokenizer.json")
+    config = models.llama_config("tiny", n_layers=1, vocab_size=tokenizer.vocab_size)
+    params = jax.jit(models.Llama(config).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    models.save_hf_llama(config, params, str(tmp_path))
+    assert generate_cli.main(["--hf_dir", str(tmp_path), "--prompt", "the cat", "--max_new_tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("the cat")
