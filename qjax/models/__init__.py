@@ -17,6 +17,8 @@
   logits = jax.jit(vit.apply)(jax.jit(vit.init)(jax.random.key(0), images), images)   # (8, 10) float32
 
 The "quant" RNG stream is needed only by recipes with stochastic rounding (`qjax.with_stochastic_gradients`).
+Hugging Face Llama checkpoints: `load_hf_llama(dir)` -> (config, params), `save_hf_llama(config, params, dir)`;
+text: `generate(config, params, prompt_tokens, max_new_tokens, ...)` with a KV cache (`qjax.models.generate`).
 """
 
 from qjax.models.generate import dequantize_weights, generate, int8_weights
