@@ -15,8 +15,11 @@
 # Steps: tests-kernels (the GPU-relevant kernel tests, compiled), tests-optim (fused AdamW GPU tests), quantize
 # (kernels.py quantize), gemm (kernels.py gemm), matmul (A.B^T at 8192), linear (with the torch peer), train (the
 # 1.1B table with the torch peer), train-qjax (the 1.1B table without the peer), train-sr (bf16, int8_rowwise and
-# int8_rowwise with stochastic rounding of the gradients), linear-ab (int8_rowwise and fp8_tensorwise at two shapes, no
-# peer, not appended), optim-ab (the low-bit AdamW step rows against optax.adamw, float32 and bf16 + SR params),
+# int8_rowwise with stochastic rounding of the gradients), hf (the Hugging Face Llama and generate tests, the
+# transformers parity among them), hf-generate (benchmarks/generate.py: prefill and decode of the 1b preset, bf16 /
+# int8 weight-only / fp8 rowwise, batch 1 and 8), hf-finetune (benchmarks/finetune.py: 300 int8_rowwise steps from
+# a random HF checkpoint on a JSONL task), linear-ab (int8_rowwise and fp8_tensorwise at two shapes, no peer, not
+# appended), optim-ab (the low-bit AdamW step rows against optax.adamw, float32 and bf16 + SR params),
 # memory-8b (the 8b preset's train step, bf16 and int8_rowwise, bf16 params + SR + adamw_8bit, remat: peak memory,
 # tokens/s, MFU beside the estimate), train-row (the 1.1B
 # int8_rowwise row, not appended), default-run (the GPU default of `make
@@ -94,6 +97,10 @@ step_command() {
                           "--steps 5 --warmup 2 --no-peer" ;;
         bitnet-conv) echo "python3 benchmarks/convergence.py --size 125m --seq-len 1024 --batch-size 16 --steps 800" \
                           "--lr 6e-4 --recipes bf16 bitnet_b158 --png benchmarks/convergence_bitnet.png" ;;
+        hf) echo "python3 -m pytest -x -q -p no:cacheprovider tests/models/test_hf_llama.py" \
+                 "tests/models/test_generate.py" ;;
+        hf-generate) echo "python3 benchmarks/generate.py" ;;
+        hf-finetune) echo "python3 benchmarks/finetune.py --steps 300" ;;
         *) return 1 ;;
     esac
 }

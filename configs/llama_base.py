@@ -7,7 +7,9 @@
 
 Model: the `config.model.size` preset of `qjax.models.LLAMA_SIZES` ("tiny", "125m", "1b", "8b"); any other
 config.model field left at None keeps the preset's value, a value replaces it (e.g. --config.model.n_layers=4).
-vocab_size comes from the data and max_seq_len from seq_len unless set here.
+vocab_size comes from the data and max_seq_len from seq_len unless set here. With `init_from` (a Hugging Face
+Llama directory, `qjax.models.load_hf_llama`) the model's shape and initial weights come from that checkpoint, and
+only config.model's numerics fields (compute_dtype, param_dtype, remat, attention) apply; configs/llama_finetune.py.
 """
 
 from ml_collections import config_dict
@@ -42,9 +44,12 @@ def get_config() -> config_dict.ConfigDict:
     config.keep_high_precision = placeholder(tuple)  # regexes of layer names kept in bf16 (None: ('lm_head',))
     config.min_features = placeholder(int)  # layers narrower than this stay in bf16 (None: 0)
 
+    config.init_from = placeholder(str)  # Hugging Face Llama dir whose weights and shape start the run (None: random)
     config.data = config_dict.ConfigDict({
-        "kind": "tokens",  # uint16 token shards made by `python -m qjax.data.prepare`
-        "path": "data/shakespeare",  # directory with train.bin, val.bin and meta.json
+        "kind": "tokens",  # tokens: shards made by `python -m qjax.data.prepare`; instruct: prompt/answer JSONL
+        "path": "data/shakespeare",  # tokens: directory with train.bin, val.bin, meta.json; instruct: the .jsonl
+        "tokenizer": placeholder(str),  # instruct: "byte" or a tokenizer.json path (None: "byte")
+        "eos_token": placeholder(int),  # instruct: end token id (None: the tokenizer's separator)
     })
     config.batch_size = 16  # sequences per optimizer step (all micro-batches together)
     config.seq_len = 128  # tokens per sequence

@@ -28,6 +28,7 @@ LAYERS = [
     (r"qjax", "api", 4),
     (r"qjax\.models(\..*)?", "models", 5),
     (r"qjax\.train(\..*)?", "train", 6),
+    (r"qjax\.generate", "train", 6),  # the generation CLI: restores train.py checkpoints
 ]
 
 

@@ -17,12 +17,14 @@ Batches are dicts of NumPy arrays in host memory; the training loop moves them t
 from collections.abc import Mapping
 
 from qjax.data.images import ImageDataset, load_digits, load_npz, load_tfds
+from qjax.data.instruct import InstructDataset
 from qjax.data.text import ByteTokenizer, load_tokenizer, prepare_text
 from qjax.data.tokens import TokenDataset
 
 # kind -> (required fields, optional fields) besides "kind"
 KINDS = {
     "tokens": (("path",), ()),
+    "instruct": (("path",), ("tokenizer", "eos_token")),
     "digits": ((), ("image_size",)),
     "npz": (("path",), ("image_size",)),
     "tfds": (("name", "data_dir"), ("image_size", "train_split", "test_split", "image_key", "label_key")),
@@ -42,7 +44,9 @@ def make_dataset(data_config, *, batch_size: int, seq_len: int | None = None, se
 
     Args:
       data_config: an ml_collections ConfigDict or a dict with "kind" in KINDS and that kind's fields:
-        tokens: path (a directory of shards). digits: image_size (optional). npz: path (a .npz file), image_size.
+        tokens: path (a directory of shards). instruct: path (a JSONL of prompt/answer pairs), tokenizer ("byte"
+        or a tokenizer.json), eos_token (`qjax.data.instruct`). digits: image_size (optional). npz: path (a .npz
+        file), image_size.
         tfds: name, data_dir, and optionally image_size, train_split ("train"), test_split ("test"), image_key
         ("image"), label_key ("label"). A field set to None counts as unset (the configs carry every kind's
         fields so that the command line can set them).
@@ -51,8 +55,8 @@ def make_dataset(data_config, *, batch_size: int, seq_len: int | None = None, se
       seed: seeds the order of training examples.
 
     Returns:
-      a `TokenDataset` (attribute vocab_size) or an `ImageDataset` (num_classes, image_shape), both with
-      batch(step) and eval_batches(num_batches).
+      a `TokenDataset` or `InstructDataset` (attribute vocab_size) or an `ImageDataset` (num_classes,
+      image_shape), all with batch(step) and eval_batches(num_batches).
     """
     if hasattr(data_config, "to_dict"):
         data_config = data_config.to_dict()
@@ -72,6 +76,10 @@ def make_dataset(data_config, *, batch_size: int, seq_len: int | None = None, se
         if seq_len is None:
             raise ValueError('data kind "tokens" needs seq_len')
         return TokenDataset(fields["path"], batch_size=batch_size, seq_len=seq_len, seed=seed)
+    if kind == "instruct":
+        if seq_len is None:
+            raise ValueError('data kind "instruct" needs seq_len')
+        return InstructDataset(fields.pop("path"), batch_size=batch_size, seq_len=seq_len, seed=seed, **fields)
     if kind == "digits":
         return load_digits(batch_size=batch_size, seed=seed, **fields)
     if kind == "npz":
@@ -79,5 +87,5 @@ def make_dataset(data_config, *, batch_size: int, seq_len: int | None = None, se
     return load_tfds(fields.pop("name"), batch_size=batch_size, seed=seed, **fields)
 
 
-__all__ = ["KINDS", "ByteTokenizer", "ImageDataset", "TokenDataset", "load_digits", "load_npz", "load_tfds",
-           "field_problems", "load_tokenizer", "make_dataset", "prepare_text"]
+__all__ = ["KINDS", "ByteTokenizer", "ImageDataset", "InstructDataset", "TokenDataset", "load_digits", "load_npz",
+           "load_tfds", "field_problems", "load_tokenizer", "make_dataset", "prepare_text"]

@@ -17,8 +17,12 @@
   logits = jax.jit(vit.apply)(jax.jit(vit.init)(jax.random.key(0), images), images)   # (8, 10) float32
 
 The "quant" RNG stream is needed only by recipes with stochastic rounding (`qjax.with_stochastic_gradients`).
+Hugging Face Llama checkpoints: `load_hf_llama(dir)` -> (config, params), `save_hf_llama(config, params, dir)`;
+text: `generate(config, params, prompt_tokens, max_new_tokens, ...)` with a KV cache (`qjax.models.generate`).
 """
 
+from qjax.models.generate import dequantize_weights, generate, int8_weights
+from qjax.models.hf_llama import load_hf_config, load_hf_llama, save_hf_llama
 from qjax.models.layers import layer_recipes
 from qjax.models.llama import LLAMA_SIZES, Llama, LlamaConfig, flops_per_token, llama_config, lm_loss, num_params
 from qjax.models.moe import MoEConfig
@@ -26,5 +30,6 @@ from qjax.models.vit import VIT_SIZES, ViT, ViTConfig, classification_loss, flop
 
 __all__ = [
     "LLAMA_SIZES", "Llama", "LlamaConfig", "MoEConfig", "VIT_SIZES", "ViT", "ViTConfig", "classification_loss",
-    "flops_per_example", "flops_per_token", "layer_recipes", "llama_config", "lm_loss", "num_params", "vit_config",
+    "dequantize_weights", "flops_per_example", "flops_per_token", "generate", "int8_weights", "layer_recipes",
+    "llama_config", "lm_loss", "load_hf_config", "load_hf_llama", "num_params", "save_hf_llama", "vit_config",
 ]

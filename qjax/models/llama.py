@@ -162,7 +162,13 @@ def _init(config: LlamaConfig, residual: bool = False):
 
 
 class Attention(nn.Module):
-    """Grouped-query causal self-attention with RoPE: (B, T, dim) -> (B, T, dim), compute dtype."""
+    """Grouped-query causal self-attention with RoPE: (B, T, dim) -> (B, T, dim), compute dtype.
+
+    Applied (not initialized) with the "cache" collection mutable (`apply(..., mutable=["cache"])`, as
+    `qjax.models.generate` does), it decodes: the cache holds k and v (B, max_seq_len, n_kv_heads, head_dim) and the
+    number of positions filled; the T new tokens take the positions after those, write their k and v there and
+    attend to every filled position up to their own. The first such call (no cache passed) creates an empty cache.
+    """
 
     config: LlamaConfig
 
@@ -179,8 +185,23 @@ class Attention(nn.Module):
         q, k, v = jnp.split(qkv, [c.dim, c.dim + kv], axis=-1)
         q = q.reshape(b, t, c.n_heads, c.head_dim)
         k, v = k.reshape(b, t, c.n_kv_heads, c.head_dim), v.reshape(b, t, c.n_kv_heads, c.head_dim)
+        decoding = self.is_mutable_collection("cache") and not self.is_initializing()  # init mutates everything
+        if decoding:
+            filled = self.variable("cache", "filled", lambda: jnp.zeros((), jnp.int32))
+            positions = positions + filled.value
         q, k = apply_rope(q, positions, theta=c.rope_theta), apply_rope(k, positions, theta=c.rope_theta)
-        out = layers.attention(c, q, k, v, is_causal=True)
+        if decoding:
+            shape = (b, c.max_seq_len, c.n_kv_heads, c.head_dim)
+            k_cache = self.variable("cache", "k", jnp.zeros, shape, k.dtype)
+            v_cache = self.variable("cache", "v", jnp.zeros, shape, v.dtype)
+            k_cache.value = jax.lax.dynamic_update_slice(k_cache.value, k, (0, filled.value, 0, 0))
+            v_cache.value = jax.lax.dynamic_update_slice(v_cache.value, v, (0, filled.value, 0, 0))
+            filled.value = filled.value + t
+            mask = jnp.arange(c.max_seq_len)[None, :] <= positions[:, None]  # (T, max_seq_len): causal and filled
+            out = jax.nn.dot_product_attention(q, k_cache.value, v_cache.value, mask=mask[None, None])
+            out = out.reshape(b, t, c.dim)
+        else:
+            out = layers.attention(c, q, k, v, is_causal=True)
         return proj("o_proj", c.dim, c.dim, residual=True)(out)
 
 

@@ -13,6 +13,10 @@ turns every projection's kernel into a `qjax.optim.Int8Param` (int8 codes + one 
 no float copy); norms and embeddings stay float32. The model's layers take the Int8Param as it is (a recipe whose
 forward reads the weight as int8 rows runs the stored codes on the int8 GEMM); the optimizer requantizes them with
 stochastic rounding every step (`qjax.train.optimizer`).
+With `config.init_from` (a Hugging Face Llama directory) the shape comes from its config.json instead, and the
+params are its weights (read by `init` through a host callback, so they never become constants of the program).
+
+Batches with a "loss_mask" (instruction data: 1 on answer tokens) average the loss over the masked-in tokens only.
 """
 
 import dataclasses
@@ -21,6 +25,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 
 from qjax import models
 from qjax.optim import int8_params
@@ -41,6 +46,7 @@ class Task:
       flops_per_unit: training FLOPs per token / image (for MFU).
       seq_len: tokens per example ("lm" only).
       int8_params: INT8 weight-only training: `init` returns the projections' kernels as Int8Param.
+      init_from: a Hugging Face Llama directory whose weights `init` returns ("lm" only; None: random init).
     """
 
     kind: str
@@ -51,6 +57,7 @@ class Task:
     flops_per_unit: float
     seq_len: int | None = None
     int8_params: bool = False
+    init_from: str | None = None
 
     def input_key(self) -> str:
         return "inputs" if self.kind == "lm" else "images"
@@ -68,7 +75,14 @@ class Task:
         """Fresh params for `key` (the "quant" stream gets its own key, used only by stochastic recipes)."""
         params_key, quant_key = jax.random.split(key)
         inputs = self.dummy_batch(batch_size)[self.input_key()]
-        params = self.model.init({"params": params_key, "quant": quant_key}, inputs)["params"]
+        init = lambda: self.model.init({"params": params_key, "quant": quant_key}, inputs)["params"]
+        if self.init_from is None:
+            params = init()
+        else:
+            # Under jit, arrays read here would be baked into the program as constants (GBs for a 1B model): read
+            # them in a host callback instead, shaped and typed like the model's own init.
+            load = lambda: models.load_hf_llama(self.init_from, param_dtype=self.model_config.param_dtype)[1]
+            params = jax.pure_callback(load, jax.eval_shape(init))
         if not self.int8_params:
             return params
         return jax.tree_util.tree_map_with_path(
@@ -81,7 +95,12 @@ class Task:
         logits, state = self.model.apply({"params": params}, batch[self.input_key()], rngs={"quant": key},
                                          mutable=["losses"])
         if self.kind == "lm":
-            loss = models.lm_loss(logits, batch["targets"]).astype(jnp.float32)
+            if "loss_mask" in batch:  # instruction data: the answer tokens only
+                losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+                mask = batch["loss_mask"].astype(jnp.float32)
+                loss = jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+            else:
+                loss = models.lm_loss(logits, batch["targets"]).astype(jnp.float32)
             aux_losses = jax.tree.leaves(state.get("losses", {}))  # MoE layers' load-balancing losses, if any
             if not aux_losses:
                 return loss, {}
@@ -105,6 +124,22 @@ def _model_overrides(config) -> dict:
     return overrides
 
 
+_NUMERICS_FIELDS = ("recipe", "keep_high_precision", "min_features", "compute_dtype", "param_dtype", "remat",
+                    "attention")
+
+
+def _pretrained_config(init_from: str, overrides: dict, vocab_size: int | None) -> models.LlamaConfig:
+    """The LlamaConfig of the checkpoint at `init_from` with the run's numerics; shape overrides are an error."""
+    shape = sorted(set(overrides) - set(_NUMERICS_FIELDS))
+    if shape:
+        raise ValueError(f"config.init_from={init_from!r} sets the model's shape: unset config.model.{shape[0]}")
+    model_config = models.load_hf_config(init_from, **overrides)
+    if vocab_size is not None and vocab_size > model_config.vocab_size:
+        raise ValueError(f"the data's tokenizer has {vocab_size} tokens, the model at config.init_from only "
+                         f"{model_config.vocab_size}: use the model's tokenizer (config.data.tokenizer)")
+    return model_config
+
+
 def make_task(config, *, vocab_size: int | None = None, num_classes: int | None = None,
               image_shape: tuple[int, int, int] | None = None) -> Task:
     """The task of a (checked) training config; data facts override the preset (module docstring)."""
@@ -114,16 +149,20 @@ def make_task(config, *, vocab_size: int | None = None, num_classes: int | None 
         if int8:
             int8_params.check_recipe(config.recipe)
         if config.task == "lm":
-            if vocab_size is not None:
-                overrides["vocab_size"] = vocab_size
-            overrides.setdefault("max_seq_len", config.seq_len)
-            model_config = models.llama_config(config.model.size, **overrides)
+            init_from = config.get("init_from")
+            if init_from:
+                model_config = _pretrained_config(init_from, overrides, vocab_size)
+            else:
+                if vocab_size is not None:
+                    overrides["vocab_size"] = vocab_size
+                overrides.setdefault("max_seq_len", config.seq_len)
+                model_config = models.llama_config(config.model.size, **overrides)
             if config.seq_len > model_config.max_seq_len:
                 raise ValueError(f"config.seq_len {config.seq_len} exceeds config.model.max_seq_len "
                                  f"{model_config.max_seq_len}")
             return Task("lm", model_config, models.Llama(model_config), "tokens", config.seq_len,
                         models.flops_per_token(model_config, config.seq_len), seq_len=config.seq_len,
-                        int8_params=int8)
+                        int8_params=int8, init_from=init_from or None)
         if num_classes is not None:
             overrides["num_classes"] = num_classes
         if image_shape is not None:

@@ -118,7 +118,7 @@ def test_npz_errors(tmp_path):
 def test_make_dataset_config_errors(tmp_path):
     import ml_collections
 
-    with pytest.raises(ValueError, match=r"unknown data kind 'mnist'.*'digits', 'npz', 'tfds', 'tokens'"):
+    with pytest.raises(ValueError, match=r"unknown data kind 'mnist'.*'digits', 'instruct', 'npz', 'tfds', 'tokens'"):
         qjax.data.make_dataset({"kind": "mnist"}, batch_size=8, seed=0)
     with pytest.raises(ValueError, match=r"needs the field\(s\) \['path'\]"):
         qjax.data.make_dataset(ml_collections.ConfigDict({"kind": "tokens"}), batch_size=8, seq_len=4, seed=0)

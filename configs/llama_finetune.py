@@ -1,0 +1,25 @@
+"""Full fine-tune of a Hugging Face Llama on prompt/answer pairs with int8_rowwise GEMMs (see llama_base.py for all
+fields):
+
+  python train.py --config configs/llama_finetune.py --config.init_from=path/to/hf_model_dir \
+      --config.data.path=pairs.jsonl --config.data.tokenizer=path/to/hf_model_dir/tokenizer.json \
+      --config.data.eos_token=2
+
+The loss counts the answer tokens only (`qjax.data.instruct`); the model's shape and first weights come from
+`init_from`; a fine-tuned checkpoint goes back to the Hugging Face format with `qjax.models.save_hf_llama`.
+"""
+
+from configs import llama_base
+
+
+def get_config():
+    config = llama_base.get_config()
+    config.recipe = "int8_rowwise"
+    config.data.kind = "instruct"
+    config.data.path = "data/instruct.jsonl"
+    config.batch_size, config.seq_len, config.steps = 8, 256, 300
+    config.optimizer.lr = 2e-5
+    config.optimizer.weight_decay = 0.0
+    config.optimizer.warmup_steps = 20
+    config.log_every, config.eval_every = 10, 50
+    return config
