@@ -342,7 +342,7 @@ def _sharded_layout(recipe: recipes_lib.Recipe, layout: _Layout, sharding: Weigh
     named = set(sharding.tokens) | {sharding.tensor} - {None}
     lhs_rank = len(layout.lhs_shape)
     if (len(layout.rhs_shape) != 2 or layout.lhs_contract != (lhs_rank - 1,) or lhs_rank < 2
-            or not named <= set(mesh.axis_names) or not set(mesh.axis_names) <= named):
+            or not named <= set(mesh.axis_names) or any(mesh.shape[a] > 1 and a not in named for a in mesh.axis_names)):
         return None
     size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
     tokens = size(sharding.tokens)

@@ -5,15 +5,34 @@
   y = qjax.einsum("btd,fd->btf", x, w, recipe="fp8_tensorwise")
   r = qjax.recipe_for_layer("int8_rowwise", "lm_head", features_in=2048, features_out=32000,
                             keep_high_precision=("lm_head",))     # -> the bf16 recipe
+  with qjax.flax.weight_shardings(lookup):                         # while tracing a model over a sharded mesh
+      model.apply(...)                                             # DotGeneral layers ask lookup(layer name)
 """
 
+import contextlib
+import contextvars
 import re
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 
 from qjax import recipes as recipes_lib
-from qjax.dot_general import dot_general
+from qjax.dot_general import WeightSharding, dot_general
+
+_WEIGHT_SHARDINGS: contextvars.ContextVar = contextvars.ContextVar("qjax_weight_shardings", default=None)
+
+
+@contextlib.contextmanager
+def weight_shardings(lookup: Callable[[str], WeightSharding | None]):
+    """While tracing inside this context, each `DotGeneral` layer passes `lookup(layer name)` (its parent module's
+    path, e.g. "layers_0/attn/qkv_proj") to `qjax.dot_general` as `sharding=`: how that layer's kernel lies on the
+    mesh set while tracing (FSDP, tensor parallelism). The train step builds `lookup` from its sharding rules
+    (`qjax.train.sharding`); layers it returns None for take their weight whole."""
+    token = _WEIGHT_SHARDINGS.set(lookup)
+    try:
+        yield
+    finally:
+        _WEIGHT_SHARDINGS.reset(token)
 
 
 def make_dot_general(recipe, key=None):
@@ -38,7 +57,8 @@ class DotGeneral(nn.Module):
     """`dot_general_cls` for Flax layers: quantized per `recipe`, SR keys drawn from the `rng_collection` stream.
 
     Use as nn.Dense(..., dot_general_cls=functools.partial(qjax.DotGeneral, recipe="int8_rowwise")); recipes with
-    stochastic rounding then need `rngs={"quant": key}` in `apply`.
+    stochastic rounding then need `rngs={"quant": key}` in `apply`. Inside `weight_shardings(lookup)`, the kernel's
+    sharding comes from lookup(the parent layer's path).
     """
 
     recipe: Any
@@ -47,7 +67,10 @@ class DotGeneral(nn.Module):
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **unused):
         recipe = recipes_lib.recipe(self.recipe)
         key = self.make_rng(self.rng_collection) if recipe.needs_key else None
-        return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, key=key)
+        lookup = _WEIGHT_SHARDINGS.get()
+        sharding = None if lookup is None else lookup("/".join(self.path[:-1]))
+        return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, key=key,
+                           sharding=sharding)
 
 
 def einsum(subscripts: str, lhs, rhs, *, recipe, key=None, precision=None, preferred_element_type=None):
