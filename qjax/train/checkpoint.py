@@ -4,9 +4,10 @@
   state = ckpt.restore_latest(abstract_state) or init()     # None when the directory has no checkpoint
   ckpt.save(step, state); ...; ckpt.close()
 
-A checkpoint is the `TrainState` pytree as it is, each array saved whole (written shard by shard from the devices
-holding it) and restored into the shardings of the run that reads it: a run may resume on another mesh shape (quantized Adam states are plain pytrees of arrays; the RNG key is
-stored as its uint32 key data), one sub-directory per step. Saves are atomic: orbax writes into a temporary
+A checkpoint is the `TrainState` pytree as it is (quantized Adam states are plain pytrees of arrays; the RNG key is
+stored as its uint32 key data), one sub-directory per step. Each array is saved whole (written shard by shard from
+the devices holding it) and restored into the shardings the reading run asks for (`abstract_like`), so a run may
+resume on another mesh shape. Saves are atomic: orbax writes into a temporary
 directory and renames it only once everything is on disk, so a run killed mid-save leaves the previous checkpoint
 as the latest; orbax keeps only the last `keep`. Saving is asynchronous: the arrays are copied to host memory
 before `save` returns (so the next step may donate them) and written in the background.
