@@ -18,8 +18,9 @@
 # int8_rowwise with stochastic rounding of the gradients), linear-ab (int8_rowwise and fp8_tensorwise at two shapes, no
 # peer, not appended), optim-ab (the low-bit AdamW step rows against optax.adamw), train-row (the 1.1B
 # int8_rowwise row, not appended), default-run (the GPU default of `make
-# train` on the Shakespeare corpus: carry "data" prepared here). A step written STEP@base runs in .baseline, an
-# exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
+# train` on the Shakespeare corpus: carry "data" prepared here), fsdp1 (the 1.1B bf16 and int8_rowwise rows with the
+# default mesh, fsdp=1 on one GPU: "fsdp1 fsdp1@base" is the before/after of the mesh code on one GPU). A step
+# written STEP@base runs in .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}
@@ -62,6 +63,7 @@ step_command() {
                           "/tmp/default_run" ;;
         train-sr) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_rowwise_sr --steps 5 --warmup 2" \
                        "--no-peer" ;;
+        fsdp1) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --warmup 2 --no-peer" ;;
         *) return 1 ;;
     esac
 }

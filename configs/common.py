@@ -22,9 +22,10 @@ def add_optimizer_and_loop(config: config_dict.ConfigDict, *, lr: float, b2: flo
     })
 
     config.mesh = config_dict.ConfigDict({
-        "data": -1,  # data-parallel devices (-1: the devices the other axes leave)
+        "data": -1,  # data-parallel devices (-1: the devices the others leave; 1 if fsdp or tensor is -1)
         "fsdp": 1,  # devices params, gradients and optimizer states are split over (the batch too)
         "tensor": 1,  # tensor-parallel devices: attention heads and the FFN split (Megatron)
+        "gather_8bit": True,  # quantized layers gather FSDP-split weights as 8-bit codes (False: whole float weights)
     })
 
     config.log_every = 25  # steps between progress lines

@@ -2,7 +2,8 @@
 
 Public API:
   recipe(name), RECIPES, Recipe, GemmSpec, QuantSpec      how each GEMM of a linear layer is quantized
-  dot_general(lhs, rhs, dims, ..., recipe=, key=)          quantized, differentiable lax.dot_general
+  dot_general(lhs, rhs, dims, ..., recipe=, key=, sharding=)  quantized, differentiable lax.dot_general
+  WeightSharding                                           how a weight lies on the mesh (FSDP, tensor parallel)
   einsum(subscripts, lhs, rhs, recipe=, key=)              quantized two-operand einsum
   make_dot_general(recipe), DotGeneral, recipe_for_layer   Flax integration
   quantize, dequantize, QTensor                            reference quantization (tensor/row/1x128/128x128)
@@ -15,7 +16,7 @@ Public API:
 import importlib
 
 from qjax import optim
-from qjax.dot_general import dot_general
+from qjax.dot_general import WeightSharding, dot_general
 from qjax.flax import DotGeneral, einsum, make_dot_general, recipe_for_layer
 from qjax.qtensor import QTensor, QuantSpec, dequantize
 from qjax.quantize import quantize
@@ -25,6 +26,7 @@ from qjax.stochastic import stochastic_round
 __all__ = [
     "DotGeneral", "GemmSpec", "QTensor", "QuantSpec", "RECIPES", "Recipe", "dequantize", "dot_general", "einsum",
     "make_dot_general", "optim", "quantize", "recipe", "recipe_for_layer", "stochastic_round", "with_stochastic_gradients",
+    "WeightSharding",
 ]
 
 # Subpackages imported on first attribute access, so `import qjax` stays light (no flax model, orbax or data code)

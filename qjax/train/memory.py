@@ -68,8 +68,14 @@ class Estimate:
                 f"{_size(self.activations)}")
 
 
+def _shape(x) -> tuple[int, ...]:
+    """One device's shape of x: its shard's where x has a sharding (FSDP / tensor-parallel state), else x's."""
+    sharding = getattr(x, "sharding", None)
+    return tuple(sharding.shard_shape(x.shape)) if sharding is not None else tuple(x.shape)
+
+
 def _tree_bytes(tree) -> int:
-    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    return sum(int(np.prod(_shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def activation_bytes(task, examples: int) -> int:
@@ -121,7 +127,7 @@ def estimate(config, task, abstract_state, mesh) -> Estimate:
     """The per-device estimate of a train step (module docstring) for a checked config."""
     devices = mesh.devices.size
     params = _tree_bytes(abstract_state.params)
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_state.params))
+    n_params = sum(int(np.prod(_shape(x))) for x in jax.tree.leaves(abstract_state.params))
     gradients = params + (4 * n_params if config.grad_accum_steps > 1 else 0)
     examples = max(config.batch_size // config.grad_accum_steps // devices, 1)
     device = mesh.devices.flat[0]

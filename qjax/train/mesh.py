@@ -23,12 +23,15 @@ _CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE
 
 
 def axis_sizes(device_count: int, data: int = -1, fsdp: int = 1, tensor: int = 1) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) sizes whose product is `device_count`; at most one of them -1 (the rest of the devices).
-    ValueError naming the sizes when they do not fit."""
+    """(data, fsdp, tensor) sizes whose product is `device_count`; -1 is the rest of the devices, for at most one of
+    fsdp and tensor, and data's -1 (its default) gives way to theirs (data is then 1). ValueError naming the sizes
+    when they do not fit."""
     sizes = {DATA_AXIS: data, FSDP_AXIS: fsdp, TENSOR_AXIS: tensor}
     for name, size in sizes.items():
         if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
             raise ValueError(f"mesh axis {name!r} size must be a positive int or -1 (the rest), got {size!r}")
+    if data == -1 and -1 in (fsdp, tensor):
+        sizes[DATA_AXIS] = 1
     rest = [name for name, size in sizes.items() if size == -1]
     if len(rest) > 1:
         raise ValueError(f"mesh axes {rest} are all -1: at most one axis takes the rest of the devices")

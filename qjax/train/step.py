@@ -126,7 +126,8 @@ def _build_train_step(config: ml_collections.FrozenConfigDict, task: Task, mesh)
 
     abstract = jax.eval_shape(init_state)
     state_shardings = train_state_shardings(abstract, mesh)
-    lookup = sharding_lib.layer_sharding(abstract.params, mesh)
+    gather_8bit = config.mesh.get("gather_8bit", True) if "mesh" in config else True
+    lookup = sharding_lib.layer_sharding(abstract.params, mesh) if gather_8bit else lambda layer: None
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
