@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 _SETUP = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from configs import llama_base
@@ -161,3 +163,55 @@ def test_meshes_match_one_device():
 def test_split_state_8bit_gathers_and_checkpoint_across_meshes():
     assert _run(_STATE).split() == ["shards", "ok", "int8", "gathers", "ok", "fp8", "gathers", "ok", "checkpoint",
                                     "ok"]
+
+
+def test_mesh_sizes_and_their_errors():
+    from qjax.train.mesh import axis_sizes
+
+    assert axis_sizes(8) == (8, 1, 1)
+    assert axis_sizes(8, fsdp=-1) == (1, 8, 1)  # data's default -1 gives way
+    assert axis_sizes(8, fsdp=4, tensor=2) == (1, 4, 2)
+    assert axis_sizes(8, data=2, fsdp=-1) == (2, 4, 1)
+    for kwargs, message in ((dict(fsdp=3), "not a multiple of 3"), (dict(data=2, fsdp=2), "has 4 devices"),
+                            (dict(fsdp=-1, tensor=-1), "at most one"), (dict(fsdp=0), "positive int or -1")):
+        with pytest.raises(ValueError, match=message):
+            axis_sizes(8, **kwargs)
+
+
+def test_config_mesh_errors(token_dir):
+    import ml_collections
+    from train_helpers import tiny_llama_config
+
+    from qjax.train import ConfigError, check_config
+
+    for field, value, message in (("fsdp", 0, "config.mesh.fsdp must be an int >= 1 or -1"),
+                                  ("gather_8bit", 1, "config.mesh.gather_8bit must be True or False")):
+        config = tiny_llama_config(token_dir)
+        config.mesh = ml_collections.ConfigDict({**config.mesh.to_dict(), field: value})  # as a config file may
+        with pytest.raises(ConfigError, match=message):
+            check_config(config)
+    config = tiny_llama_config(token_dir)
+    config.mesh.fsdp = config.mesh.tensor = -1
+    with pytest.raises(ConfigError, match="both -1"):
+        check_config(config)
+
+
+def test_sharding_rules_follow_megatron_and_fsdp():
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from qjax.train import sharding
+
+    class FakeMesh:  # the rules read only axis sizes
+        shape = {"data": 1, "fsdp": 4, "tensor": 2}
+        axis_names = ("data", "fsdp", "tensor")
+
+    mesh = FakeMesh()
+    assert sharding.param_spec("layers_0/attn/qkv_proj/kernel", (64, 128), mesh) == P("fsdp", "tensor")
+    assert sharding.param_spec("layers_0/mlp/down_proj/kernel", (128, 64), mesh) == P("tensor", "fsdp")
+    assert sharding.param_spec("embed/embedding", (256, 64), mesh) == P("fsdp", None)
+    assert sharding.param_spec("layers_0/attn_norm/scale", (64,), mesh) == P(None)
+    assert sharding.param_spec("layers_0/attn/o_proj/kernel", (64, 6), mesh) == P("tensor", None)  # 6 % 4
+    lookup = sharding.layer_sharding({"layers_0": {"attn": {"o_proj": {"kernel": np.zeros((64, 64))}}}}, mesh)
+    o = lookup("layers_0/attn/o_proj")
+    assert (o.fsdp, o.fsdp_dim, o.tensor, o.tensor_dim) == ("fsdp", "n", "tensor", "k") and lookup("lm_head") is None
