@@ -20,7 +20,8 @@
 # int8_rowwise row, not appended), default-run (the GPU default of `make
 # train` on the Shakespeare corpus: carry "data" prepared here), fsdp1 (the 1.1B bf16 and int8_rowwise rows with the
 # default mesh, fsdp=1 on one GPU: "fsdp1 fsdp1@base" is the before/after of the mesh code on one GPU). A step
-# written STEP@base runs in .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
+# written STEP@base runs in .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`,
+# carried): a before/after A/B in one call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}

@@ -1,5 +1,5 @@
-"""Fields every training config shares: the optimizer, the device mesh and the loop's cadence (llama_base.py and vit_base.py add them
-with their own defaults). One field per line, its trailing comment the one-line doc `train.py --show_config` prints."""
+"""Fields every training config shares: the optimizer, the device mesh and the loop's cadence (llama_base.py and
+vit_base.py add them with their own defaults). One field per line, its trailing comment the one-line doc `train.py --show_config` prints."""
 
 from ml_collections import config_dict
 
