@@ -156,7 +156,9 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
         print(f"{config.task}: {type(task.model).__name__} {config.model.size} ({num_params(state.params) / 1e6:.2f}M "
               f"params), recipe {config.recipe}, optimizer {config.optimizer.name}, batch {config.batch_size}"
               + (f" x seq {config.seq_len}" if config.task == "lm" else "")
-              + f", {devices} {jax.devices()[0].platform} device{'s' * (devices > 1)}; "
+              + f", {devices} {jax.devices()[0].platform} device{'s' * (devices > 1)}"
+              + (" (data x fsdp x tensor = {data} x {fsdp} x {tensor})".format(**mesh.shape) if devices > 1 else "")
+              + "; "
               + (f"resumed at step {start}" if resumed else "from scratch") + f", running to step {end}/{config.steps}",
               file=stream, flush=True)
         print(f"  recipes: {header.recipe_summary(task.model_config)}", file=stream)
