@@ -25,8 +25,8 @@ the unsharded ones), and the 8-bit codes and their scales are all-gathered over 
 the HLO, never bf16) before the forward and dgrad GEMMs; the weight gradient is reduce-scattered back onto the shard.
 Along the tensor axis the weight stays split (Megatron): column-parallel layers (`tensor_dim="n"`) produce output
 features split over it (the lhs' gradient summed over it), row-parallel ones (`tensor_dim="k"`) read lhs features
-split over it and sum their outputs over it. Both forward layouts' gathered codes are saved for the backward GEMMs
-(one byte per weight element of the layer, as FSDP without resharding after the forward).
+split over it and sum their outputs over it. The gathered dgrad-layout codes are saved for the backward GEMM (one
+byte per weight element of the layer, as FSDP without resharding after the forward).
 """
 
 import dataclasses
