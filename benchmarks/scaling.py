@@ -48,6 +48,7 @@ def measure(args, mesh: dict, recipe: str, gather: str) -> dict:
     sys.path.insert(0, str(REPO))
     from configs import llama_base
     from qjax.train import make_task, make_train_step
+    from qjax.train.mesh import axis_sizes
 
     config = llama_base.get_config()
     config.model.size = args.size
@@ -73,7 +74,8 @@ def measure(args, mesh: dict, recipe: str, gather: str) -> dict:
     if not np.isfinite(losses).all():
         raise RuntimeError(f"non-finite loss: {losses}")
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.devices()]
-    return dict(mesh=mesh, recipe=recipe, gather=gather, devices=jax.device_count(), step_ms=ms,
+    sizes = dict(zip(("data", "fsdp", "tensor"), axis_sizes(jax.device_count(), **mesh)))
+    return dict(mesh=mesh, sizes=sizes, recipe=recipe, gather=gather, devices=jax.device_count(), step_ms=ms,
                 tokens_per_s=args.batch * args.seq / ms * 1e3, loss=losses[-1],
                 peak_gb=max(peaks) / 1e9 if all(p is not None for p in peaks) else None,
                 device=jax.devices()[0].device_kind)
@@ -101,7 +103,7 @@ def table(results: list[dict], args) -> str:
     lines = ["| mesh (data, fsdp, tensor) | recipe | weight gather | tokens/s | tokens/s per device | vs bf16, "
              "bf16 gather | step ms | peak GB per device |", "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in results:
-        mesh = "data={data}, fsdp={fsdp}, tensor={tensor}".format(**r["mesh"])
+        mesh = "{data} x {fsdp} x {tensor}".format(**r.get("sizes", r["mesh"]))
         if "error" in r:
             lines.append(f"| {mesh} | {r['recipe']} | {r['gather']} | failed: {r['error'][:100]} | | | | |")
             continue
