@@ -31,8 +31,10 @@
 # kernels compiled), bitnet (linear int8_rowwise vs bitnet_b158, no peer), bitnet-train (the 1.1B bf16 /
 # int8_rowwise / bitnet_b158 rows), int8-params (the 1.1B int8_rowwise rows with int8 weight-only and with bf16 + SR
 # params: run it after bitnet-train, whose int8_rowwise row has float32 params), bitnet-conv (125M convergence, bf16
-# vs bitnet_b158: carry "data"). A step written STEP@base runs in .baseline, an exported tree of another commit
-# (`git archive REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
+# vs bitnet_b158: carry "data"), fsdp1 (the 1.1B bf16 and int8_rowwise rows with the default mesh, fsdp=1 on one
+# GPU: "fsdp1 fsdp1@base" is the before/after of the mesh code on one GPU). A step written STEP@base runs in
+# .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after
+# A/B in one call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}
@@ -101,6 +103,7 @@ step_command() {
                  "tests/models/test_generate.py" ;;
         hf-generate) echo "python3 benchmarks/generate.py" ;;
         hf-finetune) echo "python3 benchmarks/finetune.py --steps 300" ;;
+        fsdp1) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --warmup 2 --no-peer" ;;
         *) return 1 ;;
     esac
 }

@@ -1,12 +1,12 @@
-"""Fields every training config shares: the optimizer and the loop's cadence (llama_base.py and vit_base.py add them
-with their own defaults). One field per line, its trailing comment the one-line doc `train.py --show_config` prints."""
+"""Fields every training config shares: the optimizer, the device mesh and the loop's cadence (llama_base.py and
+vit_base.py add them with their own defaults). One field per line, its trailing comment the one-line doc `train.py --show_config` prints."""
 
 from ml_collections import config_dict
 
 
 def add_optimizer_and_loop(config: config_dict.ConfigDict, *, lr: float, b2: float, weight_decay: float,
                            eval_batches: int) -> config_dict.ConfigDict:
-    """Adds `config.optimizer` and the logging / eval / checkpoint cadence to `config` and returns it."""
+    """Adds `config.optimizer`, `config.mesh` and the logging / eval / checkpoint cadence to `config`; returns it."""
     config.optimizer = config_dict.ConfigDict({
         "name": "adamw",  # adamw (fp32 states), adamw_8bit, adamw_4bit or adamw_fp8 (qjax.optim low-bit states)
         "lr": lr,  # peak learning rate (linear warmup, then cosine decay)
@@ -19,6 +19,13 @@ def add_optimizer_and_loop(config: config_dict.ConfigDict, *, lr: float, b2: flo
         "grad_clip": 1.0,  # clip the global gradient norm to this
         "dynamic_range_expansion": False,  # adamw_fp8 only: COAT's dynamic range expansion of the states
         "stochastic_rounding": False,  # bfloat16 params (model.param_dtype) updated with SR, no fp32 master copy
+    })
+
+    config.mesh = config_dict.ConfigDict({
+        "data": -1,  # data-parallel devices (-1: the devices the others leave; 1 if fsdp or tensor is -1)
+        "fsdp": 1,  # devices params, gradients and optimizer states are split over (the batch too)
+        "tensor": 1,  # tensor-parallel devices: attention heads and the FFN split (Megatron)
+        "gather_8bit": True,  # quantized layers gather FSDP-split weights as 8-bit codes (False: whole float weights)
     })
 
     config.log_every = 25  # steps between progress lines

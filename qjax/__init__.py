@@ -2,7 +2,8 @@
 
 Public API:
   recipe(name), RECIPES, Recipe, GemmSpec, QuantSpec      how each GEMM of a linear layer is quantized
-  dot_general(lhs, rhs, dims, ..., recipe=, key=)          quantized, differentiable lax.dot_general
+  dot_general(lhs, rhs, dims, ..., recipe=, key=, sharding=)  quantized, differentiable lax.dot_general
+  WeightSharding                                           how a weight lies on the mesh (FSDP, tensor parallel)
   einsum(subscripts, lhs, rhs, recipe=, key=)              quantized two-operand einsum
   ragged_dot(lhs, rhs, group_sizes, recipe=, key=)         quantized lax.ragged_dot (mixture-of-experts GEMMs)
   make_dot_general(recipe), DotGeneral, recipe_for_layer   Flax integration
@@ -16,7 +17,7 @@ Public API:
 import importlib
 
 from qjax import optim
-from qjax.dot_general import dot_general
+from qjax.dot_general import WeightSharding, dot_general
 from qjax.flax import DotGeneral, einsum, make_dot_general, recipe_for_layer
 from qjax.qtensor import QTensor, QuantSpec, dequantize
 from qjax.quantize import quantize
@@ -27,7 +28,7 @@ from qjax.stochastic import stochastic_round
 __all__ = [
     "DotGeneral", "GemmSpec", "QTensor", "QuantSpec", "RECIPES", "Recipe", "dequantize", "dot_general", "einsum",
     "make_dot_general", "optim", "quantize", "ragged_dot", "recipe", "recipe_for_layer", "stochastic_round",
-    "with_stochastic_gradients",
+    "with_stochastic_gradients", "WeightSharding",
 ]
 
 # Subpackages imported on first attribute access, so `import qjax` stays light (no flax model, orbax or data code)

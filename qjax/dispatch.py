@@ -109,7 +109,8 @@ def _unsupported(backend: str, what: str, reason: str):
 
 def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None, seed, seed_t, *,
                   backend: str = "auto", operands: tuple[str, str] = ("array", "transposed array"),
-                  row_axes: tuple[str, ...] = ()) -> tuple[QTensor | None, QTensor | None]:
+                  row_axes: tuple[str, ...] = (), col_axes: tuple[str, ...] = ()
+                  ) -> tuple[QTensor | None, QTensor | None]:
     """x (..., R, C) quantized per `spec` and its transpose (..., C, R) per `spec_t` (either may be None): the fused
     kernel (both layouts from one read) where `backend` selects it and it supports the case, else
     `qjax.quantize.quantize_pair_reference` (same arguments but backend; results bit-identical). Batched x, a single
@@ -120,9 +121,10 @@ def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None
             reason = quantize_mgpu.supports(x, spec, spec_t)
             if reason is None:
                 return quantize_mgpu.quantize_pair_kernel(x, spec, spec_t, seed, seed_t, interpret=interpret,
-                                                          row_axes=row_axes)
+                                                          row_axes=row_axes, col_axes=col_axes)
             _unsupported(backend, "fused quantize", reason)
-    return quantize_pair_reference(x, spec, spec_t, seed, seed_t, operands=operands, row_axes=row_axes)
+    return quantize_pair_reference(x, spec, spec_t, seed, seed_t, operands=operands, row_axes=row_axes,
+                                   col_axes=col_axes)
 
 
 def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation: bool = False,

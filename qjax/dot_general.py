@@ -17,6 +17,16 @@ kernels (custom calls XLA cannot partition) see device-local arrays. Scales that
 per-feature scales of x and g for wgrad) take their amax over all devices (`lax.pmax`), so they equal the unsharded
 ones; the weight gradient's partial sums are added over devices by the transpose of the rhs's `lax.pcast`.
 Stochastic rounding draws per-device streams (the seed offset by the device index), not the unsharded bits.
+
+A weight stored split over the mesh (FSDP, tensor parallelism) is described by a `WeightSharding` (`sharding=`;
+`qjax.DotGeneral` takes it from `qjax.flax.weight_shardings` by layer name). The GEMM then runs per device with the
+weight's shard: it is quantized on its shard (amax reduced over the mesh axes a scale spans, so codes and scales are
+the unsharded ones), and the 8-bit codes and their scales are all-gathered over the FSDP axis (int8 / float8 in
+the HLO, never bf16) before the forward and dgrad GEMMs; the weight gradient is reduce-scattered back onto the shard.
+Along the tensor axis the weight stays split (Megatron): column-parallel layers (`tensor_dim="n"`) produce output
+features split over it (the lhs' gradient summed over it), row-parallel ones (`tensor_dim="k"`) read lhs features
+split over it and sum their outputs over it. The gathered dgrad-layout codes are saved for the backward GEMM (one
+byte per weight element of the layer, as FSDP without resharding after the forward).
 """
 
 import dataclasses
@@ -104,6 +114,62 @@ class _Layout:
         return self._unview(x, self.rhs_shape, self.rhs_batch + self.rhs_contract + self.rhs_free)
 
 
+@dataclasses.dataclass(frozen=True)
+class WeightSharding:
+    """How a GEMM's weight (rhs, 2-D) lies on the context mesh, in its (N, K) view: N output features, K contracted.
+
+    Attributes:
+      tokens: mesh axes the lhs' leading dim (the tokens' batch) is split over, e.g. ("data", "fsdp").
+      fsdp: mesh axis (one of `tokens`) the weight is stored split over along `fsdp_dim` ("n" or "k") and
+        all-gathered over, as 8-bit codes + scales, before its GEMMs; None: not stored split.
+      tensor: mesh axis (not one of `tokens`) the weight stays split over through its GEMMs along `tensor_dim`:
+        "n" column-parallel (output features split), "k" row-parallel (lhs features split, outputs summed over
+        it); None: no tensor parallelism.
+    """
+
+    tokens: tuple[str, ...]
+    fsdp: str | None = None
+    fsdp_dim: str = "k"
+    tensor: str | None = None
+    tensor_dim: str = "n"
+
+    def __post_init__(self):
+        for name in ("fsdp_dim", "tensor_dim"):
+            if getattr(self, name) not in ("n", "k"):
+                raise ValueError(f"WeightSharding.{name} must be 'n' or 'k', got {getattr(self, name)!r}")
+        if self.fsdp is not None and self.fsdp not in self.tokens:
+            raise ValueError(f"WeightSharding.fsdp {self.fsdp!r} must be one of the token axes {self.tokens}")
+        if self.tensor is not None and self.tensor in self.tokens:
+            raise ValueError(f"WeightSharding.tensor {self.tensor!r} must not split the tokens {self.tokens}")
+        if self.fsdp and self.tensor and self.fsdp_dim == self.tensor_dim:
+            raise ValueError("WeightSharding: fsdp and tensor must split different dims of the weight, got "
+                             f"both on {self.fsdp_dim!r}")
+
+    def axes(self, dim: str) -> tuple[str, ...]:
+        """The mesh axes dim "n" or "k" of the weight is split over in memory."""
+        return tuple(a for a, d in ((self.fsdp, self.fsdp_dim), (self.tensor, self.tensor_dim)) if a and d == dim)
+
+    def lhs_k_axes(self) -> tuple[str, ...]:
+        """The mesh axes the lhs' contracted features are split over (row-parallel)."""
+        return (self.tensor,) if self.tensor and self.tensor_dim == "k" else ()
+
+    def out_n_axes(self) -> tuple[str, ...]:
+        """The mesh axes the output's features are split over (column-parallel)."""
+        return (self.tensor,) if self.tensor and self.tensor_dim == "n" else ()
+
+
+def _gather(q, axis: str | None, dim: int):
+    """A weight's shard, quantized (QTensor) or not (array), all-gathered over mesh `axis` along `dim` of its 2-D
+    layout; a QTensor's scales travel with its codes where they differ along `dim` (row scales of rows, blocks)."""
+    if axis is None or q is None:
+        return q
+    gather = lambda x: lax.all_gather(x, axis, axis=dim, tiled=True)  # noqa: E731
+    if not isinstance(q, QTensor):
+        return gather(q)
+    scale_split = q.granularity != "tensor" and (q.granularity != "row" or dim == 0)
+    return QTensor(gather(q.data), gather(q.scale) if scale_split else q.scale, q.granularity)
+
+
 def _swap_last(x):
     return jnp.swapaxes(x, -1, -2)
 
@@ -121,38 +187,55 @@ def _spec(gemm: recipes_lib.GemmSpec | None, side: str) -> QuantSpec | None:
 
 @functools.lru_cache(maxsize=None)
 def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision,
-                 token_axes: tuple[str, ...] = ()):
+                 token_axes: tuple[str, ...] = (), sharding: WeightSharding | None = None):
     """The quantized GEMM's two halves for one static configuration, for custom VJPs built around it:
 
       forward(lhs, rhs, seeds, rhs_q, with_residuals) -> (out, (w_res, x_res))   the forward GEMM, and (with
                  residuals) what the backward GEMMs read, quantized in their layouts; rhs_q: None, or the forward
-                 GEMM's rhs already quantized (`dot_general`'s rhs_quantized)
+                 GEMM's rhs already quantized (`dot_general`'s rhs_quantized; not with an FSDP `sharding`)
       backward((w_res, x_res, seeds), g) -> (dlhs, drhs)                  dgrad and wgrad
 
     token_axes: inside `_per_device`, the mesh axes the token rows (M) of x and g are split over (module docstring).
+    sharding: inside `_per_device_sharded`, how rhs (then its 2-D local shard) is split; `layout` describes the
+    per-device GEMM (lhs local, rhs gathered over `sharding.fsdp`).
     """
     gemm = functools.partial(dispatch.quantized_matmul, backend=recipe.backend)
     quantize_both = functools.partial(dispatch.quantize_pair, backend=recipe.backend)
     fwd, dgrad, wgrad = recipe.fwd, recipe.dgrad, recipe.wgrad
+    sharding = sharding or WeightSharding(token_axes)
+    x_k_axes, g_n_axes = sharding.lhs_k_axes(), sharding.out_n_axes()
+    w_n_axes, w_k_axes = sharding.axes("n"), sharding.axes("k")
+    fsdp_n = 0 if sharding.fsdp_dim == "n" else 1  # the gathered dim of w as (N, K); as (K, N) it is 1 - fsdp_n
+    vma = tuple(token_axes) + ((sharding.tensor,) if sharding.tensor else ())
+
+    def rhs_nk(rhs):
+        return layout.rhs_nk(rhs) if sharding.fsdp is None else (rhs if layout.rhs_contract == (1,) else rhs.T)
 
     def forward_gemm(lhs, rhs, seeds, rhs_q, with_residuals):
         """out, and (with_residuals) what the backward GEMMs read of w and x: quantized in their layouts, or the
         originals for GEMMs in high precision. Each input is quantized once for both GEMMs that read it."""
-        x, w = layout.lhs_mk(lhs), layout.rhs_nk(rhs)
+        x, w = layout.lhs_mk(lhs), rhs_nk(rhs)
         x_spec_t = _spec(wgrad, "rhs") if with_residuals else None
         w_spec_t = _spec(dgrad, "rhs") if with_residuals else None
         xq, x_res = quantize_both(x, _spec(fwd, "lhs"), x_spec_t, seeds[_FWD_LHS], seeds[_WGRAD_RHS],
                                   operands=("forward lhs x as (M, K)", "wgrad rhs x as (K, M), M = tokens"),
-                                  row_axes=token_axes)
+                                  row_axes=token_axes, col_axes=x_k_axes)
         w_spec = _spec(fwd, "rhs") if rhs_q is None else None
         wq, w_res = quantize_both(w, w_spec, w_spec_t, seeds[_FWD_RHS], seeds[_DGRAD_RHS],
-                                  operands=("forward rhs w as (N, K)", "dgrad rhs w as (K, N)"))
+                                  operands=("forward rhs w as (N, K)", "dgrad rhs w as (K, N)"),
+                                  row_axes=w_n_axes, col_axes=w_k_axes)
         wq = wq if rhs_q is None else rhs_q
+        # FSDP: the codes (or, for a GEMM in high precision, the weight itself) are gathered, not the float weight.
+        wq = _gather(w if fwd is None else wq, sharding.fsdp, fsdp_n)
         if fwd is None:
-            out = _high_precision_matmul(x, w, out_dtype, precision)
+            out = _high_precision_matmul(x, wq, out_dtype, precision)
         else:
-            out = _varying(gemm(xq, wq, out_dtype), token_axes)
-        residuals = (rhs if w_spec_t is None else w_res, lhs if x_spec_t is None else x_res)
+            out = _varying(gemm(xq, wq, out_dtype), vma)
+        if w_spec_t is None:  # dgrad in high precision reads w as (K, N): the weight itself, gathered under FSDP
+            w_res = rhs if sharding.fsdp is None else _gather(_swap_last(w), sharding.fsdp, 1 - fsdp_n)
+        else:
+            w_res = _gather(w_res, sharding.fsdp, 1 - fsdp_n)
+        residuals = (w_res, lhs if x_spec_t is None else x_res)
         return out.reshape(layout.out_shape()), residuals
 
     def backward(residuals, g):
@@ -161,9 +244,10 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
         gq_dgrad, gq_wgrad = quantize_both(g_mn, _spec(dgrad, "lhs"), _spec(wgrad, "lhs"), seeds[_DGRAD_LHS],
                                            seeds[_WGRAD_LHS], operands=("dgrad lhs g as (M, N)",
                                                                         "wgrad lhs g as (N, M)"),
-                                           row_axes=token_axes)
+                                           row_axes=token_axes, col_axes=g_n_axes)
         if dgrad is None:
-            dx = _high_precision_matmul(g_mn, layout.rhs_kn(w_res), lhs_dtype, precision)
+            w_kn = layout.rhs_kn(w_res) if sharding.fsdp is None else w_res
+            dx = _high_precision_matmul(g_mn, w_kn, lhs_dtype, precision)
         else:
             dx = gemm(gq_dgrad, w_res, lhs_dtype, precise_accumulation=True)
         # wgrad is computed as dw^T = x^T g, (K, M) x (N, M) -> (K, N): the layout of a Dense kernel (in, out), so
@@ -174,16 +258,22 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
             dw = _high_precision_matmul(layout.lhs_km(x_res), _swap_last(g_mn), rhs_dtype, precision)
         else:
             dw = gemm(x_res, gq_wgrad, rhs_dtype, precise_accumulation=True)
-        return layout.lhs_from_mk(_varying(dx, token_axes)), layout.rhs_from_kn(_varying(dw, token_axes))
+        dx = layout.lhs_from_mk(_varying(dx, vma))
+        if sharding.fsdp is None:
+            return dx, layout.rhs_from_kn(_varying(dw, vma))
+        # FSDP: each device keeps its shard of the weight gradient summed over the devices of the gather
+        dw = lax.psum_scatter(dw, sharding.fsdp, scatter_dimension=1 - fsdp_n, tiled=True)
+        return dx, _varying(dw if layout.rhs_contract == (0,) else dw.T, vma)
 
     return forward_gemm, backward
 
 
 @functools.lru_cache(maxsize=None)
 def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision,
-                   token_axes: tuple[str, ...] = ()):
+                   token_axes: tuple[str, ...] = (), sharding: WeightSharding | None = None):
     """The custom_vjp function (lhs, rhs, seeds, rhs_q) -> out for one static configuration (`linear_parts`)."""
-    forward_gemm, backward = linear_parts(layout, recipe, out_dtype, lhs_dtype, rhs_dtype, precision, token_axes)
+    forward_gemm, backward = linear_parts(layout, recipe, out_dtype, lhs_dtype, rhs_dtype, precision, token_axes,
+                                          sharding)
 
     def forward(lhs, rhs, seeds, rhs_q):
         out, (w_res, x_res) = forward_gemm(lhs, rhs, seeds, rhs_q, with_residuals=True)
@@ -264,6 +354,61 @@ def _per_device(fn, axes: tuple[str, ...], n_split: int = 1, n_extra: int = 0):
                                        out_specs=split)(*args)
 
 
+def _sharded_layout(recipe: recipes_lib.Recipe, layout: _Layout, sharding: WeightSharding) -> _Layout | None:
+    """The per-device GEMM's layout (lhs local; rhs gathered over FSDP, split over tensor) for a weight split per
+    `sharding` over the context mesh, or None where it cannot run so (then the whole-weight path below runs: XLA
+    gathers the float weight): no mesh, the XLA backend, inside a shard_map, batch dims, a rhs that is not 2-D or
+    an lhs not contracting its last dim, mesh axes `sharding` does not name, dims that do not split evenly, or
+    block-scaled shards that would split 128-blocks."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if recipe.backend == "xla" or mesh.empty or mesh.size == 1 or mesh.manual_axes or layout.lhs_batch:
+        return None
+    named = set(sharding.tokens) | {sharding.tensor} - {None}
+    lhs_rank = len(layout.lhs_shape)
+    if (len(layout.rhs_shape) != 2 or layout.lhs_contract != (lhs_rank - 1,) or lhs_rank < 2
+            or not named <= set(mesh.axis_names) or any(mesh.shape[a] > 1 and a not in named for a in mesh.axis_names)):
+        return None
+    size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
+    tokens = size(sharding.tokens)
+    k_dim = layout.rhs_contract[0]
+    local_k = layout.k // size(sharding.axes("k"))
+    local_n = layout.n // size(sharding.axes("n"))
+    if (layout.lhs_shape[0] % tokens or layout.k % size(sharding.axes("k")) or layout.n % size(sharding.axes("n"))
+            or (recipe.is_block_scaled and ((layout.m // tokens) % 128 or local_k % 128 or local_n % 128))):
+        return None
+    rhs = list(layout.rhs_shape)
+    rhs[k_dim] //= size(sharding.lhs_k_axes())
+    rhs[1 - k_dim] //= size(sharding.out_n_axes())
+    lhs = (layout.lhs_shape[0] // tokens, *layout.lhs_shape[1:-1], layout.lhs_shape[-1] // size(sharding.lhs_k_axes()))
+    return dataclasses.replace(layout, lhs_shape=lhs, rhs_shape=tuple(rhs))
+
+
+def _per_device_sharded(fn, sharding: WeightSharding, layout: _Layout):
+    """fn (lhs, rhs, seeds) -> out, run inside `jax.shard_map` over the context mesh with the weight's shard
+    (module docstring): lhs and out split along dim 0 over the token axes, their features over the tensor axis
+    where the layer is row- / column-parallel; rhs split per `sharding`."""
+    spec = lambda axes: tuple(axes) or None  # noqa: E731
+    lhs_rank, k_dim = len(layout.lhs_shape), layout.rhs_contract[0]
+    rhs_dims = [None, None]
+    rhs_dims[k_dim], rhs_dims[1 - k_dim] = spec(sharding.axes("k")), spec(sharding.axes("n"))
+    lhs_spec = jax.sharding.PartitionSpec(spec(sharding.tokens), *[None] * (lhs_rank - 2),
+                                          spec(sharding.lhs_k_axes()))
+    out_spec = jax.sharding.PartitionSpec(spec(sharding.tokens), *[None] * (lhs_rank - 2),
+                                          spec(sharding.out_n_axes()))
+    varying = sharding.tokens + ((sharding.tensor,) if sharding.tensor else ())
+
+    def body(lhs, rhs, seeds):
+        device = lax.axis_index(varying).astype(jnp.uint32)
+        seeds = seeds + device * jnp.uint32(0x9E3779B9)  # distinct stochastic-rounding streams per device
+        # As in `_per_device`: the transposes of these casts sum lhs' gradient over the tensor axis (a
+        # column-parallel layer's partial dgrads) and the weight's over the token axes it is not gathered over.
+        out = fn(_varying(lhs, varying), _varying(rhs, varying), seeds, None)
+        return lax.psum(out, sharding.tensor) if sharding.lhs_k_axes() else out  # row-parallel partial sums
+
+    return jax.shard_map(body, in_specs=(lhs_spec, jax.sharding.PartitionSpec(*rhs_dims),
+                                         jax.sharding.PartitionSpec()), out_specs=out_spec)
+
+
 def _seeds(recipe: recipes_lib.Recipe, key) -> jax.Array:
     if key is not None:
         stochastic.key_to_seed(key)  # validates the key type even where the recipe does not use it
@@ -292,7 +437,7 @@ def _check_rhs_quantized(rhs_q, recipe: recipes_lib.Recipe, layout: _Layout) -> 
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, recipe, key=None,
-                rhs_quantized: QTensor | None = None):
+                sharding: WeightSharding | None = None, rhs_quantized: QTensor | None = None):
     """Quantized `jax.lax.dot_general`: same arguments, same output shape, quantized per `recipe`.
 
     Args:
@@ -304,11 +449,14 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         of lhs and rhs.
       recipe: a `qjax.Recipe` or a recipe name (see `qjax.RECIPES`).
       key: `jax.random.key`, required when the recipe rounds stochastically; use a fresh one every step.
+      sharding: how rhs, a weight, lies on the mesh set while tracing (FSDP / tensor parallelism, module
+        docstring); None: rhs whole on every device.
       rhs_quantized: optional `QTensor`, rhs already quantized as the forward GEMM reads it: (N, K) codes in the
         recipe's fwd.rhs format and granularity (row or tensor, nearest rounding), e.g. an int8 weight-only
         parameter's stored codes and scales (`qjax.optim.Int8Param.forward_operand`). The forward GEMM then runs
         on them instead of quantizing rhs; rhs (the same weight, dequantized) still feeds dgrad and receives the
-        gradient. Ignored by recipes that leave every GEMM in high precision.
+        gradient. Ignored by recipes that leave every GEMM in high precision; with it, `sharding` is not used
+        (XLA gathers the weight).
 
     Returns:
       Array of shape (batch..., lhs free..., rhs free...), as lax.dot_general. Differentiable (custom VJP with
@@ -327,7 +475,12 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     if rhs_quantized is not None:
         _check_rhs_quantized(rhs_quantized, recipe, layout)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
-    axes, seeds = _device_axes(recipe, layout), _seeds(recipe, key)
+    seeds = _seeds(recipe, key)
+    local = None if sharding is None or rhs_quantized is not None else _sharded_layout(recipe, layout, sharding)
+    if local is not None:
+        fn = _quantized_dot(local, recipe, out_dtype, lhs.dtype, rhs.dtype, precision, sharding.tokens, sharding)
+        return _per_device_sharded(fn, sharding, layout)(lhs, rhs, seeds)
+    axes = _device_axes(recipe, layout)
     if not axes:
         return _quantized_dot(layout, recipe, out_dtype, lhs.dtype, rhs.dtype, precision)(lhs, rhs, seeds,
                                                                                            rhs_quantized)

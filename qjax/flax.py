@@ -5,16 +5,35 @@
   y = qjax.einsum("btd,fd->btf", x, w, recipe="fp8_tensorwise")
   r = qjax.recipe_for_layer("int8_rowwise", "lm_head", features_in=2048, features_out=32000,
                             keep_high_precision=("lm_head",))     # -> the bf16 recipe
+  with qjax.flax.weight_shardings(lookup):                         # while tracing a model over a sharded mesh
+      model.apply(...)                                             # DotGeneral layers ask lookup(layer name)
 """
 
+import contextlib
+import contextvars
 import re
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 
 from qjax import recipes as recipes_lib
-from qjax.dot_general import dot_general
+from qjax.dot_general import WeightSharding, dot_general
 from qjax.optim import int8_params
+
+_WEIGHT_SHARDINGS: contextvars.ContextVar = contextvars.ContextVar("qjax_weight_shardings", default=None)
+
+
+@contextlib.contextmanager
+def weight_shardings(lookup: Callable[[str], WeightSharding | None]):
+    """While tracing inside this context, each `DotGeneral` layer passes `lookup(layer name)` (its parent module's
+    path, e.g. "layers_0/attn/qkv_proj") to `qjax.dot_general` as `sharding=`: how that layer's kernel lies on the
+    mesh set while tracing (FSDP, tensor parallelism). The train step builds `lookup` from its sharding rules
+    (`qjax.train.sharding`); layers it returns None for take their weight whole."""
+    token = _WEIGHT_SHARDINGS.set(lookup)
+    try:
+        yield
+    finally:
+        _WEIGHT_SHARDINGS.reset(token)
 
 
 def make_dot_general(recipe, key=None):
@@ -41,7 +60,8 @@ class DotGeneral(nn.Module):
     Use as nn.Dense(..., dot_general_cls=functools.partial(qjax.DotGeneral, recipe="int8_rowwise")); recipes with
     stochastic rounding then need `rngs={"quant": key}` in `apply`. The rhs may be an int8 weight-only parameter
     (`qjax.optim.Int8Param`, passed through by `nn.Dense(promote_dtype=qjax.optim.int8_params.promote_dtype)`): a
-    forward that reads the weight as int8 rows runs on its stored codes, otherwise on its dequantized values.
+    forward that reads the weight as int8 rows runs on its stored codes, otherwise on its dequantized values. Inside
+    `weight_shardings(lookup)`, the kernel's sharding comes from lookup(the parent layer's path).
     """
 
     recipe: Any
@@ -53,8 +73,10 @@ class DotGeneral(nn.Module):
         rhs_quantized = None
         if isinstance(rhs, int8_params.Int8Param):
             rhs, rhs_quantized = int8_params.weight_operands(recipe, lhs, rhs, dimension_numbers)
+        lookup = _WEIGHT_SHARDINGS.get()
+        sharding = None if lookup is None else lookup("/".join(self.path[:-1]))
         return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, key=key,
-                           rhs_quantized=rhs_quantized)
+                           sharding=sharding, rhs_quantized=rhs_quantized)
 
 
 def einsum(subscripts: str, lhs, rhs, *, recipe, key=None, precision=None, preferred_element_type=None):

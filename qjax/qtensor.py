@@ -121,10 +121,14 @@ def dequantize(q: QTensor, dtype=jnp.float32) -> jax.Array:
     return out.astype(dtype)
 
 
-def row_split_amax_axes(spec: QuantSpec | None, transposed: bool, row_axes: tuple[str, ...]) -> tuple[str, ...]:
+def row_split_amax_axes(spec: QuantSpec | None, transposed: bool, row_axes: tuple[str, ...],
+                        col_axes: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The mesh axes a quantization's amax must be reduced over when an array's rows (R of (..., R, C)) are split
-    over `row_axes` (inside `jax.shard_map`): a tensor scale always spans them, a row scale of the transpose
-    (..., C, R) too; row scales of x and 128-blocks (shard boundaries fall on block boundaries) stay local."""
-    if spec is None or not row_axes:
+    over `row_axes` and its columns C over `col_axes` (inside `jax.shard_map`): a tensor scale spans both, a row
+    scale of x (..., R, C) spans C, a row scale of the transpose (..., C, R) spans R; 128-blocks stay local (shard
+    boundaries fall on block boundaries)."""
+    if spec is None or spec.is_block_scaled:
         return ()
-    return row_axes if spec.granularity == "tensor" or (transposed and spec.granularity == "row") else ()
+    if spec.granularity == "tensor":
+        return tuple(row_axes) + tuple(col_axes)
+    return tuple(row_axes) if transposed else tuple(col_axes)

@@ -104,16 +104,17 @@ def _swap_last(x: jax.Array) -> jax.Array:
 
 def quantize_pair_reference(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None, seed, seed_t, *,
                             operands: tuple[str, str] = ("array", "transposed array"),
-                            row_axes: tuple[str, ...] = ()):
+                            row_axes: tuple[str, ...] = (), col_axes: tuple[str, ...] = ()):
     """Both quantized layouts two GEMMs read from one array: x (..., R, C) per `spec` and its transpose (..., C, R)
     per `spec_t` (e.g. an activation for the forward GEMM and for wgrad). Either spec may be None (that output is
     None). Same results as two `quantize_with_seed` calls; a tensorwise nearest quantization is done once and its
     codes transposed. The reference of `qjax.kernels.quantize_mgpu.quantize_pair_kernel` (`qjax.dispatch` picks).
 
-    operands: the two arrays' names in error messages. row_axes: inside `jax.shard_map`, the mesh axes x's rows are
-    split over (`qtensor.row_split_amax_axes`): the scales are then those of the whole array.
+    operands: the two arrays' names in error messages. row_axes / col_axes: inside `jax.shard_map`, the mesh axes
+    x's rows / columns are split over (`qtensor.row_split_amax_axes`): the scales are then those of the whole array.
     """
-    axes, axes_t = row_split_amax_axes(spec, False, row_axes), row_split_amax_axes(spec_t, True, row_axes)
+    axes = row_split_amax_axes(spec, False, row_axes, col_axes)
+    axes_t = row_split_amax_axes(spec_t, True, row_axes, col_axes)
     if spec is not None and spec == spec_t and spec.granularity == "tensor" and not spec.stochastic:
         q = quantize_with_seed(x, spec, seed, operand=operands[0], amax_axes=axes)
         return q, QTensor(_swap_last(q.data), q.scale, q.granularity)

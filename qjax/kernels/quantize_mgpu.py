@@ -247,11 +247,11 @@ def amax_pair(x: jax.Array, *, interpret=False, tiles_per_program=TILES_PER_PROG
 # ------------------------------------------------------------------------------------------------------- public
 
 
-def _inverse_scale(spec, row_amax, col_amax, x, length, transposed, row_axes):
+def _inverse_scale(spec, row_amax, col_amax, x, length, transposed, row_axes, col_axes):
     """(scale in the reference's shape, inverse scale per row of this layout (length,)) for a row/tensor side;
-    amax reduced over the mesh axes x's rows are split over where the scale spans them (`row_split_amax_axes`).
-    A ternary side's statistic is XLA's mean |x| instead (`numerics.mean_abs`)."""
-    axes = row_split_amax_axes(spec, transposed, row_axes)
+    amax reduced over the mesh axes x's rows (and columns) are split over where the scale spans them
+    (`row_split_amax_axes`). A ternary side's statistic is XLA's mean |x| instead (`numerics.mean_abs`)."""
+    axes = row_split_amax_axes(spec, transposed, row_axes, col_axes)
     if spec.dtype == "ternary":
         side_amax, axes = numerics.mean_abs(x.astype(jnp.float32), axes), ()
     else:
@@ -281,7 +281,8 @@ def _seed(seed, spec):
 
 def quantize_pair_kernel(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None, row_seed=None,
                          col_seed=None, *, interpret=False, tiles_per_program=TILES_PER_PROGRAM,
-                         row_axes: tuple[str, ...] = ()) -> tuple[QTensor, QTensor | None]:
+                         row_axes: tuple[str, ...] = (), col_axes: tuple[str, ...] = ()
+                         ) -> tuple[QTensor, QTensor | None]:
     """Quantizes x (M, K) as (M, K) per row_spec and, if col_spec is given, x.T (K, M) per col_spec.
 
     Args:
@@ -292,8 +293,9 @@ def quantize_pair_kernel(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec 
         them under the Mosaic GPU interpreter (CPU, slow: tests).
       tiles_per_program: 128 x 128 tiles along K each program pipelines (a tuning knob; results do not depend on
         it).
-      row_axes: inside `jax.shard_map`, the mesh axes M is split over: column and tensor amax are then reduced
-        over them (`qtensor.row_split_amax_axes`), so the scales are the unsharded array's.
+      row_axes / col_axes: inside `jax.shard_map`, the mesh axes M / K are split over: the amax of every scale
+        that spans them is then reduced over them (`qtensor.row_split_amax_axes`), so the scales are the
+        unsharded array's.
 
     Returns:
       (QTensor (M, K), QTensor (K, M) or None), equal bit for bit to `quantize_with_seed(x, row_spec, row_seed)`
@@ -316,7 +318,7 @@ def quantize_pair_kernel(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec 
         row_amax, col_amax = amax_pair(x, interpret=interpret, tiles_per_program=tiles_per_program)
     for spec, transposed in given:
         scales[transposed], inverses[transposed] = _inverse_scale(spec, row_amax, col_amax, x, k if transposed else m,
-                                                                  transposed, row_axes)
+                                                                  transposed, row_axes, col_axes)
     outs = list(_tile_call(x, seeds, inverses[False], inverses[True], row=_Side.of(row_spec),
                            col=_Side.of(col_spec), steps=tiles_per_program, interpret=interpret))
     results = []

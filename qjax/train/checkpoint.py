@@ -5,7 +5,9 @@
   ckpt.save(step, state); ...; ckpt.close()
 
 A checkpoint is the `TrainState` pytree as it is (quantized Adam states are plain pytrees of arrays; the RNG key is
-stored as its uint32 key data), one sub-directory per step. Saves are atomic: orbax writes into a temporary
+stored as its uint32 key data), one sub-directory per step. Each array is saved whole (written shard by shard from
+the devices holding it) and restored into the shardings the reading run asks for (`abstract_like`), so a run may
+resume on another mesh shape. Saves are atomic: orbax writes into a temporary
 directory and renames it only once everything is on disk, so a run killed mid-save leaves the previous checkpoint
 as the latest; orbax keeps only the last `keep`. Saving is asynchronous: the arrays are copied to host memory
 before `save` returns (so the next step may donate them) and written in the background.
@@ -223,5 +225,9 @@ class Checkpointer:
 
 
 def abstract_like(state, sharding) -> object:
-    """`state` (arrays or ShapeDtypeStructs) as ShapeDtypeStructs placed with `sharding` (one for every leaf)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
+    """`state` (arrays or ShapeDtypeStructs) as ShapeDtypeStructs placed with `sharding`: one for every leaf, or a
+    pytree of shardings shaped like `state`. Restoring into it reads each array straight into its shards, whatever
+    mesh wrote the checkpoint (orbax stores whole arrays, not a mesh's shards)."""
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, sharding)

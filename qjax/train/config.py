@@ -74,7 +74,27 @@ def check_config(config) -> None:
     if config.optimizer.get("stochastic_rounding") and config.model.get("param_dtype") != "bfloat16":
         raise ConfigError("config.optimizer.stochastic_rounding rounds bfloat16 params, but config.model.param_dtype "
                           f"is {config.model.get('param_dtype')!r}: set --config.model.param_dtype=bfloat16")
+    check_mesh_config(config.get("mesh"))
     check_data_config(config.data)
+
+
+def check_mesh_config(mesh) -> None:
+    """config.mesh holds data / fsdp / tensor sizes: ints >= 1, or -1 (the rest of the devices; for at most one of
+    fsdp and tensor, and data's default -1 gives way to theirs).
+    Whether they fit the devices is checked once the devices are known (`qjax.train.mesh.axis_sizes`)."""
+    if mesh is None:
+        raise ConfigError("config.mesh is missing: add data / fsdp / tensor sizes (configs/common.py)")
+    rest = []
+    for name in ("data", "fsdp", "tensor"):
+        value = mesh.get(name)
+        if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+            raise ConfigError(f"config.mesh.{name} must be an int >= 1 or -1 (the rest of the devices), got {value!r}")
+        if value == -1 and name != "data":  # data's -1 gives way (`qjax.train.mesh.axis_sizes`)
+            rest.append(f"config.mesh.{name}")
+    if len(rest) > 1:
+        raise ConfigError(f"{' and '.join(rest)} are both -1: at most one mesh axis takes the rest of the devices")
+    if not isinstance(mesh.get("gather_8bit", True), bool):
+        raise ConfigError(f"config.mesh.gather_8bit must be True or False, got {mesh.get('gather_8bit')!r}")
 
 
 def check_data_config(data) -> None:

@@ -29,7 +29,7 @@ from qjax.train import workdir as workdir_lib
 from qjax.train.checkpoint import Checkpointer, abstract_like
 from qjax.train.config import ConfigError, check_config
 from qjax.train.metrics import ProgressMeter, check_finite
-from qjax.train.step import TrainState, make_eval_step, make_train_step
+from qjax.train.step import TrainState, make_eval_step, make_train_step, train_state_shardings
 from qjax.train.task import make_task
 
 # Eval keys come from the seed and this constant, not from the step key: every eval sees the same "quant" keys.
@@ -99,8 +99,9 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
     stream = sys.stdout if stream is None else stream
     workdir = os.path.abspath(os.fspath(workdir))
 
-    mesh = mesh_lib.make_mesh()
+    mesh_lib.initialize_distributed()  # several hosts: only where a cluster's environment variables are set
     try:
+        mesh = mesh_lib.mesh_from_config(config.mesh)
         mesh_lib.check_batch_size(config.batch_size, config.grad_accum_steps, mesh)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -117,7 +118,8 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
         except ValueError as e:
             raise ConfigError(f"config.eval_batches: {e}") from None
     eval_key = jax.random.key_data(jax.random.fold_in(jax.random.key(config.seed), _EVAL_KEY_SALT))
-    abstract = abstract_like(jax.eval_shape(init_state), mesh_lib.replicated(mesh))
+    abstract_state = jax.eval_shape(init_state)
+    abstract = abstract_like(abstract_state, train_state_shardings(abstract_state, mesh))
 
     # Only now: a run that fails a check above leaves no (empty) workdir behind.
     os.makedirs(workdir, exist_ok=True)
@@ -154,7 +156,9 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
         print(f"{config.task}: {type(task.model).__name__} {config.model.size} ({num_params(state.params) / 1e6:.2f}M "
               f"params), recipe {config.recipe}, optimizer {config.optimizer.name}, batch {config.batch_size}"
               + (f" x seq {config.seq_len}" if config.task == "lm" else "")
-              + f", {devices} {jax.devices()[0].platform} device{'s' * (devices > 1)}; "
+              + f", {devices} {jax.devices()[0].platform} device{'s' * (devices > 1)}"
+              + (" (data x fsdp x tensor = {data} x {fsdp} x {tensor})".format(**mesh.shape) if devices > 1 else "")
+              + "; "
               + (f"resumed at step {start}" if resumed else "from scratch") + f", running to step {end}/{config.steps}",
               file=stream, flush=True)
         print(f"  recipes: {header.recipe_summary(task.model_config)}", file=stream)

@@ -70,8 +70,14 @@ class Estimate:
                 f"{_size(self.activations)}")
 
 
+def _shape(x) -> tuple[int, ...]:
+    """One device's shape of x: its shard's where x has a sharding (FSDP / tensor-parallel state), else x's."""
+    sharding = getattr(x, "sharding", None)
+    return tuple(sharding.shard_shape(x.shape)) if sharding is not None else tuple(x.shape)
+
+
 def _tree_bytes(tree) -> int:
-    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+    return sum(int(np.prod(_shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def activation_bytes(task, examples: int) -> int:
@@ -122,8 +128,11 @@ def device_memory_bytes(device, devices_sharing: int = 1) -> int | None:
 def estimate(config, task, abstract_state, mesh) -> Estimate:
     """The per-device estimate of a train step (module docstring) for a checked config."""
     devices = mesh.devices.size
-    grad_shapes = jax.eval_shape(qoptim.dequantize_params, abstract_state.params)  # Int8Param -> float32
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(grad_shapes))
+    if qoptim.has_int8_params(abstract_state.params):  # float32 gradients shaped like the dequantized weights
+        grad_shapes = jax.eval_shape(qoptim.dequantize_params, abstract_state.params)
+    else:  # shaped like the params, sharded like them (`_shape`)
+        grad_shapes = abstract_state.params
+    n_params = sum(int(np.prod(_shape(x))) for x in jax.tree.leaves(grad_shapes))
     gradients = _tree_bytes(grad_shapes) + (4 * n_params if config.grad_accum_steps > 1 else 0)
     examples = max(config.batch_size // config.grad_accum_steps // devices, 1)
     device = mesh.devices.flat[0]

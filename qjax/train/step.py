@@ -1,7 +1,7 @@
 """The train state and the jitted train / eval steps.
 
   init_state, train_step = make_train_step(config)            # task from config.model; data-free (benchmarks)
-  state = init_state()                                        # TrainState, replicated on the mesh
+  state = init_state()                                        # TrainState, laid out on the mesh
   state, metrics = train_step(state, batch)                   # batch: dict of (batch_size, ...) arrays
 
 One train step = one optimizer update on `config.batch_size` examples. With `grad_accum_steps` = A > 1 the batch is
@@ -16,6 +16,11 @@ stochastically rounded param update (config.optimizer.stochastic_rounding) is fo
 UPDATE_STREAM), a stream no micro-batch index reaches.
 The state is donated: the step updates params and optimizer state in place.
 
+Over the mesh (`qjax.train.mesh`; `config.mesh` by default): params, their gradients and optimizer states lie as
+`qjax.train.sharding` says (split over "fsdp" and "tensor"), the batch splits over ("data", "fsdp"), and the model
+is traced with the mesh set and each layer's weight sharding (`qjax.flax.weight_shardings`), so quantized GEMMs run
+per device on 8-bit gathered weights.
+
 Equal (config, task, mesh) give the very same jitted functions (a small LRU cache of this pure builder), so a
 second `train()` in one process (a resumed run, a sweep repeating a config, tests) does not compile again.
 """
@@ -29,7 +34,9 @@ import ml_collections
 import optax
 
 from qjax import optim as qoptim
+from qjax.flax import weight_shardings
 from qjax.train import mesh as mesh_lib
+from qjax.train import sharding as sharding_lib
 from qjax.train.optimizer import make_optimizer
 from qjax.train.task import Task, make_task
 
@@ -90,17 +97,19 @@ def make_train_step(config, task: Task | None = None, mesh=None) -> tuple[Callab
       config: a checked training config (see configs/llama_base.py): optimizer, steps, batch_size,
         grad_accum_steps, seed; `task` defaults to `make_task(config)` (the preset's vocab / classes).
       task: the model and loss (`qjax.train.task`).
-      mesh: a mesh with a "data" axis (default: all devices).
+      mesh: a `qjax.train.make_mesh` mesh (default: `config.mesh`'s sizes, or data parallel over all devices
+        for a config without a mesh).
 
     Returns:
-      init_state() -> TrainState, params from `config.seed`, replicated.
+      init_state() -> TrainState, params from `config.seed`, laid out per `train_state_shardings`.
       train_step(state, batch) -> (state, metrics): batch a dict of arrays with leading dim config.batch_size
-        (numpy arrays are put on the mesh split over "data"); `state` is donated. metrics: float32 () arrays
+        (numpy arrays are put on the mesh split over "data" x "fsdp"); `state` is donated. metrics: float32 () arrays
         "loss" (mean over the batch), "grad_norm" (global norm before clipping), "lr" (this step's), plus the
         task's aux metrics ("accuracy" for images).
     """
     task = make_task(config) if task is None else task
-    mesh = mesh_lib.make_mesh() if mesh is None else mesh
+    if mesh is None:
+        mesh = mesh_lib.mesh_from_config(config.mesh) if "mesh" in config else mesh_lib.make_mesh()
     mesh_lib.check_batch_size(config.batch_size, config.grad_accum_steps, mesh)
     return _build_train_step(ml_collections.FrozenConfigDict(config), task, mesh)
 
@@ -117,31 +126,50 @@ def _build_train_step(config: ml_collections.FrozenConfigDict, task: Task, mesh)
         return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
                           jax.random.key_data(run_key))
 
+    abstract = jax.eval_shape(init_state)
+    state_shardings = train_state_shardings(abstract, mesh)
+    gather_8bit = config.mesh.get("gather_8bit", True) if "mesh" in config else True
+    lookup = sharding_lib.layer_sharding(abstract.params, mesh) if gather_8bit else lambda layer: None
+
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
-        with mesh_lib.tracing_on(mesh):  # quantized GEMMs run per device (qjax.dot_general)
+        with mesh_lib.tracing_on(mesh), weight_shardings(lookup):  # quantized GEMMs per device (qjax.dot_general)
             loss, aux, grads = _loss_and_grads(task, state.params, batch, step_key, accum, mesh)
+        grads = jax.lax.with_sharding_constraint(grads, state_shardings.params)  # reduce-scattered onto the shards
         params, opt_state = optimizer.step(grads, state.opt_state, state.params,
                                            key=jax.random.fold_in(step_key, UPDATE_STREAM))
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": optimizer.schedule(state.step), **aux}
         return TrainState(state.step + 1, params, opt_state, state.key), metrics
 
-    init_jit = jax.jit(init_state, out_shardings=replicated)
-    step_jit = jax.jit(train_step, in_shardings=(replicated, batch_sharding), out_shardings=(replicated, replicated),
-                       donate_argnums=0)
+    init_jit = jax.jit(init_state, out_shardings=state_shardings)
+    step_jit = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                       out_shardings=(state_shardings, replicated), donate_argnums=0)
     return init_jit, step_jit
+
+
+def train_state_shardings(abstract_state: TrainState, mesh) -> TrainState:
+    """NamedSharding per leaf of a TrainState (arrays or ShapeDtypeStructs): params and optimizer state per
+    `qjax.train.sharding`, step and key replicated."""
+    params = sharding_lib.param_specs(abstract_state.params, mesh)
+    opt_state = sharding_lib.state_specs(abstract_state.opt_state, abstract_state.params, mesh)
+    replicated = mesh_lib.replicated(mesh)
+    return TrainState(replicated, sharding_lib.named(params, mesh), sharding_lib.named(opt_state, mesh), replicated)
 
 
 @functools.lru_cache(maxsize=8)
 def make_eval_step(task: Task, mesh) -> Callable:
     """eval_step(params, batch, key) -> {"loss", plus aux}: float32 () means over the batch, jitted, no grads.
 
-    `key` is uint32 key data (the "quant" stream of stochastic recipes)."""
+    `params` laid out as the train state's (`train_state_shardings`); `key` is uint32 key data (the "quant" stream
+    of stochastic recipes)."""
     replicated, batch_sharding = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)
+    abstract_params = jax.eval_shape(task.init, jax.random.key(0))
+    params_sharding = sharding_lib.named(sharding_lib.param_specs(abstract_params, mesh), mesh)
+    lookup = sharding_lib.layer_sharding(abstract_params, mesh)
 
     def eval_step(params, batch, key):
-        with mesh_lib.tracing_on(mesh):
+        with mesh_lib.tracing_on(mesh), weight_shardings(lookup):
             loss, aux = task.loss(params, batch, jax.random.wrap_key_data(key))
         return {"loss": loss, **aux}
 
-    return jax.jit(eval_step, in_shardings=(replicated, batch_sharding, replicated), out_shardings=replicated)
+    return jax.jit(eval_step, in_shardings=(params_sharding, batch_sharding, replicated), out_shardings=replicated)

@@ -1,0 +1,217 @@
+"""FSDP and tensor parallelism on 8 CPU devices: the same loss and gradients as one device, params and optimizer
+states split 1/fsdp per device, 8-bit weight all-gathers in the compiled step, checkpoints across mesh shapes.
+
+XLA_FLAGS must be set before jax initialises, so each check runs in a subprocess (as tests/test_dot_general_mesh.py).
+A tiny Llama (1 layer, dim 64, 4 heads / 2 KV heads, FFN 128, vocab 256) in float32 compute, so that the bf16
+recipe compares to one device up to reduction order.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_SETUP = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from configs import llama_base
+    from qjax.flax import weight_shardings
+    from qjax.train import make_mesh, make_task, make_train_step
+    from qjax.train import mesh as mesh_lib, sharding as sharding_lib
+    assert len(jax.devices()) == 8, jax.devices()
+
+    def config(recipe, optimizer="adamw"):
+        c = llama_base.get_config()
+        c.model.update(size="tiny", n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256,
+                       compute_dtype="float32")
+        c.batch_size, c.seq_len, c.steps, c.recipe = 8, 16, 4, recipe
+        c.optimizer.name, c.optimizer.warmup_steps = optimizer, 1
+        return c
+
+    rng = np.random.RandomState(0)
+    batch = {"inputs": rng.randint(0, 256, (8, 16)).astype(np.int32),
+             "targets": rng.randint(0, 256, (8, 16)).astype(np.int32)}
+    MESHES = {"fsdp8": dict(data=1, fsdp=8), "fsdp4_tensor2": dict(data=1, fsdp=4, tensor=2),
+              "data2_fsdp4": dict(data=2, fsdp=4)}
+""")
+
+_GRADS = _SETUP + textwrap.dedent("""
+    def loss_and_grads(task, params, mesh):
+        # what the train step runs: params split per the rules, the model traced with the mesh and layer shardings
+        shardings = sharding_lib.named(sharding_lib.param_specs(params, mesh), mesh)
+        lookup = sharding_lib.layer_sharding(params, mesh)
+        key = jax.random.key(1)
+
+        def fn(params, batch):
+            with mesh_lib.tracing_on(mesh), weight_shardings(lookup):
+                return jax.value_and_grad(lambda p: task.loss(p, batch, key)[0])(params)
+
+        return jax.jit(fn, in_shardings=(shardings, mesh_lib.batch_sharding(mesh)),
+                       out_shardings=(mesh_lib.replicated(mesh), shardings))(params, batch)
+
+    cases = {"bf16": list(MESHES), "int8_rowwise": ["fsdp4_tensor2", "data2_fsdp4"], "fp8_tensorwise": ["fsdp8"]}
+    for recipe, meshes in cases.items():
+        task = make_task(config(recipe), vocab_size=256)
+        params = task.init(jax.random.key(0))
+        ref_loss, ref_grads = loss_and_grads(task, params, make_mesh(jax.devices()[:1]))
+        for name in meshes:
+            loss, grads = loss_and_grads(task, params, make_mesh(**MESHES[name]))
+            # bf16: reduction order only. 8-bit: a gradient code may round the other way where an output moved by
+            # one float32 ulp (row-parallel partial sums), one step of the 8-bit grid.
+            rtol = 1e-5 if recipe == "bf16" else 1e-2
+            np.testing.assert_allclose(float(loss), float(ref_loss), rtol=rtol / 10)
+            for path, g, r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(grads),
+                                  jax.tree.leaves(ref_grads)):
+                g, r = np.asarray(g), np.asarray(r)
+                np.testing.assert_allclose(g, r, rtol=rtol, atol=rtol * np.abs(r).max(),
+                                           err_msg=f"{recipe} {name} {sharding_lib.path_name(path[0])}")
+            print(recipe, name, "ok")
+""")
+
+_STATE = _SETUP + textwrap.dedent("""
+    import tempfile
+    from qjax.train.checkpoint import Checkpointer, abstract_like
+    from qjax.train.step import train_state_shardings
+
+    c = config("int8_rowwise", optimizer="adamw_8bit")
+    task = make_task(c, vocab_size=256)
+    mesh = make_mesh(**MESHES["fsdp4_tensor2"])
+    init, step = make_train_step(c, task, mesh)
+    state = init()
+    step = step.lower(state, batch).compile()  # compiled once: run below and its HLO read
+    state, _ = step(state, batch)
+
+    # Every param with ndim >= 2 and every array of the low-bit moments (codes, scales) is split: a device holds
+    # 1/4 of it (1/8 of the tensor-parallel kernels).
+    matrices = [(path, p) for path, p in jax.tree_util.tree_flatten_with_path(state.params)[0] if p.ndim >= 2]
+    assert len(matrices) == 6, matrices  # embed, qkv, o, gate_up, down, lm_head
+    for path, leaf in matrices:
+        assert leaf.addressable_shards[0].data.size * 4 <= leaf.size, (sharding_lib.path_name(path), leaf.sharding)
+    quantized = [p for p in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+                 if sharding_lib.path_name(p[0]).endswith(("codes", "absmax"))]
+    assert len(quantized) >= 8, len(quantized)
+    for path, leaf in quantized:
+        assert leaf.addressable_shards[0].data.size * 4 == leaf.size, (sharding_lib.path_name(path), leaf.shape)
+    print("shards ok")
+
+    # The compiled step gathers the quantized layers' weights as int8 codes: two layouts (forward, dgrad) for each
+    # of qkv, o, gate_up, down, and no float gather of any of those shapes.
+    hlo = step.as_text()
+    gathers = [line.split("=", 1)[1].split()[0] for line in hlo.splitlines() if " all-gather(" in line]
+    int8 = [g for g in gathers if g.startswith("s8[")]
+    assert len(int8) >= 8, gathers
+    int8_shapes = {g[2:].split("]")[0] for g in int8}
+    floats = [g for g in gathers if g.startswith(("f32[", "bf16[")) and g.split("[")[1].split("]")[0] in int8_shapes]
+    assert not floats, (floats, int8)
+    print("int8 gathers ok")
+
+    # fp8: the gathers carry e4m3 codes (read before XLA:CPU's passes, which widen float8 collectives to f16, a
+    # CPU-only rewrite: the CPU has no float8 collectives).
+    c8 = config("fp8_tensorwise")
+    task8 = make_task(c8, vocab_size=256)
+    mesh8 = make_mesh(**MESHES["fsdp8"])
+    init8, step8 = make_train_step(c8, task8, mesh8)
+    text = step8.lower(jax.eval_shape(init8), batch).as_text()
+    fp8 = [line for line in text.splitlines() if "all_gather" in line and "f8E4M3FN" in line]
+    assert len(fp8) >= 8, len(fp8)
+    print("fp8 gathers ok")
+
+    # A checkpoint written under fsdp=4 x tensor=2 restores under data=2 x fsdp=4 (each array into the new
+    # shards), and training continues: the next step equals the one the first mesh takes.
+    with tempfile.TemporaryDirectory() as directory:
+        saved = jax.device_get(state)
+        ckpt = Checkpointer(directory, keep=1)
+        ckpt.save(1, state)
+        ckpt.close()
+        other = make_mesh(**MESHES["data2_fsdp4"])
+        init2, step2 = make_train_step(c, task, other)
+        abstract = jax.eval_shape(init2)
+        target = abstract_like(abstract, train_state_shardings(abstract, other))
+        restored = Checkpointer(directory, keep=1).restore_latest(target)
+        for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        qkv = restored.params["layers_0"]["attn"]["qkv_proj"]["kernel"]
+        assert qkv.sharding.mesh.shape == other.shape and qkv.sharding.spec[0] == "fsdp", qkv.sharding
+        next_batch = {k: np.roll(v, 1, axis=0) for k, v in batch.items()}
+        new_state, new_metrics = step2(restored, next_batch)
+        old_state, old_metrics = step(state, next_batch)
+        np.testing.assert_allclose(float(new_metrics["loss"]), float(old_metrics["loss"]), rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(old_state.params)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-5)
+    print("checkpoint ok")
+""")
+
+
+def _run(script: str) -> str:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=root)
+    assert out.returncode == 0, out.stdout + out.stderr[-5000:]
+    return out.stdout
+
+
+def test_meshes_match_one_device():
+    """fsdp=8, fsdp=4 x tensor=2 and data=2 x fsdp=4: loss and every gradient as on one device."""
+    assert _run(_GRADS).split() == ["bf16", "fsdp8", "ok", "bf16", "fsdp4_tensor2", "ok", "bf16", "data2_fsdp4", "ok",
+                                    "int8_rowwise", "fsdp4_tensor2", "ok", "int8_rowwise", "data2_fsdp4", "ok",
+                                    "fp8_tensorwise", "fsdp8", "ok"]
+
+
+def test_split_state_8bit_gathers_and_checkpoint_across_meshes():
+    assert _run(_STATE).split() == ["shards", "ok", "int8", "gathers", "ok", "fp8", "gathers", "ok", "checkpoint",
+                                    "ok"]
+
+
+def test_mesh_sizes_and_their_errors():
+    from qjax.train.mesh import axis_sizes
+
+    assert axis_sizes(8) == (8, 1, 1)
+    assert axis_sizes(8, fsdp=-1) == (1, 8, 1)  # data's default -1 gives way
+    assert axis_sizes(8, fsdp=4, tensor=2) == (1, 4, 2)
+    assert axis_sizes(8, data=2, fsdp=-1) == (2, 4, 1)
+    for kwargs, message in ((dict(fsdp=3), "not a multiple of 3"), (dict(data=2, fsdp=2), "has 4 devices"),
+                            (dict(fsdp=-1, tensor=-1), "at most one"), (dict(fsdp=0), "positive int or -1")):
+        with pytest.raises(ValueError, match=message):
+            axis_sizes(8, **kwargs)
+
+
+def test_config_mesh_errors(token_dir):
+    import ml_collections
+    from train_helpers import tiny_llama_config
+
+    from qjax.train import ConfigError, check_config
+
+    for field, value, message in (("fsdp", 0, "config.mesh.fsdp must be an int >= 1 or -1"),
+                                  ("gather_8bit", 1, "config.mesh.gather_8bit must be True or False")):
+        config = tiny_llama_config(token_dir)
+        config.mesh = ml_collections.ConfigDict({**config.mesh.to_dict(), field: value})  # as a config file may
+        with pytest.raises(ConfigError, match=message):
+            check_config(config)
+    config = tiny_llama_config(token_dir)
+    config.mesh.fsdp = config.mesh.tensor = -1
+    with pytest.raises(ConfigError, match="both -1"):
+        check_config(config)
+
+
+def test_sharding_rules_follow_megatron_and_fsdp():
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from qjax.train import sharding
+
+    class FakeMesh:  # the rules read only axis sizes
+        shape = {"data": 1, "fsdp": 4, "tensor": 2}
+        axis_names = ("data", "fsdp", "tensor")
+
+    mesh = FakeMesh()
+    assert sharding.param_spec("layers_0/attn/qkv_proj/kernel", (64, 128), mesh) == P("fsdp", "tensor")
+    assert sharding.param_spec("layers_0/mlp/down_proj/kernel", (128, 64), mesh) == P("tensor", "fsdp")
+    assert sharding.param_spec("embed/embedding", (256, 64), mesh) == P("fsdp", None)
+    assert sharding.param_spec("layers_0/attn_norm/scale", (64,), mesh) == P(None)
+    assert sharding.param_spec("layers_0/attn/o_proj/kernel", (64, 6), mesh) == P("tensor", None)  # 6 % 4
+    lookup = sharding.layer_sharding({"layers_0": {"attn": {"o_proj": {"kernel": np.zeros((64, 64))}}}}, mesh)
+    o = lookup("layers_0/attn/o_proj")
+    assert (o.fsdp, o.fsdp_dim, o.tensor, o.tensor_dim) == ("fsdp", "n", "tensor", "k") and lookup("lm_head") is None
