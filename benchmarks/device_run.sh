@@ -85,8 +85,8 @@ step_command() {
                            "fp8_blockwise mxfp8 --no-peer" ;;
         train-sr) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_rowwise_sr --steps 5 --warmup 2" \
                        "--no-peer" ;;
-        dataflow) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise fp8_dataflow int8_dataflow --steps 5" \
-                       "--warmup 2 --no-peer" ;;
+        dataflow) echo "python3 benchmarks/train.py --rows bf16 fp8_dataflow int8_dataflow --steps 3 --warmup 1" \
+                       "--no-peer" ;;
         dataflow-conv) echo "python3 benchmarks/convergence.py --recipes bf16 fp8_dataflow int8_dataflow" \
                             "bitnet_b158 --size 125m" \
                             "--seq-len 1024 --batch-size 32 --steps 750 --lr 6e-4 --workdir /tmp/convergence" ;;
