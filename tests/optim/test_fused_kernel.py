@@ -451,6 +451,8 @@ def test_gpu_codec_in_kernel(map_name):
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(reason="H100, 2026-11-25: 1.1e-5 of params differ from the reference and at least one by more "
+                          "than a bf16 ulp (benchmarks/NOTES.md); apply_gradients keeps bf16 params off the kernel")
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_gpu_bf16_stochastic_rounding_matches_reference(fmt):
     """Compiled, bfloat16 params + SR: the float32 new param may differ by an ulp (FMA contraction), which moves a
