@@ -97,12 +97,15 @@ def quantize_int8_param(w: jax.Array, seed: jax.Array | None = None) -> Int8Para
 def check_recipe(recipe) -> None:
     """ValueError for block-scaled recipes with int8 weight-only params: the stored per-output-channel scales cannot
     serve as 128x128 block scales, so every step would requantize the weight from a dequantized copy (int8_rowwise
-    reads the codes as stored)."""
+    reads the codes as stored); and for the data-flow recipes, whose fused layers take float kernels."""
     recipe = recipes_lib.recipe(recipe)
     if recipe.is_block_scaled:
         raise ValueError(f"int8 weight-only params (one scale per output channel) do not run block-scaled recipes "
                          f"such as {recipe.name!r}: use int8_rowwise (its forward reads the stored int8 codes) or "
                          "another row / tensor recipe, or float params")
+    if recipe.saved is not None:
+        raise ValueError(f"int8 weight-only params do not run the data-flow recipe {recipe.name!r} (its fused "
+                         "norm + linear layers take float kernels): use int8_rowwise, or float params")
 
 
 def weight_operands(recipe, lhs: jax.Array, weight: "Int8Param", dimension_numbers):
