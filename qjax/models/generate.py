@@ -73,13 +73,17 @@ def _generate(config, params, prompt, max_new_tokens, temperature, top_k, top_p,
         token = _next_token(logits[:, -1], jax.random.fold_in(key, i), temperature, top_k, top_p)
         return jnp.where(done, eos, token)
 
-    logits, cache = model.apply({"params": params}, prompt, mutable=["cache"])  # prefill
+    # The "quant" stream: recipes that round stochastically (int8_dataflow's gradients) ask for it even in a
+    # forward; its bits do not touch nearest-rounded forward GEMMs.
+    quant = jax.random.fold_in(key, 0xFFFFFFFF)  # not a token index i
+    logits, cache = model.apply({"params": params}, prompt, mutable=["cache"], rngs={"quant": quant})  # prefill
     token = pick(0, logits, jnp.zeros((prompt.shape[0],), bool))
     out = jnp.zeros((prompt.shape[0], max_new_tokens), jnp.int32).at[:, 0].set(token)
 
     def step(carry):
         i, token, cache, out, done = carry
-        logits, cache = model.apply({"params": params, **cache}, token[:, None], mutable=["cache"])
+        logits, cache = model.apply({"params": params, **cache}, token[:, None], mutable=["cache"],
+                                    rngs={"quant": quant})
         token = pick(i, logits, done)
         return i + 1, token, cache, out.at[:, i].set(token), done | (token == eos)
 

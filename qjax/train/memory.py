@@ -31,6 +31,7 @@ import dataclasses
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from qjax import optim as qoptim
@@ -128,10 +129,11 @@ def device_memory_bytes(device, devices_sharing: int = 1) -> int | None:
 def estimate(config, task, abstract_state, mesh) -> Estimate:
     """The per-device estimate of a train step (module docstring) for a checked config."""
     devices = mesh.devices.size
-    if qoptim.has_int8_params(abstract_state.params):  # float32 gradients shaped like the dequantized weights
-        grad_shapes = jax.eval_shape(qoptim.dequantize_params, abstract_state.params)
-    else:  # shaped like the params, sharded like them (`_shape`)
-        grad_shapes = abstract_state.params
+    # Gradients are shaped and sharded like the params (`_shape`); an int8 weight-only param's like its codes, float32.
+    is_int8 = lambda x: isinstance(x, qoptim.Int8Param)
+    grad_shapes = jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(p.data.shape, jnp.float32, sharding=getattr(p.data, "sharding", None))
+        if is_int8(p) else p, abstract_state.params, is_leaf=is_int8)
     n_params = sum(int(np.prod(_shape(x))) for x in jax.tree.leaves(grad_shapes))
     gradients = _tree_bytes(grad_shapes) + (4 * n_params if config.grad_accum_steps > 1 else 0)
     examples = max(config.batch_size // config.grad_accum_steps // devices, 1)
