@@ -17,13 +17,14 @@ Public API:
 import importlib
 
 from qjax import optim
-from qjax.dot_general import WeightSharding, dot_general
+from qjax.dot_general import dot_general
 from qjax.flax import DotGeneral, einsum, make_dot_general, recipe_for_layer
 from qjax.qtensor import QTensor, QuantSpec, dequantize
 from qjax.quantize import quantize
 from qjax.ragged_dot import ragged_dot
 from qjax.recipes import RECIPES, GemmSpec, Recipe, recipe, with_stochastic_gradients
 from qjax.stochastic import stochastic_round
+from qjax.weight_sharding import WeightSharding
 
 __all__ = [
     "DotGeneral", "GemmSpec", "QTensor", "QuantSpec", "RECIPES", "Recipe", "dequantize", "dot_general", "einsum",

@@ -41,6 +41,7 @@ from qjax import dispatch, stochastic
 from qjax import recipes as recipes_lib
 from qjax.kernels.scaled_matmul import contract_last
 from qjax.qtensor import QTensor, QuantSpec
+from qjax.weight_sharding import WeightSharding, gather, per_device_sharded, sharded_layout, varying
 
 # Operand slots in the uint32 seed vector: one independent stochastic-rounding stream per quantized operand.
 _FWD_LHS, _FWD_RHS, _DGRAD_LHS, _DGRAD_RHS, _WGRAD_LHS, _WGRAD_RHS = range(6)
@@ -114,62 +115,6 @@ class _Layout:
         return self._unview(x, self.rhs_shape, self.rhs_batch + self.rhs_contract + self.rhs_free)
 
 
-@dataclasses.dataclass(frozen=True)
-class WeightSharding:
-    """How a GEMM's weight (rhs, 2-D) lies on the context mesh, in its (N, K) view: N output features, K contracted.
-
-    Attributes:
-      tokens: mesh axes the lhs' leading dim (the tokens' batch) is split over, e.g. ("data", "fsdp").
-      fsdp: mesh axis (one of `tokens`) the weight is stored split over along `fsdp_dim` ("n" or "k") and
-        all-gathered over, as 8-bit codes + scales, before its GEMMs; None: not stored split.
-      tensor: mesh axis (not one of `tokens`) the weight stays split over through its GEMMs along `tensor_dim`:
-        "n" column-parallel (output features split), "k" row-parallel (lhs features split, outputs summed over
-        it); None: no tensor parallelism.
-    """
-
-    tokens: tuple[str, ...]
-    fsdp: str | None = None
-    fsdp_dim: str = "k"
-    tensor: str | None = None
-    tensor_dim: str = "n"
-
-    def __post_init__(self):
-        for name in ("fsdp_dim", "tensor_dim"):
-            if getattr(self, name) not in ("n", "k"):
-                raise ValueError(f"WeightSharding.{name} must be 'n' or 'k', got {getattr(self, name)!r}")
-        if self.fsdp is not None and self.fsdp not in self.tokens:
-            raise ValueError(f"WeightSharding.fsdp {self.fsdp!r} must be one of the token axes {self.tokens}")
-        if self.tensor is not None and self.tensor in self.tokens:
-            raise ValueError(f"WeightSharding.tensor {self.tensor!r} must not split the tokens {self.tokens}")
-        if self.fsdp and self.tensor and self.fsdp_dim == self.tensor_dim:
-            raise ValueError("WeightSharding: fsdp and tensor must split different dims of the weight, got "
-                             f"both on {self.fsdp_dim!r}")
-
-    def axes(self, dim: str) -> tuple[str, ...]:
-        """The mesh axes dim "n" or "k" of the weight is split over in memory."""
-        return tuple(a for a, d in ((self.fsdp, self.fsdp_dim), (self.tensor, self.tensor_dim)) if a and d == dim)
-
-    def lhs_k_axes(self) -> tuple[str, ...]:
-        """The mesh axes the lhs' contracted features are split over (row-parallel)."""
-        return (self.tensor,) if self.tensor and self.tensor_dim == "k" else ()
-
-    def out_n_axes(self) -> tuple[str, ...]:
-        """The mesh axes the output's features are split over (column-parallel)."""
-        return (self.tensor,) if self.tensor and self.tensor_dim == "n" else ()
-
-
-def _gather(q, axis: str | None, dim: int):
-    """A weight's shard, quantized (QTensor) or not (array), all-gathered over mesh `axis` along `dim` of its 2-D
-    layout; a QTensor's scales travel with its codes where they differ along `dim` (row scales of rows, blocks)."""
-    if axis is None or q is None:
-        return q
-    gather = lambda x: lax.all_gather(x, axis, axis=dim, tiled=True)  # noqa: E731
-    if not isinstance(q, QTensor):
-        return gather(q)
-    scale_split = q.granularity != "tensor" and (q.granularity != "row" or dim == 0)
-    return QTensor(gather(q.data), gather(q.scale) if scale_split else q.scale, q.granularity)
-
-
 def _swap_last(x):
     return jnp.swapaxes(x, -1, -2)
 
@@ -226,15 +171,15 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
                                   row_axes=w_n_axes, col_axes=w_k_axes)
         wq = wq if rhs_q is None else rhs_q
         # FSDP: the codes (or, for a GEMM in high precision, the weight itself) are gathered, not the float weight.
-        wq = _gather(w if fwd is None else wq, sharding.fsdp, fsdp_n)
+        wq = gather(w if fwd is None else wq, sharding.fsdp, fsdp_n)
         if fwd is None:
             out = _high_precision_matmul(x, wq, out_dtype, precision)
         else:
-            out = _varying(gemm(xq, wq, out_dtype), vma)
+            out = varying(gemm(xq, wq, out_dtype), vma)
         if w_spec_t is None:  # dgrad in high precision reads w as (K, N): the weight itself, gathered under FSDP
-            w_res = rhs if sharding.fsdp is None else _gather(_swap_last(w), sharding.fsdp, 1 - fsdp_n)
+            w_res = rhs if sharding.fsdp is None else gather(_swap_last(w), sharding.fsdp, 1 - fsdp_n)
         else:
-            w_res = _gather(w_res, sharding.fsdp, 1 - fsdp_n)
+            w_res = gather(w_res, sharding.fsdp, 1 - fsdp_n)
         residuals = (w_res, lhs if x_spec_t is None else x_res)
         return out.reshape(layout.out_shape()), residuals
 
@@ -258,12 +203,12 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
             dw = _high_precision_matmul(layout.lhs_km(x_res), _swap_last(g_mn), rhs_dtype, precision)
         else:
             dw = gemm(x_res, gq_wgrad, rhs_dtype, precise_accumulation=True)
-        dx = layout.lhs_from_mk(_varying(dx, vma))
+        dx = layout.lhs_from_mk(varying(dx, vma))
         if sharding.fsdp is None:
-            return dx, layout.rhs_from_kn(_varying(dw, vma))
+            return dx, layout.rhs_from_kn(varying(dw, vma))
         # FSDP: each device keeps its shard of the weight gradient summed over the devices of the gather
         dw = lax.psum_scatter(dw, sharding.fsdp, scatter_dimension=1 - fsdp_n, tiled=True)
-        return dx, _varying(dw if layout.rhs_contract == (0,) else dw.T, vma)
+        return dx, varying(dw if layout.rhs_contract == (0,) else dw.T, vma)
 
     return forward_gemm, backward
 
@@ -285,13 +230,6 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
 
     quantized_dot.defvjp(forward, lambda residuals, g: (*backward(residuals, g), None, None))
     return quantized_dot
-
-
-def _varying(x, axes: tuple[str, ...]):
-    """x typed as varying over `axes` inside shard_map: a Pallas kernel's output carries no per-device type (it is
-    per-device data all the same), and the custom VJP's types must match its inputs'."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _layout_from(lhs_shape, rhs_shape, dimension_numbers) -> _Layout:
@@ -352,61 +290,6 @@ def _per_device(fn, axes: tuple[str, ...], n_split: int = 1, n_extra: int = 0):
     whole = jax.sharding.PartitionSpec()
     return lambda *args: jax.shard_map(body, in_specs=(split,) * n_split + (whole,) * (len(args) - n_split),
                                        out_specs=split)(*args)
-
-
-def _sharded_layout(recipe: recipes_lib.Recipe, layout: _Layout, sharding: WeightSharding) -> _Layout | None:
-    """The per-device GEMM's layout (lhs local; rhs gathered over FSDP, split over tensor) for a weight split per
-    `sharding` over the context mesh, or None where it cannot run so (then the whole-weight path below runs: XLA
-    gathers the float weight): no mesh, the XLA backend, inside a shard_map, batch dims, a rhs that is not 2-D or
-    an lhs not contracting its last dim, mesh axes `sharding` does not name, dims that do not split evenly, or
-    block-scaled shards that would split 128-blocks."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if recipe.backend == "xla" or mesh.empty or mesh.size == 1 or mesh.manual_axes or layout.lhs_batch:
-        return None
-    named = set(sharding.tokens) | {sharding.tensor} - {None}
-    lhs_rank = len(layout.lhs_shape)
-    if (len(layout.rhs_shape) != 2 or layout.lhs_contract != (lhs_rank - 1,) or lhs_rank < 2
-            or not named <= set(mesh.axis_names) or any(mesh.shape[a] > 1 and a not in named for a in mesh.axis_names)):
-        return None
-    size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
-    tokens = size(sharding.tokens)
-    k_dim = layout.rhs_contract[0]
-    local_k = layout.k // size(sharding.axes("k"))
-    local_n = layout.n // size(sharding.axes("n"))
-    if (layout.lhs_shape[0] % tokens or layout.k % size(sharding.axes("k")) or layout.n % size(sharding.axes("n"))
-            or (recipe.is_block_scaled and ((layout.m // tokens) % 128 or local_k % 128 or local_n % 128))):
-        return None
-    rhs = list(layout.rhs_shape)
-    rhs[k_dim] //= size(sharding.lhs_k_axes())
-    rhs[1 - k_dim] //= size(sharding.out_n_axes())
-    lhs = (layout.lhs_shape[0] // tokens, *layout.lhs_shape[1:-1], layout.lhs_shape[-1] // size(sharding.lhs_k_axes()))
-    return dataclasses.replace(layout, lhs_shape=lhs, rhs_shape=tuple(rhs))
-
-
-def _per_device_sharded(fn, sharding: WeightSharding, layout: _Layout):
-    """fn (lhs, rhs, seeds) -> out, run inside `jax.shard_map` over the context mesh with the weight's shard
-    (module docstring): lhs and out split along dim 0 over the token axes, their features over the tensor axis
-    where the layer is row- / column-parallel; rhs split per `sharding`."""
-    spec = lambda axes: tuple(axes) or None  # noqa: E731
-    lhs_rank, k_dim = len(layout.lhs_shape), layout.rhs_contract[0]
-    rhs_dims = [None, None]
-    rhs_dims[k_dim], rhs_dims[1 - k_dim] = spec(sharding.axes("k")), spec(sharding.axes("n"))
-    lhs_spec = jax.sharding.PartitionSpec(spec(sharding.tokens), *[None] * (lhs_rank - 2),
-                                          spec(sharding.lhs_k_axes()))
-    out_spec = jax.sharding.PartitionSpec(spec(sharding.tokens), *[None] * (lhs_rank - 2),
-                                          spec(sharding.out_n_axes()))
-    varying = sharding.tokens + ((sharding.tensor,) if sharding.tensor else ())
-
-    def body(lhs, rhs, seeds):
-        device = lax.axis_index(varying).astype(jnp.uint32)
-        seeds = seeds + device * jnp.uint32(0x9E3779B9)  # distinct stochastic-rounding streams per device
-        # As in `_per_device`: the transposes of these casts sum lhs' gradient over the tensor axis (a
-        # column-parallel layer's partial dgrads) and the weight's over the token axes it is not gathered over.
-        out = fn(_varying(lhs, varying), _varying(rhs, varying), seeds, None)
-        return lax.psum(out, sharding.tensor) if sharding.lhs_k_axes() else out  # row-parallel partial sums
-
-    return jax.shard_map(body, in_specs=(lhs_spec, jax.sharding.PartitionSpec(*rhs_dims),
-                                         jax.sharding.PartitionSpec()), out_specs=out_spec)
 
 
 def _seeds(recipe: recipes_lib.Recipe, key) -> jax.Array:
@@ -476,10 +359,10 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         _check_rhs_quantized(rhs_quantized, recipe, layout)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     seeds = _seeds(recipe, key)
-    local = None if sharding is None or rhs_quantized is not None else _sharded_layout(recipe, layout, sharding)
+    local = None if sharding is None or rhs_quantized is not None else sharded_layout(recipe, layout, sharding)
     if local is not None:
         fn = _quantized_dot(local, recipe, out_dtype, lhs.dtype, rhs.dtype, precision, sharding.tokens, sharding)
-        return _per_device_sharded(fn, sharding, layout)(lhs, rhs, seeds)
+        return per_device_sharded(fn, sharding, layout)(lhs, rhs, seeds)
     axes = _device_axes(recipe, layout)
     if not axes:
         return _quantized_dot(layout, recipe, out_dtype, lhs.dtype, rhs.dtype, precision)(lhs, rhs, seeds,

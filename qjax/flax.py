@@ -17,8 +17,9 @@ from typing import Any, Callable
 import flax.linen as nn
 
 from qjax import recipes as recipes_lib
-from qjax.dot_general import WeightSharding, dot_general
+from qjax.dot_general import dot_general
 from qjax.optim import int8_params
+from qjax.weight_sharding import WeightSharding
 
 _WEIGHT_SHARDINGS: contextvars.ContextVar = contextvars.ContextVar("qjax_weight_shardings", default=None)
 

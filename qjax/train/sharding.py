@@ -30,7 +30,7 @@ import re
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from qjax.dot_general import WeightSharding
+from qjax.weight_sharding import WeightSharding
 from qjax.train.mesh import DATA_AXIS, FSDP_AXIS, TENSOR_AXIS
 
 COLUMN_PARALLEL = re.compile(r"(^|/)(qkv_proj|gate_up_proj|fc1)/kernel$")
