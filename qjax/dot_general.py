@@ -271,25 +271,23 @@ def _device_axes(recipe: recipes_lib.Recipe, layout: _Layout) -> tuple[str, ...]
     return tuple(mesh.axis_names)
 
 
-def _per_device(fn, axes: tuple[str, ...], n_split: int = 1, n_extra: int = 0):
-    """fn (*split, *weights, seeds, *extra) -> out, run inside `jax.shard_map` over the context mesh: the first
-    `n_split` arguments and out split along dim 0 over `axes`, the weights, seeds and the last `n_extra` arguments
-    (e.g. `dot_general`'s rhs_quantized, no gradient) whole (module docstring)."""
+def _per_device(fn, axes: tuple[str, ...], n_extra: int = 0):
+    """fn (lhs, *weights, seeds, *extra) -> out, run inside `jax.shard_map` over the context mesh: lhs and out
+    split along dim 0 over `axes`; the weights, seeds and the last `n_extra` arguments (e.g. `dot_general`'s
+    rhs_quantized, no gradient) whole (module docstring)."""
 
-    def body(*args):
-        n_arrays = len(args) - n_extra - 1
-        arrays, seeds, extra = args[:n_arrays], args[n_arrays], args[n_arrays + 1:]
+    def body(lhs, *args):
+        n_weights = len(args) - n_extra - 1
+        weights, seeds, extra = args[:n_weights], args[n_weights], args[n_weights + 1:]
         device = lax.axis_index(axes).astype(jnp.uint32)
         seeds = seeds + device * jnp.uint32(0x9E3779B9)  # distinct stochastic-rounding streams per device
         # The weights vary per device inside: their cotangents (per-device partial gradients) are summed by the
         # transpose of this cast.
-        whole = [lax.pcast(a, axes, to="varying") for a in arrays[n_split:]]
-        return fn(*arrays[:n_split], *whole, seeds, *extra)
+        return fn(lhs, *[lax.pcast(w, axes, to="varying") for w in weights], seeds, *extra)
 
     split = jax.sharding.PartitionSpec(axes)
     whole = jax.sharding.PartitionSpec()
-    return lambda *args: jax.shard_map(body, in_specs=(split,) * n_split + (whole,) * (len(args) - n_split),
-                                       out_specs=split)(*args)
+    return lambda *args: jax.shard_map(body, in_specs=(split,) + (whole,) * (len(args) - 1), out_specs=split)(*args)
 
 
 def _seeds(recipe: recipes_lib.Recipe, key) -> jax.Array:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from qjax import recipes as recipes_lib
 # dot_general's own GEMM halves, layout and mesh helpers: this module is its fused variant.
 from qjax.dot_general import _device_axes, _layout_from, _per_device, _seeds, linear_parts
-from qjax.qtensor import QuantSpec
+from qjax.qtensor import QTensor, QuantSpec
 from qjax.quantize import quantize_with_seed
 
 
@@ -64,6 +64,13 @@ def _save(x: jax.Array, spec: QuantSpec | None, group: int):
         return x
     view = x.reshape(*x.shape[:-1], x.shape[-1] // group, group) if group else x
     return quantize_with_seed(view, spec, None, operand="saved activation")
+
+
+def _restore(saved, shape: tuple[int, ...], dtype) -> jax.Array:
+    """The inverse of `_save`: x (shape, dtype) from its saved form."""
+    if not isinstance(saved, QTensor):
+        return saved
+    return saved.dequantize(jnp.float32).reshape(shape).astype(dtype)
 
 
 def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *, recipe, key=None,
@@ -104,14 +111,10 @@ def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *
 
     def bwd(residuals, g):
         x_saved, params, (w_res, y_res), seeds = residuals
-        x_restored = x_saved
-        if recipe.saved is not None:
-            x_restored = x_saved.dequantize(jnp.float32).reshape(g.shape[:-1] + (x_features,)).astype(x_dtype)
+        x_restored = _restore(x_saved, g.shape[:-1] + (x.shape[-1],), x.dtype)  # x's local (per-device) shape
         _, op_residuals = op.forward(x_restored, *params)  # y itself is not needed: wgrad reads its saved codes
         dy, dkernel = gemm_backward((w_res, y_res, seeds), g)
         return (*op.backward(op_residuals, dy), dkernel, None)
-
-    x_features, x_dtype = x.shape[-1], x.dtype
 
     @jax.custom_vjp
     def fused(x, *rest):

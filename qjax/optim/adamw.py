@@ -189,8 +189,8 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     def step_fn(grads, state, params, key=None):
         run_kernel, interpret = dispatch.kernel_mode() if use_kernel else (False, False)
         seeds = None if key is None else sr_params.leaf_seeds(key, len(jax.tree.leaves(params)))
-        # bfloat16 params + SR stay on the streamed jnp step: the kernel's bf16 path missed its GPU test's tolerance
-        # on an H100 (benchmarks/NOTES.md, "bf16 + SR kernel"); float32 params take the kernel.
+        # bfloat16 params + SR stay on the streamed jnp step until the kernel's bf16 path passes its GPU test
+        # (benchmarks/NOTES.md, "bf16 + SR kernel"); float32 params take the kernel.
         eligible = lambda g, mu, nu, p: run_kernel and fused_adam.kernel_eligible(p, g, mu, nu)
 
         def tensor_step(g, mu, nu, p, offset, wd, c, seed):
