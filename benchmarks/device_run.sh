@@ -34,7 +34,9 @@
 # vs bitnet_b158: carry "data"), fsdp1 (the 1.1B bf16 and int8_rowwise rows with the default mesh, fsdp=1 on one
 # GPU: "fsdp1 fsdp1@base" is the before/after of the mesh code on one GPU). A step written STEP@base runs in
 # .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after
-# A/B in one call.
+# A/B in one call. On a machine with several GPUs, "A B -- C D" runs the lanes A B and C D at the same time, one GPU
+# each. Steps: profile-int8-dataflow (benchmarks/profile_train.py of the 1.1B int8_dataflow row), dataflow-mem
+# (the 1.1B data-flow rows with adamw_fp8 states: peak memory).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}
@@ -85,8 +87,11 @@ step_command() {
                            "fp8_blockwise mxfp8 --no-peer" ;;
         train-sr) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_rowwise_sr --steps 5 --warmup 2" \
                        "--no-peer" ;;
-        dataflow) echo "python3 benchmarks/train.py --rows bf16 fp8_dataflow int8_dataflow --steps 3 --warmup 1" \
-                       "--no-peer" ;;
+        dataflow) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_dataflow fp8_dataflow --steps 5" \
+                       "--warmup 2 --no-peer" ;;
+        dataflow-mem) echo "python3 benchmarks/train.py --rows int8_dataflow+adamw_fp8 fp8_dataflow+adamw_fp8" \
+                           "--steps 3 --warmup 1 --no-peer" ;;
+        profile-int8-dataflow) echo "python3 benchmarks/profile_train.py --row int8_dataflow --top 40" ;;
         dataflow-conv) echo "python3 benchmarks/convergence.py --recipes bf16 fp8_dataflow int8_dataflow" \
                             "bitnet_b158 --size 125m" \
                             "--seq-len 1024 --batch-size 32 --steps 750 --lr 6e-4 --workdir /tmp/convergence" ;;
@@ -108,22 +113,43 @@ step_command() {
     esac
 }
 
-for step in "$@"; do
-    tree=$PWD
-    if [[ $step == *@base ]]; then
-        tree=$PWD/.baseline
-        step=${step%@base}
-    fi
-    command=$(step_command "$step") || { echo "unknown step '$step'" | tee -a "$LOG"; exit 2; }
-    left=$((BUDGET - SECONDS))
-    if [ "$left" -lt 30 ]; then
-        echo "== $step: skipped, ${left} s of the budget left" | tee -a "$LOG"
-        continue
-    fi
-    echo "== $step in $tree ($left s left): $command" | tee -a "$LOG"
-    (cd "$tree" && PYTHONPATH=${PYTHONPATH/$PWD/$tree} timeout "$left" $command) 2>&1 | tee -a "$LOG"
-    echo "== $step: exit ${PIPESTATUS[0]} at $SECONDS s" | tee -a "$LOG"
+run_steps() {  # run_steps LOG STEP...: the steps in order, each timed out at what is left of BUDGET
+    local log=$1 step tree command left
+    shift
+    for step in "$@"; do
+        tree=$PWD
+        if [[ $step == *@base ]]; then
+            tree=$PWD/.baseline
+            step=${step%@base}
+        fi
+        command=$(step_command "$step") || { echo "unknown step '$step'" | tee -a "$log"; return 2; }
+        left=$((BUDGET - SECONDS))
+        if [ "$left" -lt 30 ]; then
+            echo "== $step: skipped, ${left} s of the budget left" | tee -a "$log"
+            continue
+        fi
+        echo "== $step in $tree ($left s left): $command" | tee -a "$log"
+        (cd "$tree" && PYTHONPATH=${PYTHONPATH/$PWD/$tree} timeout "$left" $command) 2>&1 | tee -a "$log"
+        echo "== $step: exit ${PIPESTATUS[0]} at $SECONDS s" | tee -a "$log"
+    done
+}
+
+# "--" between steps splits them into lanes that run at the same time, lane i on GPU i alone
+# (CUDA_VISIBLE_DEVICES=i): one-GPU steps of a multi-GPU machine side by side. Each lane logs to $OUT/lane<i>.log.
+lanes=() lane=""
+for arg in "$@"; do
+    if [ "$arg" = "--" ]; then lanes+=("$lane"); lane=""; else lane="$lane $arg"; fi
 done
+lanes+=("$lane")
+if [ ${#lanes[@]} -eq 1 ]; then
+    run_steps "$LOG" "$@" || exit $?
+else
+    for i in "${!lanes[@]}"; do
+        # shellcheck disable=SC2086  # a lane is a space-separated list of step names
+        CUDA_VISIBLE_DEVICES=$i run_steps "$OUT/lane$i.log" ${lanes[$i]} &
+    done
+    wait
+fi
 [ -f /tmp/default_run/metrics.jsonl ] && cp /tmp/default_run/metrics.jsonl "$OUT/default_run_metrics.jsonl"
 [ -f benchmarks/convergence_bitnet.png ] && cp benchmarks/convergence_bitnet.png "$OUT/"
 diff /tmp/RESULTS.before benchmarks/RESULTS.md > "$OUT/results.diff"
