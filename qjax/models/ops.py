@@ -211,5 +211,6 @@ def _swiglu_packed_bwd(residuals, dh):
 
 
 SWIGLU = Prologue("swiglu", apply=_swiglu_packed, forward=lambda gate_up: (_swiglu_packed(gate_up), (gate_up,)),
-                  backward=_swiglu_packed_bwd)
-GELU = Prologue("gelu", apply=gelu, forward=lambda x: (gelu(x), (x,)), backward=lambda res, dy: _gelu_bwd(res[0], dy))
+                  backward=_swiglu_packed_bwd, recompute_output=True)
+GELU = Prologue("gelu", apply=gelu, forward=lambda x: (gelu(x), (x,)), backward=lambda res, dy: _gelu_bwd(res[0], dy),
+                recompute_output=True)
