@@ -80,6 +80,7 @@ class QuantSpec:
         """OCP MX: blocks of 32 along K with E8M0 (power-of-two) scales, as MXFP8."""
         return self.granularity == "1x32"
 
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QTensor:
