@@ -103,7 +103,11 @@ def amax_across(block_amax, axes: tuple[str, ...]):
 def scale_from_amax(block_amax, fmt: formats.Format, pow2_scale: bool = False):
     """amax -> float32 dequantization scale: max(amax / fmt.max, f32 tiny), 1 where amax == 0, optionally rounded
     *up* to a power of two (exponent bits: the mantissa carried into the exponent, then cleared). NaN / Inf amax
-    give NaN / Inf scales."""
+    give NaN / Inf scales.
+
+    Rounded up, this is also the OCP MX (E8M0) scale in RCEIL mode, 2^ceil(log2(amax / fmt.max)): NVIDIA's (cuBLAS's
+    MXFP8 quantization, torchao's RCEIL). Those multiply amax by an f32 1 / fmt.max instead of dividing; the rounded-up
+    powers of two are the same for every f32 amax whose quotient is normal (tests/test_mxfp8.py checks a binade)."""
     scale = jnp.maximum(block_amax.astype(jnp.float32) / jnp.float32(fmt.max_value), jnp.float32(_TINY))
     if pow2_scale:
         bits = lax.bitcast_convert_type(scale, jnp.uint32)
@@ -112,10 +116,11 @@ def scale_from_amax(block_amax, fmt: formats.Format, pow2_scale: bool = False):
     return jnp.where(block_amax == 0, jnp.float32(1), scale)
 
 
-def e8m0_scale_from_amax(block_amax, fmt: formats.Format):
+def e8m0_floor_scale_from_amax(block_amax, fmt: formats.Format):
     """amax -> OCP MX (E8M0) scale, torchao's FLOOR mode: 2^(floor(log2 amax) - emax), emax = floor(log2 fmt.max)
     (e4m3: 8, e5m2: 15, int8: 6). The block's largest |x| then lands in [2^emax, 2^(emax + 1)), so values above
-    fmt.max (e4m3: 449..511) saturate, as in torchao and the MX spec's reference. floor(log2 amax) is the exponent
+    fmt.max (e4m3: 449..511) saturate, as in torchao and the MX spec's reference (RCEIL, which does not saturate:
+    `scale_from_amax` with pow2_scale). floor(log2 amax) is the exponent
     field of a normal f32 amax; scales below f32 tiny (amax < 2^-118 for e4m3; E8M0 reaches 2^-127) are raised to
     it. 1 where amax == 0; NaN / Inf amax give NaN / Inf scales."""
     emax = math.floor(math.log2(fmt.max_value))

@@ -140,6 +140,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("bitnet_b158", fwd=_BITNET_FWD, dgrad=_INT8_ROW, wgrad=_INT8_ROW),
     Recipe("bitnet_b158_bf16_bwd", fwd=_BITNET_FWD),
     # OCP MXFP8 (torchao's mxfp8): e4m3 codes, E8M0 scales per 32 of each GEMM's contracting dim, every operand.
+    # Scales in RCEIL mode (NVIDIA's), not torchao's default FLOOR: FLOOR saturates block maxima above 448 * 2^k and
+    # measured 0.6-2.9 dB lower SNR in every GEMM (benchmarks/NOTES.md, "MXFP8 numerics"); QuantSpec.mx_scale selects.
     # Hopper has no MX GEMM: the codes times their power-of-two scales are exact in bf16, so a bf16 GEMM runs them.
     _same_three("mxfp8", _gemm("e4m3", "1x32", "e4m3", "1x32", pow2_scale=True)),
     # The data-flow recipes (docs/design.md, "Data flow"): the linear layers as fp8_tensorwise / int8_rowwise with
