@@ -34,7 +34,7 @@
 # vs bitnet_b158: carry "data"), fsdp1 (the 1.1B bf16 and int8_rowwise rows with the default mesh, fsdp=1 on one
 # GPU: "fsdp1 fsdp1@base" is the before/after of the mesh code on one GPU). A step written STEP@base runs in
 # .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after
-# A/B in one call.
+# A/B in one call. hf-vit: the Hugging Face ViT tests (load_hf_vit / save_hf_vit), transformers parity included.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}
@@ -101,6 +101,7 @@ step_command() {
                           "--lr 6e-4 --recipes bf16 bitnet_b158 --png benchmarks/convergence_bitnet.png" ;;
         hf) echo "python3 -m pytest -x -q -p no:cacheprovider tests/models/test_hf_llama.py" \
                  "tests/models/test_generate.py" ;;
+        hf-vit) echo "python3 -m pytest -x -q -p no:cacheprovider tests/models/test_hf_vit.py" ;;
         hf-generate) echo "python3 benchmarks/generate.py" ;;
         hf-finetune) echo "python3 benchmarks/finetune.py --steps 300" ;;
         fsdp1) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --warmup 2 --no-peer" ;;
