@@ -43,6 +43,8 @@ _CONFIG_FIELDS = {"image_size": "image_size", "patch_size": "patch_size", "num_c
                   "intermediate_size": "mlp_dim", "layer_norm_eps": "norm_eps"}
 _DEFAULTS = {"num_channels": 3, "layer_norm_eps": 1e-12}  # transformers' ViTConfig defaults
 _GELU_APPROXIMATE = {"gelu": False, "gelu_pytorch_tanh": True, "gelu_new": True}  # hidden_act -> gelu_approximate
+# ViTConfig fields the checkpoint's tensors fix: an override would misread them (n_heads) or fail on a shape.
+_FIXED = ("image_size", "patch_size", "channels", "dim", "n_layers", "n_heads", "mlp_dim", "pool")
 
 
 def _architecture(hf: dict) -> str:
@@ -65,6 +67,9 @@ def config_from_hf(hf: dict, **overrides) -> ViTConfig:
     compute_dtype, num_classes, ...). ViTModel has no classifier: num_classes must be among the overrides.
     ValueError naming the field for anything qjax's ViT does not compute the same way."""
     architecture = _architecture(hf)
+    fixed = sorted(set(overrides) & set(_FIXED))
+    if fixed:
+        raise ValueError(f"ViTConfig fields {fixed} come from the checkpoint and cannot be overridden")
     if hf.get("qkv_bias", True) is not True:
         raise ValueError(f"config.json: qkv_bias={hf['qkv_bias']!r} is not supported (qjax's ViT needs True)")
     act = hf.get("hidden_act", "gelu")
@@ -154,8 +159,8 @@ def _set(tree: dict, path: str, value) -> None:
 def load_hf_vit(path: str, **overrides) -> tuple[ViTConfig, dict]:
     """(ViTConfig, params) of the Hugging Face ViT checkpoint directory `path`.
 
-    overrides: ViTConfig fields to replace (recipe, compute_dtype, param_dtype, ...). num_classes other than the
-    checkpoint's classifier's (or any, for a ViTModel) gives a new head of zeros, as `ViT.init` makes it, for
+    overrides: ViTConfig fields to replace (recipe, compute_dtype, param_dtype, ...; not the shape fields or pool,
+    which the checkpoint fixes). num_classes other than the checkpoint's classifier's (or any, for a ViTModel) gives a new head of zeros, as `ViT.init` makes it, for
     fine-tuning on other classes. The params are a pytree of numpy arrays in `config.param_dtype` shaped as
     `ViT(config).init` makes them. ValueError naming the tensor or config.json field for a missing tensor, a wrong
     shape or a model qjax's ViT does not compute.

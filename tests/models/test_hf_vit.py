@@ -206,6 +206,12 @@ def test_bad_checkpoints_raise(tmp_path, kind, kwargs, message):
         models.load_hf_vit(_break(tmp_path, **kwargs))
 
 
+def test_shape_overrides_raise(tmp_path):
+    write_hf_dir(tmp_path)
+    with pytest.raises(ValueError, match=r"fields \['n_heads', 'pool'\] come from the checkpoint"):
+        models.load_hf_vit(str(tmp_path), pool="mean", n_heads=2)
+
+
 def test_matches_transformers(tmp_path):
     """Logits equal transformers' ViTForImageClassification's (float32), for a model transformers built and saved
     with save_pretrained, and for the directory save_hf_vit writes back.
