@@ -161,9 +161,9 @@ def load_hf_vit(path: str, **overrides) -> tuple[ViTConfig, dict]:
 
     overrides: ViTConfig fields to replace (recipe, compute_dtype, param_dtype, ...; not the shape fields or pool,
     which the checkpoint fixes). num_classes other than the checkpoint's classifier's (or any, for a ViTModel)
-    gives a new head of zeros, as `ViT.init` makes it, for fine-tuning on other classes. The params are a pytree of numpy arrays in `config.param_dtype` shaped as
-    `ViT(config).init` makes them. ValueError naming the tensor or config.json field for a missing tensor, a wrong
-    shape or a model qjax's ViT does not compute.
+    gives a new head of zeros, as `ViT.init` makes it, for fine-tuning on other classes. The params are a pytree
+    of numpy arrays in `config.param_dtype` shaped as `ViT(config).init` makes them. ValueError naming the tensor
+    or config.json field for a missing tensor, a wrong shape or a model qjax's ViT does not compute.
     """
     hf = read_config(path)
     config = config_from_hf(hf, **overrides)
