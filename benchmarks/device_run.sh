@@ -36,7 +36,8 @@
 # .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after
 # A/B in one call. On a machine with several GPUs, "A B -- C D" runs the lanes A B and C D at the same time, one GPU
 # each. Steps: profile-int8-dataflow (benchmarks/profile_train.py of the 1.1B int8_dataflow row), dataflow-mem
-# (the 1.1B data-flow rows with adamw_fp8 states: peak memory).
+# (the 1.1B data-flow rows with adamw_fp8 states: peak memory), hf-vit (the Hugging Face ViT tests: load_hf_vit /
+# save_hf_vit, transformers parity included).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}
@@ -106,6 +107,7 @@ step_command() {
                           "--lr 6e-4 --recipes bf16 bitnet_b158 --png benchmarks/convergence_bitnet.png" ;;
         hf) echo "python3 -m pytest -x -q -p no:cacheprovider tests/models/test_hf_llama.py" \
                  "tests/models/test_generate.py" ;;
+        hf-vit) echo "python3 -m pytest -x -q -p no:cacheprovider tests/models/test_hf_vit.py" ;;
         hf-generate) echo "python3 benchmarks/generate.py" ;;
         hf-finetune) echo "python3 benchmarks/finetune.py --steps 300" ;;
         fsdp1) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --warmup 2 --no-peer" ;;

@@ -51,7 +51,8 @@ def _loss(f):
 CASES = [("rms_norm", lambda: ops.rms_norm_prologue(1e-5, jnp.bfloat16), True),
          ("layer_norm", lambda: ops.layer_norm_prologue(1e-5, jnp.bfloat16), True),
          ("swiglu", lambda: ops.SWIGLU, False),
-         ("gelu", lambda: ops.GELU, False)]
+         ("gelu", lambda: ops.GELU, False),
+         ("gelu_exact", lambda: ops.GELU_EXACT, False)]
 
 
 def _case(name, make_op, has_scale):

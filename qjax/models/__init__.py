@@ -19,10 +19,12 @@
 The "quant" RNG stream is needed only by recipes with stochastic rounding (`qjax.with_stochastic_gradients`).
 Hugging Face Llama checkpoints: `load_hf_llama(dir)` -> (config, params), `save_hf_llama(config, params, dir)`;
 text: `generate(config, params, prompt_tokens, max_new_tokens, ...)` with a KV cache (`qjax.models.generate`).
+Hugging Face ViT checkpoints: `load_hf_vit(dir)` -> (config, params), `save_hf_vit(config, params, dir)`.
 """
 
 from qjax.models.generate import dequantize_weights, generate, int8_weights
 from qjax.models.hf_llama import load_hf_config, load_hf_llama, save_hf_llama
+from qjax.models.hf_vit import load_hf_vit, save_hf_vit
 from qjax.models.layers import layer_recipes
 from qjax.models.llama import LLAMA_SIZES, Llama, LlamaConfig, flops_per_token, llama_config, lm_loss, num_params
 from qjax.models.moe import MoEConfig
@@ -31,5 +33,6 @@ from qjax.models.vit import VIT_SIZES, ViT, ViTConfig, classification_loss, flop
 __all__ = [
     "LLAMA_SIZES", "Llama", "LlamaConfig", "MoEConfig", "VIT_SIZES", "ViT", "ViTConfig", "classification_loss",
     "dequantize_weights", "flops_per_example", "flops_per_token", "generate", "int8_weights", "layer_recipes",
-    "llama_config", "lm_loss", "load_hf_config", "load_hf_llama", "num_params", "save_hf_llama", "vit_config",
+    "llama_config", "lm_loss", "load_hf_config", "load_hf_llama", "load_hf_vit", "num_params", "save_hf_llama",
+    "save_hf_vit", "vit_config",
 ]

@@ -22,19 +22,11 @@ RoPE needs no permutation: Hugging Face's Llama q/k weights are laid out for `ro
 theta^(-2i / head_dim). Tensors load as float32 (or `param_dtype`); a bfloat16 checkpoint loads exactly.
 """
 
-import json
-import os
-
 import jax
-import ml_dtypes
 import numpy as np
-import safetensors
-import safetensors.numpy
 
+from qjax.models.hf_checkpoint import NUMPY_DTYPES, read_config, read_tensors, write_checkpoint
 from qjax.models.llama import LlamaConfig
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 # config.json field -> LlamaConfig field.
 _CONFIG_FIELDS = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
@@ -42,7 +34,6 @@ _CONFIG_FIELDS = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_
                   "intermediate_size": "ffn_dim", "max_position_embeddings": "max_seq_len",
                   "tie_word_embeddings": "tie_embeddings", "rope_theta": "rope_theta", "rms_norm_eps": "norm_eps"}
 _DEFAULTS = {"num_key_value_heads": None, "tie_word_embeddings": False, "rope_theta": 10000.0, "rms_norm_eps": 1e-6}
-_NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
@@ -80,12 +71,11 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
     return LlamaConfig(**fields)
 
 
-def config_to_hf(config: LlamaConfig, torch_dtype: str) -> dict:
-    """The Hugging Face config.json dict of `config` (`torch_dtype`: the dtype the tensors are written in)."""
+def config_to_hf(config: LlamaConfig) -> dict:
+    """The Hugging Face config.json dict of `config` (`write_checkpoint` adds torch_dtype)."""
     hf = {hf_name: getattr(config, name) for hf_name, name in _CONFIG_FIELDS.items()}
     hf.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", attention_bias=False,
-              mlp_bias=False, head_dim=config.head_dim, torch_dtype=torch_dtype, bos_token_id=None,
-              eos_token_id=None)
+              mlp_bias=False, head_dim=config.head_dim, bos_token_id=None, eos_token_id=None)
     return hf
 
 
@@ -110,41 +100,9 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _read_tensors(path: str, names) -> dict[str, np.ndarray]:
-    """{name: array} for `names` from the directory's single file or its sharded index."""
-    index_path, single_path = os.path.join(path, INDEX_FILE), os.path.join(path, SINGLE_FILE)
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index_path} has no 'weight_map' object")
-    elif os.path.exists(single_path):
-        weight_map = {}
-    else:
-        raise ValueError(f"{path} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
-    by_file: dict[str, list[str]] = {}
-    for name in names:
-        if weight_map and name not in weight_map:
-            raise ValueError(f"checkpoint {path} is missing tensor {name} (not in {INDEX_FILE})")
-        by_file.setdefault(weight_map.get(name, SINGLE_FILE), []).append(name)
-    out = {}
-    for file, wanted in by_file.items():
-        with safetensors.safe_open(os.path.join(path, file), framework="numpy") as f:
-            present = set(f.keys())
-            for name in wanted:
-                if name not in present:
-                    raise ValueError(f"checkpoint {path} is missing tensor {name} (looked in {file})")
-                out[name] = f.get_tensor(name)
-    return out
-
-
 def load_hf_config(path: str, **overrides) -> LlamaConfig:
     """The `LlamaConfig` of the Hugging Face model directory `path` (its config.json), `overrides` replaced."""
-    config_path = os.path.join(path, "config.json")
-    if not os.path.exists(config_path):
-        raise ValueError(f"{path} has no config.json (a Hugging Face model directory has one)")
-    with open(config_path) as f:
-        return config_from_hf(json.load(f), **overrides)
+    return config_from_hf(read_config(path), **overrides)
 
 
 def load_hf_llama(path: str, **overrides) -> tuple[LlamaConfig, dict]:
@@ -155,12 +113,8 @@ def load_hf_llama(path: str, **overrides) -> tuple[LlamaConfig, dict]:
     or config.json field for a missing tensor, a wrong shape or a model qjax's Llama does not compute.
     """
     config = load_hf_config(path, **overrides)
-    shapes = expected_shapes(config)
-    tensors = _read_tensors(path, shapes)
-    for name, shape in shapes.items():
-        if tensors[name].shape != shape:
-            raise ValueError(f"tensor {name} has shape {tensors[name].shape}, config.json implies {shape}")
-    dtype = _NUMPY_DTYPES[config.param_dtype]
+    tensors = read_tensors(path, expected_shapes(config))
+    dtype = NUMPY_DTYPES[config.param_dtype]
     t = {name: np.asarray(x).astype(dtype) for name, x in tensors.items()}
     params = {"embed": {"embedding": t["model.embed_tokens.weight"]}, "norm": {"scale": t["model.norm.weight"]}}
     for i in range(config.n_layers):
@@ -207,32 +161,5 @@ def save_hf_llama(config: LlamaConfig, params, out_dir: str, *, dtype: str | Non
 
     dtype: "float32", "bfloat16" or "float16" for the tensors; None keeps the params' dtype.
     """
-    tensors = hf_tensors(config, params)
-    if dtype is not None:
-        if dtype not in _NUMPY_DTYPES:
-            raise ValueError(f"save_hf_llama dtype must be one of {tuple(_NUMPY_DTYPES)}, got {dtype!r}")
-        tensors = {name: x.astype(_NUMPY_DTYPES[dtype]) for name, x in tensors.items()}
-    stored = {x.dtype.name for x in tensors.values()}
-    if len(stored) != 1:
-        raise ValueError(f"params mix dtypes {sorted(stored)}; pass save_hf_llama(..., dtype=...)")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config_to_hf(config, stored.pop()), f, indent=2)
-    metadata = {"format": "pt"}  # transformers' loader checks for it
-    if max_shard_bytes is None:
-        safetensors.numpy.save_file(tensors, os.path.join(out_dir, SINGLE_FILE), metadata=metadata)
-        return
-    shards: list[dict[str, np.ndarray]] = [{}]
-    for name, x in tensors.items():
-        if shards[-1] and sum(y.nbytes for y in shards[-1].values()) + x.nbytes > max_shard_bytes:
-            shards.append({})
-        shards[-1][name] = x
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        safetensors.numpy.save_file(shard, os.path.join(out_dir, file), metadata=metadata)
-        weight_map.update(dict.fromkeys(shard, file))
-    total = sum(x.nbytes for x in tensors.values())
-    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-
+    write_checkpoint(out_dir, hf_tensors(config, params), config_to_hf(config), dtype=dtype,
+                     max_shard_bytes=max_shard_bytes, caller="save_hf_llama")

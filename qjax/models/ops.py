@@ -8,7 +8,7 @@ computes the same forward, op for op (bit for bit), and saves:
   rms_norm    x in its own dtype and the float32 1/rms per row (..., 1); the backward recomputes x / rms.
   layer_norm  x in its own dtype, the float32 mean and 1/std per row; the backward recomputes (x - mean) / std.
   swiglu      gate and up in their own dtype; the backward recomputes sigmoid(gate) in float32.
-  gelu        x in its own dtype; the backward recomputes the tanh in float32.
+  gelu        x in its own dtype; the backward recomputes the tanh in float32 (gelu_exact: the erf).
   apply_rope  the int positions (T,); the backward recomputes cos and sin and rotates the gradient back.
 
 The backward passes compute in float32 and round once to the input's dtype, so their gradients equal autodiff's
@@ -145,6 +145,26 @@ def _gelu_bwd(x, dy):
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
 
 
+@jax.custom_vjp
+def gelu_exact(x: jax.Array) -> jax.Array:
+    """`jax.nn.gelu(x, approximate=False)`: x * Phi(x) with the erf (torch's and Hugging Face's "gelu"), x's dtype."""
+    return jax.nn.gelu(x, approximate=False)
+
+
+def _gelu_exact_fwd(x):
+    return gelu_exact(x), x
+
+
+def _gelu_exact_bwd(x, dy):
+    x32 = x.astype(jnp.float32)
+    # d/dx of x * Phi(x) = Phi(x) + x * phi(x), phi the standard normal density.
+    dgelu = 0.5 * (1 + jax.lax.erf(x32 / math.sqrt(2))) + x32 * jnp.exp(-0.5 * x32 * x32) / math.sqrt(2 * math.pi)
+    return ((dy.astype(jnp.float32) * dgelu).astype(x.dtype),)
+
+
+gelu_exact.defvjp(_gelu_exact_fwd, _gelu_exact_bwd)
+
+
 def _rope_tables(positions, head_dim: int, theta: float):
     """cos and sin of position * theta^(-2i / head_dim), float32 (T, 1, head_dim / 2) (broadcast over heads)."""
     half = head_dim // 2
@@ -214,3 +234,5 @@ SWIGLU = Prologue("swiglu", apply=_swiglu_packed, forward=lambda gate_up: (_swig
                   backward=_swiglu_packed_bwd, recompute_output=True)
 GELU = Prologue("gelu", apply=gelu, forward=lambda x: (gelu(x), (x,)), backward=lambda res, dy: _gelu_bwd(res[0], dy),
                 recompute_output=True)
+GELU_EXACT = Prologue("gelu_exact", apply=gelu_exact, forward=lambda x: (gelu_exact(x), (x,)),
+                      backward=lambda res, dy: _gelu_exact_bwd(res[0], dy), recompute_output=True)

@@ -43,6 +43,8 @@ class ViTConfig:
         token; the token count is then a whole number of patches, which block-scaled recipes can tile).
       recipe, keep_high_precision, min_features, compute_dtype, param_dtype, attention: as in `LlamaConfig`.
       norm_eps: LayerNorm epsilon.
+      gelu_approximate: the MLP's GELU is the tanh approximation (`nn.gelu`'s default) when True, the exact erf
+        form (torch's and Hugging Face ViT's "gelu"; `load_hf_vit` sets it) when False.
     """
 
     image_size: int
@@ -55,6 +57,7 @@ class ViTConfig:
     mlp_dim: int
     pool: str = "cls"
     norm_eps: float = 1e-6
+    gelu_approximate: bool = True
     recipe: Any = "bf16"
     keep_high_precision: tuple[str, ...] = ("patch_embed", "head")
     min_features: int = 0
@@ -74,6 +77,8 @@ class ViTConfig:
             raise ValueError(f"ViTConfig.pool must be 'cls' or 'mean', got {self.pool!r}")
         if not self.norm_eps > 0:
             raise ValueError(f"ViTConfig.norm_eps must be > 0, got {self.norm_eps}")
+        if not isinstance(self.gelu_approximate, bool):
+            raise TypeError(f"ViTConfig.gelu_approximate must be True or False, got {self.gelu_approximate!r}")
         layers.check_quantization_fields(self)
 
     @property
@@ -185,7 +190,8 @@ class MLP(nn.Module):
         init = nn.initializers.xavier_uniform()
         h = layers.prologue_dense(self, c, "fc1", _norm(c), x, norm_params, c.mlp_dim, use_bias=True,
                                   kernel_init=init)
-        return layers.prologue_dense(self, c, "fc2", ops.GELU, h, (), c.dim, use_bias=True, kernel_init=init)
+        gelu = ops.GELU if c.gelu_approximate else ops.GELU_EXACT
+        return layers.prologue_dense(self, c, "fc2", gelu, h, (), c.dim, use_bias=True, kernel_init=init)
 
 
 def _norm(config: ViTConfig) -> ops.Prologue:

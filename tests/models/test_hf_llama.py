@@ -12,7 +12,7 @@ import safetensors.numpy
 from helpers import snr_db
 
 from qjax import models
-from qjax.models import hf_llama
+from qjax.models import hf_checkpoint, hf_llama
 
 HF_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": 64,
              "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -170,7 +170,7 @@ def test_sharded_index_missing_tensor_and_empty_dir(tmp_path):
     config = models.llama_config("tiny", vocab_size=96, n_layers=1)
     params = models.Llama(config).init(jax.random.key(0), jnp.asarray(TOKENS))["params"]
     models.save_hf_llama(config, params, str(tmp_path / "ckpt"), max_shard_bytes=40_000)
-    index_path = tmp_path / "ckpt" / hf_llama.INDEX_FILE
+    index_path = tmp_path / "ckpt" / hf_checkpoint.INDEX_FILE
     index = json.loads(index_path.read_text())
     del index["weight_map"]["model.norm.weight"]
     index_path.write_text(json.dumps(index))
