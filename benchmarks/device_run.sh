@@ -34,8 +34,8 @@
 # vs bitnet_b158: carry "data"), gpt2-conv (GPT-2 small, 600 steps of 32 x 1024 bytes, bf16 vs the data-flow
 # recipes, Jetfire's setting: carry "data"; convergence_gpt2.png comes back in $OUT), fsdp1 (the 1.1B bf16 and
 # int8_rowwise rows with the default mesh, fsdp=1 on one GPU: "fsdp1 fsdp1@base" is the before/after of the mesh
-# code on one GPU). A step written STEP@base runs in .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after
-# A/B in one call.
+# code on one GPU). A step written STEP@base runs in .baseline, an exported tree of another commit (`git archive
+# REV | tar -x -C .baseline`, carried): a before/after A/B in one call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}
