@@ -105,7 +105,8 @@ step_command() {
         hf-generate) echo "python3 benchmarks/generate.py" ;;
         hf-finetune) echo "python3 benchmarks/finetune.py --steps 300" ;;
         gpt2-conv) echo "python3 benchmarks/convergence.py --model gpt2 --size gpt2 --recipes bf16 int8_dataflow" \
-                        "fp8_dataflow --seq-len 1024 --batch-size 32 --steps 600 --lr 6e-4 --workdir /tmp/convergence" ;;
+                        "fp8_dataflow --seq-len 1024 --batch-size 32 --steps 600 --lr 6e-4" \
+                        "--workdir /tmp/convergence" ;;
         fsdp1) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --warmup 2 --no-peer" ;;
         *) return 1 ;;
     esac
