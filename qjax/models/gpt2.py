@@ -109,10 +109,10 @@ def gpt2_config(size: str, **overrides) -> GPT2Config:
     return dataclasses.replace(GPT2_SIZES[size], **overrides)
 
 
-def block_init(config: GPT2Config) -> vit.BlockInit:
+def block_inits(config: GPT2Config) -> vit.BlockInits:
     """nanoGPT's initialization of a block's kernels: normal(0.02), o_proj and fc2 normal(0.02 / sqrt(2 L))."""
-    return vit.BlockInit(qkv=nn.initializers.normal(0.02), fc1=nn.initializers.normal(0.02),
-                         out=nn.initializers.normal(0.02 / math.sqrt(2 * config.n_layers)))
+    return vit.BlockInits(qkv=nn.initializers.normal(0.02), fc1=nn.initializers.normal(0.02),
+                          out=nn.initializers.normal(0.02 / math.sqrt(2 * config.n_layers)))
 
 
 class GPT2(nn.Module):
@@ -139,9 +139,9 @@ class GPT2(nn.Module):
         # The residual stream stays in the compute dtype; the norms compute in float32 internally.
         x = embed(tokens).astype(compute) + positions[:tokens.shape[1]].astype(compute)
         block = nn.remat(vit.Block) if c.remat else vit.Block
-        init = block_init(c)
+        inits = block_inits(c)
         for i in range(c.n_layers):
-            x = block(c, True, init, name=f"layers_{i}")(x)
+            x = block(c, True, inits, name=f"layers_{i}")(x)
         x = vit.LayerNorm(c.norm_eps, compute, param_dtype, name="norm")(x)
         # x (B, T, dim) . embedding (vocab, dim) contracted on dim: the embedding is already the (N, K) weight.
         recipe = layers.recipe_for(c, layers.layer_name(self, "lm_head"), c.dim, c.vocab_size)

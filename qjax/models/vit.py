@@ -153,7 +153,7 @@ def _norm_params(module, name, dim, param_dtype):
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockInit:
+class BlockInits:
     """Kernel initializers of a block's projections (biases start at zero): qkv, the MLP's fc1, and the two that
     write into the residual stream (o_proj, fc2)."""
 
@@ -164,8 +164,8 @@ class BlockInit:
 
 # Xavier-uniform on the fused (dim, 3 dim) qkv kernel would see fan_out 3 dim; scale 2 gives each third the limit
 # sqrt(3 / dim) a separate (dim, dim) xavier-uniform kernel has.
-VIT_INIT = BlockInit(qkv=nn.initializers.variance_scaling(2.0, "fan_avg", "uniform"),
-                     fc1=nn.initializers.xavier_uniform(), out=nn.initializers.xavier_uniform())
+VIT_INITS = BlockInits(qkv=nn.initializers.variance_scaling(2.0, "fan_avg", "uniform"),
+                      fc1=nn.initializers.xavier_uniform(), out=nn.initializers.xavier_uniform())
 
 
 class Attention(nn.Module):
@@ -177,7 +177,7 @@ class Attention(nn.Module):
 
     config: Any
     causal: bool = False
-    init: BlockInit = VIT_INIT
+    inits: BlockInits = VIT_INITS
 
     @nn.compact
     def __call__(self, x, norm_params):
@@ -187,25 +187,25 @@ class Attention(nn.Module):
         heads = lambda y: y.reshape(b, s, c.n_heads, c.dim // c.n_heads)
         # One qkv projection (columns [q | k | v]): the input is quantized once, not three times.
         qkv = layers.prologue_dense(self, c, "qkv_proj", _norm(c), x, norm_params, 3 * c.dim, use_bias=True,
-                                    kernel_init=self.init.qkv)
+                                    kernel_init=self.inits.qkv)
         q, k, v = (heads(y) for y in jnp.split(qkv, 3, axis=-1))
         out = layers.attention(c, q, k, v, is_causal=self.causal)
-        return layers.dense(self, c, "o_proj", c.dim, c.dim, use_bias=True, kernel_init=self.init.out)(out)
+        return layers.dense(self, c, "o_proj", c.dim, c.dim, use_bias=True, kernel_init=self.inits.out)(out)
 
 
 class MLP(nn.Module):
     """fc2(gelu(fc1(ln(x)))): (B, S, dim) -> (B, S, dim); config as `Attention`'s, plus mlp_dim."""
 
     config: Any
-    init: BlockInit = VIT_INIT
+    inits: BlockInits = VIT_INITS
 
     @nn.compact
     def __call__(self, x, norm_params):
         c = self.config
         h = layers.prologue_dense(self, c, "fc1", _norm(c), x, norm_params, c.mlp_dim, use_bias=True,
-                                  kernel_init=self.init.fc1)
+                                  kernel_init=self.inits.fc1)
         return layers.prologue_dense(self, c, "fc2", ops.GELU, h, (), c.dim, use_bias=True,
-                                     kernel_init=self.init.out)
+                                     kernel_init=self.inits.out)
 
 
 def _norm(config) -> ops.Prologue:
@@ -218,14 +218,14 @@ class Block(nn.Module):
 
     config: Any
     causal: bool = False
-    init: BlockInit = VIT_INIT
+    inits: BlockInits = VIT_INITS
 
     @nn.compact
     def __call__(self, x):
         c = self.config
         norm = lambda name: _norm_params(self, name, c.dim, jnp.dtype(c.param_dtype))
-        x = x + Attention(c, self.causal, self.init, name="attn")(x, norm("attn_norm"))
-        return x + MLP(c, self.init, name="mlp")(x, norm("mlp_norm"))
+        x = x + Attention(c, self.causal, self.inits, name="attn")(x, norm("attn_norm"))
+        return x + MLP(c, self.inits, name="mlp")(x, norm("mlp_norm"))
 
 
 class ViT(nn.Module):
