@@ -15,6 +15,7 @@ from helpers import snr_db, write_tiny_corpus
 from jax._src.ad_checkpoint import saved_residuals
 
 from qjax import models
+from qjax.generate import restore_workdir
 from qjax.models import gpt2, vit
 from qjax.train import fields, train
 from qjax.train.config import ConfigError
@@ -79,6 +80,8 @@ def test_presets_shapes_and_params():
         models.gpt2_config("tiny", ffn_dim=128)
     with pytest.raises(ValueError, match="sequence length 65 exceeds max_seq_len 64"):
         models.GPT2(CONFIG).init(jax.random.key(0), jnp.zeros((1, 65), jnp.int32))
+    with pytest.raises(TypeError, match="generate decodes Llama models .*got a GPT2Config"):
+        models.generate(CONFIG, {}, jnp.zeros((1, 4), jnp.int32), 4)
 
 
 def test_bf16_recipe_is_the_float_reference_and_causal():
@@ -171,6 +174,8 @@ def test_trains_from_the_config_file(tmp_path):
         out.getvalue(), out.getvalue()
     first = float(out.getvalue().split("| loss ")[1].split()[0])
     assert result.train_metrics["loss"] < 0.7 * first, out.getvalue()  # from ~ln 256 toward the words' entropy
+    with pytest.raises(ConfigError, match="trained a gpt2 model; generation runs Llama models only"):
+        restore_workdir(str(tmp_path / "run"))
     task = make_task(config, vocab_size=256)
     assert isinstance(task.model, models.GPT2) and task.model_config.max_seq_len == 32
     assert task.flops_per_unit == models.flops_per_token(task.model_config, 32)
