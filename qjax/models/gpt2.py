@@ -141,7 +141,7 @@ class GPT2(nn.Module):
         block = nn.remat(vit.Block) if c.remat else vit.Block
         inits = block_inits(c)
         for i in range(c.n_layers):
-            x = block(c, True, inits, name=f"layers_{i}")(x)
+            x = block(c, causal=True, inits=inits, name=f"layers_{i}")(x)
         x = vit.LayerNorm(c.norm_eps, compute, param_dtype, name="norm")(x)
         # x (B, T, dim) . embedding (vocab, dim) contracted on dim: the embedding is already the (N, K) weight.
         recipe = layers.recipe_for(c, layers.layer_name(self, "lm_head"), c.dim, c.vocab_size)

@@ -224,8 +224,8 @@ class Block(nn.Module):
     def __call__(self, x):
         c = self.config
         norm = lambda name: _norm_params(self, name, c.dim, jnp.dtype(c.param_dtype))
-        x = x + Attention(c, self.causal, self.inits, name="attn")(x, norm("attn_norm"))
-        return x + MLP(c, self.inits, name="mlp")(x, norm("mlp_norm"))
+        x = x + Attention(c, causal=self.causal, inits=self.inits, name="attn")(x, norm("attn_norm"))
+        return x + MLP(c, inits=self.inits, name="mlp")(x, norm("mlp_norm"))
 
 
 class ViT(nn.Module):

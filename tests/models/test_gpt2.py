@@ -130,7 +130,7 @@ def test_dataflow_close_to_float32_with_per_parameter_gradient_snr(recipe):
 
 def _block_residuals(config, batch, seq):
     """[(aval, source)] the vjp of one GPT-2 block saves, traced on abstract inputs (nothing runs)."""
-    block = vit.Block(config, True, gpt2.block_inits(config))
+    block = vit.Block(config, causal=True, inits=gpt2.block_inits(config))
     x = jax.ShapeDtypeStruct((batch, seq, config.dim), jnp.bfloat16)
     params = jax.eval_shape(block.init, jax.random.key(0), x)
     loss = lambda p, x: block.apply(p, x, rngs={"quant": jax.random.key(0)}).astype(jnp.float32).sum()
