@@ -310,6 +310,7 @@ def flops_per_token(config, seq_len: int) -> float:
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     n_matmul = sum(f_in * f_out for f_in, f_out in config.projections().values())
-    if getattr(config, "moe", None) is not None:  # a GPT2Config (the same accounting) has no experts  # projections() lists each routed expert's GEMMs once; a token runs top_k of them
+    # projections() lists each routed expert's GEMMs once; a token runs top_k of them. A GPT2Config has no experts.
+    if getattr(config, "moe", None) is not None:
         n_matmul += (config.moe.top_k - 1) * config.n_layers * 3 * config.dim * config.moe.expert_ffn_dim
     return float(6 * n_matmul + 12 * config.n_layers * config.dim * seq_len)

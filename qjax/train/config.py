@@ -43,10 +43,12 @@ def check_config(config) -> None:
         recipe = qjax.recipe(config.get("recipe"))
     except ValueError as e:
         raise ConfigError(f"config.recipe: {e}") from None
-    arch = config.model.get("arch", "llama") if task == "lm" else "vit"
-    if arch not in LM_SIZES and task == "lm":
-        raise ConfigError(f"config.model.arch must be one of {tuple(LM_SIZES)}, got {arch!r}")
-    sizes = LM_SIZES[arch] if task == "lm" else VIT_SIZES
+    arch, sizes = "vit", VIT_SIZES
+    if task == "lm":
+        arch = config.model.get("arch", "llama")
+        if arch not in LM_SIZES:
+            raise ConfigError(f"config.model.arch must be one of {tuple(LM_SIZES)}, got {arch!r}")
+        sizes = LM_SIZES[arch]
     size = config.model.get("size")
     if size not in sizes:
         raise ConfigError(f"config.model.size {size!r} is not a {arch} preset; valid "
