@@ -32,7 +32,6 @@ import math
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 import qjax
