@@ -31,13 +31,14 @@
 # kernels compiled), bitnet (linear int8_rowwise vs bitnet_b158, no peer), bitnet-train (the 1.1B bf16 /
 # int8_rowwise / bitnet_b158 rows), int8-params (the 1.1B int8_rowwise rows with int8 weight-only and with bf16 + SR
 # params: run it after bitnet-train, whose int8_rowwise row has float32 params), bitnet-conv (125M convergence, bf16
-# vs bitnet_b158: carry "data"), fsdp1 (the 1.1B bf16 and int8_rowwise rows with the default mesh, fsdp=1 on one
-# GPU: "fsdp1 fsdp1@base" is the before/after of the mesh code on one GPU). A step written STEP@base runs in
-# .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after
-# A/B in one call. On a machine with several GPUs, "A B -- C D" runs the lanes A B and C D at the same time, one GPU
-# each. Steps: profile-int8-dataflow (benchmarks/profile_train.py of the 1.1B int8_dataflow row), dataflow-mem
-# (the 1.1B data-flow rows with adamw_fp8 states: peak memory), hf-vit (the Hugging Face ViT tests: load_hf_vit /
-# save_hf_vit, transformers parity included).
+# vs bitnet_b158: carry "data"), gpt2-conv (GPT-2 small, 600 steps of 32 x 1024 bytes, bf16 vs the data-flow
+# recipes, Jetfire's setting: carry "data"; convergence_gpt2.png comes back in $OUT), fsdp1 (the 1.1B bf16 and
+# int8_rowwise rows with the default mesh, fsdp=1 on one GPU: "fsdp1 fsdp1@base" is the before/after of the mesh
+# code on one GPU). A step written STEP@base runs in .baseline, an exported tree of another commit (`git archive
+# REV | tar -x -C .baseline`, carried): a before/after A/B in one call. On a machine with several GPUs, "A B -- C D"
+# runs the lanes A B and C D at the same time, one GPU each. Steps: profile-int8-dataflow (benchmarks/profile_train.py
+# of the 1.1B int8_dataflow row), dataflow-mem (the 1.1B data-flow rows with adamw_fp8 states: peak memory), hf-vit
+# (the Hugging Face ViT tests: load_hf_vit / save_hf_vit, transformers parity included).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}
@@ -110,6 +111,9 @@ step_command() {
         hf-vit) echo "python3 -m pytest -x -q -p no:cacheprovider tests/models/test_hf_vit.py" ;;
         hf-generate) echo "python3 benchmarks/generate.py" ;;
         hf-finetune) echo "python3 benchmarks/finetune.py --steps 300" ;;
+        gpt2-conv) echo "python3 benchmarks/convergence.py --model gpt2 --size gpt2 --recipes bf16 int8_dataflow" \
+                        "fp8_dataflow --seq-len 1024 --batch-size 32 --steps 600 --lr 6e-4" \
+                        "--workdir /tmp/convergence" ;;
         fsdp1) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --warmup 2 --no-peer" ;;
         *) return 1 ;;
     esac
@@ -154,6 +158,7 @@ else
 fi
 [ -f /tmp/default_run/metrics.jsonl ] && cp /tmp/default_run/metrics.jsonl "$OUT/default_run_metrics.jsonl"
 [ -f benchmarks/convergence_bitnet.png ] && cp benchmarks/convergence_bitnet.png "$OUT/"
+[ -f benchmarks/convergence_gpt2.png ] && cp benchmarks/convergence_gpt2.png "$OUT/"
 diff /tmp/RESULTS.before benchmarks/RESULTS.md > "$OUT/results.diff"
 cmp -s /tmp/convergence.before.png benchmarks/convergence.png || cp benchmarks/convergence.png "$OUT/"
 exit 0

@@ -42,6 +42,8 @@ def restore_workdir(workdir: str):
     config = ml_collections.ConfigDict(saved)
     if config.task != "lm":
         raise ConfigError(f"{workdir} trained config.task={config.task!r}; generation needs a language model ('lm')")
+    if config.model.get("arch", "llama") != "llama":
+        raise ConfigError(f"{workdir} trained a {config.model.arch} model; generation runs Llama models only")
     dataset = make_dataset(config)
     task = make_task(config, vocab_size=dataset.vocab_size)
     mesh = mesh_lib.make_mesh(jax.devices()[:1])

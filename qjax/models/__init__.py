@@ -1,4 +1,4 @@
-"""Flax models whose projections run quantized GEMMs per a qjax recipe: Llama (language) and ViT (images).
+"""Flax models whose projections run quantized GEMMs per a qjax recipe: Llama and GPT-2 (language), ViT (images).
 
   import jax, jax.numpy as jnp
   from qjax import models
@@ -12,6 +12,8 @@
   grads = jax.jit(jax.grad(loss_fn))(params, jax.random.key(1))     # int8 fwd, dgrad and wgrad GEMMs
   print(models.num_params(params), models.layer_recipes(config)["lm_head"].name)   # the LM head stays bf16
 
+  gpt2 = models.GPT2(models.gpt2_config("tiny", recipe="int8_dataflow"))   # nanoGPT's shape; "gpt2": 124M
+
   vit = models.ViT(models.vit_config("digits", recipe="fp8_rowwise"))
   images = jnp.zeros((8, 8, 8, 1), jnp.float32)
   logits = jax.jit(vit.apply)(jax.jit(vit.init)(jax.random.key(0), images), images)   # (8, 10) float32
@@ -23,6 +25,7 @@ Hugging Face ViT checkpoints: `load_hf_vit(dir)` -> (config, params), `save_hf_v
 """
 
 from qjax.models.generate import dequantize_weights, generate, int8_weights
+from qjax.models.gpt2 import GPT2, GPT2_SIZES, GPT2Config, gpt2_config
 from qjax.models.hf_llama import load_hf_config, load_hf_llama, save_hf_llama
 from qjax.models.hf_vit import load_hf_vit, save_hf_vit
 from qjax.models.layers import layer_recipes
@@ -31,8 +34,8 @@ from qjax.models.moe import MoEConfig
 from qjax.models.vit import VIT_SIZES, ViT, ViTConfig, classification_loss, flops_per_example, vit_config
 
 __all__ = [
-    "LLAMA_SIZES", "Llama", "LlamaConfig", "MoEConfig", "VIT_SIZES", "ViT", "ViTConfig", "classification_loss",
-    "dequantize_weights", "flops_per_example", "flops_per_token", "generate", "int8_weights", "layer_recipes",
-    "llama_config", "lm_loss", "load_hf_config", "load_hf_llama", "load_hf_vit", "num_params", "save_hf_llama",
-    "save_hf_vit", "vit_config",
+    "GPT2", "GPT2Config", "GPT2_SIZES", "LLAMA_SIZES", "Llama", "LlamaConfig", "MoEConfig", "VIT_SIZES", "ViT",
+    "ViTConfig", "classification_loss", "dequantize_weights", "flops_per_example", "flops_per_token", "generate",
+    "gpt2_config", "int8_weights", "layer_recipes", "llama_config", "lm_loss", "load_hf_config", "load_hf_llama",
+    "load_hf_vit", "num_params", "save_hf_llama", "save_hf_vit", "vit_config",
 ]

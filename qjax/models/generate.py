@@ -110,6 +110,9 @@ def generate(config: LlamaConfig, params, prompt_tokens, max_new_tokens: int, te
       (inference differentiates nothing, so only the forward GEMM is quantized). Params from `int8_weights` run
       int8 weight-only. P + max_new_tokens must not exceed config.max_seq_len; the cache holds that many positions.
     """
+    if not isinstance(config, LlamaConfig):
+        raise TypeError(f"generate decodes Llama models (a LlamaConfig), got a {type(config).__name__}: other "
+                        "models have no KV-cache decoding yet")
     prompt = jnp.asarray(prompt_tokens)
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer) or prompt.shape[1] == 0:
         raise ValueError(f"prompt_tokens must be int (batch, prompt_len) with prompt_len >= 1; got {prompt.dtype} "

@@ -297,8 +297,9 @@ def num_params(params) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(params))
 
 
-def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward), the PaLM / nanoGPT accounting used for MFU.
+def flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) of a `LlamaConfig` or `GPT2Config`, the PaLM / nanoGPT
+    accounting used for MFU.
 
       6 * N_matmul           every weight does 2 FLOPs per token forward and 4 backward; N_matmul counts the
                              projections and the LM head (also when tied), not the embedding lookup or norms; with
@@ -309,6 +310,7 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     n_matmul = sum(f_in * f_out for f_in, f_out in config.projections().values())
-    if config.moe is not None:  # projections() lists each routed expert's GEMMs once; a token runs top_k of them
+    # projections() lists each routed expert's GEMMs once; a token runs top_k of them. A GPT2Config has no experts.
+    if getattr(config, "moe", None) is not None:
         n_matmul += (config.moe.top_k - 1) * config.n_layers * 3 * config.dim * config.moe.expert_ffn_dim
     return float(6 * n_matmul + 12 * config.n_layers * config.dim * seq_len)

@@ -19,7 +19,7 @@ Parameter tree:
 """
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -157,10 +157,32 @@ def _norm_params(module, name, dim, param_dtype):
     return layers.params(module, name, specs, param_dtype)
 
 
-class Attention(nn.Module):
-    """Multi-head self-attention (no mask) after a LayerNorm: (B, S, dim) -> (B, S, dim)."""
+@dataclasses.dataclass(frozen=True)
+class BlockInits:
+    """Kernel initializers of a block's projections (biases start at zero): qkv, the MLP's fc1, and the two that
+    write into the residual stream (o_proj, fc2)."""
 
-    config: ViTConfig
+    qkv: Callable
+    fc1: Callable
+    out: Callable
+
+
+# Xavier-uniform on the fused (dim, 3 dim) qkv kernel would see fan_out 3 dim; scale 2 gives each third the limit
+# sqrt(3 / dim) a separate (dim, dim) xavier-uniform kernel has.
+VIT_INITS = BlockInits(qkv=nn.initializers.variance_scaling(2.0, "fan_avg", "uniform"),
+                      fc1=nn.initializers.xavier_uniform(), out=nn.initializers.xavier_uniform())
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention after a LayerNorm: (B, S, dim) -> (B, S, dim); causal for a language model.
+
+    config: a `ViTConfig`, or any config with its fields dim, n_heads, norm_eps and the quantization fields
+    (`qjax.models.gpt2` runs these blocks too).
+    """
+
+    config: Any
+    causal: bool = False
+    inits: BlockInits = VIT_INITS
 
     @nn.compact
     def __call__(self, x, norm_params):
@@ -168,48 +190,47 @@ class Attention(nn.Module):
         c = self.config
         b, s, _ = x.shape
         heads = lambda y: y.reshape(b, s, c.n_heads, c.dim // c.n_heads)
-        # One qkv projection (columns [q | k | v]): the input is quantized once, not three times. Xavier-uniform
-        # on the fused (dim, 3 dim) kernel would see fan_out 3 dim; scale 2 gives each third the limit sqrt(3 / dim)
-        # a separate (dim, dim) xavier-uniform kernel has.
+        # One qkv projection (columns [q | k | v]): the input is quantized once, not three times.
         qkv = layers.prologue_dense(self, c, "qkv_proj", _norm(c), x, norm_params, 3 * c.dim, use_bias=True,
-                                    kernel_init=nn.initializers.variance_scaling(2.0, "fan_avg", "uniform"))
+                                    kernel_init=self.inits.qkv)
         q, k, v = (heads(y) for y in jnp.split(qkv, 3, axis=-1))
-        out = layers.attention(c, q, k, v, is_causal=False)
-        return layers.dense(self, c, "o_proj", c.dim, c.dim, use_bias=True,
-                            kernel_init=nn.initializers.xavier_uniform())(out)
+        out = layers.attention(c, q, k, v, is_causal=self.causal)
+        return layers.dense(self, c, "o_proj", c.dim, c.dim, use_bias=True, kernel_init=self.inits.out)(out)
 
 
 class MLP(nn.Module):
-    """fc2(gelu(fc1(ln(x)))): (B, S, dim) -> (B, S, dim)."""
+    """fc2(gelu(fc1(ln(x)))): (B, S, dim) -> (B, S, dim); config as `Attention`'s, plus mlp_dim."""
 
-    config: ViTConfig
+    config: Any
+    inits: BlockInits = VIT_INITS
 
     @nn.compact
     def __call__(self, x, norm_params):
         c = self.config
-        init = nn.initializers.xavier_uniform()
         h = layers.prologue_dense(self, c, "fc1", _norm(c), x, norm_params, c.mlp_dim, use_bias=True,
-                                  kernel_init=init)
+                                  kernel_init=self.inits.fc1)
         gelu = ops.GELU if c.gelu_approximate else ops.GELU_EXACT
-        return layers.prologue_dense(self, c, "fc2", gelu, h, (), c.dim, use_bias=True, kernel_init=init)
+        return layers.prologue_dense(self, c, "fc2", gelu, h, (), c.dim, use_bias=True, kernel_init=self.inits.out)
 
 
-def _norm(config: ViTConfig) -> ops.Prologue:
+def _norm(config) -> ops.Prologue:
     return ops.layer_norm_prologue(config.norm_eps, jnp.dtype(config.compute_dtype))
 
 
 class Block(nn.Module):
-    """Pre-norm encoder block: x + attn(ln(x)), then + mlp(ln(x)); each norm runs inside the projection after it
-    (`layers.prologue_dense`: fused with its GEMM under the data-flow recipes)."""
+    """Pre-norm block: x + attn(ln(x)), then + mlp(ln(x)); each norm runs inside the projection after it
+    (`layers.prologue_dense`: fused with its GEMM under the data-flow recipes). config as `MLP`'s."""
 
-    config: ViTConfig
+    config: Any
+    causal: bool = False
+    inits: BlockInits = VIT_INITS
 
     @nn.compact
     def __call__(self, x):
         c = self.config
         norm = lambda name: _norm_params(self, name, c.dim, jnp.dtype(c.param_dtype))
-        x = x + Attention(c, name="attn")(x, norm("attn_norm"))
-        return x + MLP(c, name="mlp")(x, norm("mlp_norm"))
+        x = x + Attention(c, causal=self.causal, inits=self.inits, name="attn")(x, norm("attn_norm"))
+        return x + MLP(c, inits=self.inits, name="mlp")(x, norm("mlp_norm"))
 
 
 class ViT(nn.Module):

@@ -9,10 +9,11 @@ import os
 
 import qjax
 from qjax.data import KINDS, field_problems
-from qjax.models import LLAMA_SIZES, VIT_SIZES
+from qjax.models import GPT2_SIZES, LLAMA_SIZES, VIT_SIZES
 from qjax.train.optimizer import check_optimizer_config
 
 TASKS = ("lm", "image")
+LM_SIZES = {"llama": LLAMA_SIZES, "gpt2": GPT2_SIZES}  # config.model.arch ("lm" only; absent: llama): its presets
 # Data kinds with local files, and how to make them when they are missing.
 _PREPARE_HINTS = {
     "tokens": "make them with `python -m qjax.data.prepare shakespeare --out {path}` (or `python -m "
@@ -42,10 +43,15 @@ def check_config(config) -> None:
         recipe = qjax.recipe(config.get("recipe"))
     except ValueError as e:
         raise ConfigError(f"config.recipe: {e}") from None
-    sizes = LLAMA_SIZES if task == "lm" else VIT_SIZES
+    arch, sizes = "vit", VIT_SIZES
+    if task == "lm":
+        arch = config.model.get("arch", "llama")
+        if arch not in LM_SIZES:
+            raise ConfigError(f"config.model.arch must be one of {tuple(LM_SIZES)}, got {arch!r}")
+        sizes = LM_SIZES[arch]
     size = config.model.get("size")
     if size not in sizes:
-        raise ConfigError(f"config.model.size {size!r} is not a {'Llama' if task == 'lm' else 'ViT'} preset; valid "
+        raise ConfigError(f"config.model.size {size!r} is not a {arch} preset; valid "
                           f"sizes: {', '.join(sizes)} (change shapes with config.model.<field>=...)")
     for name in ("steps", "batch_size", "grad_accum_steps", "log_every", "keep_checkpoints"):
         _positive_int(config, name)

@@ -86,11 +86,11 @@ def activation_bytes(task, examples: int) -> int:
     c = task.model_config
     elt = np.dtype(c.compute_dtype).itemsize
     if task.kind == "lm":
-        seq, kv, ffn, outputs = task.seq_len, c.n_kv_heads * c.head_dim, c.ffn_dim, c.vocab_size
-        output_rows = examples * seq
+        seq, outputs, output_rows = task.seq_len, c.vocab_size, examples * task.seq_len
     else:
-        seq, kv, ffn, outputs = c.num_tokens, c.dim, c.mlp_dim, c.num_classes
-        output_rows = examples
+        seq, outputs, output_rows = c.num_tokens, c.num_classes, examples
+    # Llama's grouped k/v and SwiGLU width; GPT-2's and ViT's full-width k/v and GELU MLP.
+    kv, ffn = (c.n_kv_heads * c.head_dim, c.ffn_dim) if hasattr(c, "ffn_dim") else (c.dim, c.mlp_dim)
     tokens = examples * seq
     scores = 8 * c.n_heads * seq if attention_implementation(c, c.dim // c.n_heads) == "xla" else 0
     per_layer = elt * (6 * c.dim + 2 * kv + 3 * ffn) + scores

@@ -1,10 +1,11 @@
 """What is trained: the model built from a config, its loss on a batch, and how its work is counted.
 
-  task = make_task(config, vocab_size=dataset.vocab_size)          # "lm": Llama on {"inputs", "targets"}
+  task = make_task(config, vocab_size=dataset.vocab_size)          # "lm": Llama (or GPT-2) on {"inputs", "targets"}
   task = make_task(config, num_classes=10, image_shape=(8, 8, 1))  # "image": ViT on {"images", "labels"}
   loss, aux = task.loss(params, batch, key)                        # float32 scalar, {"accuracy": ...} for images
 
-The model config is the `config.model.size` preset with every non-None `config.model.<field>` replacing that field,
+The model config is the `config.model.size` preset of the `config.model.arch` family ("llama" when absent, or
+"gpt2"; "lm" tasks only) with every non-None `config.model.<field>` replacing that field,
 plus the run-level `recipe`, `keep_high_precision` and `min_features`, plus what the data dictates (vocab size,
 number of classes, image shape; omitted -> the preset's, which is how benchmarks run a model on random inputs).
 
@@ -32,6 +33,8 @@ from qjax.optim import int8_params
 from qjax.train.config import ConfigError
 
 INT8 = "int8"  # config.model.param_dtype of INT8 weight-only training (module docstring)
+# config.model.arch of an "lm" task: (preset -> config, model class)
+LM_ARCHS = {"llama": (models.llama_config, models.Llama), "gpt2": (models.gpt2_config, models.GPT2)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +43,7 @@ class Task:
 
     Attributes:
       kind: "lm" or "image".
-      model_config: the `LlamaConfig` / `ViTConfig` the model was built from.
+      model_config: the `LlamaConfig` / `GPT2Config` / `ViTConfig` the model was built from.
       model: the Flax module.
       unit: what throughput counts, "tokens" or "images"; units_per_example: seq_len for "lm", 1 for "image".
       flops_per_unit: training FLOPs per token / image (for MFU).
@@ -111,7 +114,7 @@ class Task:
 
 
 def _model_overrides(config) -> dict:
-    overrides = {k: v for k, v in config.model.items() if k != "size" and v is not None}
+    overrides = {k: v for k, v in config.model.items() if k not in ("size", "arch") and v is not None}
     if "moe" in overrides:  # a ConfigDict of MoEConfig's fields
         overrides["moe"] = models.MoEConfig(**overrides["moe"])
     if overrides.get("param_dtype") == INT8:
@@ -149,6 +152,7 @@ def make_task(config, *, vocab_size: int | None = None, num_classes: int | None 
         if int8:
             int8_params.check_recipe(config.recipe)
         if config.task == "lm":
+            make_config, model_class = LM_ARCHS[config.model.get("arch", "llama")]  # checked by check_config
             init_from = config.get("init_from")
             if init_from:
                 model_config = _pretrained_config(init_from, overrides, vocab_size)
@@ -156,11 +160,11 @@ def make_task(config, *, vocab_size: int | None = None, num_classes: int | None 
                 if vocab_size is not None:
                     overrides["vocab_size"] = vocab_size
                 overrides.setdefault("max_seq_len", config.seq_len)
-                model_config = models.llama_config(config.model.size, **overrides)
+                model_config = make_config(config.model.size, **overrides)
             if config.seq_len > model_config.max_seq_len:
                 raise ValueError(f"config.seq_len {config.seq_len} exceeds config.model.max_seq_len "
                                  f"{model_config.max_seq_len}")
-            return Task("lm", model_config, models.Llama(model_config), "tokens", config.seq_len,
+            return Task("lm", model_config, model_class(model_config), "tokens", config.seq_len,
                         models.flops_per_token(model_config, config.seq_len), seq_len=config.seq_len,
                         int8_params=int8, init_from=init_from or None)
         if num_classes is not None:
