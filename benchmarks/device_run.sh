@@ -97,8 +97,9 @@ step_command() {
                            "--no-peer" ;;
         int8-params) echo "python3 benchmarks/train.py --rows int8_rowwise_int8_params int8_rowwise_bf16_params_sr" \
                           "--steps 5 --warmup 2 --no-peer" ;;
-        bitnet-conv) echo "python3 benchmarks/convergence.py --size 125m --seq-len 1024 --batch-size 16 --steps 800" \
-                          "--lr 6e-4 --recipes bf16 bitnet_b158 --png benchmarks/convergence_bitnet.png" ;;
+        bitnet-conv) echo "python3 benchmarks/convergence.py --size 125m --seq-len 1024 --batch-size 32 --steps 750" \
+                          "--lr 6e-4 --recipes bf16 bitnet_b158@1.2e-3 bitnet_b158@2.4e-3 --workdir /tmp/convergence" \
+                          "--png benchmarks/convergence_bitnet.png" ;;
         hf) echo "python3 -m pytest -x -q -p no:cacheprovider tests/models/test_hf_llama.py" \
                  "tests/models/test_generate.py" ;;
         hf-generate) echo "python3 benchmarks/generate.py" ;;

@@ -154,3 +154,10 @@ def test_compiled_kernels_on_the_gpu():
     with dispatch.force("kernel"):
         out = jax.jit(lambda x, w: qjax.dot_general(x, w, DIMS, recipe="bitnet_b158"))(x, w)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
+    cot = jax.random.normal(jax.random.key(2), out.shape)  # dgrad's int8 x ternary GEMM on the kernel: as the reference
+    dx = lambda: jax.jit(jax.grad(lambda x: jnp.sum(qjax.dot_general(x, w, DIMS, recipe="bitnet_b158") * cot)))(x)
+    with dispatch.force("kernel"):
+        got = dx()
+    with dispatch.force("reference"):
+        want = dx()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
