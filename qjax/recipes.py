@@ -110,9 +110,9 @@ def _same_three(name, gemm):
 
 _INT8_ROW = _gemm("int8", "row", "int8", "row")
 # BitNet b1.58: int8 activations per token x ternary weights (codes -1/0/1, scale mean |w|), on the int8 GEMM. dgrad
-# multiplies the gradient by the same ternary weight the forward did (the reference BitLinear's w + (Q(w) - w).detach():
-# dx is the gradient of the function the forward computed; an int8 copy of the float w there instead cost 3 to 10% of
-# final loss, benchmarks/NOTES.md), and wgrad reaches the float weight as if the rounding were the identity (the
+# multiplies the gradient by the same ternary weight the forward did, as the reference BitLinear's
+# w + (Q(w) - w).detach() does: dx is the gradient of the function the forward computed (the float w there trained
+# far worse, benchmarks/NOTES.md). wgrad reaches the float weight as if the rounding were the identity (the
 # straight-through estimator).
 _BITNET_FWD = GemmSpec(QuantSpec("int8", "row"), QuantSpec("ternary", "tensor"))
 _E4M3_ROW = _gemm("e4m3", "row", "e4m3", "row", pow2_scale=True)
