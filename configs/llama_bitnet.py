@@ -9,10 +9,10 @@ keep_high_precision=('lm_head',) does (the qkv and gate_up inputs are RMSNorm'd 
 o_proj and down_proj, as BitLinear's own, trained worse on the toy sweep). bitnet_b158_bf16_bwd runs the backward in
 bf16.
 
-Training: twice the full-precision configs' peak LR (BitNet b1.58 trains at higher LRs than full precision; the
-2B4T report's peak is 1.5e-3). On the toy CPU sweep (benchmarks/NOTES.md, BitNet convergence) 2x to 4x bf16's best
-LR ended within noise of each other and 1x 0.6% higher. A larger model keeps the ratio, e.g.
---config.model.size=125m --config.optimizer.lr=1.2e-3 beside bf16's 6e-4 (an untested guess until the GPU run).
+Training: twice the full-precision configs' peak LR, as BitNet b1.58 is trained at higher LRs than full precision
+(the 2B4T report's peak is 1.5e-3). On the toy CPU sweep (benchmarks/NOTES.md, BitNet convergence) 1x to 4x bf16's
+LR ended within noise of each other, so the factor rests on the reports until the 125M GPU run. A larger model
+keeps the ratio, e.g. --config.model.size=125m --config.optimizer.lr=1.2e-3 beside bf16's 6e-4.
 """
 
 from configs import llama_base
