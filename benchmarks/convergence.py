@@ -6,10 +6,13 @@ loss vs bf16 and a PNG.
   python benchmarks/convergence.py --recipes bf16 bitnet_b158 --png benchmarks/convergence_bitnet.png
   python benchmarks/convergence.py --model gpt2 --size gpt2 --recipes bf16 int8_dataflow fp8_dataflow \
       --seq-len 1024 --batch-size 32 --steps 600 --lr 6e-4      # GPT-2 small, Jetfire's setting; on a GPU
+  python benchmarks/convergence.py --lr 6e-4 --recipes bf16 bitnet_b158@1.2e-3 bitnet_b158@2.4e-3   # own peak LRs
 
 Each recipe trains from the same seed, data order and schedule (`qjax.train.train`, workdir
-runs/convergence/<model-size-steps-batch-seq-lr>/<recipe>; a finished run with the same settings is reused). Prints
-the final eval loss per recipe and its relative difference to bf16 (target: within 1%), appends the table to
+runs/convergence/<model-size-steps-batch-seq-lr>/<recipe>; a finished run with the same settings is reused). A
+recipe written RECIPE@LR (its workdir named so) trains at peak learning rate LR instead of --lr, the schedule's
+shape unchanged (BitNet b1.58 trains at a higher LR than its full-precision baseline: configs/llama_bitnet.py).
+Prints the final eval loss per recipe and its relative difference to bf16 (target: within 1%), appends the table to
 RESULTS.md, and plots the train and eval loss curves to benchmarks/convergence.png (GPT-2:
 benchmarks/convergence_gpt2.png).
 Needs the corpus: `make data` (or python -m qjax.data.prepare shakespeare --out data/shakespeare).
@@ -46,8 +49,16 @@ def main():
     args = parser.parse_args()
     base_config, label, png_name = MODELS[args.model]
 
+    entries = {}  # "RECIPE" or "RECIPE@LR" -> (recipe, its own peak lr or None)
+    for entry in args.recipes:
+        recipe, _, recipe_lr = entry.partition("@")
+        try:
+            entries[entry] = (recipe, float(recipe_lr) if recipe_lr else None)
+        except ValueError:
+            parser.error(f"--recipes {entry}: the learning rate after '@' must be a number, e.g. {recipe}@1.5e-3")
+
     workdirs, finals = [], {}
-    for recipe in args.recipes:
+    for entry, (recipe, recipe_lr) in entries.items():
         config = base_config.get_config()
         config.recipe = recipe
         config.data.path = str(REPO / "data" / "shakespeare")
@@ -58,15 +69,17 @@ def main():
             config.model.size = args.size
         if args.lr:
             config.optimizer.lr = args.lr
+        if recipe_lr is not None:
+            config.optimizer.lr = recipe_lr
         config.eval_every = max(config.steps // 6, 1)
         # One workdir per recipe and run shape: a finished run with the same settings is reused, never a different one.
         tag = (f"{args.model}-{config.model.size}-steps{config.steps}-b{config.batch_size}-t{config.seq_len}"
                f"-lr{config.optimizer.lr:g}")
-        workdir = pathlib.Path(args.workdir) / tag / recipe
-        print(f"== {recipe} -> {workdir}", flush=True)
+        workdir = pathlib.Path(args.workdir) / tag / entry  # the entry names its curves in the PNG
+        print(f"== {entry} -> {workdir}", flush=True)
         train(config, str(workdir))
         workdirs.append(str(workdir))
-        finals[recipe] = read_curves(str(workdir))[1][-1]
+        finals[entry] = read_curves(str(workdir))[1][-1]
 
     base = finals.get("bf16")
     lines = ["| recipe | final step | final eval loss | vs bf16 |", "|---|---:|---:|---:|"]
@@ -76,8 +89,9 @@ def main():
     config = base_config.get_config()
     size = args.size or config.model.size
     note = (f"{label} {size}, Shakespeare bytes, steps {args.steps or config.steps}, batch "
-            f"{args.batch_size or config.batch_size} x seq {args.seq_len or config.seq_len}, same seed and data "
-            "order per recipe; eval loss = mean over the config's eval batches.")
+            f"{args.batch_size or config.batch_size} x seq {args.seq_len or config.seq_len}, peak lr "
+            f"{args.lr or config.optimizer.lr:g} (RECIPE@LR: LR), same seed and data order per recipe; eval loss = "
+            "mean over the config's eval batches.")
     report = "\n".join(lines) + "\n\n" + note + "\n"
     print("\n" + report)
     png = pathlib.Path(args.png or REPO / "benchmarks" / png_name)

@@ -31,14 +31,15 @@
 # kernels compiled), bitnet (linear int8_rowwise vs bitnet_b158, no peer), bitnet-train (the 1.1B bf16 /
 # int8_rowwise / bitnet_b158 rows), int8-params (the 1.1B int8_rowwise rows with int8 weight-only and with bf16 + SR
 # params: run it after bitnet-train, whose int8_rowwise row has float32 params), bitnet-conv (125M convergence, bf16
-# vs bitnet_b158: carry "data"), gpt2-conv (GPT-2 small, 600 steps of 32 x 1024 bytes, bf16 vs the data-flow
-# recipes, Jetfire's setting: carry "data"; convergence_gpt2.png comes back in $OUT), fsdp1 (the 1.1B bf16 and
-# int8_rowwise rows with the default mesh, fsdp=1 on one GPU: "fsdp1 fsdp1@base" is the before/after of the mesh
-# code on one GPU). A step written STEP@base runs in .baseline, an exported tree of another commit (`git archive
-# REV | tar -x -C .baseline`, carried): a before/after A/B in one call. On a machine with several GPUs, "A B -- C D"
-# runs the lanes A B and C D at the same time, one GPU each. Steps: profile-int8-dataflow (benchmarks/profile_train.py
-# of the 1.1B int8_dataflow row), dataflow-mem (the 1.1B data-flow rows with adamw_fp8 states: peak memory), hf-vit
-# (the Hugging Face ViT tests: load_hf_vit / save_hf_vit, transformers parity included).
+# vs bitnet_b158: carry "data"; bitnet-conv-lr after it adds bitnet_b158 at 2x bf16's LR, reusing its runs),
+# gpt2-conv (GPT-2 small, 600 steps of 32 x 1024 bytes, bf16 vs the data-flow recipes, Jetfire's setting: carry
+# "data"; convergence_gpt2.png comes back in $OUT), fsdp1 (the 1.1B bf16 and int8_rowwise rows with the default mesh,
+# fsdp=1 on one GPU: "fsdp1 fsdp1@base" is the before/after of the mesh code on one GPU). A step written STEP@base
+# runs in .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a
+# before/after A/B in one call. On a machine with several GPUs, "A B -- C D" runs the lanes A B and C D at the same
+# time, one GPU each. Steps: profile-int8-dataflow (benchmarks/profile_train.py of the 1.1B int8_dataflow row),
+# dataflow-mem (the 1.1B data-flow rows with adamw_fp8 states: peak memory), hf-vit (the Hugging Face ViT tests:
+# load_hf_vit / save_hf_vit, transformers parity included).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}
@@ -104,8 +105,12 @@ step_command() {
                            "--no-peer" ;;
         int8-params) echo "python3 benchmarks/train.py --rows int8_rowwise_int8_params int8_rowwise_bf16_params_sr" \
                           "--steps 5 --warmup 2 --no-peer" ;;
-        bitnet-conv) echo "python3 benchmarks/convergence.py --size 125m --seq-len 1024 --batch-size 16 --steps 800" \
-                          "--lr 6e-4 --recipes bf16 bitnet_b158 --png benchmarks/convergence_bitnet.png" ;;
+        bitnet-conv) echo "python3 benchmarks/convergence.py --size 125m --seq-len 1024 --batch-size 32 --steps 750" \
+                          "--lr 6e-4 --recipes bf16 bitnet_b158 --workdir /tmp/convergence" \
+                          "--png benchmarks/convergence_bitnet.png" ;;
+        bitnet-conv-lr) echo "python3 benchmarks/convergence.py --size 125m --seq-len 1024 --batch-size 32" \
+                             "--steps 750 --lr 6e-4 --recipes bf16 bitnet_b158 bitnet_b158@1.2e-3" \
+                             "--workdir /tmp/convergence --png benchmarks/convergence_bitnet.png" ;;
         hf) echo "python3 -m pytest -x -q -p no:cacheprovider tests/models/test_hf_llama.py" \
                  "tests/models/test_generate.py" ;;
         hf-vit) echo "python3 -m pytest -x -q -p no:cacheprovider tests/models/test_hf_vit.py" ;;

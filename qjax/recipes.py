@@ -109,9 +109,11 @@ def _same_three(name, gemm):
 
 
 _INT8_ROW = _gemm("int8", "row", "int8", "row")
-# BitNet b1.58: int8 activations per token x ternary weights (codes -1/0/1, scale mean |w|), on the int8 GEMM. The
-# backward GEMMs read the high-precision weight (the straight-through estimator: the gradient reaches w as if the
-# ternary rounding were the identity).
+# BitNet b1.58: int8 activations per token x ternary weights (codes -1/0/1, scale mean |w|), on the int8 GEMM. dgrad
+# multiplies the gradient by the same ternary weight the forward did, as the reference BitLinear's
+# w + (Q(w) - w).detach() does: dx is the gradient of the function the forward computed (the float w there trained
+# far worse, benchmarks/NOTES.md). wgrad reaches the float weight as if the rounding were the identity (the
+# straight-through estimator).
 _BITNET_FWD = GemmSpec(QuantSpec("int8", "row"), QuantSpec("ternary", "tensor"))
 _E4M3_ROW = _gemm("e4m3", "row", "e4m3", "row", pow2_scale=True)
 
@@ -137,7 +139,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            fwd=_gemm("int8", "1x128", "int8", "128x128"),
            dgrad=_gemm("int8", "1x128", "int8", "128x128"),
            wgrad=_gemm("int8", "1x128", "int8", "1x128")),
-    Recipe("bitnet_b158", fwd=_BITNET_FWD, dgrad=_INT8_ROW, wgrad=_INT8_ROW),
+    Recipe("bitnet_b158", fwd=_BITNET_FWD, dgrad=_BITNET_FWD, wgrad=_INT8_ROW),
     Recipe("bitnet_b158_bf16_bwd", fwd=_BITNET_FWD),
     # OCP MXFP8 (torchao's mxfp8): e4m3 codes, E8M0 scales per 32 of each GEMM's contracting dim, every operand.
     # Scales in RCEIL mode (NVIDIA's), not torchao's default FLOOR: FLOOR saturates block maxima above 448 * 2^k and

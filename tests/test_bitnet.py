@@ -44,13 +44,13 @@ def test_ternary_quantization_is_the_absmean_formula():
 
 
 def test_fused_quantize_kernel_matches_the_reference_bit_for_bit():
-    """The weight's pair (ternary (N, K) for the forward, int8 rows of (K, N) for dgrad) from the fused kernel."""
+    """The weight's pair (ternary (N, K) for the forward, ternary (K, N) for dgrad) from the fused kernel."""
     from qjax.kernels import quantize_mgpu
     from qjax.quantize import quantize_pair_reference
 
     _, w = _xw(k=128)
     w = w.at[5, 7].set(0.5)  # one large weight: most codes 0, a few +-1
-    specs = (qjax.QuantSpec("ternary", "tensor"), qjax.QuantSpec("int8", "row"))
+    specs = (qjax.QuantSpec("ternary", "tensor"),) * 2
     got = quantize_mgpu.quantize_pair_kernel(w, *specs, interpret=True)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(quantize_pair_reference(w, *specs, None, None))):
         np.testing.assert_array_equal(a, b)
@@ -66,7 +66,7 @@ def test_forward_equals_the_formula(mode):
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
 
 
-def test_gradients_pass_straight_through_the_ternary_rounding():
+def test_gradients_are_the_forward_functions_with_a_straight_through_weight():
     x, w = _xw()
     cot = jax.random.normal(jax.random.key(2), (x.shape[0], w.shape[0]))
 
@@ -74,11 +74,19 @@ def test_gradients_pass_straight_through_the_ternary_rounding():
         loss = lambda x, w: jnp.sum(qjax.dot_general(x, w, DIMS, recipe=recipe) * cot)
         return jax.grad(loss, (0, 1))(x, w)
 
-    # The backward GEMMs read the high-precision w and x: the int8_rowwise (bf16) backward of the same layer, bit
-    # for bit, as if the forward had not rounded w to {-1, 0, 1}.
-    for bitnet, same_backward in (("bitnet_b158", "int8_rowwise"), ("bitnet_b158_bf16_bwd", "bf16")):
-        for got, want in zip(grads(bitnet), grads(same_backward)):
-            np.testing.assert_array_equal(got, want)
+    dx, dw = grads("bitnet_b158")
+    # wgrad: the int8_rowwise weight gradient, bit for bit, as if the forward had not rounded w to {-1, 0, 1}.
+    np.testing.assert_array_equal(dw, grads("int8_rowwise")[1])
+    # dgrad: the cotangent times the ternary weight the forward multiplied by (int8 rows of the cotangent), as the
+    # reference BitLinear's w + (Q(w) - w).detach() gives; not times the float w.
+    _, codes, scale = _formula(x, w)
+    want = cot @ (codes * scale)
+    np.testing.assert_allclose(dx, want, rtol=0, atol=1e-2 * float(jnp.max(jnp.abs(want))))
+    assert float(jnp.max(jnp.abs(cot @ w - want))) > 0.1 * float(jnp.max(jnp.abs(want)))  # the test tells them apart
+    g_scale = jnp.max(jnp.abs(cot), axis=1, keepdims=True) / 127  # exactly: int8 codes of cot . ternary codes
+    g_codes = jnp.clip(jnp.round(cot / g_scale), -127, 127)
+    np.testing.assert_allclose(dx, (g_codes @ codes) * g_scale * scale, rtol=1e-5,
+                               atol=1e-5 * float(jnp.max(jnp.abs(want))))
     dx, dw = grads("bitnet_b158_bf16_bwd")
     np.testing.assert_allclose(dw, cot.T @ x, rtol=1e-5, atol=1e-5)  # the exact gradient of x . w^T
     assert float(jnp.max(jnp.abs(dw))) > 0
@@ -125,7 +133,7 @@ def test_tiny_llama_trains_with_bitnet():
 def test_recipe_variants_are_dataclass_replacements():
     r = qjax.recipe("bitnet_b158")
     assert r.fwd.rhs == qjax.QuantSpec("ternary", "tensor") and r.fwd.lhs == qjax.QuantSpec("int8", "row")
-    assert r.dgrad == r.wgrad == qjax.recipe("int8_rowwise").dgrad
+    assert r.dgrad == r.fwd and r.wgrad == qjax.recipe("int8_rowwise").wgrad
     assert qjax.recipe("bitnet_b158_bf16_bwd") == dataclasses.replace(r, name="bitnet_b158_bf16_bwd", dgrad=None,
                                                                        wgrad=None)
 
@@ -138,7 +146,7 @@ def test_compiled_kernels_on_the_gpu():
     from qjax.quantize import quantize_pair_reference
 
     x, w = _xw(m=2048, k=1536, n=1024)
-    specs = (qjax.QuantSpec("ternary", "tensor"), qjax.QuantSpec("int8", "row"))
+    specs = (qjax.QuantSpec("ternary", "tensor"),) * 2
     got = jax.jit(lambda w: quantize_mgpu.quantize_pair_kernel(w, *specs))(w)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(quantize_pair_reference(w, *specs, None, None))):
         np.testing.assert_array_equal(a, b)
@@ -146,3 +154,10 @@ def test_compiled_kernels_on_the_gpu():
     with dispatch.force("kernel"):
         out = jax.jit(lambda x, w: qjax.dot_general(x, w, DIMS, recipe="bitnet_b158"))(x, w)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(expected))))
+    cot = jax.random.normal(jax.random.key(2), out.shape)  # dgrad's int8 x ternary GEMM on the kernel: as the reference
+    dx = lambda: jax.jit(jax.grad(lambda x: jnp.sum(qjax.dot_general(x, w, DIMS, recipe="bitnet_b158") * cot)))(x)
+    with dispatch.force("kernel"):
+        got = dx()
+    with dispatch.force("reference"):
+        want = dx()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
