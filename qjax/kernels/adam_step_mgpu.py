@@ -27,7 +27,9 @@ register-only programs hide the memory latency through occupancy, faster than st
 
 Bit-exactness: under the CPU interpreter the kernel's XLA ops equal the jitted reference bit for bit. Compiled on a
 GPU, XLA and Mosaic GPU may contract a*b+c into FMAs differently, so values can differ by an ulp and, rarely, a code
-by one or two steps (e4m3, or neighbouring 8-bit codes; see tests/optim/test_fused_kernel.py).
+by one or two steps (e4m3, or neighbouring 8-bit codes; see tests/optim/test_fused_kernel.py). A bfloat16 param's
+stochastic rounding then lands on the other grid point where its random bits sit within that ulp of the carry
+(~2**-16 per float32 ulp): one bf16 ulp apart, or, where p + lr * u cancels to near zero, the few float32 ulps of p.
 """
 
 import functools

@@ -63,9 +63,10 @@ def apply_gradients(tx, grads, opt_state, params, key=None):
     streams (`qjax.optim.streaming`: temporaries of about one group of tensors) and computes each param's update in
     float32, then rounds it to the param's dtype (bfloat16: stochastically with `key`, bits as `apply_updates_sr`
     draws them); float32 params and gradients get exactly update + apply_updates. With `use_kernel=True`, each
-    tensor with e4m3 or 8-bit states and float32 params (or bfloat16 params and gradients) is updated by one fused
-    kernel that reads and writes param, gradient and states once (`qjax.optim.fused_adam`; on a GPU its results may
-    differ from the jnp step by float32 rounding).
+    tensor with e4m3 or 8-bit states and float32 params (or bfloat16 params and gradients, with `key`) is updated by
+    one fused kernel that reads and writes param, gradient and states once (`qjax.optim.fused_adam`; on a GPU its
+    results may differ from the jnp step by float32 rounding, which moves a bfloat16 param's stochastic rounding to
+    the neighbouring grid point now and then).
 
     key: a `jax.random.key`, fresh every step, for bfloat16 params (None: they are rounded to nearest).
     """
@@ -189,9 +190,8 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     def step_fn(grads, state, params, key=None):
         run_kernel, interpret = dispatch.kernel_mode() if use_kernel else (False, False)
         seeds = None if key is None else sr_params.leaf_seeds(key, len(jax.tree.leaves(params)))
-        # bfloat16 params + SR stay on the streamed jnp step until the kernel's bf16 path passes its GPU test
-        # (benchmarks/NOTES.md, "bf16 + SR kernel"); float32 params take the kernel.
-        eligible = lambda g, mu, nu, p: run_kernel and fused_adam.kernel_eligible(p, g, mu, nu)
+        # bfloat16 params take the kernel when a key seeds their stochastic rounding (to nearest: the jnp step)
+        eligible = lambda g, mu, nu, p: run_kernel and fused_adam.kernel_eligible(p, g, mu, nu, key is not None)
 
         def tensor_step(g, mu, nu, p, offset, wd, c, seed):
             step_size = jnp.asarray(c.step_size, jnp.float32)
