@@ -36,7 +36,8 @@
 # .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after
 # A/B in one call.
 # adam-sr-diag: bf16 params + SR in the fused AdamW kernel vs its reference, both sides' float32 intermediates
-# where params differ and the PTX's float32 op counts (Mosaic GPU and XLA dumps).
+# where params differ and the PTX's float32 op counts (Mosaic GPU and XLA dumps); optim-sr: the bf16 + SR AdamW step
+# (8-bit and e4m3 states), streamed jnp against the fused kernel, each against optax.adamw (float32).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}
@@ -64,6 +65,7 @@ step_command() {
         adam-sr-diag) echo "env MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp XLA_FLAGS=--xla_dump_to=/tmp/adam_xla" \
                           "python3 -m pytest -q -s -p no:cacheprovider -m gpu -k diagnosis" \
                           "tests/optim/test_fused_kernel.py" ;;
+        optim-sr) echo "python3 benchmarks/optim.py --rows 8bit_sr 8bit_sr_kernel fp8_sr fp8_sr_kernel --rounds 3" ;;
         quantize) echo "python3 benchmarks/kernels.py quantize --shapes 16384x4096 16384x14336" ;;
         gemm) echo "python3 benchmarks/kernels.py gemm --sizes 4096 8192 --cases" \
                    "int8_block fp8_block fp8_tensor_precise" ;;

@@ -603,24 +603,26 @@ def _ptx_op_counts():
 def test_gpu_bf16_sr_diagnosis(fmt):
     """Where the compiled kernel's bf16 + SR params differ from the reference's, prints both sides' float32
     intermediates (m, v, direction, new param before rounding) and the random bits; asserts that the kernel's bf16
-    param is the reference's rounding (`sr_params.round_param`, its bits) of the kernel's float32 new param, so a
-    difference comes from float32 arithmetic alone (`device_run.sh adam-sr-diag`, which also dumps the PTX)."""
+    param is the reference's rounding (`sr_params.round_param`, its bits) of the kernel's float32 new param (its
+    float32-param run), so a difference comes from float32 arithmetic alone. `device_run.sh adam-sr-diag` runs it
+    and dumps the PTX."""
     assert on_hopper_gpu(), jax.devices()
     p, g, mu, nu, c, seed = _sr_case(fmt)
     kernel, reference = _sr_steps(fmt, seed)
     p_k, p_r = (np.asarray(f(p, g, mu, nu, *c)[0], np.float32).reshape(-1) for f in (kernel, reference))
     k_vals = [np.asarray(x).reshape(-1) for x in _intermediates_in_kernel(p, g, mu, nu, jnp.stack(c), fmt, None)]
     r_vals = [np.asarray(x).reshape(-1) for x in _reference_intermediates(p, g, mu, nu, *c)]
-    y_step = np.asarray(fused_adam.fused_step(p.astype(jnp.float32), g.astype(jnp.float32), mu, nu, B1, B2, EPS, *c,
-                                              0.01)[0]).reshape(-1)  # the step kernel's float32 path
+    step_f32 = jax.jit(lambda p, g, mu, nu, *c: fused_adam.fused_step(p, g, mu, nu, B1, B2, EPS, *c, 0.01)[0])
+    y_step = np.asarray(step_f32(p.astype(jnp.float32), g.astype(jnp.float32), mu, nu, *c)).reshape(-1)
     rounded = jax.jit(lambda y: sr_params.round_param(y, jnp.bfloat16, seed))
-    sr_k, sr_r = (np.asarray(rounded(jnp.asarray(v[3])), np.float32) for v in (k_vals, r_vals))
+    sr_k, sr_r, sr_step = (np.asarray(rounded(jnp.asarray(y)), np.float32) for y in (k_vals[3], r_vals[3], y_step))
     bits = np.asarray(stochastic.element_bits(seed, (p.size,))) & 0xFFFF
     p32, g32 = np.asarray(p, np.float32).reshape(-1), np.asarray(g, np.float32).reshape(-1)
     _ptx_op_counts()
     print(f"{fmt}: kernel's f32 new param == step kernel's f32 path: {np.mean(k_vals[3] == y_step):.6f}; "
-          f"SR(kernel f32) == kernel bf16: {np.mean(sr_k == p_k):.6f}; SR(reference f32) == reference bf16: "
-          f"{np.mean(sr_r == p_r):.6f}")
+          f"SR(kernel f32) == kernel bf16: {np.mean(sr_k == p_k):.6f}, SR(step kernel f32): "
+          f"{np.mean(sr_step == p_k):.6f}; "
+          f"SR(reference f32) == reference bf16: {np.mean(sr_r == p_r):.6f}")
     for name, a, b in zip(("m", "v", "direction", "new p f32"), k_vals, r_vals):
         ulps = _ulps(a, b)
         print(f"{fmt} {name}: differ {np.mean(a != b):.2e}, max {ulps.max()} ulps")
@@ -635,5 +637,5 @@ def test_gpu_bf16_sr_diagnosis(fmt):
         print(f"{i} {p32[i]:.6g} {g32[i]:.6g} | {k_vals[0][i]:.9g} {r_vals[0][i]:.9g} | {k_vals[1][i]:.9g} "
               f"{r_vals[1][i]:.9g} | {k_vals[2][i]:.9g} {r_vals[2][i]:.9g} | {k_vals[3][i]:.9g} {r_vals[3][i]:.9g} "
               f"({_ulps(k_vals[3][i:i + 1], r_vals[3][i:i + 1])[0]}) | {bits[i]:#06x} | {p_k[i]:.9g} {p_r[i]:.9g}")
-    np.testing.assert_array_equal(sr_k, p_k)  # the kernel rounds its float32 value exactly as the reference would
+    np.testing.assert_array_equal(sr_step, p_k)  # the kernel rounds its float32 value exactly as the reference would
     assert beyond.size == 0
