@@ -23,7 +23,10 @@ from qjax.kernels import adam_step_mgpu, resolve_interpret
 from qjax.optim import adam, blockwise, fused_adam, sr_params
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
-FORMATS = {"e4m3": ("e4m3", "e4m3"), "8bit": ("dynamic_signed_8bit", "dynamic_unsigned_8bit")}
+FORMATS = {"e4m3": ("e4m3", "e4m3"), "8bit": ("dynamic_signed_8bit", "dynamic_unsigned_8bit"),
+           "4bit": ("dynamic_signed_4bit", "linear_unsigned_4bit")}
+EIGHT_BIT = ["8bit", "e4m3"]  # most interpreter tests run for these only (4-bit: test_4bit_states, for time)
+ADAMW = {"e4m3": optim.adamw_fp8, "8bit": optim.adamw_8bit, "4bit": optim.adamw_4bit}
 
 
 def _config(fmt="e4m3", block_size=256):
@@ -81,7 +84,7 @@ def _assert_identical(out, ref):
 
 
 @interpreter_only
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", EIGHT_BIT)
 @pytest.mark.parametrize("shape,step,weight_decay", [
     ((64, 256), 1, 0.01),       # 64 blocks: 16 programs, one tile of 4 blocks each
     ((24, 256), 7, 0.0),        # 24 blocks: 6 programs; no weight decay (optax skips the add)
@@ -95,7 +98,7 @@ def test_kernel_matches_reference(fmt, shape, step, weight_decay):
 
 
 @interpreter_only
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", EIGHT_BIT)
 @pytest.mark.parametrize("shape", [(40, 128), (44, 128)])  # 8-row tiles; 44 blocks: 4-row tiles (44 % 8 != 0)
 def test_block_128(fmt, shape):
     p, g, mu, nu = _inputs(shape, seed=3, block_size=128, fmt=fmt)
@@ -104,7 +107,7 @@ def test_block_128(fmt, shape):
 
 
 @interpreter_only
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", EIGHT_BIT)
 def test_zero_gradient(fmt):
     c = _coefficients(1)
     p, g, mu, nu = _inputs((8, 256), zero_states=True, fmt=fmt)
@@ -120,7 +123,7 @@ def test_zero_gradient(fmt):
 
 
 @interpreter_only
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", EIGHT_BIT)
 def test_nan_and_inf_gradients(fmt):
     p, g, mu, nu = _inputs((12, 256), seed=6, fmt=fmt)
     g = g.at[1, 7].set(jnp.nan).at[5, 0].set(jnp.inf).at[9, 255].set(-jnp.inf)
@@ -134,7 +137,20 @@ def test_nan_and_inf_gradients(fmt):
 
 
 @interpreter_only
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_4bit_states():
+    """adamw_4bit's states (two codes per byte, unpacked and packed in registers): bit for bit the reference, with
+    4-row tiles of 128-element blocks and NaN / Inf gradients."""
+    p, g, mu, nu = _inputs((44, 128), seed=8, block_size=128, fmt="4bit")
+    assert mu.codes.shape == (44, 64) and fused_adam.kernel_eligible(p, g, mu, nu)
+    g = g.at[1, 7].set(jnp.nan).at[5, 0].set(jnp.inf)
+    c = _coefficients(4)
+    out = _kernel(p, g, mu, nu, *c)
+    _assert_identical(out, _reference(p, g, mu, nu, *c, config=_config("4bit", 128)))
+    assert np.isnan(np.asarray(fused_adam._scale(out[1]))[1]) and np.isinf(np.asarray(fused_adam._scale(out[1]))[5])
+
+
+@interpreter_only
+@pytest.mark.parametrize("fmt", EIGHT_BIT)
 @pytest.mark.parametrize("shape,block_size", [((24, 256), 256), ((44, 128), 128)])
 def test_bf16_params_with_stochastic_rounding(fmt, shape, block_size):
     """bfloat16 param and gradient with a seed: the kernel rounds the float32 new param stochastically with the
@@ -159,7 +175,7 @@ def test_bf16_params_with_stochastic_rounding(fmt, shape, block_size):
 
 
 def _train(use_kernel, params, grads, lr=1e-3, mask=None, weight_decay=0.01, fmt="e4m3"):
-    make = optim.adamw_fp8 if fmt == "e4m3" else optim.adamw_8bit
+    make = ADAMW[fmt]
     tx = make(lr, weight_decay=weight_decay, mask=mask, use_kernel=use_kernel)
     p, state = params, tx.init(params)
     step = jax.jit(lambda p, s, g: optim.apply_gradients(tx, g, s, p))
@@ -256,14 +272,14 @@ def test_use_kernel_off_hopper_takes_the_optax_path():
 
 
 @interpreter_only
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", EIGHT_BIT)
 def test_chain_fused_clips_then_takes_the_kernel(kernel_calls, fmt):
     """chain_fused(clip, adamw) steps through the kernel with the clipped gradients: bit for bit the bare adamw's
     kernel step on gradients clipped by hand. Wrapped in optax.chain it is the optax path (no kernel call)."""
     params = {"w": jax.random.normal(jax.random.key(0), (32, 256)) * 0.1, "b": jnp.zeros(256)}
     grads = [jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.key(i + 1), p.shape) * 1e-2, params)
              for i in range(3)]
-    make = lambda: (optim.adamw_fp8 if fmt == "e4m3" else optim.adamw_8bit)(
+    make = lambda: ADAMW[fmt](
         optax.linear_schedule(1e-3, 5e-4, 10), weight_decay=0.01, use_kernel=True)
     clip = optax.clip_by_global_norm(0.1)  # global norm ~0.9: clipping acts
     tx, bare = optim.chain_fused(clip, make()), make()
@@ -305,8 +321,9 @@ def test_errors():
     *_, nu8 = _inputs((4, 256), fmt="8bit")  # m e4m3 with v 8-bit: not a kernel pair
     assert fused_adam.kernel_eligible(*_inputs((4, 256), fmt="8bit")) and not fused_adam.kernel_eligible(p, g, mu, nu8)
     with pytest.raises(ValueError, match="use_kernel=True"):
-        optim.quantized_adamw(adam.StateConfig("dynamic_signed_4bit", "linear_unsigned_4bit", 128), 1e-3,
+        optim.quantized_adamw(adam.StateConfig("dynamic_signed_4bit", "linear_unsigned_4bit", 64), 1e-3,
                               use_kernel=True)
+    assert isinstance(optim.adamw_4bit(1e-3, use_kernel=True), optim.FusedTransformation)
     p6, g6, mu6, nu6 = _inputs((6, 256))  # 6 blocks: not a multiple of 4 -> not eligible (optax path)
     assert not fused_adam.kernel_eligible(p6, g6, mu6, nu6)
     with pytest.raises(ValueError, match="shapes differ"):
@@ -359,13 +376,42 @@ def _check_codec_in_kernel(map_name, interpret):
     np.testing.assert_array_equal(encoded, np.asarray(codebooks.encode_brute_force(jnp.asarray(x), qmap)))
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "8bit"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_lowers_for_hopper(fmt):
     """The Mosaic GPU lowering succeeds for sm_90 on any host (the 8-bit path with its SMEM tables and lookups)."""
     p, g, mu, nu = _inputs((16, 256), fmt=fmt)
     step = lambda p, g, mu, nu: fused_adam.fused_step(p, g, mu, nu, B1, B2, EPS, *_coefficients(3), 0.01)
     lowered = jax.jit(step).trace(p, g, mu, nu).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def _check_nibbles_in_kernel(block, interpret):
+    """The kernel's 4-bit code (un)packing in registers, interpreted or compiled: every byte value, unpacked in
+    `_LAYOUT`, equals `blockwise.unpack_4bit`, and packed back equals the input."""
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    packed = np.tile(np.arange(256, dtype=np.uint8), 8 * block // 2 // 256 + 1)[:8 * block // 2].reshape(8, -1)
+    params = resolve_interpret(interpret)
+
+    def body(packed_ref, codes_ref, repacked_ref):
+        tile = pl.ds(lax.axis_index("program") * 4, 4)
+        codes = adam_step_mgpu._unpack(adam_step_mgpu._load(packed_ref.at[tile], adam_step_mgpu._PACKED_LAYOUT),
+                                       params is not None)
+        codes_ref.at[tile][...] = codes
+        repacked_ref.at[tile][...] = adam_step_mgpu._pack(codes, params is not None)
+
+    out = (jax.ShapeDtypeStruct((8, block), jnp.uint8), jax.ShapeDtypeStruct((8, block // 2), jnp.uint8))
+    codes, repacked = jax.jit(plgpu.kernel(body, out_type=out, grid=(2,), grid_names=("program",),
+                                           interpret=params))(jnp.asarray(packed))
+    np.testing.assert_array_equal(np.asarray(codes), np.asarray(blockwise.unpack_4bit(jnp.asarray(packed))))
+    np.testing.assert_array_equal(np.asarray(repacked), packed)
+
+
+@interpreter_only
+def test_nibbles_in_kernel():
+    _check_nibbles_in_kernel(128, interpret=True)
 
 
 @interpreter_only
@@ -380,10 +426,13 @@ def _ulps(a, b):
     return np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64))
 
 
-def _code_steps(codes):
-    """Codes as integers whose differences count steps between neighbouring values: 8-bit codes index a sorted map;
-    e4m3 codes (sign-magnitude) become signed step counts from zero, so +0 and -0 are both 0."""
-    if codes.dtype == jnp.uint8:
+def _code_steps(state):
+    """A state's codes as integers whose differences count steps between neighbouring values: code book codes index
+    a sorted map (4-bit ones unpacked); e4m3 codes (sign-magnitude) become signed step counts from zero, so +0 and -0
+    are both 0."""
+    codes = state.codes
+    if isinstance(state, blockwise.CodebookState):
+        codes = blockwise.unpack_4bit(codes) if blockwise.CODEBOOK_FORMATS[state.qmap] == 4 else codes
         return np.asarray(codes).astype(np.int32)
     bits = np.asarray(codes).view(np.uint8).astype(np.int32)
     return np.where(bits & 0x80, -(bits & 0x7F), bits & 0x7F)
@@ -409,7 +458,7 @@ def _assert_close_gpu(out, ref, label):
         # m and v = old + (1 - b) * (new - old) may each round differently under FMA contraction (an ulp or two),
         # and absmax / 448 can land in the binade below absmax's, where ulps are half as large (3 seen on an H100).
         assert ulps.max(initial=0) <= 4, (name, ulps.max())
-        codes, codes_ref = _code_steps(got.codes), _code_steps(want.codes)
+        codes, codes_ref = _code_steps(got), _code_steps(want)
         diff = codes != codes_ref
         fine = finite[:, None] & diff
         # A few ulps of m or of the scale move a code to its neighbour, two steps where the value sits near a
@@ -435,7 +484,7 @@ def test_gpu_kernel_matches_reference(shape, step, block, fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", EIGHT_BIT)
 def test_gpu_zero_nan_and_no_decay(fmt):
     c = _coefficients(2)
     p, g, mu, nu = _inputs((1024, 1024), seed=9, zero_states=True, fmt=fmt)
@@ -451,12 +500,12 @@ def test_gpu_zero_nan_and_no_decay(fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", EIGHT_BIT)
 def test_gpu_apply_gradients_uses_kernel_and_tracks_optax(fmt):
     params = {"w": jax.random.normal(jax.random.key(0), (2048, 2048)), "b": jnp.zeros(2048)}
     grads = [jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.key(i + 1), p.shape) * 1e-3, params)
              for i in range(5)]
-    tx = (optim.adamw_fp8 if fmt == "e4m3" else optim.adamw_8bit)(1e-3, weight_decay=0.1, use_kernel=True)
+    tx = ADAMW[fmt](1e-3, weight_decay=0.1, use_kernel=True)
     text = jax.jit(lambda p, s, g: optim.apply_gradients(tx, g, s, p)).lower(params, tx.init(params),
                                                                              grads[0]).as_text()
     assert "mosaic_gpu" in text
@@ -471,6 +520,13 @@ def test_gpu_apply_gradients_uses_kernel_and_tracks_optax(fmt):
     print(f"{fmt} apply_gradients vs optax path after 5 steps: max |dp| {diff.max():.3g}, "
           f"fraction > 1e-8: {np.mean(diff > 1e-8):.2e}")
     assert np.mean(diff > 1e-8) <= 1e-2 and diff.max() <= bound, (np.mean(diff > 1e-8), diff.max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [128, 256])
+def test_gpu_nibbles_in_kernel(block):
+    assert on_hopper_gpu(), jax.devices()
+    _check_nibbles_in_kernel(block, interpret=None)
 
 
 @pytest.mark.gpu
@@ -501,7 +557,7 @@ def _sr_steps(fmt, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", EIGHT_BIT)
 def test_gpu_bf16_stochastic_rounding_matches_reference(fmt):
     """Compiled, bfloat16 params + SR: XLA contracts multiply-adds into FMAs where Mosaic GPU may not, so the float32
     new param differs by ulps (as for float32 params), and a stochastic rounding whose random bits sit within that
@@ -518,7 +574,7 @@ def test_gpu_bf16_stochastic_rounding_matches_reference(fmt):
     assert differ.mean() <= 1e-4
     assert _sr_bound_holds(p_k, p_r, p32).all()
     _assert_close_gpu((p_r, mu_k, nu_k), (p_r, mu_r, nu_r), f"{fmt} bf16 + SR states")
-    tx = (optim.adamw_fp8 if fmt == "e4m3" else optim.adamw_8bit)(1e-3, use_kernel=True)
+    tx = ADAMW[fmt](1e-3, use_kernel=True)
     params = {"w": p}
     text = jax.jit(lambda p, s, g, k: optim.apply_gradients(tx, g, s, p, k)).lower(
         params, tx.init(params), {"w": g}, jax.random.key(0)).as_text()
@@ -565,10 +621,10 @@ def _reference_intermediates(p, g, mu, nu, bc1, bc2_sqrt, step_size):
 
 
 @interpreter_only
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_intermediates_in_kernel(fmt):
+def test_intermediates_in_kernel(fmt="8bit"):
     """The diagnosis kernel below computes what the step kernel does: its new param is the step kernel's (float32
-    params), and its intermediates equal the reference's, under the interpreter."""
+    params), and its intermediates equal the reference's, under the interpreter (8-bit states: tables and lookups;
+    e4m3 runs on the GPU)."""
     p, g, mu, nu = _inputs((8, 256), seed=2, fmt=fmt)
     c = _coefficients(2)
     got = _intermediates_in_kernel(p, g, mu, nu, jnp.stack(c), fmt, interpret=True)
@@ -599,7 +655,7 @@ def _ptx_op_counts():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("fmt", EIGHT_BIT)
 def test_gpu_bf16_sr_diagnosis(fmt):
     """Where the compiled kernel's bf16 + SR params differ from the reference's, prints both sides' float32
     intermediates (m, v, direction, new param before rounding) and the random bits; asserts that the kernel's bf16
