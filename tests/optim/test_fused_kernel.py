@@ -1,4 +1,5 @@
-"""The fused Mosaic GPU AdamW step kernel (e4m3 and 8-bit states) against its jitted jnp reference, apply_gradients.
+"""The fused Mosaic GPU AdamW step kernel (e4m3, 8-bit and 4-bit states) against its jitted jnp reference, and
+apply_gradients.
 
 On CPU the kernel runs under the Mosaic GPU interpreter and must equal the reference bit for bit: new param, codes
 (compared as uint8) and scales / absmax (NaN where the reference has NaN). The reference is jitted because that is
