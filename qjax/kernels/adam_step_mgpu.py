@@ -40,10 +40,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-import numpy as np
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref, vector
 
@@ -108,7 +108,7 @@ def code_table(fmt: str) -> jax.Array:
     return jnp.asarray(np.pad(table, (0, -table.size % _TABLE_COLUMNS)).reshape(-1, _TABLE_COLUMNS))
 
 
-def is_packed(fmt: str) -> bool:
+def _is_packed(fmt: str) -> bool:
     """Whether a format stores two 4-bit codes per byte (codes (n, B / 2)): element 2i in the high nibble."""
     return fmt != "e4m3" and codebooks.get_map(fmt).size == 16
 
@@ -165,7 +165,7 @@ def _pack(codes: jax.Array, interpret: bool) -> jax.Array:
 
 def _dequantize_rows(codes: jax.Array, scale: jax.Array, fmt: str, table) -> jax.Array:
     """codes (R, B) e4m3 or uint8, scale f32 (R,) -> f32 (R, B): the reference's state dequantization row by row.
-    table: the 8-bit format's `codebooks.codec_table` lookup (index -> value); unused for e4m3."""
+    table: the code book format's `codebooks.codec_table` lookup (index -> value); unused for e4m3."""
     if fmt == "e4m3":
         values = codes.astype(jnp.float32)
     else:
@@ -201,19 +201,19 @@ def _round_param(p, seed, row0):
 def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_codes_ref, m_scale_ref, v_codes_ref,
                v_scale_ref, *, row0, formats, b1, b2, eps, weight_decay, interpret):
     """One tile in GMEM, updated in place: the fused step of `fused_step_reference` on (R, B) arrays.
-    m_table_ref, v_table_ref: the 8-bit formats' `codebooks.codec_table` (unused for e4m3). A bfloat16 param is
+    m_table_ref, v_table_ref: the code book formats' `codebooks.codec_table` (unused for e4m3). A bfloat16 param is
     read as float32 and written back with stochastic rounding (seed_ref[0], the tile's first row row0)."""
     m_format, v_format = formats
     m_table = functools.partial(_lookup, m_table_ref, interpret=interpret)
     v_table = functools.partial(_lookup, v_table_ref, interpret=interpret)
 
     def load_state(codes_ref, scale_ref, fmt, table):
-        codes = _unpack(_load(codes_ref, _PACKED_LAYOUT), interpret) if is_packed(fmt) else _load(codes_ref, _LAYOUT)
+        codes = _unpack(_load(codes_ref, _PACKED_LAYOUT), interpret) if _is_packed(fmt) else _load(codes_ref, _LAYOUT)
         return _dequantize_rows(codes, _load(scale_ref, _ROW_LAYOUT), fmt, table)
 
     def store_state(x, codes_ref, scale_ref, fmt, table):
         codes, scale_ref[...] = _quantize_rows(x, fmt, table)
-        codes_ref[...] = _pack(codes, interpret) if is_packed(fmt) else codes
+        codes_ref[...] = _pack(codes, interpret) if _is_packed(fmt) else codes
 
     p = _load(p_ref, _LAYOUT).astype(jnp.float32)
     g = _load(g_ref, _LAYOUT).astype(jnp.float32)
