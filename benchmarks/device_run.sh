@@ -40,6 +40,10 @@
 # time, one GPU each. Steps: profile-int8-dataflow (benchmarks/profile_train.py of the 1.1B int8_dataflow row),
 # dataflow-mem (the 1.1B data-flow rows with adamw_fp8 states: peak memory), hf-vit (the Hugging Face ViT tests:
 # load_hf_vit / save_hf_vit, transformers parity included).
+# adam-sr-diag: bf16 params + SR in the fused AdamW kernel vs its reference, both sides' float32 intermediates
+# where params differ and the PTX's float32 op counts (Mosaic GPU and XLA dumps); optim-sr: the bf16 + SR AdamW step
+# (8-bit and e4m3 states), streamed jnp against the fused kernel, each against optax.adamw (float32); optim-4bit:
+# the same for adamw_4bit with float32 params.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/device_out}
@@ -64,6 +68,11 @@ step_command() {
     case "$1" in
         tests-kernels) echo "python3 -m pytest -x -q -p no:cacheprovider tests/kernels" ;;
         tests-optim) echo "python3 -m pytest -x -q -p no:cacheprovider -m gpu tests/optim/test_fused_kernel.py" ;;
+        adam-sr-diag) echo "env MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp XLA_FLAGS=--xla_dump_to=/tmp/adam_xla" \
+                          "python3 -m pytest -q -s -p no:cacheprovider -m gpu -k diagnosis" \
+                          "tests/optim/test_fused_kernel.py" ;;
+        optim-sr) echo "python3 benchmarks/optim.py --rows 8bit_sr 8bit_sr_kernel fp8_sr fp8_sr_kernel --rounds 3" ;;
+        optim-4bit) echo "python3 benchmarks/optim.py --rows 4bit 4bit_kernel --rounds 3" ;;
         quantize) echo "python3 benchmarks/kernels.py quantize --shapes 16384x4096 16384x14336" ;;
         gemm) echo "python3 benchmarks/kernels.py gemm --sizes 4096 8192 --cases" \
                    "int8_block fp8_block fp8_tensor_precise" ;;

@@ -5,13 +5,13 @@
   python benchmarks/optim.py --rows optax fp8_kernel    # some rows only (optax.adamw always runs first: the baseline)
 
 Params and grads are float32 (so optax.adamw's states are float32, the baseline the ratios refer to). One step is
-`qjax.optim.apply_gradients` (= `tx.update` + `optax.apply_updates`; for adamw_8bit / adamw_fp8(use_kernel=True)
-the fused step kernel) with params and state donated. Each row is timed alternately with optax.adamw (--rounds
-rounds of --iters steps), so that a GPU's clock drift during the run hits both alike, and its ratio is against the
-baseline's median in those same rounds; only the row and the baseline are resident. A round is one jitted
-`fori_loop` of --iters steps, one dispatch: the GPU's time (steps dispatched one by one measured the host, see
-`Prepared`). Step ms is the median over rounds of the mean step time. Achieved GB/s counts the bytes a step must
-move: params read + written, grads read, every state array read + written (divided by the step time).
+`qjax.optim.apply_gradients` (= `tx.update` + `optax.apply_updates`; for adamw_8bit / adamw_4bit /
+adamw_fp8(use_kernel=True) the fused step kernel) with params and state donated. Each row is timed alternately with
+optax.adamw (--rounds rounds of --iters steps), so that a GPU's clock drift during the run hits both alike, and its
+ratio is against the baseline's median in those same rounds; only the row and the baseline are resident. A round is
+one jitted `fori_loop` of --iters steps, one dispatch: the GPU's time (steps dispatched one by one measured the
+host, see `Prepared`). Step ms is the median over rounds of the mean step time. Achieved GB/s counts the bytes a
+step must move: params read + written, grads read, every state array read + written (divided by the step time).
 """
 
 import argparse
@@ -32,7 +32,8 @@ from qjax.optim import blockwise  # noqa: E402
 from common import append_results  # noqa: E402
 
 
-ROWS = ("optax", "8bit", "8bit_kernel", "4bit", "fp8", "fp8_kernel", "fp8_dre", "8bit_sr", "8bit_sr_kernel")
+ROWS = ("optax", "8bit", "8bit_kernel", "4bit", "4bit_kernel", "fp8", "fp8_kernel", "fp8_dre", "8bit_sr",
+        "8bit_sr_kernel", "fp8_sr", "fp8_sr_kernel")
 
 
 def llama_shapes(d=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000):
@@ -147,14 +148,15 @@ def main():
     # Rows ending in _sr: bfloat16 params and grads, updated with stochastic rounding (no float32 master copy).
     for row, name, make in [
             ("8bit", "adamw_8bit", lambda k: optim.adamw_8bit(lr, weight_decay=0.01, use_kernel=k)),
-            ("4bit", "adamw_4bit", lambda k: optim.adamw_4bit(lr, weight_decay=0.01)),
+            ("4bit", "adamw_4bit", lambda k: optim.adamw_4bit(lr, weight_decay=0.01, use_kernel=k)),
             ("fp8", "adamw_fp8", lambda k: optim.adamw_fp8(lr, weight_decay=0.01, use_kernel=k)),
             ("fp8_dre", "adamw_fp8 +DRE", lambda k: optim.adamw_fp8(lr, weight_decay=0.01, use_kernel=k,
                                                                     dynamic_range_expansion=True)),
-            ("8bit_sr", "adamw_8bit bf16+SR", lambda k: optim.adamw_8bit(lr, weight_decay=0.01, use_kernel=k))]:
+            ("8bit_sr", "adamw_8bit bf16+SR", lambda k: optim.adamw_8bit(lr, weight_decay=0.01, use_kernel=k)),
+            ("fp8_sr", "adamw_fp8 bf16+SR", lambda k: optim.adamw_fp8(lr, weight_decay=0.01, use_kernel=k))]:
         if row in selected:
             configs.append((f"{name} (jnp)", make, False))
-        # The fused Mosaic GPU step (qjax.optim.fused_adam) covers 8-bit and e4m3 states without expansion;
+        # The fused Mosaic GPU step (qjax.optim.fused_adam) covers 8-bit, 4-bit and e4m3 states without expansion;
         # off-GPU it would run under the interpreter, far too slowly to time, so its rows need a Hopper GPU.
         if f"{row}_kernel" in selected:
             if on_hopper_gpu():

@@ -1,5 +1,5 @@
-"""The fused AdamW step for e4m3 or 8-bit states: one Mosaic GPU kernel per tensor reads param, gradient and moment
-codes and scales once and writes them in place (16 bytes per float32 param instead of the ~28 of the optax path).
+"""The fused AdamW step for e4m3, 8-bit or 4-bit states: one Mosaic GPU kernel per tensor reads param, gradient and
+moment codes and scales once and writes them in place (16 bytes per float32 param instead of the ~28 of the optax path).
 
 Reference: `qjax.optim.fused_adam.fused_step_reference`; the kernel calls the same numerics (`numerics.adam_math`,
 `numerics.param_update`, `numerics.quantize_e4m3_blocks`, `numerics.amax`, `codebooks.encode_unit`). States:
@@ -8,14 +8,18 @@ Reference: `qjax.optim.fused_adam.fused_step_reference`; the kernel calls the sa
          lookup per code and encoded with `codebooks.encode_unit` (position arithmetic and one lookup) in the map's
          `codebooks.codec_table`, which each program copies to SMEM and reads per lane (`_lookup`: Mosaic GPU has no
          gather).
+  4-bit: m on the signed dynamic, v on the linear 4-bit map, codes uint8 (n, B / 2), two per byte (element 2i in
+         the high nibble), absmax f32 (n,): loaded and stored in `_PACKED_LAYOUT`, whose lanes hold the 2 bytes of
+         their 4 columns, split into codes and joined back in registers (`_unpack`, `_pack`); coded as 8-bit.
 
 The tensor is viewed as n blocks of B elements, an (n, B) array, cut into tiles of R = T // B rows (fewer when n
-is not a multiple); one program per tile, with no shared memory but the 8-bit code tables:
+is not a multiple); one program per tile, with no shared memory but the code tables:
 
   GMEM -> registers (vector loads): p (R, B) f32, g (R, B) f32, m codes (R, B), m scale (R,), v codes, v scale
   registers: m_old = decode(codes) * scale (same for v); numerics.adam_math -> direction, m, v;
              p = numerics.param_update(p, direction, -lr, wd); per row: amax, then
-             e4m3: numerics.quantize_e4m3_blocks; 8-bit: codes = nearest code of x / absmax (1 for all-zero rows)
+             e4m3: numerics.quantize_e4m3_blocks; code books: codes = nearest code of x / absmax (1 for all-zero
+             rows)
   registers -> GMEM (vector stores): p, m codes + scale, v codes + scale, written over the inputs (mutable refs:
                                       the kernel's outputs alias them, so a donated step updates params in place)
 
@@ -27,18 +31,21 @@ register-only programs hide the memory latency through occupancy, faster than st
 
 Bit-exactness: under the CPU interpreter the kernel's XLA ops equal the jitted reference bit for bit. Compiled on a
 GPU, XLA and Mosaic GPU may contract a*b+c into FMAs differently, so values can differ by an ulp and, rarely, a code
-by one or two steps (e4m3, or neighbouring 8-bit codes; see tests/optim/test_fused_kernel.py).
+by one or two steps (e4m3, or neighbouring 8-bit codes; see tests/optim/test_fused_kernel.py). A bfloat16 param's
+stochastic rounding then lands on the other grid point where its random bits sit within that ulp of the carry
+(~2**-16 per float32 ulp): one bf16 ulp apart, or, where p + lr * u cancels to near zero, the few float32 ulps of p.
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith, memref
+from jaxlib.mlir.dialects import arith, memref, vector
 
 from qjax import codebooks, numerics, stochastic
 from qjax.formats import BF16
@@ -54,9 +61,13 @@ _MAX_BLOCK = 256  # a tile holds at least a row per warp (4 x 256 <= _TILE_ELEME
 _LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((ROW_MULTIPLE, _LANE_COLUMNS), (4,))), warp_dims=(-3,), lane_dims=(-2,),
                              vector_dim=-1)
 _ROW_LAYOUT = _LAYOUT.reduce(1)  # (R,) per-row values (scales), replicated over a warp's lanes
+# (R, B / 2) packed 4-bit codes: each lane holds the 2 bytes that hold its 4 columns of `_LAYOUT` (same registers)
+_PACKED_LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((ROW_MULTIPLE, _LANE_COLUMNS // 2), (2,))), warp_dims=(-3,),
+                                    lane_dims=(-2,), vector_dim=-1)
 
-# (m format, v format) pairs the kernel reads and writes: "e4m3", or a code book's map name (8-bit).
-KERNEL_FORMATS = (("e4m3", "e4m3"), ("dynamic_signed_8bit", "dynamic_unsigned_8bit"))
+# (m format, v format) pairs the kernel reads and writes: "e4m3", or a code book's map name (8-bit or 4-bit).
+KERNEL_FORMATS = (("e4m3", "e4m3"), ("dynamic_signed_8bit", "dynamic_unsigned_8bit"),
+                  ("dynamic_signed_4bit", "linear_unsigned_4bit"))
 BLOCK_SIZES = (_LANE_COLUMNS, _MAX_BLOCK)
 _TABLE_COLUMNS = 128  # code tables travel as (T / 128, 128) arrays: a TMA box is at most 256 wide
 
@@ -89,15 +100,72 @@ def _lookup(table_ref, index: jax.Array, interpret: bool) -> jax.Array:
 
 
 def code_table(fmt: str) -> jax.Array:
-    """An 8-bit format's `codebooks.codec_table` as the kernel reads it: float32 (T / 128, 128); a dummy for e4m3."""
+    """A code book format's `codebooks.codec_table` as the kernel reads it: float32 (T / 128, 128), zero-padded to
+    whole rows (a 4-bit table has 32 entries); a dummy for e4m3."""
     if fmt == "e4m3":
         return jnp.zeros((1, _TABLE_COLUMNS), jnp.float32)
-    return jnp.asarray(codebooks.codec_table(codebooks.get_map(fmt)).reshape(-1, _TABLE_COLUMNS))
+    table = codebooks.codec_table(codebooks.get_map(fmt))
+    return jnp.asarray(np.pad(table, (0, -table.size % _TABLE_COLUMNS)).reshape(-1, _TABLE_COLUMNS))
+
+
+def _is_packed(fmt: str) -> bool:
+    """Whether a format stores two 4-bit codes per byte (codes (n, B / 2)): element 2i in the high nibble."""
+    return fmt != "e4m3" and codebooks.get_map(fmt).size == 16
+
+
+def _map_lanes(fa, out_length: int, fn):
+    """A Mosaic GPU fragmented array -> one whose registers are fn(list of each register's elements), which returns
+    out_length elements: the same register array in another vector width (`_LAYOUT` <-> `_PACKED_LAYOUT`)."""
+    out = np.empty_like(fa.registers)
+    for index, reg in np.ndenumerate(fa.registers):
+        length = ir.VectorType(reg.type).shape[0]
+        elements = fn([vector.extract(reg, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+                       for i in range(length)])
+        out[index] = vector.from_elements(ir.VectorType.get((out_length,), elements[0].type), elements)
+    return out
+
+
+def _unpack(packed: jax.Array, interpret: bool) -> jax.Array:
+    """uint8 (R, B / 2) packed codes in `_PACKED_LAYOUT` -> uint8 (R, B) codes in `_LAYOUT` (`blockwise.unpack_4bit`:
+    element 2i from the high nibble). Compiled, each lane splits its 2 bytes into its 4 codes in registers."""
+    n_rows, half = packed.shape
+    if interpret:
+        return jnp.stack([packed >> 4, packed & jnp.uint8(15)], axis=-1).reshape(n_rows, 2 * half)
+
+    @plgpu.inline_mgpu(arg_types=(_PACKED_LAYOUT,),
+                       return_type=plgpu.ShapeDtypeStruct((n_rows, 2 * half), jnp.uint8, _LAYOUT))
+    def unpack(_, fa):
+        def split(elements):
+            four, fifteen = (arith.constant(elements[0].type, c) for c in (4, 15))
+            return [x for b in elements for x in (arith.shrui(b, four), arith.andi(b, fifteen))]
+
+        return type(fa)(_registers=_map_lanes(fa, 4, split), _layout=_LAYOUT.to_mgpu(), _is_signed=False)
+
+    return unpack(packed)
+
+
+def _pack(codes: jax.Array, interpret: bool) -> jax.Array:
+    """Inverse of `_unpack`: uint8 (R, B) codes < 16 in `_LAYOUT` -> uint8 (R, B / 2) in `_PACKED_LAYOUT`."""
+    n_rows, block = codes.shape
+    if interpret:
+        pairs = codes.reshape(n_rows, block // 2, 2)
+        return (pairs[..., 0] << 4) | pairs[..., 1]
+
+    @plgpu.inline_mgpu(arg_types=(_LAYOUT,),
+                       return_type=plgpu.ShapeDtypeStruct((n_rows, block // 2), jnp.uint8, _PACKED_LAYOUT))
+    def pack(_, fa):
+        def join(elements):
+            four = arith.constant(elements[0].type, 4)
+            return [arith.ori(arith.shli(elements[i], four), elements[i + 1]) for i in range(0, len(elements), 2)]
+
+        return type(fa)(_registers=_map_lanes(fa, 2, join), _layout=_PACKED_LAYOUT.to_mgpu(), _is_signed=False)
+
+    return pack(codes)
 
 
 def _dequantize_rows(codes: jax.Array, scale: jax.Array, fmt: str, table) -> jax.Array:
     """codes (R, B) e4m3 or uint8, scale f32 (R,) -> f32 (R, B): the reference's state dequantization row by row.
-    table: the 8-bit format's `codebooks.codec_table` lookup (index -> value); unused for e4m3."""
+    table: the code book format's `codebooks.codec_table` lookup (index -> value); unused for e4m3."""
     if fmt == "e4m3":
         values = codes.astype(jnp.float32)
     else:
@@ -133,14 +201,19 @@ def _round_param(p, seed, row0):
 def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_codes_ref, m_scale_ref, v_codes_ref,
                v_scale_ref, *, row0, formats, b1, b2, eps, weight_decay, interpret):
     """One tile in GMEM, updated in place: the fused step of `fused_step_reference` on (R, B) arrays.
-    m_table_ref, v_table_ref: the 8-bit formats' `codebooks.codec_table` (unused for e4m3). A bfloat16 param is
+    m_table_ref, v_table_ref: the code book formats' `codebooks.codec_table` (unused for e4m3). A bfloat16 param is
     read as float32 and written back with stochastic rounding (seed_ref[0], the tile's first row row0)."""
     m_format, v_format = formats
     m_table = functools.partial(_lookup, m_table_ref, interpret=interpret)
     v_table = functools.partial(_lookup, v_table_ref, interpret=interpret)
 
     def load_state(codes_ref, scale_ref, fmt, table):
-        return _dequantize_rows(_load(codes_ref, _LAYOUT), _load(scale_ref, _ROW_LAYOUT), fmt, table)
+        codes = _unpack(_load(codes_ref, _PACKED_LAYOUT), interpret) if _is_packed(fmt) else _load(codes_ref, _LAYOUT)
+        return _dequantize_rows(codes, _load(scale_ref, _ROW_LAYOUT), fmt, table)
+
+    def store_state(x, codes_ref, scale_ref, fmt, table):
+        codes, scale_ref[...] = _quantize_rows(x, fmt, table)
+        codes_ref[...] = _pack(codes, interpret) if _is_packed(fmt) else codes
 
     p = _load(p_ref, _LAYOUT).astype(jnp.float32)
     g = _load(g_ref, _LAYOUT).astype(jnp.float32)
@@ -150,8 +223,8 @@ def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_cod
     direction, m, v = numerics.adam_math(g, m_old, v_old, b1, b2, eps, bc1, bc2_sqrt)
     new_p = numerics.param_update(p, direction, step_size, weight_decay)
     p_ref[...] = new_p if p_ref.dtype == jnp.float32 else _round_param(new_p, seed_ref[0], row0)
-    m_codes_ref[...], m_scale_ref[...] = _quantize_rows(m, m_format, m_table)
-    v_codes_ref[...], v_scale_ref[...] = _quantize_rows(v, v_format, v_table)
+    store_state(m, m_codes_ref, m_scale_ref, m_format, m_table)
+    store_state(v, v_codes_ref, v_scale_ref, v_format, v_table)
 
 
 def _tile_rows(n_rows: int, block_size: int) -> int:
@@ -205,7 +278,8 @@ def adam_step_kernel(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, format
       p2, g2: float32 (n, B) param and gradient, or both bfloat16: the new param is then rounded stochastically
         with `seed` (uint32 scalar; bits hash_uint32(seed, row-major index), as `sr_params.round_param`).
       m_codes, m_scale, v_codes, v_scale: the moments' codes (n, B) (float8_e4m3fn or uint8) and f32 (n,) scales
-        (e4m3) or absmax (8-bit), in the formats `formats`, a pair from KERNEL_FORMATS.
+        (e4m3) or absmax (code books; 4-bit codes are (n, B / 2), packed), in the formats `formats`, a pair from
+        KERNEL_FORMATS.
       coef: float32 (3,): 1 - b1**t, sqrt(1 - b2**t), -learning_rate.
       b1, b2, eps, weight_decay: Python floats (weight_decay 0: none, as optax).
       interpret: None / False compiled (a Hopper GPU); True or a `plgpu.InterpretGPUParams`: the interpreter.

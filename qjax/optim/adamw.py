@@ -18,8 +18,8 @@ Its state is one `adam.QuantizedAdamState(count, mu, nu)`: count, the steps take
 It is also a `FusedTransformation`: `step(grads, state, params, key=None) -> (params, state)` applies its own
 update: per tensor `fused_adam.fused_step_reference` (the update in float32, rounded once to the param's dtype;
 bfloat16 stochastically with `key`), for float32 params and grads bit for bit `update` + `optax.apply_updates`.
-With `use_kernel=True` (e4m3 or 8-bit states, on a single Hopper GPU) the step updates each eligible tensor's param
-and moments in place in one kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param).
+With `use_kernel=True` (e4m3, 8-bit or 4-bit states, on a single Hopper GPU) the step updates each eligible tensor's
+param and moments in place in one kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param).
 `update` and `step` both stream (`qjax.optim.streaming`): groups of tensors in sequence, large tensors in chunks,
 so their temporaries stay about one group's. `apply_gradients(tx, ...)` runs a
 `FusedTransformation`'s step, any other transformation's update + `optax.apply_updates`. `chain_fused(*pre, tx)`
@@ -63,9 +63,10 @@ def apply_gradients(tx, grads, opt_state, params, key=None):
     streams (`qjax.optim.streaming`: temporaries of about one group of tensors) and computes each param's update in
     float32, then rounds it to the param's dtype (bfloat16: stochastically with `key`, bits as `apply_updates_sr`
     draws them); float32 params and gradients get exactly update + apply_updates. With `use_kernel=True`, each
-    tensor with e4m3 or 8-bit states and float32 params (or bfloat16 params and gradients) is updated by one fused
-    kernel that reads and writes param, gradient and states once (`qjax.optim.fused_adam`; on a GPU its results may
-    differ from the jnp step by float32 rounding).
+    tensor with e4m3, 8-bit or 4-bit states and float32 params (or bfloat16 params and gradients, with `key`) is
+    updated by one fused kernel that reads and writes param, gradient and states once (`qjax.optim.fused_adam`; on a
+    GPU its results may differ from the jnp step by float32 rounding, which moves a bfloat16 param's stochastic
+    rounding to the neighbouring grid point now and then).
 
     key: a `jax.random.key`, fresh every step, for bfloat16 params (None: they are rounded to nearest).
     """
@@ -147,7 +148,7 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     if use_kernel and not ((config.mu_format, config.nu_format) in fused_adam.KERNEL_FORMATS
                            and config.block_size in fused_adam.KERNEL_BLOCK_SIZES):
         raise ValueError(f"use_kernel=True: the fused kernel supports e4m3 states (adamw_fp8 without dynamic range "
-                         f"expansion) and adamw_8bit's states, with block_size 128 or 256; got mu "
+                         f"expansion), adamw_8bit's and adamw_4bit's states, with block_size 128 or 256; got mu "
                          f"{config.mu_format!r}, nu {config.nu_format!r}, block {config.block_size}; use "
                          "use_kernel=False")
     weight_decay = float(weight_decay)  # a Python float: optax skips a zero decay only then, and so does the kernel
@@ -189,9 +190,8 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     def step_fn(grads, state, params, key=None):
         run_kernel, interpret = dispatch.kernel_mode() if use_kernel else (False, False)
         seeds = None if key is None else sr_params.leaf_seeds(key, len(jax.tree.leaves(params)))
-        # bfloat16 params + SR stay on the streamed jnp step until the kernel's bf16 path passes its GPU test
-        # (benchmarks/NOTES.md, "bf16 + SR kernel"); float32 params take the kernel.
-        eligible = lambda g, mu, nu, p: run_kernel and fused_adam.kernel_eligible(p, g, mu, nu)
+        # bfloat16 params take the kernel when a key seeds their stochastic rounding (to nearest: the jnp step)
+        eligible = lambda g, mu, nu, p: run_kernel and fused_adam.kernel_eligible(p, g, mu, nu, key is not None)
 
         def tensor_step(g, mu, nu, p, offset, wd, c, seed):
             step_size = jnp.asarray(c.step_size, jnp.float32)
@@ -220,11 +220,13 @@ def adamw_8bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1
 
 
 def adamw_4bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
-               mask=None, block_size: int = 128, min_quantized_size: int = 4096) -> FusedTransformation:
+               mask=None, block_size: int = 128, min_quantized_size: int = 4096,
+               use_kernel: bool = False) -> FusedTransformation:
     """AdamW with 4-bit states: blocks of 128, two codes per byte; m on the 3-exponent-bit signed dynamic map, v on
-    the linear map 1/16..1 (no zero). State: 1 byte + 8 / block_size bytes per element (0.133x fp32 AdamW)."""
+    the linear map 1/16..1 (no zero). State: 1 byte + 8 / block_size bytes per element (0.133x fp32 AdamW).
+    `use_kernel` as in `quantized_adamw` (the fused step in `apply_gradients`)."""
     config = adam.StateConfig("dynamic_signed_4bit", "linear_unsigned_4bit", block_size, min_quantized_size)
-    return quantized_adamw(config, learning_rate, b1, b2, eps, weight_decay, mask)
+    return quantized_adamw(config, learning_rate, b1, b2, eps, weight_decay, mask, use_kernel)
 
 
 def adamw_fp8(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,

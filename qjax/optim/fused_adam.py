@@ -9,13 +9,14 @@ decay, learning rate and `apply_updates`. Both call the same formulas (`qjax.num
 
 Which tensors take the kernel (`kernel_eligible`): float32 param and gradient (or bfloat16 ones with a stochastic
 rounding seed: the kernel rounds the new param as `sr_params.round_param` does), moments in one of `KERNEL_FORMATS`
-(e4m3 `Fp8State`s, or 8-bit `CodebookState`s on the signed / unsigned dynamic maps) with blocks of 128 or 256 and a
-block count that is a multiple of 4. Everything else stays on the jnp path. Whether kernels run at all is
-`qjax.dispatch.kernel_mode()`: on a single Hopper GPU (with several devices the step sees global arrays and stays on
-the optax path), or as `qjax.dispatch.force` says.
+(e4m3 `Fp8State`s, 8-bit `CodebookState`s on the signed / unsigned dynamic maps, or adamw_4bit's 4-bit ones) with
+blocks of 128 or 256 and a block count that is a multiple of 4. Everything else stays on the jnp path. Whether
+kernels run at all is `qjax.dispatch.kernel_mode()`: on a single Hopper GPU (with several devices the step sees global
+arrays and stays on the optax path), or as `qjax.dispatch.force` says.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from qjax.optim import adam, blockwise, sr_params
 
 __all__ = ["KERNEL_BLOCK_SIZES", "KERNEL_FORMATS", "fused_step", "fused_step_reference", "kernel_eligible"]
 
-KERNEL_FORMATS = adam_step_mgpu.KERNEL_FORMATS  # (m format, v format) pairs: "e4m3" or an 8-bit map's name
+KERNEL_FORMATS = adam_step_mgpu.KERNEL_FORMATS  # (m format, v format) pairs: "e4m3" or a code book map's name
 KERNEL_BLOCK_SIZES = adam_step_mgpu.BLOCK_SIZES
 
 
@@ -41,12 +42,17 @@ def fused_step_reference(p, g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt, step_
 
 
 def _state_format(state) -> str | None:
-    """The kernel's name for a moment's format ("e4m3" or an 8-bit map name), None for any other state."""
+    """The kernel's name for a moment's format ("e4m3" or a code book map's name), None for any other state."""
     if isinstance(state, blockwise.Fp8State):
         return "e4m3"
-    if isinstance(state, blockwise.CodebookState) and blockwise.CODEBOOK_FORMATS[state.qmap] == 8:
+    if isinstance(state, blockwise.CodebookState):
         return state.qmap
     return None
+
+
+def _block_size(state) -> int:
+    """Elements per block of a quantized state (its codes hold half as many columns when 4-bit codes are packed)."""
+    return math.prod(state.shape) // state.codes.shape[0]
 
 
 def _scale_field(state) -> str:
@@ -67,7 +73,7 @@ def kernel_eligible(p, g, mu, nu, seeded: bool = False) -> bool:
     seeded: a stochastic-rounding seed comes with the tensor (needed for bfloat16 params)."""
     dtypes = (jnp.dtype(p.dtype), jnp.dtype(g.dtype))
     return ((_state_format(mu), _state_format(nu)) in KERNEL_FORMATS
-            and mu.codes.shape[1] in KERNEL_BLOCK_SIZES and mu.codes.shape[0] % adam_step_mgpu.ROW_MULTIPLE == 0
+            and _block_size(mu) in KERNEL_BLOCK_SIZES and mu.codes.shape[0] % adam_step_mgpu.ROW_MULTIPLE == 0
             and (dtypes == (jnp.float32, jnp.float32) or (seeded and dtypes == (jnp.bfloat16, jnp.bfloat16))))
 
 
@@ -78,8 +84,8 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
     Args:
       p, g: float32 param and gradient of the same shape, size == mu's size; or both bfloat16, with `seed`.
       mu, nu: moments in one of `KERNEL_FORMATS`: `blockwise.Fp8State` (codes float8_e4m3fn (n, B), scale float32
-        (n,)) or 8-bit `blockwise.CodebookState` (codes uint8 (n, B), absmax float32 (n,)); B = 128 or 256,
-        n % 4 == 0.
+        (n,)) or `blockwise.CodebookState` (codes uint8 (n, B), or (n, B / 2) for 4 bits, absmax float32 (n,));
+        B = 128 or 256, n % 4 == 0.
       b1, b2, eps: Python floats. bc1, bc2_sqrt: float32 scalars 1 - b1**t and sqrt(1 - b2**t).
       step_size: float32 scalar, -learning_rate at this step. weight_decay: Python float (0: none, as optax).
       seed: uint32 scalar, for bfloat16 p: stochastic rounding's seed (element offset 0: whole tensors only).
@@ -93,8 +99,8 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
                          f"{KERNEL_FORMATS} with blocks of {KERNEL_BLOCK_SIZES}, a multiple of "
                          f"{adam_step_mgpu.ROW_MULTIPLE} blocks; got p {p.dtype}, g {g.dtype}, mu "
                          f"{type(mu).__name__} {_state_format(mu)}, nu {type(nu).__name__} {_state_format(nu)}")
-    n_blocks, block = mu.codes.shape
-    if nu.codes.shape != (n_blocks, block) or mu.shape != nu.shape or p.shape != mu.shape or g.shape != p.shape:
+    n_blocks, block = mu.codes.shape[0], _block_size(mu)
+    if nu.codes.shape != mu.codes.shape or mu.shape != nu.shape or p.shape != mu.shape or g.shape != p.shape:
         raise ValueError(f"shapes differ: p {p.shape}, g {g.shape}, mu {mu.shape} {mu.codes.shape}, nu {nu.shape} "
                          f"{nu.codes.shape}")
     coef = jnp.stack([jnp.asarray(c, jnp.float32) for c in (bc1, bc2_sqrt, step_size)])
