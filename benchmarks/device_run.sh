@@ -38,7 +38,8 @@
 # runs in .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a
 # before/after A/B in one call. On a machine with several GPUs, "A B -- C D" runs the lanes A B and C D at the same
 # time, one GPU each. Steps: profile-int8-dataflow (benchmarks/profile_train.py of the 1.1B int8_dataflow row),
-# dataflow-mem (the 1.1B data-flow rows with adamw_fp8 states: peak memory), hf-vit (the Hugging Face ViT tests:
+# dataflow-mem (bf16 and the 1.1B data-flow rows, int8_dataflow also with adamw_fp8 states: speed
+# and peak memory against bf16), hf-vit (the Hugging Face ViT tests:
 # load_hf_vit / save_hf_vit, transformers parity included).
 # adam-sr-diag: bf16 params + SR in the fused AdamW kernel vs its reference, both sides' float32 intermediates
 # where params differ and the PTX's float32 op counts (Mosaic GPU and XLA dumps); optim-sr: the bf16 + SR AdamW step
@@ -101,8 +102,8 @@ step_command() {
                        "--no-peer" ;;
         dataflow) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_dataflow fp8_dataflow --steps 5" \
                        "--warmup 2 --no-peer" ;;
-        dataflow-mem) echo "python3 benchmarks/train.py --rows int8_dataflow+adamw_fp8 fp8_dataflow+adamw_fp8" \
-                           "--steps 3 --warmup 1 --no-peer" ;;
+        dataflow-mem) echo "python3 benchmarks/train.py --rows bf16 int8_dataflow int8_dataflow+adamw_fp8" \
+                           "fp8_dataflow --steps 5 --warmup 2 --no-peer" ;;
         profile-int8-dataflow) echo "python3 benchmarks/profile_train.py --row int8_dataflow --top 40" ;;
         dataflow-conv) echo "python3 benchmarks/convergence.py --recipes bf16 fp8_dataflow int8_dataflow" \
                             "bitnet_b158 --size 125m" \
