@@ -1,0 +1,119 @@
+"""The mesh checks on real GPUs, and that the FSDP train step runs the Pallas kernels per device.
+
+tests/test_dot_general_mesh.py and tests/train/test_fsdp.py run their scripts on 8 CPU host devices; the `gpu`
+tests here run the same scripts on every visible GPU (at least 2, an even count; benchmarks/device_run.sh step
+tests-mesh-gpu), where the per-device GEMMs are the compiled kernels, compared with XLA:GPU's unsharded results.
+
+With several devices, backend "auto" runs the kernels only on device-local arrays (`qjax.dispatch`), so the FSDP
+step must trace its quantized GEMMs inside `shard_map`: the kernel check lowers the train step and counts its Mosaic
+GPU custom calls, with dispatch's "kernels off" warning as a failure. On the CPU it emulates Hopper on 8 host
+devices (dispatch told it is on one, the step lowered for CUDA): the same decisions, taken where CI runs; on GPUs
+it also runs a step.
+"""
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+import test_dot_general_mesh
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# tests/train/test_fsdp.py's scripts (loaded by path: the repository's train.py takes the name "train")
+_spec = importlib.util.spec_from_file_location("fsdp_scripts", ROOT / "tests" / "train" / "test_fsdp.py")
+test_fsdp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(test_fsdp)
+# NVLink multicast stays off on the shared multi-GPU machines (NCCL and the libraries beside it).
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+KERNELS = textwrap.dedent("""
+    import warnings
+    import jax, numpy as np
+    from configs import llama_base
+    from qjax import dispatch
+    from qjax.train import make_mesh, make_task, make_train_step
+
+    ON_GPU = jax.default_backend() == "gpu"
+    if not ON_GPU:  # emulate Hopper: dispatch's one question, and the SM count the GEMM kernel's grid reads
+        from qjax.kernels import scaled_matmul_mgpu
+        dispatch.on_hopper_gpu = lambda: True
+        scaled_matmul_mgpu._num_sms = lambda: 132
+    N = len(jax.devices())
+    SEQ = 32 * N  # 256 tokens per device: the kernels take multiples of 128 (features too)
+    rng = np.random.RandomState(0)
+    batch = {"inputs": rng.randint(0, 256, (8, SEQ)).astype(np.int32),
+             "targets": rng.randint(0, 256, (8, SEQ)).astype(np.int32)}
+    cases = (("bf16", "fsdp"), ("int8_rowwise", "fsdp"), ("int8_rowwise", "fsdp_tensor2"),
+             ("fp8_tensorwise", "fsdp"), ("int8_dataflow", "fsdp"))
+    meshes = {"fsdp": dict(fsdp=N), "fsdp_tensor2": dict(fsdp=N // 2, tensor=2)}
+    for recipe, name in cases:
+        c = llama_base.get_config()
+        c.model.update(size="tiny", n_layers=1, dim=128, n_heads=2, n_kv_heads=1, ffn_dim=256, vocab_size=256)
+        c.batch_size, c.seq_len, c.steps, c.recipe = 8, SEQ, 4, recipe
+        c.optimizer.warmup_steps = 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            init, step = make_train_step(c, make_task(c, vocab_size=256), make_mesh(**meshes[name]))
+            traced = step.trace(jax.eval_shape(init), batch)
+            lowered = traced.lower() if ON_GPU else traced.lower(lowering_platforms=("cuda",))
+        text = lowered.as_text()
+        calls = sum("mosaic_gpu" in line for line in text.splitlines() if "stablehlo.custom_call" in line)
+        off = [str(w.message) for w in caught if "qjax" in str(w.message)]
+        assert not off, (recipe, name, off)
+        assert (calls == 0) == (recipe == "bf16"), (recipe, name, calls)
+        if ON_GPU:
+            state, metrics = step(init(), batch)
+            assert np.isfinite(float(metrics["loss"])), (recipe, name, metrics)
+        print(recipe, name, "ok")
+""")
+KERNELS_EXPECTED = ["bf16", "fsdp", "ok", "int8_rowwise", "fsdp", "ok", "int8_rowwise", "fsdp_tensor2", "ok",
+                    "fp8_tensorwise", "fsdp", "ok", "int8_dataflow", "fsdp", "ok"]
+
+
+def _run(script: str, cpu_devices: int = 0) -> str:
+    """Runs `script` in a fresh python (its own device set-up) from the repository root; its stdout."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_PYTHON_CLIENT_PREALLOCATE="false", **NO_MULTICAST)
+    if cpu_devices:
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={cpu_devices}")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr[-5000:]
+    return out.stdout
+
+
+def _need_gpus():
+    if jax.device_count() < 2 or jax.device_count() % 2:
+        pytest.skip(f"needs an even number of GPUs >= 2, {jax.device_count()} visible")
+
+
+def test_fsdp_step_runs_kernels_per_device_on_emulated_hopper():
+    assert _run(KERNELS, cpu_devices=8).split() == KERNELS_EXPECTED
+
+
+@pytest.mark.gpu
+def test_fsdp_step_runs_kernels_per_device_on_gpus():
+    _need_gpus()
+    assert _run(KERNELS).split() == KERNELS_EXPECTED
+
+
+@pytest.mark.gpu
+def test_per_device_gemms_on_gpus_match_unsharded():
+    _need_gpus()
+    assert _run(test_dot_general_mesh.SCRIPT).split() == test_dot_general_mesh.EXPECTED
+
+
+@pytest.mark.gpu
+def test_meshes_on_gpus_match_one_device():
+    _need_gpus()
+    assert _run(test_fsdp.GRADS).split() == test_fsdp.EXPECTED_GRADS
+
+
+@pytest.mark.gpu
+def test_split_state_8bit_gathers_and_checkpoint_across_meshes_on_gpus():
+    _need_gpus()
+    assert _run(test_fsdp.STATE).split() == test_fsdp.EXPECTED_STATE
