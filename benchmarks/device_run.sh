@@ -32,11 +32,14 @@
 # int8_rowwise / bitnet_b158 rows), int8-params (the 1.1B int8_rowwise rows with int8 weight-only and with bf16 + SR
 # params: run it after bitnet-train, whose int8_rowwise row has float32 params), bitnet-conv (125M convergence, bf16
 # vs bitnet_b158: carry "data"), fsdp1 (the 1.1B bf16 and int8_rowwise rows with the default mesh, fsdp=1 on one
-# GPU: "fsdp1 fsdp1@base" is the before/after of the mesh code on one GPU). A step written STEP@base runs in
+# GPU: "fsdp1 fsdp1@base" is the before/after of the mesh code on one GPU). Several GPUs (nvidia-h100-x2 and up):
+# tests-mesh-gpu (the mesh / FSDP tests on every GPU), scaling-1b, scaling-8b (benchmarks/scaling.py), torch-fsdp
+# (benchmarks/torch_fsdp_peer.py: torchrun, FSDP2, bf16 vs torchao float8). A step written STEP@base runs in
 # .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a before/after
 # A/B in one call.
 set -o pipefail
 export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
 OUT=${OUT:-/tmp/device_out}
 BUDGET=${BUDGET:-570}
 mkdir -p "$OUT"
@@ -104,6 +107,14 @@ step_command() {
         hf-generate) echo "python3 benchmarks/generate.py" ;;
         hf-finetune) echo "python3 benchmarks/finetune.py --steps 300" ;;
         fsdp1) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --warmup 2 --no-peer" ;;
+        tests-mesh-gpu) echo "env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider -m gpu" \
+                             "tests/test_mesh_gpu.py" ;;
+        scaling-1b) echo "python3 benchmarks/scaling.py --size 1b --rows bf16 int8_rowwise int8_rowwise:bf16" \
+                         "fp8_tensorwise --baselines bf16 int8_rowwise --steps 3 --warmup 1" ;;
+        scaling-8b) echo "python3 benchmarks/scaling.py --size 8b --batch 4 --remat --param-dtype bfloat16 --sr" \
+                         "--optimizer adamw_8bit --rows bf16 int8_rowwise --baselines int8_rowwise --steps 3" \
+                         "--warmup 1" ;;
+        torch-fsdp) echo "python3 benchmarks/torch_fsdp_peer.py" ;;
         *) return 1 ;;
     esac
 }

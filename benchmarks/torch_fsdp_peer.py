@@ -1,7 +1,7 @@
 """The torch peer of benchmarks/scaling.py: Hugging Face LlamaForCausalLM (TinyLlama 1.1B shape) trained with FSDP2
 (`fully_shard`) over N GPUs, bf16 vs torchao float8 tensorwise with float8 weight all-gathers.
 
-  python benchmarks/torch_fsdp_peer.py --nproc 2                  # on 2 GPUs: table, appended to RESULTS.md
+  python benchmarks/torch_fsdp_peer.py                            # on every GPU: table, appended to RESULTS.md
   python benchmarks/torch_fsdp_peer.py --dry-run                  # anywhere, no torch needed: the plan it runs
   python benchmarks/torch_fsdp_peer.py --nproc 2 --cpu --small --no-compile --no-append   # CPU check (gloo)
 
@@ -144,6 +144,15 @@ def run_rank(args, variant):
 # ------------------------------------------------------------------------------------- the launcher (no torch)
 
 
+def visible_gpus() -> int:
+    """How many GPUs `nvidia-smi -L` lists (0 without one), without importing torch."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
 def child_argv(args, variant) -> list[str]:
     python = os.environ.get("QJAX_TORCH_PYTHON") or sys.executable
     shape = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (*SHAPE, "batch", "seq")]
@@ -195,7 +204,7 @@ def table(results: list[dict], args) -> str:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (GPUs) per variant")
+    parser.add_argument("--nproc", type=int, default=0, help="ranks per variant (default: every GPU; --cpu: 2)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     for name, default in dict(SHAPE, batch=8, seq=2048).items():
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
@@ -212,7 +221,10 @@ def parse_args(argv=None):
     if args.small:
         for key, value in SMALL.items():
             setattr(args, key, value)
-    if args.nproc < 1 or args.batch % args.nproc:
+    args.nproc = args.nproc or (2 if args.cpu or args.dry_run else visible_gpus())
+    if args.nproc < 1:
+        parser.error("no GPU visible (nvidia-smi -L lists none): pass --cpu for the CPU check, or --dry-run")
+    if args.batch % args.nproc:
         parser.error(f"--batch {args.batch} must split evenly over --nproc {args.nproc} ranks")
     return args
 
