@@ -108,8 +108,9 @@ def measure(args, mesh: dict, recipe: str, gather: str, batch: int) -> dict:
                 device=devices[0].device_kind)
 
 
-def start_row(args, mesh: dict, recipe: str, gather: str, batch: int, devices: list[int]):
-    """Starts one row's child process on `devices` (GPU indices, or a count of CPU host devices)."""
+def start_row(args, mesh: dict, recipe: str, gather: str, batch: int, devices: list):
+    """Starts one row's child process on `devices` (CUDA_VISIBLE_DEVICES entries; on the CPU, as many host
+    devices)."""
     argv = [sys.executable, os.path.abspath(__file__), "--child", json.dumps([mesh, recipe, gather, batch]),
             "--size", args.size, "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--optimizer", args.optimizer, "--param-dtype", args.param_dtype] + \
@@ -118,7 +119,7 @@ def start_row(args, mesh: dict, recipe: str, gather: str, batch: int, devices: l
     if args.cpu_devices:
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={len(devices)}")
     else:
-        env.update(CUDA_VISIBLE_DEVICES=",".join(map(str, devices)))
+        env.update(CUDA_VISIBLE_DEVICES=",".join(devices))
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env,
                             cwd=os.path.dirname(os.path.abspath(__file__)))
     return proc, dict(mesh=mesh, recipe=recipe, gather=gather, start=time.perf_counter())
@@ -139,15 +140,16 @@ def finish_row(proc, row: dict) -> dict:
     return result
 
 
-def visible_gpus() -> list[int]:
-    """Indices of the GPUs this process may use, without initialising jax (the children own the GPUs)."""
+def visible_gpus() -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entries of the GPUs this process may use, found without initialising jax (the
+    children own the GPUs)."""
     if os.environ.get("CUDA_VISIBLE_DEVICES"):
-        return list(range(len(os.environ["CUDA_VISIBLE_DEVICES"].split(","))))
+        return os.environ["CUDA_VISIBLE_DEVICES"].split(",")
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return []
-    return list(range(sum(line.startswith("GPU ") for line in out.splitlines())))
+    return [str(i) for i in range(sum(line.startswith("GPU ") for line in out.splitlines()))]
 
 
 def table(results: list[dict], args) -> str:
