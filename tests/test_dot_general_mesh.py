@@ -15,21 +15,29 @@ import sys
 import textwrap
 
 SCRIPT = textwrap.dedent("""
+    import contextlib
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import qjax
+    from qjax import dispatch
     N = len(jax.devices())  # 8 CPU devices here; every GPU in tests/test_mesh_gpu.py
     assert N >= 2 and N % 2 == 0 and 16 % N == 0, jax.devices()
     ON_GPU = jax.default_backend() == "gpu"
     mesh = Mesh(np.array(jax.devices()).reshape(N // 2, 2), ("data", "model"))
     x = jax.random.normal(jax.random.key(0), (16, 64, 256), jnp.float32)  # 1024 / N tokens per device
 
+    def unsharded(fn, *args, static_argnums=()):
+        # GPU: the kernels on one device, as each device runs them ("auto" keeps them off while several GPUs are
+        # visible and no mesh is set)
+        with dispatch.force("kernel") if ON_GPU else contextlib.nullcontext():
+            return jax.jit(fn, static_argnums=static_argnums)(*args)
+
     def close(a, b, rtol, name):
         a, b = np.asarray(a), np.asarray(b)
         if ON_GPU:
-            # The kernels per device against XLA:GPU unsharded: other summation orders (and fp8 accumulation), so
-            # an 8-bit code may round the other way where an output moved by an ulp. Per-device scales instead
-            # of global ones would be ~1e-2 off in norm.
+            # Other summation orders (the tokens split, the weight gradient summed over devices; compiled kernels
+            # round less predictably than XLA:CPU), so an 8-bit code may round the other way where an output moved
+            # by an ulp. Per-device scales instead of global ones would be ~1e-2 off in norm.
             err = np.linalg.norm(a - b) / np.linalg.norm(b)
             assert err < 2e-3, f"{name}: relative error {err:.2e}"
             rtol = max(rtol, 2e-2)
@@ -58,7 +66,7 @@ SCRIPT = textwrap.dedent("""
         assert "shard_map" in jaxpr and "psum" in jaxpr, recipe  # per device, weight gradient summed
         if recipe != "fp8_blockwise":  # tensor / per-feature scales span the tokens: global amax
             assert "pmax" in jaxpr, recipe
-        ref = jax.jit(grad, static_argnums=2)(x, w, recipe, key)
+        ref = unsharded(grad, x, w, recipe, key, static_argnums=2)
         mesh_grad = jax.jit(on_mesh, static_argnums=2, in_shardings=(*shardings, None))
         if ON_GPU:  # the per-device GEMMs are the Pallas kernels
             assert mosaic_calls(mesh_grad, x, w, recipe, key) > 0, recipe
@@ -88,7 +96,7 @@ SCRIPT = textwrap.dedent("""
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
                 return fn(xs, w)
         assert "shard_map" in str(jax.make_jaxpr(traced)(xs, w_rep)), name
-        for a, b in zip(jax.tree.leaves(jax.jit(traced)(xs, w_rep)), jax.tree.leaves(jax.jit(fn)(x[:3, :16], w))):
+        for a, b in zip(jax.tree.leaves(jax.jit(traced)(xs, w_rep)), jax.tree.leaves(unsharded(fn, x[:3, :16], w))):
             close(a, b, 1e-5, name)
         print(name, "ok")
 
@@ -106,7 +114,7 @@ SCRIPT = textwrap.dedent("""
 
     assert "shard_map" in str(jax.make_jaxpr(fused_on_mesh)(x, scale, w))
     got = jax.jit(fused_on_mesh, in_shardings=(shardings[0], None, None))(x, scale, w)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(jax.jit(fused_grad)(x, scale, w))):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(unsharded(fused_grad, x, scale, w))):
         close(a, b, 1e-5, "prologue")
     print("prologue ok")
 
