@@ -237,10 +237,10 @@ def main():
         sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
         try:
             result = run_rank(args, args.rank_variant)
-        except Exception as e:  # one JSON line from rank 0 either way; the launcher tabulates it
-            result = dict(variant=args.rank_variant, error=f"{type(e).__name__}: {e}"[:500])
-            if os.environ.get("RANK", "0") != "0":
-                raise
+        except Exception as e:
+            if os.environ.get("RANK", "0") == "0":  # the launcher tabulates rank 0's JSON line, error or result
+                print(json.dumps(dict(variant=args.rank_variant, error=f"{type(e).__name__}: {e}"[:500])), flush=True)
+            raise  # a non-zero exit, so that torchrun ends the other ranks rather than leave them in a collective
         if result is not None:
             print(json.dumps(result), flush=True)
         return
