@@ -1,15 +1,23 @@
 """Llama train-step throughput and peak memory per device over a (data, fsdp, tensor) mesh: FSDP and tensor
-parallelism, bf16 vs int8_rowwise vs fp8_tensorwise, weights all-gathered as 8-bit codes vs in bf16.
+parallelism, bf16 vs the 8-bit recipes, weights all-gathered as 8-bit codes vs in bf16, and the scaling efficiency
+against one device.
 
-  python benchmarks/scaling.py --size 1b --meshes fsdp=8 fsdp=4,tensor=2 data=2,fsdp=4     # 8 GPUs
-  python benchmarks/scaling.py --size 8b --meshes fsdp=8 --batch 8 --remat
-  python benchmarks/scaling.py --size tiny --cpu-devices 8                                  # CPU check, toy size
+  python benchmarks/scaling.py --size 1b --rows bf16 int8_rowwise int8_rowwise:bf16 fp8_tensorwise \
+      --baselines bf16 int8_rowwise --steps 3 --warmup 1                          # fsdp over every GPU
+  python benchmarks/scaling.py --size 1b --meshes fsdp=4,tensor=2 data=2,fsdp=4   # 8 GPUs
+  python benchmarks/scaling.py --size 8b --batch 4 --remat --param-dtype bfloat16 --sr --optimizer adamw_8bit \
+      --rows bf16 int8_rowwise --steps 3 --warmup 1                               # 8B on 2 x 80 GB
+  python benchmarks/scaling.py --size tiny --cpu-devices 2 --baselines bf16       # CPU check, toy size
 
-One row = (mesh, recipe, gather) running `qjax.train.make_train_step` on random tokens, in its own subprocess (its
-peak memory is its own). "8bit" is the default train step (quantized layers gather their FSDP-split weights as
-8-bit codes + scales); "bf16" turns that off (`config.mesh.gather_8bit=False`: XLA all-gathers the float weights).
-tokens/s is the global rate, --steps steps queued back to back, median of 3 rounds; peak GB is the largest
-`peak_bytes_in_use` over the devices ("–" where the platform does not report it, e.g. the CPU).
+A row (`--rows`, recipe[:gather]) runs `qjax.train.make_train_step` on random tokens over each mesh of `--meshes`
+(default fsdp over all `--devices`), in its own subprocess (its peak memory is its own). Gather "8bit" (the default;
+the train step's own) has the quantized layers gather their FSDP-split weights as 8-bit codes + scales; "bf16"
+turns that off (`config.mesh.gather_8bit=False`: XLA all-gathers the float weights); the bf16 recipe always
+gathers floats. `--baselines` adds one-device rows of those recipes at the mesh rows' batch per device (weak
+scaling): "vs 1 device" is tokens/s per device over the baseline's tokens/s. Baselines run side by side, one per
+GPU (CUDA_VISIBLE_DEVICES), since nothing connects them. tokens/s is the global rate, --steps steps queued back to
+back, median of 3 rounds; peak GB is the largest `peak_bytes_in_use` over the devices ("–" where the platform does
+not report it, e.g. the CPU). Rows finished before a SIGTERM (a `timeout`) are still appended to RESULTS.md.
 """
 
 import os
@@ -18,12 +26,16 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 
-RECIPES = ("bf16", "int8_rowwise", "fp8_tensorwise")
+RECIPES = ("bf16", "int8_rowwise", "fp8_tensorwise", "fp8_dataflow", "int8_dataflow")
 GATHERS = ("8bit", "bf16")
 ROUNDS = 3
+# NVLink multicast stays off on the shared multi-GPU machines (NCCL and the libraries beside it).
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def parse_mesh(text: str) -> dict:
@@ -38,8 +50,17 @@ def parse_mesh(text: str) -> dict:
     return sizes
 
 
-def measure(args, mesh: dict, recipe: str, gather: str) -> dict:
-    """In the child process: one row's tokens/s, step ms, peak memory per device and loss."""
+def parse_row(text: str) -> tuple[str, str]:
+    """"int8_rowwise" -> ("int8_rowwise", "8bit"); "int8_rowwise:bf16" -> ("int8_rowwise", "bf16")."""
+    recipe, _, gather = text.partition(":")
+    if recipe not in RECIPES or gather not in ("", *GATHERS):
+        raise argparse.ArgumentTypeError(f"row {text!r}: use RECIPE[:GATHER], RECIPE one of {RECIPES}, GATHER one "
+                                         f"of {GATHERS}, e.g. int8_rowwise:bf16")
+    return recipe, "bf16" if recipe == "bf16" else gather or "8bit"
+
+
+def measure(args, mesh: dict, recipe: str, gather: str, batch: int) -> dict:
+    """In the child process: one row's tokens/s, step ms, MFU, peak memory per device and loss."""
     import jax
     import numpy as np
 
@@ -47,25 +68,28 @@ def measure(args, mesh: dict, recipe: str, gather: str) -> dict:
 
     sys.path.insert(0, str(REPO))
     from configs import llama_base
-    from qjax.train import make_task, make_train_step
+    from qjax.train import make_task, make_train_step, peak_flops
     from qjax.train.mesh import axis_sizes
 
     config = llama_base.get_config()
     config.model.size = args.size
     config.model.remat = args.remat
+    config.model.param_dtype = args.param_dtype
+    config.optimizer.name = args.optimizer
+    config.optimizer.stochastic_rounding = args.sr
     config.recipe = recipe
     config.mesh.update(mesh)
     config.mesh.gather_8bit = gather == "8bit"
-    config.seq_len, config.batch_size, config.steps = args.seq, args.batch, 1000
+    config.seq_len, config.batch_size, config.steps = args.seq, batch, 1000
     task = make_task(config)
     init_state, train_step = make_train_step(config, task)
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, task.model_config.vocab_size, (args.batch, args.seq + 1), dtype=np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    tokens = rng.integers(0, task.model_config.vocab_size, (batch, args.seq + 1), dtype=np.int32)
+    data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     holder, losses = [init_state()], []
 
     def run_one():  # the state is donated: thread it through
-        holder[0], metrics = train_step(holder[0], batch)
+        holder[0], metrics = train_step(holder[0], data)
         losses.append(metrics["loss"])
         return metrics["loss"]
 
@@ -73,89 +97,163 @@ def measure(args, mesh: dict, recipe: str, gather: str) -> dict:
     losses = [float(x) for x in losses]
     if not np.isfinite(losses).all():
         raise RuntimeError(f"non-finite loss: {losses}")
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.devices()]
-    sizes = dict(zip(("data", "fsdp", "tensor"), axis_sizes(jax.device_count(), **mesh)))
-    return dict(mesh=mesh, sizes=sizes, recipe=recipe, gather=gather, devices=jax.device_count(), step_ms=ms,
-                tokens_per_s=args.batch * args.seq / ms * 1e3, loss=losses[-1],
+    devices = jax.devices()
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    tokens_per_s = batch * args.seq / ms * 1e3
+    peak = peak_flops(devices[0])
+    return dict(sizes=dict(zip(("data", "fsdp", "tensor"), axis_sizes(len(devices), **mesh))),
+                devices=len(devices), batch=batch, step_ms=ms, tokens_per_s=tokens_per_s, loss=losses[-1],
+                mfu=tokens_per_s / len(devices) * task.flops_per_unit / peak if peak else None,
                 peak_gb=max(peaks) / 1e9 if all(p is not None for p in peaks) else None,
-                device=jax.devices()[0].device_kind)
+                device=devices[0].device_kind)
 
 
-def run_row(args, mesh: dict, recipe: str, gather: str) -> dict:
-    argv = [sys.executable, os.path.abspath(__file__), "--child", json.dumps([mesh, recipe, gather]), "--size",
-            args.size, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--warmup",
-            str(args.warmup)] + (["--remat"] if args.remat else [])
-    env = dict(os.environ)
+def start_row(args, mesh: dict, recipe: str, gather: str, batch: int, devices: list):
+    """Starts one row's child process on `devices` (CUDA_VISIBLE_DEVICES entries; on the CPU, as many host
+    devices)."""
+    argv = [sys.executable, os.path.abspath(__file__), "--child", json.dumps([mesh, recipe, gather, batch]),
+            "--size", args.size, "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--optimizer", args.optimizer, "--param-dtype", args.param_dtype] + \
+        (["--remat"] if args.remat else []) + (["--sr"] if args.sr else [])
+    env = dict(os.environ, **NO_MULTICAST)
     if args.cpu_devices:
-        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={args.cpu_devices}")
-    proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, env=env,
-                          cwd=os.path.dirname(os.path.abspath(__file__)))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={len(devices)}")
+    else:
+        env.update(CUDA_VISIBLE_DEVICES=",".join(devices))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env,
+                            cwd=os.path.dirname(os.path.abspath(__file__)))
+    return proc, dict(mesh=mesh, recipe=recipe, gather=gather, start=time.perf_counter())
+
+
+def finish_row(proc, row: dict) -> dict:
+    stdout, _ = proc.communicate()
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
     result = json.loads(lines[-1]) if lines else {"error": f"exited {proc.returncode}, no result"}
-    result.update(mesh=mesh, recipe=recipe, gather=gather)
-    mesh_text = ",".join(f"{k}={v}" for k, v in mesh.items())
-    print(f"{mesh_text} {recipe} {gather}-gather: " + (f"FAILED {result['error']}" if "error" in result else
-          f"{result['tokens_per_s']:,.0f} tok/s, {result['step_ms']:.1f} ms/step"), flush=True)
+    seconds = time.perf_counter() - row.pop("start")
+    result.update(row)
+    where = "one device" if row["gather"] == "–" else ",".join(f"{k}={v}" for k, v in row["mesh"].items()) + \
+        f" {row['gather']}-gather"
+    print(f"{row['recipe']} {where}: " + (
+        f"FAILED {result['error']}" if "error" in result else
+        f"{result['tokens_per_s']:,.0f} tok/s on {result['devices']}, {result['step_ms']:.1f} ms/step")
+        + f" ({seconds:.0f} s with compilation)", flush=True)
     return result
 
 
+def visible_gpus() -> list[str]:
+    """The CUDA_VISIBLE_DEVICES entries of the GPUs this process may use, found without initialising jax (the
+    children own the GPUs)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return os.environ["CUDA_VISIBLE_DEVICES"].split(",")
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return [str(i) for i in range(sum(line.startswith("GPU ") for line in out.splitlines()))]
+
+
 def table(results: list[dict], args) -> str:
-    lines = ["| mesh (data, fsdp, tensor) | recipe | weight gather | tokens/s | tokens/s per device | vs bf16, "
-             "bf16 gather | step ms | peak GB per device |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| mesh (data x fsdp x tensor) | recipe | weight gather | batch | tokens/s | tokens/s per device | "
+             "vs 1 device | vs bf16, bf16 gather | MFU | step ms | peak GB per device |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    ok = [r for r in results if "error" not in r]
     for r in results:
-        mesh = "{data} x {fsdp} x {tensor}".format(**r.get("sizes", r["mesh"]))
+        sizes = r.get("sizes", r["mesh"])
+        mesh = "one device" if r["gather"] == "–" else "{data} x {fsdp} x {tensor}".format(**sizes)
         if "error" in r:
-            lines.append(f"| {mesh} | {r['recipe']} | {r['gather']} | failed: {r['error'][:100]} | | | | |")
+            lines.append(f"| {mesh} | {r['recipe']} | {r['gather']} | | failed: {r['error'][:100]} | | | | | | |")
             continue
-        base = next((b for b in results if b["mesh"] == r["mesh"] and b["recipe"] == "bf16" and b["gather"] == "bf16"
-                     and "error" not in b), None)
+        per_device = r["tokens_per_s"] / r["devices"]
+        base = next((b for b in ok if b["mesh"] == r["mesh"] and b["recipe"] == "bf16" and b["gather"] == "bf16"
+                     and b["gather"] != "–"), None) if r["gather"] != "–" else \
+            next((b for b in ok if b["gather"] == "–" and b["recipe"] == "bf16"), None)
+        one = next((b for b in ok if b["gather"] == "–" and b["recipe"] == r["recipe"]), None)
         speedup = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "–"
+        efficiency = f"{per_device / one['tokens_per_s']:.2f}" if one and r["gather"] != "–" else "–"
         peak = f"{r['peak_gb']:.1f}" if r.get("peak_gb") else "–"
-        lines.append(f"| {mesh} | {r['recipe']} | {r['gather']} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['tokens_per_s'] / r['devices']:,.0f} | {speedup} | {r['step_ms']:.1f} | {peak} |")
-    note = (f"Llama {args.size}, batch {args.batch} x seq {args.seq}, remat={args.remat}, random tokens, optax AdamW "
-            f"(fp32 states), LM head in bf16; {args.steps} steps queued back to back, median of {ROUNDS} rounds "
-            f"after {args.warmup} warm-up steps; one subprocess per row"
+        mfu = f"{r['mfu']:.2f}" if r.get("mfu") else "–"
+        lines.append(f"| {mesh} | {r['recipe']} | {r['gather']} | {r['batch']} | {r['tokens_per_s']:,.0f} | "
+                     f"{per_device:,.0f} | {efficiency} | {speedup} | {mfu} | {r['step_ms']:.1f} | {peak} |")
+    note = (f"Llama {args.size}, seq {args.seq}, remat={args.remat}, params {args.param_dtype}"
+            f"{' + stochastic rounding' if args.sr else ''}, optimizer {args.optimizer}, random tokens, LM head in "
+            f"bf16; {args.steps} steps queued back to back, median of {ROUNDS} rounds after {args.warmup} warm-up "
+            "steps; one subprocess per row. vs 1 device: tokens/s per device over the one-device row of the same "
+            "recipe at the same batch per device; one-device rows ran side by side, one per GPU"
             + (f"; {args.cpu_devices} CPU host devices (a check that it runs, not a speed)" if args.cpu_devices
                else "") + ".")
     return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+def run_all(args, results: list[dict]) -> None:
+    """Mesh rows one after another on the first `--devices` devices, then the one-device baselines side by side
+    (one per GPU; one at a time on the CPU). Appends to `results` as rows finish."""
+    gpus = list(range(args.cpu_devices)) if args.cpu_devices else visible_gpus()
+    devices = gpus[:args.devices] if args.devices else gpus
+    if not devices:
+        raise SystemExit("no GPU visible (nvidia-smi -L lists none): pass --cpu-devices N for the CPU check")
+    for mesh in args.meshes:
+        for recipe, gather in args.rows:
+            results.append(finish_row(*start_row(args, mesh, recipe, gather, args.batch, devices)))
+    if not args.baselines:
+        return
+    if args.batch % len(devices):
+        raise SystemExit(f"--batch {args.batch} does not split over {len(devices)} devices for the baselines")
+    batch, width = args.batch // len(devices), 1 if args.cpu_devices else len(gpus)
+    pending = list(args.baselines)
+    while pending:
+        started = [start_row(args, parse_mesh(""), recipe, "–", batch, [gpu] if not args.cpu_devices else [0])
+                   for recipe, gpu in zip(pending[:width], gpus)]
+        pending = pending[width:]
+        results.extend(finish_row(*row) for row in started)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="1b", help="a preset of qjax.models.LLAMA_SIZES (tiny, 1b, 8b, ...)")
     parser.add_argument("--meshes", nargs="+", type=parse_mesh, default=None,
-                        help="meshes as axis=size lists (default: fsdp=-1, and fsdp=-1,tensor=2 with an even count)")
-    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
-    parser.add_argument("--gathers", nargs="+", default=list(GATHERS), choices=GATHERS)
-    parser.add_argument("--batch", type=int, default=None, help="global batch (default 8; tiny: 8)")
+                        help="meshes as axis=size lists (default: fsdp=-1, FSDP over every device)")
+    parser.add_argument("--rows", nargs="+", type=parse_row, default=None,
+                        help="RECIPE[:GATHER] per mesh, GATHER 8bit (default) or bf16; default: bf16, then "
+                             "int8_rowwise and fp8_tensorwise with both gathers")
+    parser.add_argument("--baselines", nargs="*", default=[], choices=RECIPES,
+                        help="recipes to run on one device too (scaling efficiency)")
+    parser.add_argument("--devices", type=int, default=0, help="the mesh rows use the first N GPUs (default all)")
+    parser.add_argument("--batch", type=int, default=8, help="global batch of the mesh rows")
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default 2048; tiny: 32)")
     parser.add_argument("--remat", action="store_true")
+    parser.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--sr", action="store_true", help="stochastic rounding of the param updates (bf16 params)")
+    parser.add_argument("--optimizer", default="adamw", help="config.optimizer.name (adamw, adamw_8bit, ...)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--cpu-devices", type=int, default=0, help="run on this many CPU host devices (toy check)")
     parser.add_argument("--no-append", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    tiny = args.size == "tiny"
-    args.batch = args.batch or 8
-    args.seq = args.seq or (32 if tiny else 2048)
+    args.seq = args.seq or (32 if args.size == "tiny" else 2048)
     if args.child:
         try:
             print(json.dumps(measure(args, *json.loads(args.child))), flush=True)
         except Exception as e:  # reported in the table rather than ending the whole benchmark
             print(json.dumps({"error": f"{type(e).__name__}: {e}"[:2000]}), flush=True)
         return
-    meshes = args.meshes or [parse_mesh("fsdp=-1"), parse_mesh("fsdp=-1,tensor=2")]
-    results = [run_row(args, mesh, recipe, gather) for mesh in meshes for recipe in args.recipes
-               for gather in args.gathers if not (recipe == "bf16" and gather == "8bit")]  # bf16 gathers bf16
-    report = table(results, args)
-    print("\n" + report)
-    if not args.no_append:
-        if args.cpu_devices:
-            os.environ.update(JAX_PLATFORMS="cpu")
-        from common import append_results
-        append_results(f"Llama {args.size} scaling over a mesh", report)
+    args.meshes = args.meshes or [parse_mesh("fsdp=-1")]
+    args.rows = args.rows or [parse_row(r) for r in ("bf16", "int8_rowwise", "int8_rowwise:bf16", "fp8_tensorwise",
+                                                     "fp8_tensorwise:bf16")]
+    # `timeout` sends SIGTERM: end through the finally below, so that the rows done so far are kept.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    results = []
+    try:
+        run_all(args, results)
+    finally:
+        if results:
+            report = table(results, args)
+            print("\n" + report, flush=True)
+            if not args.no_append:
+                if args.cpu_devices:
+                    os.environ.update(JAX_PLATFORMS="cpu")
+                from common import append_results
+                append_results(f"Llama {args.size} scaling over a mesh", report)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qjax import models
+from qjax import dispatch, models
 from qjax.optim import int8_params
 from qjax.train.config import ConfigError
 
@@ -78,7 +78,13 @@ class Task:
         """Fresh params for `key` (the "quant" stream gets its own key, used only by stochastic recipes)."""
         params_key, quant_key = jax.random.split(key)
         inputs = self.dummy_batch(batch_size)[self.input_key()]
-        init = lambda: self.model.init({"params": params_key, "quant": quant_key}, inputs)["params"]
+
+        def init():
+            # Only the params come out of init; its forward pass is traced without a mesh, where backend "auto"
+            # would warn on several GPUs that the kernels are off. The reference GEMMs keep it quiet.
+            with dispatch.force("reference"):
+                return self.model.init({"params": params_key, "quant": quant_key}, inputs)["params"]
+
         if self.init_from is None:
             params = init()
         else:
