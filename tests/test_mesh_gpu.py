@@ -75,7 +75,9 @@ KERNELS_EXPECTED = ["bf16", "fsdp", "ok", "int8_rowwise", "fsdp", "ok", "int8_ro
 
 
 def _env(cpu_devices: int = 0) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_PYTHON_CLIENT_PREALLOCATE="false", **NO_MULTICAST)
+    # The caller's PYTHONPATH stays after the repo (the GPU image finds carried wheels, e.g. ml_collections, there).
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    env = dict(os.environ, PYTHONPATH=path, XLA_PYTHON_CLIENT_PREALLOCATE="false", **NO_MULTICAST)
     if cpu_devices:
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={cpu_devices}")
     return env
