@@ -130,20 +130,15 @@ def _spec(gemm: recipes_lib.GemmSpec | None, side: str) -> QuantSpec | None:
     return None if gemm is None else getattr(gemm, side)
 
 
-_X_OPERANDS = ("forward lhs x as (M, K)", "wgrad rhs x as (K, M), M = tokens")  # in quantization errors
-
-
 @functools.lru_cache(maxsize=None)
 def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision,
                  token_axes: tuple[str, ...] = (), sharding: WeightSharding | None = None):
     """The quantized GEMM's two halves for one static configuration, for custom VJPs built around it:
 
-      forward(lhs, rhs, seeds, rhs_q, with_residuals, lhs_residual=True) -> (out, (w_res, x_res))   the forward
-                 GEMM, and (with residuals) what the backward GEMMs read, quantized in their layouts; rhs_q: None,
-                 or the forward GEMM's rhs already quantized (`dot_general`'s rhs_quantized; not with an FSDP
-                 `sharding`); lhs_residual=False: x_res is None, the caller recomputes lhs for the backward
-      backward((w_res, x_res, seeds), g) -> (dlhs, drhs)                  dgrad and wgrad; x_res may be lhs itself
-                 (recomputed, in high precision), which wgrad then quantizes
+      forward(lhs, rhs, seeds, rhs_q, with_residuals) -> (out, (w_res, x_res))   the forward GEMM, and (with
+                 residuals) what the backward GEMMs read, quantized in their layouts; rhs_q: None, or the forward
+                 GEMM's rhs already quantized (`dot_general`'s rhs_quantized; not with an FSDP `sharding`)
+      backward((w_res, x_res, seeds), g) -> (dlhs, drhs)                  dgrad and wgrad
 
     token_axes: inside `_per_device`, the mesh axes the token rows (M) of x and g are split over (module docstring).
     sharding: inside `_per_device_sharded`, how rhs (then its 2-D local shard) is split; `layout` describes the
@@ -161,14 +156,15 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
     def rhs_nk(rhs):
         return layout.rhs_nk(rhs) if sharding.fsdp is None else (rhs if layout.rhs_contract == (1,) else rhs.T)
 
-    def forward_gemm(lhs, rhs, seeds, rhs_q, with_residuals, lhs_residual=True):
+    def forward_gemm(lhs, rhs, seeds, rhs_q, with_residuals):
         """out, and (with_residuals) what the backward GEMMs read of w and x: quantized in their layouts, or the
         originals for GEMMs in high precision. Each input is quantized once for both GEMMs that read it."""
         x, w = layout.lhs_mk(lhs), rhs_nk(rhs)
-        x_spec_t = _spec(wgrad, "rhs") if with_residuals and lhs_residual else None
+        x_spec_t = _spec(wgrad, "rhs") if with_residuals else None
         w_spec_t = _spec(dgrad, "rhs") if with_residuals else None
         xq, x_res = quantize_both(x, _spec(fwd, "lhs"), x_spec_t, seeds[_FWD_LHS], seeds[_WGRAD_RHS],
-                                  operands=_X_OPERANDS, row_axes=token_axes, col_axes=x_k_axes)
+                                  operands=("forward lhs x as (M, K)", "wgrad rhs x as (K, M), M = tokens"),
+                                  row_axes=token_axes, col_axes=x_k_axes)
         w_spec = _spec(fwd, "rhs") if rhs_q is None else None
         wq, w_res = quantize_both(w, w_spec, w_spec_t, seeds[_FWD_RHS], seeds[_DGRAD_RHS],
                                   operands=("forward rhs w as (N, K)", "dgrad rhs w as (K, N)"),
@@ -184,7 +180,7 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
             w_res = rhs if sharding.fsdp is None else gather(_swap_last(w), sharding.fsdp, 1 - fsdp_n)
         else:
             w_res = gather(w_res, sharding.fsdp, 1 - fsdp_n)
-        residuals = (w_res, None if not lhs_residual else lhs if x_spec_t is None else x_res)
+        residuals = (w_res, lhs if x_spec_t is None else x_res)
         return out.reshape(layout.out_shape()), residuals
 
     def backward(residuals, g):
@@ -206,9 +202,6 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
         if wgrad is None:
             dw = _high_precision_matmul(layout.lhs_km(x_res), _swap_last(g_mn), rhs_dtype, precision)
         else:
-            if not isinstance(x_res, QTensor):  # lhs recomputed by the caller (`forward`'s lhs_residual=False)
-                _, x_res = quantize_both(layout.lhs_mk(x_res), None, _spec(wgrad, "rhs"), None, seeds[_WGRAD_RHS],
-                                         operands=_X_OPERANDS, row_axes=token_axes, col_axes=x_k_axes)
             dw = gemm(x_res, gq_wgrad, rhs_dtype, precise_accumulation=True)
         dx = layout.lhs_from_mk(varying(dx, vma))
         if sharding.fsdp is None:

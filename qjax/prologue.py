@@ -8,18 +8,17 @@ gate and up) is saved by the op, in the compute dtype. Here the op and the GEMM 
   forward    y = op(x, *params); out = the recipe's forward GEMM of y and the kernel
              saved: x quantized per `recipe.saved` in groups of `recipe.saved_group` consecutive features (one
              float32 scale per group), the params, and what the GEMM saves anyway (y and the kernel quantized as
-             wgrad and dgrad read them, from one read of each: `qjax.dispatch.quantize_pair`; y not where
-             `op.recompute_output`). Not the op's compute-dtype input or its float32 statistics.
-  backward   x' = dequantized x; the op's residuals (and y where `op.recompute_output`) recomputed from x'
+             wgrad and dgrad read them, from one read of each: `qjax.dispatch.quantize_pair`). Not the op's
+             compute-dtype input or its float32 statistics.
+  backward   x' = dequantized x; the op's residuals recomputed from x' (elementwise, cheap)
              dy, dkernel = the recipe's dgrad and wgrad GEMMs
              dx, dparams = op.backward(op residuals, dy)
 
 so a norm + linear saves an 8-bit copy of the norm's input beside the GEMM's 8-bit copy of its output, and
-SwiGLU + linear (or GELU + linear) an 8-bit copy of its input only: its output, which wgrad reads, is recomputed
-from that copy in the backward (`Prologue.recompute_output`, as DeepSeek-V3 does for SwiGLU), then quantized for
-wgrad. The GEMMs are those of `qjax.dot_general` (`dot_general.linear_parts`): same quantization, kernels and mesh
-path. (A norm's output is saved, not recomputed: recomputing it moves its wgrad quantization out of the fused
-quantize kernel and re-runs the row statistics, a measured slowdown: benchmarks/NOTES.md.)
+SwiGLU + linear an 8-bit copy of gate and up. The GEMMs are those of `qjax.dot_general`
+(`dot_general.linear_parts`): same quantization, kernels and mesh path. (Recomputing y in the backward instead of
+saving its codes, as DeepSeek-V3 does for SwiGLU, saves another 8 bits per element but moves its wgrad
+quantization out of the fused quantize kernel: benchmarks/NOTES.md.)
 """
 
 import dataclasses
@@ -42,15 +41,12 @@ class Prologue:
     apply(x, *params) -> y: the op alone, differentiable (where no linear layer is fused after it).
     forward(x, *params) -> (y, residuals): y (..., K) in the compute dtype, residuals what backward reads.
     backward(residuals, dy) -> (dx, *dparams), in the dtypes of x and params.
-    recompute_output: the backward recomputes y from the saved x for the weight gradient instead of saving y's
-      8-bit wgrad copy (DeepSeek-V3's SwiGLU): for elementwise ops, whose y costs one pass over x to recompute.
     """
 
     name: str
     apply: Callable
     forward: Callable
     backward: Callable
-    recompute_output: bool = False
 
 
 def check_saved_group(recipe: recipes_lib.Recipe, features: int, layer: str) -> None:
@@ -110,15 +106,14 @@ def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *
 
     def fwd(x, *rest):
         *params, kernel, seeds = rest
-        out, gemm_residuals = gemm_forward(op.forward(x, *params)[0], kernel, seeds, None, with_residuals=True,
-                                           lhs_residual=not op.recompute_output)
+        out, gemm_residuals = gemm_forward(op.forward(x, *params)[0], kernel, seeds, None, with_residuals=True)
         return out, (_save(x, recipe.saved, recipe.saved_group), tuple(params), gemm_residuals, seeds)
 
     def bwd(residuals, g):
         x_saved, params, (w_res, y_res), seeds = residuals
         x_restored = _restore(x_saved, g.shape[:-1] + (x.shape[-1],), x.dtype)  # x's local (per-device) shape
-        y, op_residuals = op.forward(x_restored, *params)  # y only where wgrad has no saved codes of it
-        dy, dkernel = gemm_backward((w_res, y if y_res is None else y_res, seeds), g)
+        _, op_residuals = op.forward(x_restored, *params)  # y itself is not needed: wgrad reads its saved codes
+        dy, dkernel = gemm_backward((w_res, y_res, seeds), g)
         return (*op.backward(op_residuals, dy), dkernel, None)
 
     @jax.custom_vjp

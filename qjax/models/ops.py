@@ -231,8 +231,7 @@ def _swiglu_packed_bwd(residuals, dh):
 
 
 SWIGLU = Prologue("swiglu", apply=_swiglu_packed, forward=lambda gate_up: (_swiglu_packed(gate_up), (gate_up,)),
-                  backward=_swiglu_packed_bwd, recompute_output=True)
-GELU = Prologue("gelu", apply=gelu, forward=lambda x: (gelu(x), (x,)), backward=lambda res, dy: _gelu_bwd(res[0], dy),
-                recompute_output=True)
+                  backward=_swiglu_packed_bwd)
+GELU = Prologue("gelu", apply=gelu, forward=lambda x: (gelu(x), (x,)), backward=lambda res, dy: _gelu_bwd(res[0], dy))
 GELU_EXACT = Prologue("gelu_exact", apply=gelu_exact, forward=lambda x: (gelu_exact(x), (x,)),
-                      backward=lambda res, dy: _gelu_exact_bwd(res[0], dy), recompute_output=True)
+                      backward=lambda res, dy: _gelu_exact_bwd(res[0], dy))

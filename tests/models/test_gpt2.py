@@ -145,8 +145,8 @@ def _per_token_residuals(config, batch=2, seq=32):
 
 @pytest.mark.parametrize("recipe", ["bf16", *FLOORS])
 def test_dataflow_block_saves_8bit_activations_only(recipe):
-    """Beside attention's own (q, k, v and XLA's scores), a block saves its LayerNorm and GELU inputs and the GEMM
-    inputs wgrad reads in 8 bits (plus float32 group / row scales), no compute-dtype activation."""
+    """Beside attention's own (q, k, v and XLA's scores), a block saves its LayerNorm and GELU inputs and its GEMM
+    inputs in 8 bits (plus float32 group / row scales), no compute-dtype activation."""
     config = dataclasses.replace(CONFIG, recipe=recipe)
     saved = _per_token_residuals(config)
     outside_attention = [(a, s) for a, s in saved if "(attention)" not in s and "Attention.__call__" not in s]
@@ -157,9 +157,8 @@ def test_dataflow_block_saves_8bit_activations_only(recipe):
         return
     assert not wide, wide
     eight_bit = [a.shape for a, _ in outside_attention if a.dtype.itemsize == 1]
-    # 3 op inputs (two LayerNorms, GELU) in their saved groups + 3 GEMM inputs (qkv, o, fc1) as wgrad reads them
-    # (fc2's, GELU's output, is recomputed from GELU's saved input: `Prologue.recompute_output`)
-    assert len(eight_bit) == 6, eight_bit
+    # 3 op inputs (two LayerNorms, GELU) in their saved groups + 4 GEMM inputs (qkv, o, fc1, fc2) as wgrad reads them
+    assert len(eight_bit) == 7, eight_bit
 
 
 def test_trains_from_the_config_file(tmp_path):
