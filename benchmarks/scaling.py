@@ -31,11 +31,12 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
+from gpus import NO_MULTICAST, visible_gpus  # noqa: E402
+
 RECIPES = ("bf16", "int8_rowwise", "fp8_tensorwise", "fp8_dataflow", "int8_dataflow")
 GATHERS = ("8bit", "bf16")
 ROUNDS = 3
 # NVLink multicast stays off on the shared multi-GPU machines (NCCL and the libraries beside it).
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def parse_mesh(text: str) -> dict:
@@ -138,18 +139,6 @@ def finish_row(proc, row: dict) -> dict:
         f"{result['tokens_per_s']:,.0f} tok/s on {result['devices']}, {result['step_ms']:.1f} ms/step")
         + f" ({seconds:.0f} s with compilation)", flush=True)
     return result
-
-
-def visible_gpus() -> list[str]:
-    """The CUDA_VISIBLE_DEVICES entries of the GPUs this process may use, found without initialising jax (the
-    children own the GPUs)."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES"):
-        return os.environ["CUDA_VISIBLE_DEVICES"].split(",")
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return []
-    return [str(i) for i in range(sum(line.startswith("GPU ") for line in out.splitlines()))]
 
 
 def table(results: list[dict], args) -> str:

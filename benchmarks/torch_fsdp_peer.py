@@ -26,11 +26,12 @@ import subprocess
 import sys
 import time
 
+from gpus import NO_MULTICAST, visible_gpus
+
 VARIANTS = ("bf16", "float8_tensorwise")
 SHAPE = dict(dim=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000)  # TinyLlama 1.1B, as torch_peer.py
 SMALL = dict(dim=128, layers=2, heads=4, kv_heads=2, ffn=256, vocab=512, batch=4, seq=64)
 ROUNDS = 3
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def _log(msg):
@@ -144,19 +145,10 @@ def run_rank(args, variant):
 # ------------------------------------------------------------------------------------- the launcher (no torch)
 
 
-def visible_gpus() -> int:
-    """How many GPUs `nvidia-smi -L` lists (0 without one), without importing torch."""
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return 0
-    return sum(line.startswith("GPU ") for line in out.splitlines())
-
-
 def child_argv(args, variant) -> list[str]:
     python = os.environ.get("QJAX_TORCH_PYTHON") or sys.executable
     shape = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (*SHAPE, "batch", "seq")]
-    flags = shape + [f"--steps={args.steps}", f"--warmup={args.warmup}"] + \
+    flags = shape + [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--nproc={args.nproc}"] + \
         ["--cpu"] * args.cpu + ["--no-compile"] * (not args.compile)
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
             os.path.abspath(__file__), "--rank-variant", variant, *flags]
@@ -221,7 +213,7 @@ def parse_args(argv=None):
     if args.small:
         for key, value in SMALL.items():
             setattr(args, key, value)
-    args.nproc = args.nproc or (2 if args.cpu or args.dry_run else visible_gpus())
+    args.nproc = args.nproc or (2 if args.cpu or args.dry_run else len(visible_gpus()))
     if args.nproc < 1:
         parser.error("no GPU visible (nvidia-smi -L lists none): pass --cpu for the CPU check, or --dry-run")
     if args.batch % args.nproc:

@@ -39,7 +39,8 @@ class QuantSpec:
         scaling is exact). "1x32" (MX) requires it: its E8M0 scale, by default in NVIDIA's (cuBLAS's) RCEIL mode.
       mx_scale: the E8M0 scale mode of a "1x32" spec: "rceil" (the default: the rounded-up scale above, no element
         saturates) or "floor" (torchao's default FLOOR, 2^(floor(log2 amax) - emax): block maxima above max * 2^k
-        saturate; `numerics.e8m0_floor_scale_from_amax`). Other granularities ignore it and refuse "floor".
+        saturate; `numerics.e8m0_floor_scale_from_amax`). Other granularities ignore "rceil"; "floor" on them is an
+        error.
     """
 
     dtype: str

@@ -5,8 +5,8 @@ and so does a norm fused with its linear layer (`qjax.prologue`).
 XLA_FLAGS must be set before jax initialises, so the checks run in a subprocess. Only the reference (XLA) path can
 run per device here: the Mosaic GPU interpreter does not run on several CPU devices at once (it fails with
 "Barrier remains allocated", jax 0.11.2); the kernels' part (`row_axes` in the fused quantize kernel) is checked
-on a one-device mesh in tests/kernels/test_quantize_mgpu.py. The same script runs on every visible GPU (an even
-count) in tests/test_mesh_gpu.py, where the per-device GEMMs are the compiled kernels.
+on a one-device mesh in tests/kernels/test_quantize_mgpu.py. The same script runs on every visible GPU (2, 4
+or 8) in tests/test_mesh_gpu.py, where the per-device GEMMs are the compiled kernels.
 """
 
 import os

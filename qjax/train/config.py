@@ -49,6 +49,9 @@ def check_config(config) -> None:
         if arch not in LM_SIZES:
             raise ConfigError(f"config.model.arch must be one of {tuple(LM_SIZES)}, got {arch!r}")
         sizes = LM_SIZES[arch]
+        if arch != "llama" and config.get("init_from"):
+            raise ConfigError(f"config.init_from loads Hugging Face Llama checkpoints; config.model.arch is {arch!r}: "
+                              "unset init_from or train a llama model")
     size = config.model.get("size")
     if size not in sizes:
         raise ConfigError(f"config.model.size {size!r} is not a {arch} preset; valid "

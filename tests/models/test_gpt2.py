@@ -185,3 +185,6 @@ def test_trains_from_the_config_file(tmp_path):
     config.model.arch, config.model.size = "gpt2", "125m"
     with pytest.raises(ConfigError, match="config.model.size '125m' is not a gpt2 preset; valid sizes: tiny, gpt2"):
         train(config, str(tmp_path / "bad"))
+    config.model.size, config.init_from = "tiny", str(tmp_path / "hf")
+    with pytest.raises(ConfigError, match="init_from loads Hugging Face Llama checkpoints; config.model.arch is 'gpt2'"):
+        train(config, str(tmp_path / "bad"))
