@@ -1,11 +1,14 @@
 """Helpers shared by the tests (importable as `helpers`: pyproject adds tests/ to the path)."""
 
+import json
+import os
 import pathlib
 
 import flax.linen as nn
 import jax
 import numpy as np
 import optax
+import safetensors.numpy
 
 import qjax
 from qjax.data import text
@@ -76,3 +79,12 @@ def write_tiny_corpus(directory, *, num_files: int = 2, words_per_file: int = 80
         files.append(path)
     text.prepare_text(files, directory / "shards", val_fraction=val_fraction)
     return directory / "shards"
+
+
+def save_hf_dir(path, hf: dict, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A Hugging Face model directory (config.json + model.safetensors) holding `tensors`; returns them."""
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return tensors

@@ -32,6 +32,20 @@ def read_config(path: str) -> dict:
         return json.load(f)
 
 
+def config_fields(hf: dict, names: dict[str, str], defaults: dict) -> dict:
+    """qjax config fields from a config.json dict: names maps each Hugging Face key to its qjax field; a key missing
+    from hf takes its value in `defaults` (transformers' default), else a ValueError names it."""
+    fields = {}
+    for hf_name, name in names.items():
+        if hf_name in hf:
+            fields[name] = hf[hf_name]
+        elif hf_name in defaults:
+            fields[name] = defaults[hf_name]
+        else:
+            raise ValueError(f"config.json has no {hf_name!r}")
+    return fields
+
+
 def read_tensors(path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     """{name: array} for every name of `shapes` from the directory's single file or its sharded index, in the stored
     dtype. ValueError naming the tensor for one that is missing or not of its shape in `shapes`."""

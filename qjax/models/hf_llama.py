@@ -25,7 +25,7 @@ theta^(-2i / head_dim). Tensors load as float32 (or `param_dtype`); a bfloat16 c
 import jax
 import numpy as np
 
-from qjax.models.hf_checkpoint import NUMPY_DTYPES, read_config, read_tensors, write_checkpoint
+from qjax.models.hf_checkpoint import NUMPY_DTYPES, config_fields, read_config, read_tensors, write_checkpoint
 from qjax.models.llama import LlamaConfig
 
 # config.json field -> LlamaConfig field.
@@ -53,14 +53,7 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
             raise ValueError(f"config.json: {field}={rope!r} is not supported (qjax's Llama runs plain RoPE)")
     if "rope_theta" in (hf.get("rope_parameters") or {}):
         hf = dict(hf, rope_theta=hf["rope_parameters"]["rope_theta"])
-    fields = {}
-    for hf_name, name in _CONFIG_FIELDS.items():
-        if hf_name in hf:
-            fields[name] = hf[hf_name]
-        elif hf_name in _DEFAULTS:
-            fields[name] = _DEFAULTS[hf_name]
-        else:
-            raise ValueError(f"config.json has no {hf_name!r}")
+    fields = config_fields(hf, _CONFIG_FIELDS, _DEFAULTS)
     if fields["n_kv_heads"] is None:
         fields["n_kv_heads"] = fields["n_heads"]
     head_dim = hf.get("head_dim")

@@ -33,7 +33,7 @@ without it.
 import jax
 import numpy as np
 
-from qjax.models.hf_checkpoint import NUMPY_DTYPES, read_config, read_tensors, write_checkpoint
+from qjax.models.hf_checkpoint import NUMPY_DTYPES, config_fields, read_config, read_tensors, write_checkpoint
 from qjax.models.vit import ViTConfig
 
 _ARCHITECTURES = {"ViTForImageClassification": "vit.", "ViTModel": ""}  # -> tensor name prefix
@@ -76,14 +76,7 @@ def config_from_hf(hf: dict, **overrides) -> ViTConfig:
     if act not in _GELU_APPROXIMATE:
         raise ValueError(f"config.json: hidden_act={act!r} is not supported (qjax's ViT runs "
                          f"{' or '.join(map(repr, _GELU_APPROXIMATE))})")
-    fields = {}
-    for hf_name, name in _CONFIG_FIELDS.items():
-        if hf_name in hf:
-            fields[name] = hf[hf_name]
-        elif hf_name in _DEFAULTS:
-            fields[name] = _DEFAULTS[hf_name]
-        else:
-            raise ValueError(f"config.json has no {hf_name!r}")
+    fields = config_fields(hf, _CONFIG_FIELDS, _DEFAULTS)
     fields.update(pool="cls", gelu_approximate=_GELU_APPROXIMATE[act])
     if architecture == "ViTForImageClassification":
         fields["num_classes"] = _hf_num_labels(hf)

@@ -29,6 +29,16 @@ def check_positive_ints(config, names):
             raise ValueError(f"{type(config).__name__}.{name} must be a positive int, got {value!r}")
 
 
+def check_tokens(tokens, max_seq_len: int, model: str) -> jax.Array:
+    """tokens as an int (batch, seq_len) array, seq_len <= max_seq_len; ValueError naming `model` otherwise."""
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"{model} takes int tokens of shape (batch, seq_len); got {tokens.dtype} {tokens.shape}")
+    if tokens.shape[1] > max_seq_len:
+        raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {max_seq_len}")
+    return tokens
+
+
 def check_quantization_fields(config):
     """Validates the fields every model config shares (recipe, filter, dtypes, attention); normalises the filter.
 

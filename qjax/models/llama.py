@@ -250,11 +250,7 @@ class Llama(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         c = self.config
-        tokens = jnp.asarray(tokens)
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"Llama takes int tokens of shape (batch, seq_len); got {tokens.dtype} {tokens.shape}")
-        if tokens.shape[1] > c.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len {c.max_seq_len}")
+        tokens = layers.check_tokens(tokens, c.max_seq_len, "Llama")
         compute = jnp.dtype(c.compute_dtype)
         embed = nn.Embed(c.vocab_size, c.dim, param_dtype=jnp.dtype(c.param_dtype), embedding_init=_init(c),
                          name="embed")

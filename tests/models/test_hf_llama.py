@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import safetensors.numpy
-from helpers import snr_db
+from helpers import save_hf_dir, snr_db
 
 from qjax import models
 from qjax.models import hf_checkpoint, hf_llama
@@ -42,12 +41,7 @@ def random_hf_tensors(hf: dict, seed: int = 0) -> dict[str, np.ndarray]:
 
 def write_hf_dir(path, hf: dict = HF_CONFIG, tensors=None) -> dict[str, np.ndarray]:
     """A Hugging Face model directory (config.json + model.safetensors) with random weights; returns the tensors."""
-    tensors = random_hf_tensors(hf) if tensors is None else tensors
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f)
-    safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    return tensors
+    return save_hf_dir(path, hf, random_hf_tensors(hf) if tensors is None else tensors)
 
 
 def hf_reference_logits(hf: dict, t: dict, tokens: np.ndarray) -> np.ndarray:
