@@ -20,7 +20,8 @@ Encoding is nearest-code: `code = argmin_j |x - qmap[j]|` computed in float32, t
 what a brute-force argmin returns. `encode_nearest` gets the same answer arithmetically (the map's level and affine
 position give two candidate codes, one float32 threshold looked up in `codec_table` picks one), without a search
 over the table: on a GPU, lookups per element are what a binary search (one per bit) paid for. Kernels, which have
-no gather (Mosaic GPU), call `encode_unit` and `codec_table` with their own table lookup.
+no gather (Mosaic GPU), call `encode_unit` and `codec_table` with their own table lookup. A 4-bit map's codes are
+stored two per byte (`pack_4bit` / `unpack_4bit`).
 """
 
 import dataclasses
@@ -282,6 +283,16 @@ def encode_brute_force(x: jax.Array, qmap) -> jax.Array:
     table = jnp.asarray(qmap, jnp.float32)
     dist = jnp.abs(x.astype(jnp.float32)[..., None] - table)
     return jnp.argmin(dist, axis=-1).astype(jnp.uint8)
+
+
+def pack_4bit(codes: jax.Array) -> jax.Array:
+    """uint8 codes < 16, shape (..., 2k) -> uint8 (..., k): element 2i in the high nibble, 2i+1 in the low."""
+    return (codes[..., 0::2] << 4) | codes[..., 1::2]
+
+
+def unpack_4bit(packed: jax.Array) -> jax.Array:
+    """Inverse of `pack_4bit`: uint8 (..., k) -> uint8 codes (..., 2k)."""
+    return jnp.stack([packed >> 4, packed & jnp.uint8(15)], axis=-1).reshape(*packed.shape[:-1], -1)
 
 
 def decode(codes: jax.Array, qmap) -> jax.Array:

@@ -126,11 +126,11 @@ def _map_lanes(fa, out_length: int, fn):
 
 
 def _unpack(packed: jax.Array, interpret: bool) -> jax.Array:
-    """uint8 (R, B / 2) packed codes in `_PACKED_LAYOUT` -> uint8 (R, B) codes in `_LAYOUT` (`blockwise.unpack_4bit`:
+    """uint8 (R, B / 2) packed codes in `_PACKED_LAYOUT` -> uint8 (R, B) codes in `_LAYOUT` (`codebooks.unpack_4bit`:
     element 2i from the high nibble). Compiled, each lane splits its 2 bytes into its 4 codes in registers."""
     n_rows, half = packed.shape
     if interpret:
-        return jnp.stack([packed >> 4, packed & jnp.uint8(15)], axis=-1).reshape(n_rows, 2 * half)
+        return codebooks.unpack_4bit(packed)
 
     @plgpu.inline_mgpu(arg_types=(_PACKED_LAYOUT,),
                        return_type=plgpu.ShapeDtypeStruct((n_rows, 2 * half), jnp.uint8, _LAYOUT))
@@ -148,8 +148,7 @@ def _pack(codes: jax.Array, interpret: bool) -> jax.Array:
     """Inverse of `_unpack`: uint8 (R, B) codes < 16 in `_LAYOUT` -> uint8 (R, B / 2) in `_PACKED_LAYOUT`."""
     n_rows, block = codes.shape
     if interpret:
-        pairs = codes.reshape(n_rows, block // 2, 2)
-        return (pairs[..., 0] << 4) | pairs[..., 1]
+        return codebooks.pack_4bit(codes)
 
     @plgpu.inline_mgpu(arg_types=(_LAYOUT,),
                        return_type=plgpu.ShapeDtypeStruct((n_rows, block // 2), jnp.uint8, _PACKED_LAYOUT))

@@ -117,28 +117,18 @@ def _blocks(x: jax.Array, block_size: int) -> jax.Array:
     return x.astype(jnp.float32).reshape(-1, block_size)
 
 
-def pack_4bit(codes: jax.Array) -> jax.Array:
-    """uint8 codes < 16, shape (..., 2k) -> uint8 (..., k): element 2i in the high nibble, 2i+1 in the low."""
-    return (codes[..., 0::2] << 4) | codes[..., 1::2]
-
-
-def unpack_4bit(packed: jax.Array) -> jax.Array:
-    """Inverse of `pack_4bit`: uint8 (..., k) -> uint8 codes (..., 2k)."""
-    return jnp.stack([packed >> 4, packed & jnp.uint8(15)], axis=-1).reshape(*packed.shape[:-1], -1)
-
-
 def quantize_codebook(x: jax.Array, qmap_name: str, block_size: int) -> CodebookState:
     """float tensor -> CodebookState: absmax per block, nearest code of x / absmax (see module docstring)."""
     blocks = _blocks(x, block_size)
     absmax = numerics.amax(blocks, axis=-1)
     codes = codebooks.encode_nearest(blocks / numerics.nonzero(absmax)[:, None], codebooks.get_map(qmap_name))
     if CODEBOOK_FORMATS[qmap_name] == 4:
-        codes = pack_4bit(codes)
+        codes = codebooks.pack_4bit(codes)
     return CodebookState(codes, absmax, tuple(x.shape), qmap_name)
 
 
 def dequantize_codebook(q: CodebookState) -> jax.Array:
-    codes = unpack_4bit(q.codes) if CODEBOOK_FORMATS[q.qmap] == 4 else q.codes
+    codes = codebooks.unpack_4bit(q.codes) if CODEBOOK_FORMATS[q.qmap] == 4 else q.codes
     return (codebooks.decode(codes, codebooks.get_map(q.qmap)) * q.absmax[:, None]).reshape(q.shape)
 
 

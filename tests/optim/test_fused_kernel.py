@@ -389,7 +389,7 @@ def test_lowers_for_hopper(fmt):
 
 def _check_nibbles_in_kernel(block, interpret):
     """The kernel's 4-bit code (un)packing in registers, interpreted or compiled: every byte value, unpacked in
-    `_LAYOUT`, equals `blockwise.unpack_4bit`, and packed back equals the input."""
+    `_LAYOUT`, equals `codebooks.unpack_4bit`, and packed back equals the input."""
     from jax import lax
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -407,7 +407,7 @@ def _check_nibbles_in_kernel(block, interpret):
     out = (jax.ShapeDtypeStruct((8, block), jnp.uint8), jax.ShapeDtypeStruct((8, block // 2), jnp.uint8))
     codes, repacked = jax.jit(plgpu.kernel(body, out_type=out, grid=(2,), grid_names=("program",),
                                            interpret=params))(jnp.asarray(packed))
-    np.testing.assert_array_equal(np.asarray(codes), np.asarray(blockwise.unpack_4bit(jnp.asarray(packed))))
+    np.testing.assert_array_equal(np.asarray(codes), np.asarray(codebooks.unpack_4bit(jnp.asarray(packed))))
     np.testing.assert_array_equal(np.asarray(repacked), packed)
 
 
@@ -434,7 +434,7 @@ def _code_steps(state):
     are both 0."""
     codes = state.codes
     if isinstance(state, blockwise.CodebookState):
-        codes = blockwise.unpack_4bit(codes) if blockwise.CODEBOOK_FORMATS[state.qmap] == 4 else codes
+        codes = codebooks.unpack_4bit(codes) if blockwise.CODEBOOK_FORMATS[state.qmap] == 4 else codes
         return np.asarray(codes).astype(np.int32)
     bits = np.asarray(codes).view(np.uint8).astype(np.int32)
     return np.where(bits & 0x80, -(bits & 0x7F), bits & 0x7F)

@@ -153,9 +153,9 @@ def test_codec_table_layout():
 
 def test_pack_4bit_roundtrip():
     codes = jax.random.randint(jax.random.key(2), (5, 128), 0, 16).astype(jnp.uint8)
-    packed = blockwise.pack_4bit(codes)
+    packed = codebooks.pack_4bit(codes)
     assert packed.shape == (5, 64) and packed.dtype == jnp.uint8
-    np.testing.assert_array_equal(blockwise.unpack_4bit(packed), codes)
+    np.testing.assert_array_equal(codebooks.unpack_4bit(packed), codes)
     assert int(packed[0, 0]) == int(codes[0, 0]) * 16 + int(codes[0, 1])
 
 
