@@ -22,7 +22,12 @@ The "quant" RNG stream is needed only by recipes with stochastic rounding (`qjax
 Hugging Face Llama checkpoints: `load_hf_llama(dir)` -> (config, params), `save_hf_llama(config, params, dir)`;
 text: `generate(config, params, prompt_tokens, max_new_tokens, ...)` with a KV cache (`qjax.models.generate`).
 Hugging Face ViT checkpoints: `load_hf_vit(dir)` -> (config, params), `save_hf_vit(config, params, dir)`.
+`LM_ARCHS`: the language-model architectures by name (a train config's `model.arch`), each with its presets, config
+function and Flax module.
 """
+
+import dataclasses
+from typing import Callable
 
 from qjax.models.generate import dequantize_weights, generate, int8_weights
 from qjax.models.gpt2 import GPT2, GPT2_SIZES, GPT2Config, gpt2_config
@@ -33,9 +38,19 @@ from qjax.models.llama import LLAMA_SIZES, Llama, LlamaConfig, flops_per_token, 
 from qjax.models.moe import MoEConfig
 from qjax.models.vit import VIT_SIZES, ViT, ViTConfig, classification_loss, flops_per_example, vit_config
 
+
+@dataclasses.dataclass(frozen=True)
+class LMArch:
+    sizes: dict  # preset name -> shape fields
+    make_config: Callable  # (size, **overrides) -> the model's config
+    model: type  # the Flax module, built from that config
+
+
+LM_ARCHS = {"llama": LMArch(LLAMA_SIZES, llama_config, Llama), "gpt2": LMArch(GPT2_SIZES, gpt2_config, GPT2)}
+
 __all__ = [
-    "GPT2", "GPT2Config", "GPT2_SIZES", "LLAMA_SIZES", "Llama", "LlamaConfig", "MoEConfig", "VIT_SIZES", "ViT",
-    "ViTConfig", "classification_loss", "dequantize_weights", "flops_per_example", "flops_per_token", "generate",
-    "gpt2_config", "int8_weights", "layer_recipes", "llama_config", "lm_loss", "load_hf_config", "load_hf_llama",
-    "load_hf_vit", "num_params", "save_hf_llama", "save_hf_vit", "vit_config",
+    "GPT2", "GPT2Config", "GPT2_SIZES", "LLAMA_SIZES", "LMArch", "LM_ARCHS", "Llama", "LlamaConfig", "MoEConfig",
+    "VIT_SIZES", "ViT", "ViTConfig", "classification_loss", "dequantize_weights", "flops_per_example",
+    "flops_per_token", "generate", "gpt2_config", "int8_weights", "layer_recipes", "llama_config", "lm_loss",
+    "load_hf_config", "load_hf_llama", "load_hf_vit", "num_params", "save_hf_llama", "save_hf_vit", "vit_config",
 ]

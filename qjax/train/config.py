@@ -9,11 +9,10 @@ import os
 
 import qjax
 from qjax.data import KINDS, field_problems
-from qjax.models import GPT2_SIZES, LLAMA_SIZES, VIT_SIZES
+from qjax.models import LM_ARCHS, VIT_SIZES
 from qjax.train.optimizer import check_optimizer_config
 
 TASKS = ("lm", "image")
-LM_SIZES = {"llama": LLAMA_SIZES, "gpt2": GPT2_SIZES}  # config.model.arch ("lm" only; absent: llama): its presets
 # Data kinds with local files, and how to make them when they are missing.
 _PREPARE_HINTS = {
     "tokens": "make them with `python -m qjax.data.prepare shakespeare --out {path}` (or `python -m "
@@ -46,9 +45,9 @@ def check_config(config) -> None:
     arch, sizes = "vit", VIT_SIZES
     if task == "lm":
         arch = config.model.get("arch", "llama")
-        if arch not in LM_SIZES:
-            raise ConfigError(f"config.model.arch must be one of {tuple(LM_SIZES)}, got {arch!r}")
-        sizes = LM_SIZES[arch]
+        if arch not in LM_ARCHS:  # config.model.arch: "lm" only; absent, llama
+            raise ConfigError(f"config.model.arch must be one of {tuple(LM_ARCHS)}, got {arch!r}")
+        sizes = LM_ARCHS[arch].sizes
         if arch != "llama" and config.get("init_from"):
             raise ConfigError(f"config.init_from loads Hugging Face Llama checkpoints; config.model.arch is {arch!r}: "
                               "unset init_from or train a llama model")

@@ -33,8 +33,6 @@ from qjax.optim import int8_params
 from qjax.train.config import ConfigError
 
 INT8 = "int8"  # config.model.param_dtype of INT8 weight-only training (module docstring)
-# config.model.arch of an "lm" task: (preset -> config, model class)
-LM_ARCHS = {"llama": (models.llama_config, models.Llama), "gpt2": (models.gpt2_config, models.GPT2)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +156,7 @@ def make_task(config, *, vocab_size: int | None = None, num_classes: int | None 
         if int8:
             int8_params.check_recipe(config.recipe)
         if config.task == "lm":
-            make_config, model_class = LM_ARCHS[config.model.get("arch", "llama")]  # checked by check_config
+            arch = models.LM_ARCHS[config.model.get("arch", "llama")]  # checked by check_config
             init_from = config.get("init_from")
             if init_from:
                 model_config = _pretrained_config(init_from, overrides, vocab_size)
@@ -166,11 +164,11 @@ def make_task(config, *, vocab_size: int | None = None, num_classes: int | None 
                 if vocab_size is not None:
                     overrides["vocab_size"] = vocab_size
                 overrides.setdefault("max_seq_len", config.seq_len)
-                model_config = make_config(config.model.size, **overrides)
+                model_config = arch.make_config(config.model.size, **overrides)
             if config.seq_len > model_config.max_seq_len:
                 raise ValueError(f"config.seq_len {config.seq_len} exceeds config.model.max_seq_len "
                                  f"{model_config.max_seq_len}")
-            return Task("lm", model_config, model_class(model_config), "tokens", config.seq_len,
+            return Task("lm", model_config, arch.model(model_config), "tokens", config.seq_len,
                         models.flops_per_token(model_config, config.seq_len), seq_len=config.seq_len,
                         int8_params=int8, init_from=init_from or None)
         if num_classes is not None:

@@ -186,5 +186,6 @@ def test_trains_from_the_config_file(tmp_path):
     with pytest.raises(ConfigError, match="config.model.size '125m' is not a gpt2 preset; valid sizes: tiny, gpt2"):
         train(config, str(tmp_path / "bad"))
     config.model.size, config.init_from = "tiny", str(tmp_path / "hf")
-    with pytest.raises(ConfigError, match="init_from loads Hugging Face Llama checkpoints; config.model.arch is 'gpt2'"):
+    with pytest.raises(ConfigError, match="init_from loads Hugging Face Llama checkpoints; config.model.arch is "
+                                          "'gpt2'"):
         train(config, str(tmp_path / "bad"))
