@@ -39,7 +39,8 @@
 # before/after A/B in one call. On a machine with several GPUs, "A B -- C D" runs the lanes A B and C D at the same
 # time, one GPU each. Steps: profile-int8-dataflow (benchmarks/profile_train.py of the 1.1B int8_dataflow row),
 # dataflow-mem (bf16 and the 1.1B data-flow rows, int8_dataflow also with adamw_fp8 states: speed
-# and peak memory against bf16), hf-vit (the Hugging Face ViT tests:
+# and peak memory against bf16), hlo-int8-rowwise / hlo-int8-dataflow (the profile's 150 largest ops and the
+# step's optimized HLO in $OUT, gzipped: which fusions the data-flow recipe adds), hf-vit (the Hugging Face ViT tests:
 # load_hf_vit / save_hf_vit, transformers parity included).
 # adam-sr-diag: bf16 params + SR in the fused AdamW kernel vs its reference, both sides' float32 intermediates
 # where params differ and the PTX's float32 op counts (Mosaic GPU and XLA dumps); optim-sr: the bf16 + SR AdamW step
@@ -108,6 +109,8 @@ step_command() {
         dataflow-mem) echo "python3 benchmarks/train.py --rows bf16 int8_dataflow int8_dataflow+adamw_fp8" \
                            "fp8_dataflow --steps 5 --warmup 2 --no-peer" ;;
         profile-int8-dataflow) echo "python3 benchmarks/profile_train.py --row int8_dataflow --top 40" ;;
+        hlo-int8-rowwise|hlo-int8-dataflow)
+            echo "python3 benchmarks/profile_train.py --row ${1#hlo-} --top 150 --dump-hlo $OUT/${1#hlo-}.hlo" ;;
         dataflow-conv) echo "python3 benchmarks/convergence.py --recipes bf16 fp8_dataflow int8_dataflow" \
                             "bitnet_b158 --size 125m" \
                             "--seq-len 1024 --batch-size 32 --steps 750 --lr 6e-4 --workdir /tmp/convergence" ;;
@@ -187,6 +190,7 @@ fi
 [ -f /tmp/default_run/metrics.jsonl ] && cp /tmp/default_run/metrics.jsonl "$OUT/default_run_metrics.jsonl"
 [ -f benchmarks/convergence_bitnet.png ] && cp benchmarks/convergence_bitnet.png "$OUT/"
 [ -f benchmarks/convergence_gpt2.png ] && cp benchmarks/convergence_gpt2.png "$OUT/"
+for hlo in "$OUT"/*.hlo; do [ -f "$hlo" ] && gzip -f "$hlo"; done
 diff /tmp/RESULTS.before benchmarks/RESULTS.md > "$OUT/results.diff"
 cmp -s /tmp/convergence.before.png benchmarks/convergence.png || cp benchmarks/convergence.png "$OUT/"
 exit 0
