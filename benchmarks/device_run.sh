@@ -110,7 +110,7 @@ step_command() {
                            "fp8_dataflow --steps 5 --warmup 2 --no-peer" ;;
         profile-int8-dataflow) echo "python3 benchmarks/profile_train.py --row int8_dataflow --top 40" ;;
         hlo-int8-rowwise|hlo-int8-dataflow)
-            echo "python3 benchmarks/profile_train.py --row ${1#hlo-} --top 150 --dump-hlo $OUT/${1#hlo-}.hlo" ;;
+            echo "python3 benchmarks/profile_train.py --row $(echo ${1#hlo-} | tr - _) --top 150 --dump-hlo $OUT/${1#hlo-}.hlo" ;;
         dataflow-conv) echo "python3 benchmarks/convergence.py --recipes bf16 fp8_dataflow int8_dataflow" \
                             "bitnet_b158 --size 125m" \
                             "--seq-len 1024 --batch-size 32 --steps 750 --lr 6e-4 --workdir /tmp/convergence" ;;
