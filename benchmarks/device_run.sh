@@ -145,6 +145,8 @@ step_command() {
         scaling-8b) echo "python3 benchmarks/scaling.py --size 8b --batch 4 --remat --param-dtype bfloat16 --sr" \
                          "--optimizer adamw_8bit --rows bf16 int8_rowwise --baselines int8_rowwise --steps 3" \
                          "--warmup 1" ;;
+        scaling-8b-int8) echo "python3 benchmarks/scaling.py --size 8b --batch 4 --remat --param-dtype bfloat16 --sr" \
+                              "--optimizer adamw_8bit --rows int8_rowwise --steps 3 --warmup 1" ;;
         torch-fsdp) echo "python3 benchmarks/torch_fsdp_peer.py" ;;
         *) return 1 ;;
     esac
