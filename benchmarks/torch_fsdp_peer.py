@@ -148,7 +148,9 @@ def run_rank(args, variant):
 def child_argv(args, variant) -> list[str]:
     python = os.environ.get("QJAX_TORCH_PYTHON") or sys.executable
     shape = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (*SHAPE, "batch", "seq")]
-    flags = shape + [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--nproc={args.nproc}"] + \
+    # No --nproc here: torchrun's own parser takes it for an abbreviation of --nproc-per-node (the ranks read
+    # WORLD_SIZE instead).
+    flags = shape + [f"--steps={args.steps}", f"--warmup={args.warmup}"] + \
         ["--cpu"] * args.cpu + ["--no-compile"] * (not args.compile)
     return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
             os.path.abspath(__file__), "--rank-variant", variant, *flags]
@@ -213,6 +215,8 @@ def parse_args(argv=None):
     if args.small:
         for key, value in SMALL.items():
             setattr(args, key, value)
+    if args.rank_variant:  # a rank under torchrun
+        args.nproc = int(os.environ.get("WORLD_SIZE", 1))
     args.nproc = args.nproc or (2 if args.cpu or args.dry_run else len(visible_gpus()))
     if args.nproc < 1:
         parser.error("no GPU visible (nvidia-smi -L lists none): pass --cpu for the CPU check, or --dry-run")
