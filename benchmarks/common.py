@@ -4,6 +4,7 @@ Scripts in this folder run as `python benchmarks/NAME.py`, so `import common` fi
 """
 
 import datetime
+import fcntl
 import os
 import pathlib
 import shlex
@@ -77,5 +78,6 @@ def append_results(title: str, report: str) -> None:
     command = "python " + " ".join(shlex.quote(a) for a in [f"benchmarks/{pathlib.Path(sys.argv[0]).name}",
                                                             *sys.argv[1:]])
     with RESULTS.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # device_run.sh lanes finish benchmarks at the same time
         f.write(f"\n{heading}\n\n`{command}`\n\n{report}")
     print(f"appended to {RESULTS}")

@@ -47,7 +47,8 @@
 # (8-bit and e4m3 states), streamed jnp against the fused kernel, each against optax.adamw (float32); optim-4bit:
 # the same for adamw_4bit with float32 params.
 # Several GPUs (nvidia-h100-x2 and up): tests-mesh-gpu (the mesh / FSDP tests on every GPU), scaling-1b, scaling-1b-more, scaling-8b
-# (benchmarks/scaling.py), torch-fsdp (benchmarks/torch_fsdp_peer.py: torchrun, FSDP2, bf16 vs torchao float8).
+# (benchmarks/scaling.py; scaling-8b-int8 its int8_rowwise row alone; scaling-8b-b8-bf16 / scaling-8b-b8-int8 one
+# row at global batch 8 with GPU 0's profile), torch-fsdp (benchmarks/torch_fsdp_peer.py: torchrun, FSDP2, bf16 vs torchao float8).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
@@ -147,6 +148,10 @@ step_command() {
                          "--warmup 1" ;;
         scaling-8b-int8) echo "python3 benchmarks/scaling.py --size 8b --batch 4 --remat --param-dtype bfloat16 --sr" \
                               "--optimizer adamw_8bit --rows int8_rowwise --steps 3 --warmup 1" ;;
+        scaling-8b-b8-bf16|scaling-8b-b8-int8)  # one 8B row per call: each compiles for 5-7 minutes
+            echo "python3 benchmarks/scaling.py --size 8b --batch 8 --remat --param-dtype bfloat16 --sr" \
+                 "--optimizer adamw_8bit --rows $([ "$1" = scaling-8b-b8-bf16 ] && echo bf16 || echo int8_rowwise)" \
+                 "--steps 3 --warmup 1 --profile 40" ;;
         torch-fsdp) echo "python3 benchmarks/torch_fsdp_peer.py" ;;
         *) return 1 ;;
     esac

@@ -13,9 +13,11 @@ The trace folder (--trace-dir) can be opened in Perfetto or TensorBoard.
 
 import argparse
 import collections
+import functools
 import gzip
 import json
 import pathlib
+import sys
 import tempfile
 
 from train import add_model_args, build_row, resolve_model_args, row_name
@@ -24,7 +26,9 @@ from train import add_model_args, build_row, resolve_model_args, row_name
 CATEGORIES = (("attention", ("fmha", "flash", "cudnn", "sdpa")),
               ("gemm (cuBLAS, XLA Triton)", ("gemm", "nvjet", "xmma", "cutlass", "cublas")),
               ("pallas", ("mosaic", "pallas", "qjax")),
-              ("copy/memset", ("memcpy", "memset")))
+              ("copy/memset", ("memcpy", "memset")),
+              ("collective (NCCL)", ("nccl", "all-gather", "all_gather", "reduce-scatter", "reduce_scatter",
+                                     "all-reduce", "all_reduce")))
 
 
 def category(kernel: str, hlo_op: str) -> str:
@@ -36,11 +40,14 @@ def category(kernel: str, hlo_op: str) -> str:
 
 
 def device_events(trace_dir: pathlib.Path) -> list[tuple[float, float, str, str]]:
-    """(start us, duration us, hlo op or kernel name, kernel name) of every kernel on a CUDA stream, newest trace."""
+    """(start us, duration us, hlo op or kernel name, kernel name) of every kernel on a CUDA stream of the first
+    GPU (under a mesh every GPU runs the same program), newest trace."""
     trace_file = max(trace_dir.glob("plugins/profile/*/*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
     events = json.load(gzip.open(trace_file))["traceEvents"]
-    device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                   and "/device:" in e["args"].get("name", "") and "CPU" not in e["args"]["name"]}
+    gpus = sorted((e["args"]["name"], e["pid"]) for e in events if e.get("ph") == "M"
+                  and e.get("name") == "process_name" and "/device:" in e["args"].get("name", "")
+                  and "CPU" not in e["args"]["name"])
+    device_pids = {gpus[0][1]} if gpus else set()
     # A GPU's process also holds derived lines ("XLA Ops", "XLA Modules", "Steps") that repeat the kernels' time:
     # count the CUDA stream lines only.
     stream_tids = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
@@ -109,36 +116,40 @@ def main():
             state, metrics = train_step(state, batch)
         jax.block_until_ready((state, metrics))
 
-    events = device_events(trace_dir)
-    ops = device_ops(events)
-    total = sum(us for us, _, _ in ops.values()) / args.steps
     print(f"{args.row}: Llama {args.size}, batch {args.batch} x seq {args.seq}, {jax.devices()[0].device_kind}; "
           f"trace in {trace_dir}")
+    print_report(device_events(trace_dir), args.steps, args.top)
+
+
+def print_report(events, steps: int, top: int, file=None) -> None:
+    """The per-step tables of `events` (`device_events`) over `steps` profiled steps: device time and idle time,
+    time by category, the `top` ops and the `top` longest idle gaps; to `file` (default stdout)."""
+    say = functools.partial(print, file=file or sys.stdout)
+    ops = device_ops(events)
     if not ops:
-        print("no device events in the trace (a CPU run records host ops only)")
+        say("no device events in the trace (a CPU run records host ops only)")
         return
+    total = sum(us for us, _, _ in ops.values()) / steps
     by_category = collections.Counter()
     for key, (us, _, kernel) in ops.items():
-        by_category[category(kernel, key)] += us / args.steps
+        by_category[category(kernel, key)] += us / steps
     span, idle, gaps = idle_gaps(events)
     over_5us = sum(g[0] for g in gaps if g[0] > 5)
-    print(f"\ndevice time per step: {total / 1e3:.2f} ms (sum over events; streams may overlap); first kernel to last: "
-          f"{span / args.steps / 1e3:.2f} ms, of it idle (no kernel running) {idle / args.steps / 1e3:.2f} ms in "
-          f"{len(gaps) / args.steps:g} gaps; gaps over 5 us: {over_5us / args.steps / 1e3:.2f}"
-          f" ms\n")
+    say(f"\ndevice time per step: {total / 1e3:.2f} ms (sum over events; streams may overlap); first kernel to last: "
+        f"{span / steps / 1e3:.2f} ms, of it idle (no kernel running) {idle / steps / 1e3:.2f} ms in "
+        f"{len(gaps) / steps:g} gaps; gaps over 5 us: {over_5us / steps / 1e3:.2f} ms\n")
     idle_before = collections.Counter()  # idle time by the category of the kernel that ends the gap
     for gap, _, key, kernel in gaps:
-        idle_before[category(kernel, key)] += gap / args.steps
-    print("| category | ms / step | share | idle before its kernels, ms / step |\n|---|---:|---:|---:|")
+        idle_before[category(kernel, key)] += gap / steps
+    say("| category | ms / step | share | idle before its kernels, ms / step |\n|---|---:|---:|---:|")
     for name, us in by_category.most_common():
-        print(f"| {name} | {us / 1e3:.2f} | {us / total:.1%} | {idle_before[name] / 1e3:.2f} |")
-    print(f"\n| hlo op | kernel | ms / step | calls / step | share |\n|---|---|---:|---:|---:|")
-    for key, (us, count, kernel) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:args.top]:
-        print(f"| {key[:60]} | {kernel[:70]} | {us / args.steps / 1e3:.3f} | {count / args.steps:g} | "
-              f"{us / args.steps / total:.1%} |")
-    print(f"\n| idle gap (us) | previous kernel | next kernel |\n|---:|---|---|")
-    for gap, before, after, _ in gaps[:args.top]:
-        print(f"| {gap:.1f} | {before[:60]} | {after[:60]} |")
+        say(f"| {name} | {us / 1e3:.2f} | {us / total:.1%} | {idle_before[name] / 1e3:.2f} |")
+    say("\n| hlo op | kernel | ms / step | calls / step | share |\n|---|---|---:|---:|---:|")
+    for key, (us, count, kernel) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]:
+        say(f"| {key[:60]} | {kernel[:70]} | {us / steps / 1e3:.3f} | {count / steps:g} | {us / steps / total:.1%} |")
+    say("\n| idle gap (us) | previous kernel | next kernel |\n|---:|---|---|")
+    for gap, before, after, _ in gaps[:top]:
+        say(f"| {gap:.1f} | {before[:60]} | {after[:60]} |")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ against one device.
   python benchmarks/scaling.py --size 8b --batch 4 --remat --param-dtype bfloat16 --sr --optimizer adamw_8bit \
       --rows bf16 int8_rowwise --steps 3 --warmup 1                               # 8B on 2 x 80 GB
   python benchmarks/scaling.py --size tiny --cpu-devices 2 --baselines bf16       # CPU check, toy size
+  python benchmarks/scaling.py --size 1b --rows int8_rowwise --steps 3 --warmup 1 --profile 30   # + GPU 0's time
 
 A row (`--rows`, recipe[:gather]) runs `qjax.train.make_train_step` on random tokens over each mesh of `--meshes`
 (default fsdp over all `--devices`), in its own subprocess (its peak memory is its own). Gather "8bit" (the default;
@@ -26,9 +27,11 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import pathlib  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 from gpus import NO_MULTICAST, visible_gpus  # noqa: E402
@@ -66,6 +69,7 @@ def measure(args, mesh: dict, recipe: str, gather: str, batch: int) -> dict:
     import numpy as np
 
     from common import REPO, time_ms
+    from profile_train import device_events, print_report  # before REPO joins the path: its `train` is ours
 
     sys.path.insert(0, str(REPO))
     from configs import llama_base
@@ -95,6 +99,12 @@ def measure(args, mesh: dict, recipe: str, gather: str, batch: int) -> dict:
         return metrics["loss"]
 
     ms = time_ms(run_one, (), warmup=args.warmup, reps=ROUNDS, inner=args.steps)
+    if args.profile and gather != "–":  # mesh rows, not the one-device baselines
+        trace_dir = tempfile.mkdtemp(prefix="qjax_scaling_profile_")
+        with jax.profiler.trace(trace_dir):  # 2 more steps; the report goes to stderr (stdout carries the result)
+            jax.block_until_ready([run_one() for _ in range(2)])
+        print(f"\nprofile of {recipe} {gather}-gather over {mesh}, GPU 0, per step:", file=sys.stderr)
+        print_report(device_events(pathlib.Path(trace_dir)), 2, args.profile, file=sys.stderr)
     losses = [float(x) for x in losses]
     if not np.isfinite(losses).all():
         raise RuntimeError(f"non-finite loss: {losses}")
@@ -114,7 +124,7 @@ def start_row(args, mesh: dict, recipe: str, gather: str, batch: int, devices: l
     devices)."""
     argv = [sys.executable, os.path.abspath(__file__), "--child", json.dumps([mesh, recipe, gather, batch]),
             "--size", args.size, "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--optimizer", args.optimizer, "--param-dtype", args.param_dtype] + \
+            "--optimizer", args.optimizer, "--param-dtype", args.param_dtype, "--profile", str(args.profile)] + \
         (["--remat"] if args.remat else []) + (["--sr"] if args.sr else [])
     env = dict(os.environ, **NO_MULTICAST)
     if args.cpu_devices:
@@ -216,6 +226,8 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--cpu-devices", type=int, default=0, help="run on this many CPU host devices (toy check)")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="also profile 2 steps of each mesh row: GPU 0's time by category and its TOP ops")
     parser.add_argument("--no-append", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
