@@ -14,6 +14,7 @@ import pytest
 from helpers import save_hf_dir
 from train_helpers import tiny_vit_config
 
+from configs import vit_finetune
 from qjax import models
 from qjax.models import hf_vit
 from qjax.train import ConfigError, make_task, train
@@ -86,13 +87,15 @@ def test_init_from_mismatches_raise(checkpoints, change, image_shape, message):
 
 
 def test_finetune_loss_falls_and_says_the_head_is_new(checkpoints, tmp_path):
-    config = tiny_vit_config(init_from=checkpoints["other"][0], recipe="int8_rowwise", steps=30, log_every=5,
-                             eval_every=0, checkpoint_every=0)
-    config.optimizer.lr, config.optimizer.warmup_steps = 3e-3, 3
+    config = vit_finetune.get_config()
+    config.lock()  # as train.py's flags hold it: only existing fields can be set
+    config.init_from = checkpoints["other"][0]
+    config.batch_size, config.steps, config.log_every, config.eval_every = 32, 30, 5, 0
+    config.optimizer.lr = 3e-3  # the random "checkpoint" has nothing to keep: the tiny model learns faster so
     stream = io.StringIO()
     train(config, str(tmp_path / "run"), stream=stream)
     notes = [line for line in stream.getvalue().splitlines() if "init_from:" in line]
     assert len(notes) == 1 and "a new zero-initialized head of 10 classes replaces it" in notes[0], stream.getvalue()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
-    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.8 * losses[0], losses
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.85 * losses[0], losses
