@@ -6,7 +6,9 @@
   python train.py --config configs/vit_int8.py --config.data.kind=npz --config.data.path=my_images.npz
 
 Model: the `config.model.size` preset of `qjax.models.VIT_SIZES` ("tiny", "digits", "s16"); a config.model
-field left at None keeps the preset's value. num_classes, image_size and channels come from the data.
+field left at None keeps the preset's value. num_classes, image_size and channels come from the data. With
+`init_from` (a Hugging Face ViT directory, `qjax.models.load_hf_vit`) the shape and first weights come from that
+checkpoint and only config.model's numerics fields apply; configs/vit_finetune.py.
 """
 
 from ml_collections import config_dict
@@ -36,6 +38,7 @@ def get_config() -> config_dict.ConfigDict:
     config.recipe = "bf16"  # how GEMMs are quantized: a name from qjax.RECIPES, e.g. int8_rowwise, fp8_tensorwise
     config.keep_high_precision = placeholder(tuple)  # regexes of layer names kept in bf16 (None: patch_embed, head)
     config.min_features = placeholder(int)  # layers narrower than this stay in bf16 (None: 0)
+    config.init_from = placeholder(str)  # Hugging Face ViT dir whose weights and shape start the run (None: random)
 
     # Every data kind's fields are here so that the command line can set them (the config is locked); a field left
     # at None is unset.

@@ -32,6 +32,8 @@ NOT_RUN = {
                                                "corpus with the same code (qjax.data.prepare_text)",
     "python train.py --config configs/llama_finetune.py": "needs a Hugging Face checkpoint and a JSONL: "
                                                           "tests/train/test_finetune.py runs this path on tiny ones",
+    "python train.py --config configs/vit_finetune.py": "needs a Hugging Face ViT checkpoint: "
+                                                        "tests/train/test_vit_finetune.py runs this path on tiny ones",
     "python -m qjax.generate": "needs a trained workdir or an HF checkpoint: tests/train/test_generate_cli.py",
 }
 # Commands that must stop at once with exit 2 and this one line on stderr (a regex), by a part of the command.

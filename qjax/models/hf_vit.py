@@ -55,8 +55,11 @@ def _architecture(hf: dict) -> str:
     return architectures[0]
 
 
-def _hf_num_labels(hf: dict) -> int:
-    """ViTForImageClassification's class count: transformers writes id2label (num_labels is its length), default 2."""
+def head_classes(hf: dict) -> int | None:
+    """The class count of a config.json dict's classifier: ViTForImageClassification's num_labels (transformers
+    writes id2label, num_labels is its length; default 2), None for a ViTModel (no classifier)."""
+    if _architecture(hf) != "ViTForImageClassification":
+        return None
     if "num_labels" in hf:
         return hf["num_labels"]
     return len(hf["id2label"]) if hf.get("id2label") else 2
@@ -79,7 +82,7 @@ def config_from_hf(hf: dict, **overrides) -> ViTConfig:
     fields = config_fields(hf, _CONFIG_FIELDS, _DEFAULTS)
     fields.update(pool="cls", gelu_approximate=_GELU_APPROXIMATE[act])
     if architecture == "ViTForImageClassification":
-        fields["num_classes"] = _hf_num_labels(hf)
+        fields["num_classes"] = head_classes(hf)
     elif "num_classes" not in overrides:
         raise ValueError("config.json: ViTModel has no classifier; pass num_classes=... for a new (zero) head")
     fields.update(overrides)
@@ -160,9 +163,8 @@ def load_hf_vit(path: str, **overrides) -> tuple[ViTConfig, dict]:
     """
     hf = read_config(path)
     config = config_from_hf(hf, **overrides)
-    architecture = _architecture(hf)
-    keep_head = architecture == "ViTForImageClassification" and config.num_classes == _hf_num_labels(hf)
-    prefix = _ARCHITECTURES[architecture]
+    keep_head = config.num_classes == head_classes(hf)
+    prefix = _ARCHITECTURES[_architecture(hf)]
     dtype = NUMPY_DTYPES[config.param_dtype]
     shapes = expected_shapes(config, prefix=prefix, classifier=keep_head)
     t = {name: np.asarray(x).astype(dtype) for name, x in read_tensors(path, shapes).items()}

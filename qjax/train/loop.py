@@ -167,6 +167,8 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
         warning = header.quantizes_nothing(task.model_config)
         if warning:
             print(warning, file=stream, flush=True)
+        if task.init_note and not resumed:  # a resumed run's params come from its checkpoint, not init_from
+            print(f"  {task.init_note}", file=stream, flush=True)
 
         train_record = eval_record = None
         pending: list[Any] = []

@@ -14,8 +14,11 @@ turns every projection's kernel into a `qjax.optim.Int8Param` (int8 codes + one 
 no float copy); norms and embeddings stay float32. The model's layers take the Int8Param as it is (a recipe whose
 forward reads the weight as int8 rows runs the stored codes on the int8 GEMM); the optimizer requantizes them with
 stochastic rounding every step (`qjax.train.optimizer`).
-With `config.init_from` (a Hugging Face Llama directory) the shape comes from its config.json instead, and the
-params are its weights (read by `init` through a host callback, so they never become constants of the program).
+With `config.init_from` (a Hugging Face Llama directory for "lm", ViT for "image") the shape comes from its
+config.json instead, and the params are its weights (read by `init` through a host callback, so they never become
+constants of the program). A ViT's classifier head is the checkpoint's when it has the data's number of classes;
+otherwise (or for a ViTModel, which has none) a new zero head of the data's classes replaces it, which
+`Task.init_note` says.
 
 Batches with a "loss_mask" (instruction data: 1 on answer tokens) average the loss over the masked-in tokens only.
 """
@@ -29,6 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from qjax import dispatch, models
+from qjax.models import hf_checkpoint, hf_vit
 from qjax.optim import int8_params
 from qjax.train.config import ConfigError
 
@@ -47,7 +51,10 @@ class Task:
       flops_per_unit: training FLOPs per token / image (for MFU).
       seq_len: tokens per example ("lm" only).
       int8_params: INT8 weight-only training: `init` returns the projections' kernels as Int8Param.
-      init_from: a Hugging Face Llama directory whose weights `init` returns ("lm" only; None: random init).
+      init_from: a Hugging Face Llama ("lm") or ViT ("image") directory whose weights `init` returns (None: random
+        init).
+      init_note: one line for the run's start-up output on what init_from could not keep (a replaced classifier
+        head); None when it kept everything or there is no init_from.
     """
 
     kind: str
@@ -59,6 +66,7 @@ class Task:
     seq_len: int | None = None
     int8_params: bool = False
     init_from: str | None = None
+    init_note: str | None = None
 
     def input_key(self) -> str:
         return "inputs" if self.kind == "lm" else "images"
@@ -88,7 +96,12 @@ class Task:
         else:
             # Under jit, arrays read here would be baked into the program as constants (GBs for a 1B model): read
             # them in a host callback instead, shaped and typed like the model's own init.
-            load = lambda: models.load_hf_llama(self.init_from, param_dtype=self.model_config.param_dtype)[1]
+            c = self.model_config
+            if self.kind == "lm":
+                load = lambda: models.load_hf_llama(self.init_from, param_dtype=c.param_dtype)[1]
+            else:  # num_classes other than the checkpoint's head's: load_hf_vit gives a new zero head
+                load = lambda: models.load_hf_vit(self.init_from, num_classes=c.num_classes,
+                                                  param_dtype=c.param_dtype)[1]
             params = jax.pure_callback(load, jax.eval_shape(init))
         if not self.int8_params:
             return params
@@ -135,16 +148,44 @@ _NUMERICS_FIELDS = ("recipe", "keep_high_precision", "min_features", "compute_dt
                     "attention")
 
 
-def _pretrained_config(init_from: str, overrides: dict, vocab_size: int | None) -> models.LlamaConfig:
-    """The LlamaConfig of the checkpoint at `init_from` with the run's numerics; shape overrides are an error."""
+def _check_no_shape(init_from: str, overrides: dict) -> None:
     shape = sorted(set(overrides) - set(_NUMERICS_FIELDS))
     if shape:
         raise ValueError(f"config.init_from={init_from!r} sets the model's shape: unset config.model.{shape[0]}")
+
+
+def _pretrained_config(init_from: str, overrides: dict, vocab_size: int | None) -> models.LlamaConfig:
+    """The LlamaConfig of the checkpoint at `init_from` with the run's numerics; shape overrides are an error."""
+    _check_no_shape(init_from, overrides)
     model_config = models.load_hf_config(init_from, **overrides)
     if vocab_size is not None and vocab_size > model_config.vocab_size:
         raise ValueError(f"the data's tokenizer has {vocab_size} tokens, the model at config.init_from only "
                          f"{model_config.vocab_size}: use the model's tokenizer (config.data.tokenizer)")
     return model_config
+
+
+def _pretrained_vit_config(init_from: str, overrides: dict, num_classes: int | None,
+                           image_shape: tuple[int, int, int] | None) -> tuple[models.ViTConfig, str | None]:
+    """(the ViTConfig of the checkpoint at `init_from` with the run's numerics and the data's classes, the note of a
+    replaced head or None). Shape overrides and images not of the checkpoint's (H, W, C) are errors."""
+    _check_no_shape(init_from, overrides)
+    hf = hf_checkpoint.read_config(init_from)
+    if num_classes is not None:
+        overrides = dict(overrides, num_classes=num_classes)
+    model_config = hf_vit.config_from_hf(hf, **overrides)  # a ViTModel without num_classes: ValueError asking for it
+    size, channels = model_config.image_size, model_config.channels
+    if image_shape is not None and tuple(image_shape) != (size, size, channels):
+        height, width, data_channels = image_shape
+        fix = (f"resize them with --config.data.image_size={size}" if data_channels == channels else
+               f"use {channels}-channel images")
+        raise ValueError(f"the data's images are {height}x{width}x{data_channels}, the ViT at config.init_from takes "
+                         f"{size}x{size}x{channels}: {fix}")
+    head = hf_vit.head_classes(hf)
+    if head == model_config.num_classes:
+        return model_config, None
+    had = f"classifier has {head} classes" if head else "is a ViTModel (no classifier)"
+    return model_config, (f"init_from: the checkpoint's {had}, the data {model_config.num_classes}: a new "
+                          f"zero-initialized head of {model_config.num_classes} classes replaces it")
 
 
 def make_task(config, *, vocab_size: int | None = None, num_classes: int | None = None,
@@ -171,16 +212,20 @@ def make_task(config, *, vocab_size: int | None = None, num_classes: int | None 
             return Task("lm", model_config, arch.model(model_config), "tokens", config.seq_len,
                         models.flops_per_token(model_config, config.seq_len), seq_len=config.seq_len,
                         int8_params=int8, init_from=init_from or None)
-        if num_classes is not None:
-            overrides["num_classes"] = num_classes
-        if image_shape is not None:
-            height, width, channels = image_shape
-            if height != width:
-                raise ValueError(f"the ViT takes square images, the data has {height}x{width}")
-            overrides.update(image_size=height, channels=channels)
-        model_config = models.vit_config(config.model.size, **overrides)
+        init_from, note = config.get("init_from") or None, None
+        if init_from:
+            model_config, note = _pretrained_vit_config(init_from, overrides, num_classes, image_shape)
+        else:
+            if num_classes is not None:
+                overrides["num_classes"] = num_classes
+            if image_shape is not None:
+                height, width, channels = image_shape
+                if height != width:
+                    raise ValueError(f"the ViT takes square images, the data has {height}x{width}")
+                overrides.update(image_size=height, channels=channels)
+            model_config = models.vit_config(config.model.size, **overrides)
         return Task("image", model_config, models.ViT(model_config), "images", 1,
-                    models.flops_per_example(model_config), int8_params=int8)
+                    models.flops_per_example(model_config), int8_params=int8, init_from=init_from, init_note=note)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"bad model config (config.model.* / recipe / keep_high_precision / min_features): {e}") \
             from None
