@@ -180,21 +180,22 @@ def quantize_e4m3_blocks(blocks, broadcast_rows=_broadcast_last):
 # COAT's dynamic range expansion (the optimizer states' "e4m3_dre" format): k is a multiple of 1 / EXPAND_STEPS.
 EXPAND_STEPS = 16
 _EXPAND_STEPS_MAX = 255  # 16 k is stored as a uint8
-# 16 * log2(448**2 / 2): k = floor(that / log2(max / min)) / 16 fills e4m3's range (the float64 value, rounded once).
-_EXPAND_NUMERATOR = float(jnp.float32(EXPAND_STEPS * math.log2(formats.E4M3.max_value ** 2 / 2)))
+# 16 ln(448**2 / 2): k = floor(that / ln(max / min)) / 16 fills e4m3's range (the float64 value, rounded once).
+_EXPAND_NUMERATOR = float(jnp.float32(EXPAND_STEPS * math.log(formats.E4M3.max_value ** 2 / 2)))
 _INF_BITS = 0x7F800000
 
 
 def _power(magnitude, exponent):
-    """magnitude ** exponent for f32 magnitude >= 0 (0 -> 0 for exponent > 0), as exp2(exponent * log2(magnitude)):
-    Mosaic GPU lowers exp2 and log2 but not pow, and the reference must use the same form."""
-    return jnp.exp2(exponent * jnp.log2(magnitude))
+    """magnitude ** exponent for f32 magnitude >= 0 (0 -> 0 for exponent > 0), as exp(exponent * log(magnitude)):
+    Mosaic GPU lowers exp and log but not pow. Natural exp and log, not exp2 / log2: XLA computes those as exp(x ln 2)
+    and log(x) / ln 2, Mosaic GPU with other functions, so only exp and log can be the same on both sides."""
+    return jnp.exp(exponent * jnp.log(magnitude))
 
 
 def expansion_params(blocks):
     """COAT's expansion parameters of f32 blocks (..., B) -> (steps, centre, amax), f32 (...) each.
 
-    steps = 16 k, an integer in [1, 255]: floor(16 log2(448**2 / 2) / log2(max / min)) clipped, with max and min the
+    steps = 16 k, an integer in [1, 255]: floor(16 ln(448**2 / 2) / ln(max / min)) clipped, with max and min the
     block's largest and smallest non-zero |x| (min as an int32 min over bit patterns, like `amax`). centre =
     sqrt(max) sqrt(min) (no overflow of max * min), rounded to bfloat16 before it is used. All-zero blocks: steps 16,
     centre 1. Blocks holding NaN: a NaN amax and centre; holding Inf (no NaN): an Inf amax and centre, so the scale
@@ -206,7 +207,7 @@ def expansion_params(blocks):
     all_zero = big == 0
     big_safe, small_safe = jnp.where(all_zero, jnp.float32(1), big), jnp.where(all_zero, jnp.float32(1), small)
     # Clipped before the floor (`floor` needs |v| <= 2**22): max / min == 1 gives +Inf, NaN stays NaN.
-    steps = floor(jnp.minimum(jnp.float32(_EXPAND_NUMERATOR) / jnp.log2(big_safe / small_safe),
+    steps = floor(jnp.minimum(jnp.float32(_EXPAND_NUMERATOR) / jnp.log(big_safe / small_safe),
                               jnp.float32(_EXPAND_STEPS_MAX)))
     steps = jnp.where(all_zero | (steps != steps), jnp.float32(EXPAND_STEPS), jnp.maximum(steps, jnp.float32(1)))
     centre = (jnp.sqrt(big_safe) * jnp.sqrt(small_safe)).astype(jnp.bfloat16).astype(jnp.float32)

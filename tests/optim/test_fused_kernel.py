@@ -385,8 +385,9 @@ def test_apply_gradients_any_optax_transformation():
 def test_errors():
     with pytest.raises(ValueError, match="use_kernel=True: the fused kernel supports e4m3"):
         optim.adamw_fp8(1e-3, block_size=64, use_kernel=True)
-    with pytest.raises(ValueError, match="use_kernel=True"):
-        optim.adamw_fp8(1e-3, dynamic_range_expansion=True, use_kernel=True)
+    assert isinstance(optim.adamw_fp8(1e-3, dynamic_range_expansion=True, use_kernel=True), optim.FusedTransformation)
+    with pytest.raises(ValueError, match="use_kernel=True: the fused kernel supports e4m3"):
+        optim.adamw_fp8(1e-3, dynamic_range_expansion=True, block_size=64, use_kernel=True)
     p, g, mu, nu = _inputs((4, 256))
     c = _coefficients(1)
     assert fused_adam.kernel_eligible(p, g, mu, nu)
