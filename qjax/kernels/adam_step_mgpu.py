@@ -1,9 +1,14 @@
-"""The fused AdamW step for e4m3, 8-bit or 4-bit states: one Mosaic GPU kernel per tensor reads param, gradient and
-moment codes and scales once and writes them in place (16 bytes per float32 param instead of the ~28 of the optax path).
+"""The fused AdamW step for e4m3 (with or without range expansion), 8-bit or 4-bit states: one Mosaic GPU kernel per
+tensor reads param, gradient and moment codes and scales once and writes them in place (16 bytes per float32 param
+instead of the ~28 of the optax path).
 
 Reference: `qjax.optim.fused_adam.fused_step_reference`; the kernel calls the same numerics (`numerics.adam_math`,
-`numerics.param_update`, `numerics.quantize_e4m3_blocks`, `numerics.amax`, `codebooks.encode_unit`). States:
+`numerics.param_update`, `numerics.quantize_e4m3_blocks`, `numerics.quantize_e4m3_expanded_blocks` and its inverse,
+`numerics.amax`, `codebooks.encode_unit`). States:
   e4m3:  codes float8_e4m3fn (n, B), scale f32 (n,) = absmax / 448
+  e4m3_dre: COAT's dynamic range expansion: codes float8_e4m3fn (n, B), scale f32, expand uint8 (16 k), centre
+         bf16 (n,); per row k and the centre from the row's largest and smallest non-zero |x| (two warp
+         reductions), powers as exp(k log |x|), per element (Mosaic GPU has no pow).
   8-bit: m on the signed, v on the unsigned dynamic map, codes uint8 (n, B), absmax f32 (n,); decoded with one
          lookup per code and encoded with `codebooks.encode_unit` (position arithmetic and one lookup) in the map's
          `codebooks.codec_table`, which each program copies to SMEM and reads per lane (`_lookup`: Mosaic GPU has no
@@ -15,11 +20,12 @@ Reference: `qjax.optim.fused_adam.fused_step_reference`; the kernel calls the sa
 The tensor is viewed as n blocks of B elements, an (n, B) array, cut into tiles of R = T // B rows (fewer when n
 is not a multiple); one program per tile, with no shared memory but the code tables:
 
-  GMEM -> registers (vector loads): p (R, B) f32, g (R, B) f32, m codes (R, B), m scale (R,), v codes, v scale
+  GMEM -> registers (vector loads): p (R, B) f32, g (R, B) f32, m codes (R, B), m scale (R,) (and the other
+                                     per-row arrays), v codes, v scale
   registers: m_old = decode(codes) * scale (same for v); numerics.adam_math -> direction, m, v;
              p = numerics.param_update(p, direction, -lr, wd); per row: amax, then
-             e4m3: numerics.quantize_e4m3_blocks; code books: codes = nearest code of x / absmax (1 for all-zero
-             rows)
+             e4m3: numerics.quantize_e4m3_blocks (or the expanded one); code books: codes = nearest code of
+             x / absmax (1 for all-zero rows)
   registers -> GMEM (vector stores): p, m codes + scale, v codes + scale, written over the inputs (mutable refs:
                                       the kernel's outputs alias them, so a donated step updates params in place)
 
@@ -31,7 +37,8 @@ register-only programs hide the memory latency through occupancy, faster than st
 
 Bit-exactness: under the CPU interpreter the kernel's XLA ops equal the jitted reference bit for bit. Compiled on a
 GPU, XLA and Mosaic GPU may contract a*b+c into FMAs differently, so values can differ by an ulp and, rarely, a code
-by one or two steps (e4m3, or neighbouring 8-bit codes; see tests/optim/test_fused_kernel.py). A bfloat16 param's
+by one or two steps (e4m3, or neighbouring 8-bit codes; see tests/optim/test_fused_kernel.py); range expansion's
+exp and log may also differ by ulps if XLA and Mosaic GPU evaluate them differently. A bfloat16 param's
 stochastic rounding then lands on the other grid point where its random bits sit within that ulp of the carry
 (~2**-16 per float32 ulp): one bf16 ulp apart, or, where p + lr * u cancels to near zero, the few float32 ulps of p.
 """

@@ -28,6 +28,7 @@ FORMATS = {"e4m3": ("e4m3", "e4m3"), "8bit": ("dynamic_signed_8bit", "dynamic_un
            "4bit": ("dynamic_signed_4bit", "linear_unsigned_4bit"), "dre": ("e4m3_dre", "e4m3_dre")}
 # Most interpreter tests run for these only (4-bit: test_4bit_states, range expansion: test_dre_*, for time).
 EIGHT_BIT = ["8bit", "e4m3"]
+GPU_TWINS = [*EIGHT_BIT, "dre"]  # GPU tests of the interpreter tests' formats
 ADAMW = {"e4m3": optim.adamw_fp8, "8bit": optim.adamw_8bit, "4bit": optim.adamw_4bit,
          "dre": functools.partial(optim.adamw_fp8, dynamic_range_expansion=True)}
 
@@ -516,34 +517,50 @@ def _code_steps(state):
     return np.where(bits & 0x80, -(bits & 0x7F), bits & 0x7F)
 
 
+def _same(a, b):
+    """Elementwise equality of two arrays as float32, NaN equal to NaN."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return (a == b) | (np.isnan(a) & np.isnan(b))
+
+
 def _assert_close_gpu(out, ref, label):
-    """Kernel vs XLA:GPU reference: FMA contraction may differ (module docstring), so allow ulp-level differences."""
+    """Kernel vs XLA:GPU reference: FMA contraction may differ (module docstring), so allow ulp-level differences.
+    Range-expanded states (e4m3_dre) also take exp and log, which may differ by ulps between XLA:GPU and Mosaic GPU
+    (not yet measured): looser bounds for them, and a block whose k or centre differs (a log near a rounding
+    boundary of k) is counted apart."""
     (p, mu, nu), (p_ref, mu_ref, nu_ref) = out, ref
+    dre = isinstance(mu_ref, blockwise.Fp8ExpandedState)
     p, p_ref = np.asarray(p), np.asarray(p_ref)
     np.testing.assert_array_equal(np.isnan(p), np.isnan(p_ref))
     # Nearly all params agree to 2 ulps plus ~1e-5 relative of the update lr * |d + wd * p|. Where v decoded to
     # (almost) zero, d = m / (sqrt(v) + eps) is ill-conditioned (up to ~1e5) and FMA rounding shows at ~1e-4 relative.
     finite = np.isfinite(p_ref)
-    off = np.abs(p - p_ref)[finite] > 2.4e-7 * np.abs(p_ref[finite]) + 1e-8
+    off = np.abs(p - p_ref)[finite] > (2e-6 if dre else 2.4e-7) * np.abs(p_ref[finite]) + 1e-8
     assert off.mean() <= 1e-3, (label, off.mean())
     np.testing.assert_allclose(p, p_ref, rtol=1e-3, atol=1e-8, err_msg=label)
     report = [f"{label}: params exact {np.mean(p == p_ref) if p.size else 1:.6f}, beyond 2 ulps {off.mean():.2e}"]
     for name, got, want in (("m", mu, mu_ref), ("v", nu, nu_ref)):
         scale, scale_ref = np.asarray(_scale(got)), np.asarray(_scale(want))
         np.testing.assert_array_equal(np.isnan(scale), np.isnan(scale_ref))
-        finite = np.isfinite(scale_ref)
+        same_params = np.ones(scale.shape, bool)
+        if dre:  # 16 k and the centre: exact functions of the block's max and min |x|, but for k's log
+            same_params = _same(got.expand, want.expand) & _same(got.centre, want.centre)
+            assert np.mean(~same_params) <= 1e-3, (name, np.mean(~same_params))
+        finite = np.isfinite(scale_ref) & same_params
         ulps = _ulps(scale[finite], scale_ref[finite])
         # m and v = old + (1 - b) * (new - old) may each round differently under FMA contraction (an ulp or two),
         # and absmax / 448 can land in the binade below absmax's, where ulps are half as large (3 seen on an H100).
-        assert ulps.max(initial=0) <= 4, (name, ulps.max())
+        # With range expansion the scale is exp(k log(max / centre)) / 448, k log(.) <= ln(448): a few ulps more.
+        assert ulps.max(initial=0) <= (32 if dre else 4), (name, ulps.max())
         codes, codes_ref = _code_steps(got), _code_steps(want)
-        diff = codes != codes_ref
+        diff = (codes != codes_ref) & same_params[:, None]
         fine = finite[:, None] & diff
         # A few ulps of m or of the scale move a code to its neighbour, two steps where the value sits near a
         # rounding boundary on both sides (bounded here, and by the fraction below).
         assert np.abs(codes - codes_ref)[fine].max(initial=0) <= 2, name
         assert diff.mean() <= 1e-3, (name, diff.mean())
-        report.append(f"{name}: codes differ {int(diff.sum())}/{diff.size}, scales differ {int((ulps > 0).sum())}")
+        report.append(f"{name}: codes differ {int(diff.sum())}/{diff.size}, scales differ {int((ulps > 0).sum())}"
+                      + (f", k or centre differ in {int((~same_params).sum())} blocks" if dre else ""))
     print("; ".join(report))
 
 
@@ -562,7 +579,7 @@ def test_gpu_kernel_matches_reference(shape, step, block, fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", EIGHT_BIT)
+@pytest.mark.parametrize("fmt", GPU_TWINS)
 def test_gpu_zero_nan_and_no_decay(fmt):
     c = _coefficients(2)
     p, g, mu, nu = _inputs((1024, 1024), seed=9, zero_states=True, fmt=fmt)
@@ -578,7 +595,7 @@ def test_gpu_zero_nan_and_no_decay(fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", EIGHT_BIT)
+@pytest.mark.parametrize("fmt", GPU_TWINS)
 def test_gpu_apply_gradients_uses_kernel_and_tracks_optax(fmt):
     params = {"w": jax.random.normal(jax.random.key(0), (2048, 2048)), "b": jnp.zeros(2048)}
     grads = [jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.key(i + 1), p.shape) * 1e-3, params)
@@ -595,9 +612,12 @@ def test_gpu_apply_gradients_uses_kernel_and_tracks_optax(fmt):
     # directions: by up to ~6% for e4m3 (a few params differ by ~1e-5), more for 8-bit codes, whose neighbours at
     # the low end of a map level are up to ~20% apart (1.3e-4 seen on an H100). Nearly all agree to float32 rounding.
     bound = 1e-4 if fmt == "e4m3" else 5e-4
+    # Range expansion's exp and log may round differently in every element (an ulp of the decoded m and v, so of
+    # the direction): more params an ulp apart (not yet measured on a GPU).
+    fraction = 0.1 if fmt == "dre" else 1e-2
     print(f"{fmt} apply_gradients vs optax path after 5 steps: max |dp| {diff.max():.3g}, "
           f"fraction > 1e-8: {np.mean(diff > 1e-8):.2e}")
-    assert np.mean(diff > 1e-8) <= 1e-2 and diff.max() <= bound, (np.mean(diff > 1e-8), diff.max())
+    assert np.mean(diff > 1e-8) <= fraction and diff.max() <= bound, (np.mean(diff > 1e-8), diff.max())
 
 
 @pytest.mark.gpu
@@ -635,7 +655,7 @@ def _sr_steps(fmt, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", EIGHT_BIT)
+@pytest.mark.parametrize("fmt", GPU_TWINS)
 def test_gpu_bf16_stochastic_rounding_matches_reference(fmt):
     """Compiled, bfloat16 params + SR: XLA contracts multiply-adds into FMAs where Mosaic GPU may not, so the float32
     new param differs by ulps (as for float32 params), and a stochastic rounding whose random bits sit within that
