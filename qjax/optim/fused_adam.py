@@ -19,7 +19,6 @@ arrays and stays on the optax path), or as `qjax.dispatch.force` says.
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 
 from qjax import numerics
