@@ -46,7 +46,9 @@
 # adam-sr-diag: bf16 params + SR in the fused AdamW kernel vs its reference, both sides' float32 intermediates
 # where params differ and the PTX's float32 op counts (Mosaic GPU and XLA dumps); optim-sr: the bf16 + SR AdamW step
 # (8-bit and e4m3 states), streamed jnp against the fused kernel, each against optax.adamw (float32); optim-4bit:
-# the same for adamw_4bit with float32 params.
+# the same for adamw_4bit with float32 params; optim-dre: the same for adamw_fp8 with range expansion (COAT), and
+# optim-dre-sr with bf16 params + SR;
+# tests-optim-dre: the fused AdamW GPU tests of range-expanded states alone, with their mismatch counts printed.
 # Several GPUs (nvidia-h100-x2 and up): tests-mesh-gpu (the mesh / FSDP tests on every GPU), scaling-1b, scaling-1b-more, scaling-8b
 # (benchmarks/scaling.py; scaling-8b-int8 its int8_rowwise row alone; scaling-8b-b8-bf16 / scaling-8b-b8-int8 one
 # row at global batch 8 with GPU 0's profile), torch-fsdp (benchmarks/torch_fsdp_peer.py: torchrun, FSDP2, bf16 vs torchao float8).
@@ -80,6 +82,10 @@ step_command() {
                           "tests/optim/test_fused_kernel.py" ;;
         optim-sr) echo "python3 benchmarks/optim.py --rows 8bit_sr 8bit_sr_kernel fp8_sr fp8_sr_kernel --rounds 3" ;;
         optim-4bit) echo "python3 benchmarks/optim.py --rows 4bit 4bit_kernel --rounds 3" ;;
+        optim-dre) echo "python3 benchmarks/optim.py --rows fp8_dre fp8_dre_kernel --rounds 3" ;;
+        optim-dre-sr) echo "python3 benchmarks/optim.py --rows fp8_dre_sr fp8_dre_sr_kernel --rounds 3" ;;
+        tests-optim-dre) echo "python3 -m pytest -x -q -s -p no:cacheprovider -m gpu -k dre" \
+                              "tests/optim/test_fused_kernel.py" ;;
         quantize) echo "python3 benchmarks/kernels.py quantize --shapes 16384x4096 16384x14336" ;;
         gemm) echo "python3 benchmarks/kernels.py gemm --sizes 4096 8192 --cases" \
                    "int8_block fp8_block fp8_tensor_precise" ;;

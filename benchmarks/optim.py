@@ -32,8 +32,8 @@ from qjax.optim import blockwise  # noqa: E402
 from common import append_results  # noqa: E402
 
 
-ROWS = ("optax", "8bit", "8bit_kernel", "4bit", "4bit_kernel", "fp8", "fp8_kernel", "fp8_dre", "8bit_sr",
-        "8bit_sr_kernel", "fp8_sr", "fp8_sr_kernel")
+ROWS = ("optax", "8bit", "8bit_kernel", "4bit", "4bit_kernel", "fp8", "fp8_kernel", "fp8_dre", "fp8_dre_kernel",
+        "8bit_sr", "8bit_sr_kernel", "fp8_sr", "fp8_sr_kernel", "fp8_dre_sr", "fp8_dre_sr_kernel")
 
 
 def llama_shapes(d=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000):
@@ -153,11 +153,14 @@ def main():
             ("fp8_dre", "adamw_fp8 +DRE", lambda k: optim.adamw_fp8(lr, weight_decay=0.01, use_kernel=k,
                                                                     dynamic_range_expansion=True)),
             ("8bit_sr", "adamw_8bit bf16+SR", lambda k: optim.adamw_8bit(lr, weight_decay=0.01, use_kernel=k)),
-            ("fp8_sr", "adamw_fp8 bf16+SR", lambda k: optim.adamw_fp8(lr, weight_decay=0.01, use_kernel=k))]:
+            ("fp8_sr", "adamw_fp8 bf16+SR", lambda k: optim.adamw_fp8(lr, weight_decay=0.01, use_kernel=k)),
+            ("fp8_dre_sr", "adamw_fp8 +DRE bf16+SR", lambda k: optim.adamw_fp8(lr, weight_decay=0.01, use_kernel=k,
+                                                                               dynamic_range_expansion=True))]:
         if row in selected:
             configs.append((f"{name} (jnp)", make, False))
-        # The fused Mosaic GPU step (qjax.optim.fused_adam) covers 8-bit, 4-bit and e4m3 states without expansion;
-        # off-GPU it would run under the interpreter, far too slowly to time, so its rows need a Hopper GPU.
+        # The fused Mosaic GPU step (qjax.optim.fused_adam) covers 8-bit, 4-bit and e4m3 states, with or without
+        # range expansion; off-GPU it would run under the interpreter, far too slowly to time, so its rows need a
+        # Hopper GPU.
         if f"{row}_kernel" in selected:
             if on_hopper_gpu():
                 configs.append((f"{name} (fused step kernel)", make, True))

@@ -177,6 +177,69 @@ def quantize_e4m3_blocks(blocks, broadcast_rows=_broadcast_last):
     return codes, scale
 
 
+# COAT's dynamic range expansion (the optimizer states' "e4m3_dre" format): k is a multiple of 1 / EXPAND_STEPS.
+EXPAND_STEPS = 16
+_EXPAND_STEPS_MAX = 255  # 16 k is stored as a uint8
+# 16 ln(448**2 / 2): k = floor(that / ln(max / min)) / 16 fills e4m3's range (the float64 value, rounded once).
+_EXPAND_NUMERATOR = float(jnp.float32(EXPAND_STEPS * math.log(formats.E4M3.max_value ** 2 / 2)))
+_INF_BITS = 0x7F800000
+
+
+def _power(magnitude, exponent):
+    """magnitude ** exponent for f32 magnitude >= 0 (0 -> 0 for exponent > 0), as exp(exponent * log(magnitude)):
+    Mosaic GPU lowers exp and log but not pow. Natural exp and log, not exp2 / log2: XLA computes those as exp(x ln 2)
+    and log(x) / ln 2, Mosaic GPU with other functions, so only exp and log can be the same on both sides."""
+    return jnp.exp(exponent * jnp.log(magnitude))
+
+
+def expansion_params(blocks):
+    """COAT's expansion parameters of f32 blocks (..., B) -> (steps, centre, amax), f32 (...) each.
+
+    steps = 16 k, an integer in [1, 255]: floor(16 ln(448**2 / 2) / ln(max / min)) clipped, with max and min the
+    block's largest and smallest non-zero |x| (min as an int32 min over bit patterns, like `amax`). centre =
+    sqrt(max) sqrt(min) (no overflow of max * min), rounded to bfloat16 before it is used. All-zero blocks: steps 16,
+    centre 1. Blocks holding NaN: a NaN amax and centre; holding Inf (no NaN): an Inf amax and centre, so the scale
+    of either is NaN (`quantize_e4m3_expanded_blocks`)."""
+    bits = lax.bitcast_convert_type(blocks, jnp.int32) & jnp.int32(0x7FFFFFFF)
+    big = amax(blocks, axis=-1)
+    small = lax.bitcast_convert_type(jnp.min(jnp.where(bits == 0, jnp.int32(_INF_BITS), bits), axis=-1),
+                                     jnp.float32)
+    all_zero = big == 0
+    big_safe, small_safe = jnp.where(all_zero, jnp.float32(1), big), jnp.where(all_zero, jnp.float32(1), small)
+    # Clipped before the floor (`floor` needs |v| <= 2**22): max / min == 1 gives +Inf, NaN stays NaN.
+    steps = floor(jnp.minimum(jnp.float32(_EXPAND_NUMERATOR) / jnp.log(big_safe / small_safe),
+                              jnp.float32(_EXPAND_STEPS_MAX)))
+    steps = jnp.where(all_zero | (steps != steps), jnp.float32(EXPAND_STEPS), jnp.maximum(steps, jnp.float32(1)))
+    centre = (jnp.sqrt(big_safe) * jnp.sqrt(small_safe)).astype(jnp.bfloat16).astype(jnp.float32)
+    return steps, centre, big
+
+
+def quantize_e4m3_expanded_blocks(blocks, broadcast_rows=_broadcast_last):
+    """f32 blocks (..., B) -> (codes float8_e4m3fn (..., B), scale f32 (...), expand uint8 (...), centre bfloat16
+    (...)): COAT's dynamic range expansion, then e4m3 with absmax scaling (the optimizer states' "e4m3_dre").
+
+    x -> copysign((|x| / centre) ** k, x) with k = expand / 16 (`expansion_params`), scale = (max / centre) ** k /
+    448 (1 for all-zero blocks, NaN for blocks holding NaN or Inf), codes = e4m3(clamp(expanded / scale)).
+    broadcast_rows as in `quantize_e4m3_blocks`."""
+    steps, centre, big = expansion_params(blocks)
+    k = steps / jnp.float32(EXPAND_STEPS)  # exact: a multiple of 1/16
+    ratio = jnp.abs(blocks) / broadcast_rows(centre, blocks.shape)
+    expanded = copysign(_power(ratio, broadcast_rows(k, blocks.shape)), blocks)
+    scale = nonzero(_power(big / centre, k) / jnp.float32(formats.E4M3.max_value))
+    codes = clamp(expanded / broadcast_rows(scale, blocks.shape), formats.E4M3.max_value).astype(formats.E4M3.dtype)
+    return codes, scale, round_half_even_to_int32(steps).astype(jnp.uint8), centre.astype(jnp.bfloat16)
+
+
+def dequantize_e4m3_expanded_blocks(codes, scale, expand, centre, broadcast_rows=_broadcast_last):
+    """Inverse of `quantize_e4m3_expanded_blocks`: codes (..., B), scale f32, expand uint8, centre bfloat16 (...)
+    -> f32 (..., B) = copysign(|y| ** (1 / k) * centre, y), y = code * scale, 1 / k = 16 / expand. Zeros stay zero;
+    a NaN scale gives NaN everywhere in its block."""
+    y = codes.astype(jnp.float32) * broadcast_rows(scale, codes.shape)
+    inverse_k = jnp.float32(EXPAND_STEPS) / expand.astype(jnp.float32)
+    magnitude = _power(jnp.abs(y), broadcast_rows(inverse_k, codes.shape))
+    return copysign(magnitude * broadcast_rows(centre.astype(jnp.float32), codes.shape), y)
+
+
 def adam_math(g, m_old, v_old, b1, b2, eps, bias_correction1, bias_correction2_sqrt):
     """One Adam step on float32 arrays -> (direction, m, v), from the un-quantized new m and v."""
     g = g.astype(jnp.float32)

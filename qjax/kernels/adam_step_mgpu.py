@@ -1,9 +1,14 @@
-"""The fused AdamW step for e4m3, 8-bit or 4-bit states: one Mosaic GPU kernel per tensor reads param, gradient and
-moment codes and scales once and writes them in place (16 bytes per float32 param instead of the ~28 of the optax path).
+"""The fused AdamW step for e4m3 (with or without range expansion), 8-bit or 4-bit states: one Mosaic GPU kernel per
+tensor reads param, gradient and moment codes and scales once and writes them in place (16 bytes per float32 param
+instead of the ~28 of the optax path).
 
 Reference: `qjax.optim.fused_adam.fused_step_reference`; the kernel calls the same numerics (`numerics.adam_math`,
-`numerics.param_update`, `numerics.quantize_e4m3_blocks`, `numerics.amax`, `codebooks.encode_unit`). States:
+`numerics.param_update`, `numerics.quantize_e4m3_blocks`, `numerics.quantize_e4m3_expanded_blocks` and its inverse,
+`numerics.amax`, `codebooks.encode_unit`). States:
   e4m3:  codes float8_e4m3fn (n, B), scale f32 (n,) = absmax / 448
+  e4m3_dre: COAT's dynamic range expansion: codes float8_e4m3fn (n, B), scale f32, expand uint8 (16 k), centre
+         bf16 (n,); per row k and the centre from the row's largest and smallest non-zero |x| (two warp
+         reductions), powers as exp(k log |x|), per element (Mosaic GPU has no pow).
   8-bit: m on the signed, v on the unsigned dynamic map, codes uint8 (n, B), absmax f32 (n,); decoded with one
          lookup per code and encoded with `codebooks.encode_unit` (position arithmetic and one lookup) in the map's
          `codebooks.codec_table`, which each program copies to SMEM and reads per lane (`_lookup`: Mosaic GPU has no
@@ -15,11 +20,12 @@ Reference: `qjax.optim.fused_adam.fused_step_reference`; the kernel calls the sa
 The tensor is viewed as n blocks of B elements, an (n, B) array, cut into tiles of R = T // B rows (fewer when n
 is not a multiple); one program per tile, with no shared memory but the code tables:
 
-  GMEM -> registers (vector loads): p (R, B) f32, g (R, B) f32, m codes (R, B), m scale (R,), v codes, v scale
+  GMEM -> registers (vector loads): p (R, B) f32, g (R, B) f32, m codes (R, B), m scale (R,) (and the other
+                                     per-row arrays), v codes, v scale
   registers: m_old = decode(codes) * scale (same for v); numerics.adam_math -> direction, m, v;
              p = numerics.param_update(p, direction, -lr, wd); per row: amax, then
-             e4m3: numerics.quantize_e4m3_blocks; code books: codes = nearest code of x / absmax (1 for all-zero
-             rows)
+             e4m3: numerics.quantize_e4m3_blocks (or the expanded one); code books: codes = nearest code of
+             x / absmax (1 for all-zero rows)
   registers -> GMEM (vector stores): p, m codes + scale, v codes + scale, written over the inputs (mutable refs:
                                       the kernel's outputs alias them, so a donated step updates params in place)
 
@@ -31,7 +37,8 @@ register-only programs hide the memory latency through occupancy, faster than st
 
 Bit-exactness: under the CPU interpreter the kernel's XLA ops equal the jitted reference bit for bit. Compiled on a
 GPU, XLA and Mosaic GPU may contract a*b+c into FMAs differently, so values can differ by an ulp and, rarely, a code
-by one or two steps (e4m3, or neighbouring 8-bit codes; see tests/optim/test_fused_kernel.py). A bfloat16 param's
+by one or two steps (e4m3, or neighbouring 8-bit codes; see tests/optim/test_fused_kernel.py); range expansion's
+exp and log may also differ by ulps if XLA and Mosaic GPU evaluate them differently. A bfloat16 param's
 stochastic rounding then lands on the other grid point where its random bits sit within that ulp of the carry
 (~2**-16 per float32 ulp): one bf16 ulp apart, or, where p + lr * u cancels to near zero, the few float32 ulps of p.
 """
@@ -66,8 +73,9 @@ _PACKED_LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((ROW_MULTIPLE, _LANE_COLUMNS /
                                     lane_dims=(-2,), vector_dim=-1)
 
 # (m format, v format) pairs the kernel reads and writes: "e4m3", or a code book's map name (8-bit or 4-bit).
-KERNEL_FORMATS = (("e4m3", "e4m3"), ("dynamic_signed_8bit", "dynamic_unsigned_8bit"),
+KERNEL_FORMATS = (("e4m3", "e4m3"), ("e4m3_dre", "e4m3_dre"), ("dynamic_signed_8bit", "dynamic_unsigned_8bit"),
                   ("dynamic_signed_4bit", "linear_unsigned_4bit"))
+_FP8_FORMATS = ("e4m3", "e4m3_dre")  # no code table
 BLOCK_SIZES = (_LANE_COLUMNS, _MAX_BLOCK)
 _TABLE_COLUMNS = 128  # code tables travel as (T / 128, 128) arrays: a TMA box is at most 256 wide
 
@@ -101,8 +109,8 @@ def _lookup(table_ref, index: jax.Array, interpret: bool) -> jax.Array:
 
 def code_table(fmt: str) -> jax.Array:
     """A code book format's `codebooks.codec_table` as the kernel reads it: float32 (T / 128, 128), zero-padded to
-    whole rows (a 4-bit table has 32 entries); a dummy for e4m3."""
-    if fmt == "e4m3":
+    whole rows (a 4-bit table has 32 entries); a dummy for the e4m3 formats."""
+    if fmt in _FP8_FORMATS:
         return jnp.zeros((1, _TABLE_COLUMNS), jnp.float32)
     table = codebooks.codec_table(codebooks.get_map(fmt))
     return jnp.asarray(np.pad(table, (0, -table.size % _TABLE_COLUMNS)).reshape(-1, _TABLE_COLUMNS))
@@ -110,7 +118,7 @@ def code_table(fmt: str) -> jax.Array:
 
 def _is_packed(fmt: str) -> bool:
     """Whether a format stores two 4-bit codes per byte (codes (n, B / 2)): element 2i in the high nibble."""
-    return fmt != "e4m3" and codebooks.get_map(fmt).size == 16
+    return fmt not in _FP8_FORMATS and codebooks.get_map(fmt).size == 16
 
 
 def _map_lanes(fa, out_length: int, fn):
@@ -162,24 +170,33 @@ def _pack(codes: jax.Array, interpret: bool) -> jax.Array:
     return pack(codes)
 
 
-def _dequantize_rows(codes: jax.Array, scale: jax.Array, fmt: str, table) -> jax.Array:
-    """codes (R, B) e4m3 or uint8, scale f32 (R,) -> f32 (R, B): the reference's state dequantization row by row.
-    table: the code book format's `codebooks.codec_table` lookup (index -> value); unused for e4m3."""
+def _dequantize_rows(codes: jax.Array, rows: tuple, fmt: str, table) -> jax.Array:
+    """codes (R, B) e4m3 or uint8 and the format's per-row arrays (R,) (`adam_step_kernel`) -> f32 (R, B): the
+    reference's state dequantization row by row. table: the code book format's `codebooks.codec_table` lookup
+    (index -> value); unused for the e4m3 formats."""
+    if fmt == "e4m3_dre":
+        return numerics.dequantize_e4m3_expanded_blocks(codes, *rows, _broadcast_rows)
     if fmt == "e4m3":
         values = codes.astype(jnp.float32)
     else:
         values = table(codes.astype(jnp.int32) + codebooks.get_map(fmt).size)  # the map's values follow its thresholds
+    (scale,) = rows
     return values * _broadcast_rows(scale, codes.shape)
 
 
 def _quantize_rows(x: jax.Array, fmt: str, table):
-    """f32 (R, B) -> (codes (R, B), scale f32 (R,)): the reference's state quantization row by row (e4m3:
-    `numerics.quantize_e4m3_blocks`; 8-bit: `codebooks.encode_unit` of x / absmax, the absmax stored)."""
+    """f32 (R, B) -> (codes (R, B), per-row arrays (R,) as in `adam_step_kernel`): the reference's state
+    quantization row by row (e4m3: `numerics.quantize_e4m3_blocks`; with range expansion
+    `numerics.quantize_e4m3_expanded_blocks`; 8-bit: `codebooks.encode_unit` of x / absmax, the absmax stored)."""
+    if fmt == "e4m3_dre":
+        codes, *rows = numerics.quantize_e4m3_expanded_blocks(x, _broadcast_rows)
+        return codes, tuple(rows)
     if fmt == "e4m3":
-        return numerics.quantize_e4m3_blocks(x, _broadcast_rows)
+        codes, scale = numerics.quantize_e4m3_blocks(x, _broadcast_rows)
+        return codes, (scale,)
     absmax = numerics.amax(x, axis=-1)
     divisor = numerics.nonzero(absmax)  # |x / absmax| <= 1: encode_unit's domain
-    return codebooks.encode_unit(x / _broadcast_rows(divisor, x.shape), codebooks.get_map(fmt), table), absmax
+    return codebooks.encode_unit(x / _broadcast_rows(divisor, x.shape), codebooks.get_map(fmt), table), (absmax,)
 
 
 def _load(ref, layout):
@@ -197,33 +214,38 @@ def _round_param(p, seed, row0):
     return stochastic.stochastic_codes(p, BF16, stochastic.hash_uint32(seed, index), may_be_inf=True)
 
 
-def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_codes_ref, m_scale_ref, v_codes_ref,
-               v_scale_ref, *, row0, formats, b1, b2, eps, weight_decay, interpret):
+def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_refs, v_refs, *, row0, formats, b1, b2,
+               eps, weight_decay, interpret):
     """One tile in GMEM, updated in place: the fused step of `fused_step_reference` on (R, B) arrays.
+    m_refs, v_refs: each moment's codes (R, B) (or (R, B / 2) packed) and per-row arrays (R,) (`adam_step_kernel`).
     m_table_ref, v_table_ref: the code book formats' `codebooks.codec_table` (unused for e4m3). A bfloat16 param is
     read as float32 and written back with stochastic rounding (seed_ref[0], the tile's first row row0)."""
     m_format, v_format = formats
     m_table = functools.partial(_lookup, m_table_ref, interpret=interpret)
     v_table = functools.partial(_lookup, v_table_ref, interpret=interpret)
 
-    def load_state(codes_ref, scale_ref, fmt, table):
+    def load_state(refs, fmt, table):
+        codes_ref, *row_refs = refs
         codes = _unpack(_load(codes_ref, _PACKED_LAYOUT), interpret) if _is_packed(fmt) else _load(codes_ref, _LAYOUT)
-        return _dequantize_rows(codes, _load(scale_ref, _ROW_LAYOUT), fmt, table)
+        return _dequantize_rows(codes, tuple(_load(ref, _ROW_LAYOUT) for ref in row_refs), fmt, table)
 
-    def store_state(x, codes_ref, scale_ref, fmt, table):
-        codes, scale_ref[...] = _quantize_rows(x, fmt, table)
+    def store_state(x, refs, fmt, table):
+        codes_ref, *row_refs = refs
+        codes, rows = _quantize_rows(x, fmt, table)
         codes_ref[...] = _pack(codes, interpret) if _is_packed(fmt) else codes
+        for ref, row in zip(row_refs, rows, strict=True):
+            ref[...] = row
 
     p = _load(p_ref, _LAYOUT).astype(jnp.float32)
     g = _load(g_ref, _LAYOUT).astype(jnp.float32)
     bc1, bc2_sqrt, step_size = coef_ref[0], coef_ref[1], coef_ref[2]
-    m_old = load_state(m_codes_ref, m_scale_ref, m_format, m_table)
-    v_old = load_state(v_codes_ref, v_scale_ref, v_format, v_table)
+    m_old = load_state(m_refs, m_format, m_table)
+    v_old = load_state(v_refs, v_format, v_table)
     direction, m, v = numerics.adam_math(g, m_old, v_old, b1, b2, eps, bc1, bc2_sqrt)
     new_p = numerics.param_update(p, direction, step_size, weight_decay)
     p_ref[...] = new_p if p_ref.dtype == jnp.float32 else _round_param(new_p, seed_ref[0], row0)
-    store_state(m, m_codes_ref, m_scale_ref, m_format, m_table)
-    store_state(v, v_codes_ref, v_scale_ref, v_format, v_table)
+    store_state(m, m_refs, m_format, m_table)
+    store_state(v, v_refs, v_format, v_table)
 
 
 def _tile_rows(n_rows: int, block_size: int) -> int:
@@ -234,14 +256,14 @@ def _tile_rows(n_rows: int, block_size: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("formats", "b1", "b2", "eps", "weight_decay", "interpret"))
-def _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, seed, *, formats, b1, b2, eps, weight_decay,
-               interpret):
+def _step_call(p2, g2, m_state, v_state, coef, seed, *, formats, b1, b2, eps, weight_decay, interpret):
     n_rows, block = p2.shape
     rows = _tile_rows(n_rows, block)
-    inputs = (p2, g2, m_codes, m_scale, v_codes, v_scale)
-    written = (0, 2, 3, 4, 5)  # updated in place
+    inputs = (p2, g2, *m_state, *v_state)
+    written = (0, *range(2, len(inputs)))  # all but the gradient: updated in place
+    n_m = len(m_state)
 
-    code_tables = formats[0] != "e4m3"
+    code_tables = formats[0] not in _FP8_FORMATS
 
     def body(coef_ref, seed_ref, m_table_ref, v_table_ref, *refs):
         if code_tables:  # each program copies the two 2 KB tables to SMEM (lookups: ld.shared)
@@ -252,7 +274,8 @@ def _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, seed, *, format
             plgpu.barrier_wait(barrier.at[1])
             m_table_ref, v_table_ref = m_table_smem, v_table_smem
         row0 = lax.axis_index("program") * rows
-        _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, *(ref.at[pl.ds(row0, rows)] for ref in refs),
+        p_ref, g_ref, *state_refs = (ref.at[pl.ds(row0, rows)] for ref in refs)
+        _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, state_refs[:n_m], state_refs[n_m:],
                    row0=row0.astype(jnp.uint32), formats=formats, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                    interpret=interpret is not None)
 
@@ -269,21 +292,21 @@ def _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, seed, *, format
     return tuple(jax.freeze(refs[i]) for i in written)
 
 
-def adam_step_kernel(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, formats, b1, b2, eps, weight_decay,
-                     seed=None, interpret=None):
+def adam_step_kernel(p2, g2, m_state, v_state, coef, *, formats, b1, b2, eps, weight_decay, seed=None,
+                     interpret=None):
     """One tensor's AdamW step on (n, B) blocks, n % ROW_MULTIPLE == 0, B in BLOCK_SIZES (module docstring).
 
     Args:
       p2, g2: float32 (n, B) param and gradient, or both bfloat16: the new param is then rounded stochastically
         with `seed` (uint32 scalar; bits hash_uint32(seed, row-major index), as `sr_params.round_param`).
-      m_codes, m_scale, v_codes, v_scale: the moments' codes (n, B) (float8_e4m3fn or uint8) and f32 (n,) scales
-        (e4m3) or absmax (code books; 4-bit codes are (n, B / 2), packed), in the formats `formats`, a pair from
-        KERNEL_FORMATS.
+      m_state, v_state: each moment as a tuple (codes, *per-block arrays) in the formats `formats`, a pair from
+        KERNEL_FORMATS: codes (n, B) float8_e4m3fn or uint8 (4-bit: (n, B / 2), packed), then the per-block (n,)
+        arrays: code books absmax f32; e4m3 scale f32; e4m3_dre scale f32, expand uint8 (16 k), centre bfloat16.
       coef: float32 (3,): 1 - b1**t, sqrt(1 - b2**t), -learning_rate.
       b1, b2, eps, weight_decay: Python floats (weight_decay 0: none, as optax).
       interpret: None / False compiled (a Hopper GPU); True or a `plgpu.InterpretGPUParams`: the interpreter.
     Returns:
-      (p2, m_codes, m_scale, v_codes, v_scale), new, with the inputs' shapes and dtypes.
+      (p2, m_state, v_state), new, with the inputs' shapes and dtypes.
     """
     if p2.dtype != g2.dtype or p2.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"adam_step_kernel needs float32 or bfloat16 param and gradient of one dtype, got p "
@@ -291,5 +314,6 @@ def adam_step_kernel(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, *, format
     if p2.dtype == jnp.bfloat16 and seed is None:
         raise ValueError("a bfloat16 param is rounded stochastically: pass seed= (a uint32 scalar)")
     seed = jnp.zeros((1,), jnp.uint32) if seed is None else jnp.asarray(seed, jnp.uint32).reshape(1)
-    return _step_call(p2, g2, m_codes, m_scale, v_codes, v_scale, coef, seed, formats=formats, b1=b1, b2=b2,
-                      eps=eps, weight_decay=weight_decay, interpret=resolve_interpret(interpret))
+    p2, *state = _step_call(p2, g2, tuple(m_state), tuple(v_state), coef, seed, formats=formats, b1=b1, b2=b2,
+                            eps=eps, weight_decay=weight_decay, interpret=resolve_interpret(interpret))
+    return p2, tuple(state[:len(m_state)]), tuple(state[len(m_state):])

@@ -147,9 +147,9 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
         raise ValueError(f"use_kernel must be True or False, got {use_kernel!r}")
     if use_kernel and not ((config.mu_format, config.nu_format) in fused_adam.KERNEL_FORMATS
                            and config.block_size in fused_adam.KERNEL_BLOCK_SIZES):
-        raise ValueError(f"use_kernel=True: the fused kernel supports e4m3 states (adamw_fp8 without dynamic range "
-                         f"expansion), adamw_8bit's and adamw_4bit's states, with block_size 128 or 256; got mu "
-                         f"{config.mu_format!r}, nu {config.nu_format!r}, block {config.block_size}; use "
+        raise ValueError(f"use_kernel=True: the fused kernel supports e4m3 states (adamw_fp8, with or without "
+                         f"dynamic range expansion), adamw_8bit's and adamw_4bit's states, with block_size 128 or "
+                         f"256; got mu {config.mu_format!r}, nu {config.nu_format!r}, block {config.block_size}; use "
                          "use_kernel=False")
     weight_decay = float(weight_decay)  # a Python float: optax skips a zero decay only then, and so does the kernel
     init_fn = adam.scale_by_quantized_adam(config, b1, b2, eps).init  # checks b1, b2, eps; count 0, zero moments

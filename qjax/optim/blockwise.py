@@ -16,6 +16,8 @@ COAT's dynamic range expansion (Xi et al. 2024, "COAT", sec. 4) maps a group to 
 e4m3 cast so that the group's max/min ratio R fills e4m3's range: with max and min the largest and smallest non-zero
 magnitudes, c = sqrt(max * min) centres the group in log space and k = floor(16 * log2(448**2 / 2) / log2(R)) / 16
 (a multiple of 1/16), clipped to [1/16, 255/16] (R near 1 would give an unbounded k). scale = (max / c)**k / 448.
+Powers are computed as exp(k log(.)) and logarithms are natural (`numerics.quantize_e4m3_expanded_blocks`, the
+formula the fused step kernel shares: Mosaic GPU has no pow).
 k is stored exactly as the uint8 16 k, and c rounded to bfloat16 *before* it is used (any centre works as long as
 decoding uses the same one), so a group costs 4 + 1 + 2 bytes of metadata: 2.11 bytes/element for m and v together
 (0.264x fp32 AdamW at group 128) instead of 2.19 with float32 k and c.
@@ -23,7 +25,7 @@ decoding uses the same one), so a group costs 4 + 1 + 2 bytes of metadata: 2.11 
 Zeros, all-zero blocks and NaN: an all-zero block stores absmax 0 (scale 1, k 1, c 1 for fp8) and decodes to exact
 zeros. A block holding NaN stores a NaN absmax/scale (`numerics.amax`), so every element of that block decodes to
 NaN: NaN is never silently turned into a finite value (it spreads to its block instead). +-Inf gives an Inf
-absmax/scale, and the block decodes to non-finite values.
+absmax/scale (a NaN scale for fp8 with expansion), and the block decodes to non-finite values.
 """
 
 import dataclasses
@@ -33,16 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qjax import codebooks, formats, numerics
+from qjax import codebooks, numerics
 
 CODEBOOK_FORMATS = {  # name -> bits
     "dynamic_signed_8bit": 8, "dynamic_unsigned_8bit": 8, "dynamic_signed_4bit": 4, "linear_unsigned_4bit": 4}
 FP8_FORMATS = ("e4m3", "e4m3_dre")
 STATE_FORMATS = tuple(CODEBOOK_FORMATS) + FP8_FORMATS
-_E4M3_MAX = formats.E4M3.max_value
-_EXPAND_STEPS = 16  # k is a multiple of 1/16 (COAT's expand_min)
-_EXPAND_MIN, _EXPAND_MAX = 1.0 / _EXPAND_STEPS, 255.0 / _EXPAND_STEPS
-_LOG2_E4M3_RATIO = float(np.log2(np.float32(_E4M3_MAX * _E4M3_MAX / 2)))
 
 
 @jax.tree_util.register_dataclass
@@ -142,42 +140,15 @@ def dequantize_fp8(q: Fp8State) -> jax.Array:
     return (q.codes.astype(jnp.float32) * q.scale[:, None]).reshape(q.shape)
 
 
-def expansion_params(blocks: jax.Array):
-    """COAT expansion parameters of float32 blocks (n, B) -> (k, c, max) float32 (n,) each (module docstring).
-
-    k is a multiple of 1/16 in [1/16, 255/16] and c is bfloat16-representable. All-zero blocks get k = 1, c = 1;
-    blocks holding NaN or Inf get k = 1 and a NaN or Inf max (hence a NaN scale).
-    """
-    magnitude = jnp.abs(blocks)
-    big = numerics.amax(blocks, axis=-1)
-    small = jnp.min(jnp.where(magnitude > 0, magnitude, jnp.inf), axis=1)
-    all_zero = big == 0
-    big_safe, small_safe = jnp.where(all_zero, 1.0, big), jnp.where(all_zero, 1.0, small)
-    log_ratio = jnp.log2(big_safe / small_safe)
-    k = jnp.floor(_LOG2_E4M3_RATIO / log_ratio * _EXPAND_STEPS) / _EXPAND_STEPS  # +inf when ratio == 1
-    k = jnp.where(all_zero | jnp.isnan(k), 1.0, jnp.clip(k, _EXPAND_MIN, _EXPAND_MAX))
-    centre = jnp.sqrt(big_safe) * jnp.sqrt(small_safe)  # sqrt(max * min) without overflowing max * min
-    centre = centre.astype(jnp.bfloat16).astype(jnp.float32)
-    return k.astype(jnp.float32), centre.astype(jnp.float32), big
-
-
 def quantize_fp8_expanded(x: jax.Array, block_size: int) -> Fp8ExpandedState:
-    """float tensor -> Fp8ExpandedState (COAT dynamic range expansion, then e4m3 with absmax scaling)."""
-    blocks = _blocks(x, block_size)
-    k, centre, big = expansion_params(blocks)
-    expanded = jnp.sign(blocks) * (jnp.abs(blocks) / centre[:, None]) ** k[:, None]
-    # NaN blocks: big is NaN, so the scale is NaN and the block decodes to NaN.
-    scale = numerics.nonzero(jnp.where(big == 0, 0.0, (big / centre) ** k / jnp.float32(_E4M3_MAX)))
-    codes = formats.saturating_cast(expanded / scale[:, None], formats.E4M3)
-    expand = jnp.round(k * _EXPAND_STEPS).astype(jnp.uint8)
-    return Fp8ExpandedState(codes, scale, expand, centre.astype(jnp.bfloat16), tuple(x.shape))
+    """float tensor -> Fp8ExpandedState (COAT dynamic range expansion, then e4m3 with absmax scaling): the formula
+    of `numerics.quantize_e4m3_expanded_blocks`, which the fused step kernel calls too."""
+    codes, scale, expand, centre = numerics.quantize_e4m3_expanded_blocks(_blocks(x, block_size))
+    return Fp8ExpandedState(codes, scale, expand, centre, tuple(x.shape))
 
 
 def dequantize_fp8_expanded(q: Fp8ExpandedState) -> jax.Array:
-    y = q.codes.astype(jnp.float32) * q.scale[:, None]
-    k = q.expand.astype(jnp.float32) / _EXPAND_STEPS
-    x = jnp.sign(y) * jnp.abs(y) ** (1.0 / k[:, None]) * q.centre.astype(jnp.float32)[:, None]
-    return x.reshape(q.shape)
+    return numerics.dequantize_e4m3_expanded_blocks(q.codes, q.scale, q.expand, q.centre).reshape(q.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_size"))

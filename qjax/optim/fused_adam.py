@@ -9,7 +9,8 @@ decay, learning rate and `apply_updates`. Both call the same formulas (`qjax.num
 
 Which tensors take the kernel (`kernel_eligible`): float32 param and gradient (or bfloat16 ones with a stochastic
 rounding seed: the kernel rounds the new param as `sr_params.round_param` does), moments in one of `KERNEL_FORMATS`
-(e4m3 `Fp8State`s, 8-bit `CodebookState`s on the signed / unsigned dynamic maps, or adamw_4bit's 4-bit ones) with
+(e4m3 `Fp8State`s, COAT's range-expanded e4m3 `Fp8ExpandedState`s, 8-bit `CodebookState`s on the signed /
+unsigned dynamic maps, or adamw_4bit's 4-bit ones) with
 blocks of 128 or 256 and a block count that is a multiple of 4. Everything else stays on the jnp path. Whether
 kernels run at all is `qjax.dispatch.kernel_mode()`: on a single Hopper GPU (with several devices the step sees global
 arrays and stays on the optax path), or as `qjax.dispatch.force` says.
@@ -18,7 +19,6 @@ arrays and stays on the optax path), or as `qjax.dispatch.force` says.
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 
 from qjax import numerics
@@ -27,7 +27,7 @@ from qjax.optim import adam, blockwise, sr_params
 
 __all__ = ["KERNEL_BLOCK_SIZES", "KERNEL_FORMATS", "fused_step", "fused_step_reference", "kernel_eligible"]
 
-KERNEL_FORMATS = adam_step_mgpu.KERNEL_FORMATS  # (m format, v format) pairs: "e4m3" or a code book map's name
+KERNEL_FORMATS = adam_step_mgpu.KERNEL_FORMATS  # (m, v format) pairs: "e4m3", "e4m3_dre" or a code book map's name
 KERNEL_BLOCK_SIZES = adam_step_mgpu.BLOCK_SIZES
 
 
@@ -42,9 +42,12 @@ def fused_step_reference(p, g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt, step_
 
 
 def _state_format(state) -> str | None:
-    """The kernel's name for a moment's format ("e4m3" or a code book map's name), None for any other state."""
+    """The kernel's name for a moment's format ("e4m3", "e4m3_dre" or a code book map's name), None for any other
+    state."""
     if isinstance(state, blockwise.Fp8State):
         return "e4m3"
+    if isinstance(state, blockwise.Fp8ExpandedState):
+        return "e4m3_dre"
     if isinstance(state, blockwise.CodebookState):
         return state.qmap
     return None
@@ -55,17 +58,20 @@ def _block_size(state) -> int:
     return math.prod(state.shape) // state.codes.shape[0]
 
 
-def _scale_field(state) -> str:
-    """The name of a state's per-block scale: Fp8State.scale, CodebookState.absmax."""
-    return "scale" if isinstance(state, blockwise.Fp8State) else "absmax"
+# A state's per-block (n,) arrays, in the order the kernel takes them after the codes.
+_ROW_FIELDS = {blockwise.CodebookState: ("absmax",), blockwise.Fp8State: ("scale",),
+               blockwise.Fp8ExpandedState: ("scale", "expand", "centre")}
 
 
-def _scale(state) -> jax.Array:
-    return getattr(state, _scale_field(state))
+def _state_arrays(state) -> tuple:
+    """A quantized state as the kernel reads it: (codes, *per-block arrays)."""
+    return (state.codes, *(getattr(state, name) for name in _ROW_FIELDS[type(state)]))
 
 
-def _with_state(like, codes, scale):
-    return dataclasses.replace(like, codes=codes, **{_scale_field(like): scale})
+def _with_state(like, arrays):
+    """Inverse of `_state_arrays`: a state of like's type and static fields holding `arrays`."""
+    codes, *rows = arrays
+    return dataclasses.replace(like, codes=codes, **dict(zip(_ROW_FIELDS[type(like)], rows, strict=True)))
 
 
 def kernel_eligible(p, g, mu, nu, seeded: bool = False) -> bool:
@@ -84,8 +90,9 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
     Args:
       p, g: float32 param and gradient of the same shape, size == mu's size; or both bfloat16, with `seed`.
       mu, nu: moments in one of `KERNEL_FORMATS`: `blockwise.Fp8State` (codes float8_e4m3fn (n, B), scale float32
-        (n,)) or `blockwise.CodebookState` (codes uint8 (n, B), or (n, B / 2) for 4 bits, absmax float32 (n,));
-        B = 128 or 256, n % 4 == 0.
+        (n,)), `blockwise.Fp8ExpandedState` (codes float8_e4m3fn (n, B), scale float32, expand uint8, centre
+        bfloat16 (n,)) or `blockwise.CodebookState` (codes uint8 (n, B), or (n, B / 2) for 4 bits, absmax float32
+        (n,)); B = 128 or 256, n % 4 == 0.
       b1, b2, eps: Python floats. bc1, bc2_sqrt: float32 scalars 1 - b1**t and sqrt(1 - b2**t).
       step_size: float32 scalar, -learning_rate at this step. weight_decay: Python float (0: none, as optax).
       seed: uint32 scalar, for bfloat16 p: stochastic rounding's seed (element offset 0: whole tensors only).
@@ -104,8 +111,8 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
         raise ValueError(f"shapes differ: p {p.shape}, g {g.shape}, mu {mu.shape} {mu.codes.shape}, nu {nu.shape} "
                          f"{nu.codes.shape}")
     coef = jnp.stack([jnp.asarray(c, jnp.float32) for c in (bc1, bc2_sqrt, step_size)])
-    p_new, m_codes, m_scale, v_codes, v_scale = adam_step_mgpu.adam_step_kernel(
-        p.reshape(n_blocks, block), g.reshape(n_blocks, block), mu.codes, _scale(mu), nu.codes, _scale(nu), coef,
+    p_new, m_state, v_state = adam_step_mgpu.adam_step_kernel(
+        p.reshape(n_blocks, block), g.reshape(n_blocks, block), _state_arrays(mu), _state_arrays(nu), coef,
         formats=(_state_format(mu), _state_format(nu)), b1=float(b1), b2=float(b2), eps=float(eps),
         weight_decay=float(weight_decay), seed=seed, interpret=interpret)
-    return p_new.reshape(p.shape), _with_state(mu, m_codes, m_scale), _with_state(nu, v_codes, v_scale)
+    return p_new.reshape(p.shape), _with_state(mu, m_state), _with_state(nu, v_state)

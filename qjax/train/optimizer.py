@@ -143,9 +143,9 @@ def make_optimizer(opt, total_steps: int) -> Optimizer:
     name = _get(opt, "name")
     if name == "adamw":
         tx = optax.adamw(**kwargs)
-    elif name == "adamw_fp8":  # the fused step where it can run (module docstring; it has no expanded states)
+    elif name == "adamw_fp8":  # the fused step where it can run (module docstring)
         expand = bool(_get(opt, "dynamic_range_expansion", False))
-        tx = qoptim.adamw_fp8(**kwargs, use_kernel=not expand, dynamic_range_expansion=expand)
+        tx = qoptim.adamw_fp8(**kwargs, use_kernel=True, dynamic_range_expansion=expand)
     elif name == "adamw_8bit":
         tx = qoptim.adamw_8bit(**kwargs, use_kernel=True)
     else:

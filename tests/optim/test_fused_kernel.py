@@ -1,5 +1,5 @@
-"""The fused Mosaic GPU AdamW step kernel (e4m3, 8-bit and 4-bit states) against its jitted jnp reference, and
-apply_gradients.
+"""The fused Mosaic GPU AdamW step kernel (e4m3 with and without range expansion, 8-bit and 4-bit states) against its
+jitted jnp reference, and apply_gradients.
 
 On CPU the kernel runs under the Mosaic GPU interpreter and must equal the reference bit for bit: new param, codes
 (compared as uint8) and scales / absmax (NaN where the reference has NaN). The reference is jitted because that is
@@ -25,9 +25,12 @@ from qjax.optim import adam, blockwise, fused_adam, sr_params
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
 FORMATS = {"e4m3": ("e4m3", "e4m3"), "8bit": ("dynamic_signed_8bit", "dynamic_unsigned_8bit"),
-           "4bit": ("dynamic_signed_4bit", "linear_unsigned_4bit")}
-EIGHT_BIT = ["8bit", "e4m3"]  # most interpreter tests run for these only (4-bit: test_4bit_states, for time)
-ADAMW = {"e4m3": optim.adamw_fp8, "8bit": optim.adamw_8bit, "4bit": optim.adamw_4bit}
+           "4bit": ("dynamic_signed_4bit", "linear_unsigned_4bit"), "dre": ("e4m3_dre", "e4m3_dre")}
+# Most interpreter tests run for these only (4-bit: test_4bit_states, range expansion: test_dre_*, for time).
+EIGHT_BIT = ["8bit", "e4m3"]
+GPU_TWINS = [*EIGHT_BIT, "dre"]  # GPU tests of the interpreter tests' formats
+ADAMW = {"e4m3": optim.adamw_fp8, "8bit": optim.adamw_8bit, "4bit": optim.adamw_4bit,
+         "dre": functools.partial(optim.adamw_fp8, dynamic_range_expansion=True)}
 
 
 def _config(fmt="e4m3", block_size=256):
@@ -52,8 +55,9 @@ def _kernel(p, g, mu, nu, bc1, bc2_sqrt, step_size, weight_decay=0.01):
     return jax.jit(step)(p, g, mu, nu, bc1, bc2_sqrt, step_size)
 
 
-def _inputs(shape, seed=0, block_size=256, zero_states=False, fmt="e4m3"):
-    """Param, gradient and quantized moments with Adam-like magnitudes (m ~ g, v ~ g**2, spread over decades)."""
+def _inputs(shape, seed=0, block_size=256, zero_states=False, fmt="e4m3", zero_block=None):
+    """Param, gradient and quantized moments with Adam-like magnitudes (m ~ g, v ~ g**2, spread over decades).
+    zero_block: the index of a block whose gradient and moments are all zero."""
     kp, kg, km, kv, ks = jax.random.split(jax.random.key(seed), 5)
     p = jax.random.normal(kp, shape) * 0.02
     g = jax.random.normal(kg, shape) * 1e-3 * 10.0 ** jax.random.uniform(ks, shape, minval=-2, maxval=1)
@@ -61,6 +65,8 @@ def _inputs(shape, seed=0, block_size=256, zero_states=False, fmt="e4m3"):
     v = jax.random.uniform(kv, shape) ** 4 * 1e-6
     if zero_states:
         m, v = jnp.zeros(shape), jnp.zeros(shape)
+    if zero_block is not None:
+        g, m, v = (x.reshape(-1, block_size).at[zero_block].set(0.0).reshape(shape) for x in (g, m, v))
     m_format, v_format = FORMATS[fmt]
     return p, g, blockwise.quantize(m, m_format, block_size), blockwise.quantize(v, v_format, block_size)
 
@@ -73,6 +79,11 @@ def _bits(x):
     return np.asarray(x).reshape(-1).view(np.uint8)
 
 
+def _scale(state):
+    """A quantized state's per-block scale (e4m3 formats) or absmax (code books): the first of its per-block arrays."""
+    return fused_adam._state_arrays(state)[1]
+
+
 def _assert_identical(out, ref):
     (p, mu, nu), (p_ref, mu_ref, nu_ref) = out, ref
     assert p.dtype == jnp.float32 and p.shape == p_ref.shape
@@ -81,7 +92,9 @@ def _assert_identical(out, ref):
         assert type(got) is type(want) and got.shape == want.shape
         assert got.codes.dtype == want.codes.dtype and got.codes.shape == want.codes.shape
         np.testing.assert_array_equal(_bits(got.codes), _bits(want.codes))
-        np.testing.assert_array_equal(np.asarray(fused_adam._scale(got)), np.asarray(fused_adam._scale(want)))
+        for row, row_ref in zip(fused_adam._state_arrays(got)[1:], fused_adam._state_arrays(want)[1:], strict=True):
+            assert row.dtype == row_ref.dtype and row.shape == row_ref.shape
+            np.testing.assert_array_equal(np.asarray(row, np.float32), np.asarray(row_ref, np.float32))
 
 
 @interpreter_only
@@ -116,7 +129,7 @@ def test_zero_gradient(fmt):
     _assert_identical(out, _reference(p, jnp.zeros_like(g), mu, nu, *c, config=_config(fmt), weight_decay=0.0))
     # 0 / (0 + eps) = 0: the param is unchanged, the states stay zero (e4m3 scale 1, 8-bit absmax 0).
     np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(p))
-    assert np.all(np.asarray(fused_adam._scale(out[1])) == (1 if fmt == "e4m3" else 0))
+    assert np.all(np.asarray(_scale(out[1])) == (1 if fmt == "e4m3" else 0))
     assert not np.any(np.asarray(blockwise.dequantize(out[1]))) and not np.any(np.asarray(blockwise.dequantize(out[2])))
     p, g, mu, nu = _inputs((8, 256), seed=5, fmt=fmt)  # non-zero states decay
     _assert_identical(_kernel(p, jnp.zeros_like(g), mu, nu, *c),
@@ -133,7 +146,7 @@ def test_nan_and_inf_gradients(fmt):
     _assert_identical(out, _reference(p, g, mu, nu, *c, config=_config(fmt)))
     p_new, mu_new, _ = out
     assert np.isnan(p_new[1, 7]) and np.isfinite(np.delete(np.asarray(p_new[1]), 7)).all()
-    scale = np.asarray(fused_adam._scale(mu_new))
+    scale = np.asarray(_scale(mu_new))
     assert np.isnan(scale[1]) and np.isinf(scale[5]) and np.isfinite(np.delete(scale, [1, 5, 9])).all()
 
 
@@ -147,7 +160,51 @@ def test_4bit_states():
     c = _coefficients(4)
     out = _kernel(p, g, mu, nu, *c)
     _assert_identical(out, _reference(p, g, mu, nu, *c, config=_config("4bit", 128)))
-    assert np.isnan(np.asarray(fused_adam._scale(out[1]))[1]) and np.isinf(np.asarray(fused_adam._scale(out[1]))[5])
+    assert np.isnan(np.asarray(_scale(out[1]))[1]) and np.isinf(np.asarray(_scale(out[1]))[5])
+
+
+@interpreter_only
+def test_dre_states():
+    """COAT's range-expanded e4m3 states (codes, scale, 16 k, centre): bit for bit the reference, float32 params,
+    4-row tiles of blocks of 128, with an all-zero block (it stays exactly zero: scale 1, k 1, centre 1) and NaN /
+    Inf gradients (NaN stays visible in the param and spreads to its block's state, never a finite value)."""
+    shape, block_size, weight_decay = (44, 128), 128, 0.01
+    p, g, mu, nu = _inputs(shape, seed=3, block_size=block_size, fmt="dre", zero_block=1)
+    g = g.at[2, 7].set(jnp.nan).at[3, 0].set(jnp.inf)
+    c = _coefficients(3)
+    out = _kernel(p, g, mu, nu, *c, weight_decay=weight_decay)
+    _assert_identical(out, _reference(p, g, mu, nu, *c, config=_config("dre", block_size)))
+    p_new, mu_new, nu_new = out
+    assert isinstance(mu_new, blockwise.Fp8ExpandedState) and mu_new.expand.dtype == jnp.uint8
+    for state in (mu_new, nu_new):
+        m = np.asarray(blockwise.dequantize(state)).reshape(-1, block_size)
+        assert not np.any(m[1]) and float(state.scale[1]) == 1 and int(state.expand[1]) == 16
+        assert float(state.centre[1]) == 1
+        assert np.isnan(m[2]).all() and np.isnan(m[3]).all() and np.isfinite(np.delete(m, [2, 3], axis=0)).all()
+    flat_p = np.asarray(p_new).reshape(-1, block_size)
+    assert np.isnan(flat_p[2, 7]) and np.isfinite(np.delete(flat_p[2], 7)).all()
+    # the zero block's direction is 0 / (0 + eps) = 0: only weight decay moves its params
+    p_old = np.asarray(p).reshape(-1, block_size)
+    np.testing.assert_allclose(flat_p[1], p_old[1] * (1 - 1e-3 * weight_decay), rtol=1e-6)
+
+
+@interpreter_only
+def test_dre_bf16_params_with_stochastic_rounding():
+    """bfloat16 param and gradient with a seed and range-expanded states in blocks of 256: bit for bit the
+    reference's stochastic rounding and states, with a zero block and a NaN gradient."""
+    p, g, mu, nu = _inputs((8, 512), seed=4, fmt="dre", zero_block=1)
+    p, g = p.astype(jnp.bfloat16), g.at[5, 3].set(jnp.nan).astype(jnp.bfloat16)
+    c, seed = _coefficients(2), jnp.uint32(777)
+    kernel = jax.jit(lambda p, g, mu, nu, seed, *c: fused_adam.fused_step(p, g, mu, nu, B1, B2, EPS, *c, 0.01,
+                                                                          seed=seed, interpret=True))
+    reference = jax.jit(lambda p, g, mu, nu, seed, *c: fused_adam.fused_step_reference(
+        p, g, mu, nu, _config("dre"), B1, B2, EPS, *c, 0.01, seed))
+    (p_k, mu_k, nu_k), (p_r, mu_r, nu_r) = kernel(p, g, mu, nu, seed, *c), reference(p, g, mu, nu, seed, *c)
+    assert p_k.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(_bits(p_k), _bits(p_r))
+    _assert_identical((p_k.astype(jnp.float32), mu_k, nu_k), (p_r.astype(jnp.float32), mu_r, nu_r))
+    assert np.isnan(np.asarray(p_k[5, 3], np.float32)) and np.isnan(np.asarray(_scale(mu_k))[10])
+    assert not np.any(np.asarray(blockwise.dequantize(mu_k)).reshape(-1, 256)[1])
 
 
 @interpreter_only
@@ -262,6 +319,24 @@ def test_apply_gradients_bf16_sr_takes_the_kernel(kernel_calls):
     assert len(kernel_calls) == n_calls  # no new call
 
 
+@interpreter_only
+def test_dre_apply_gradients_takes_the_kernel(kernel_calls):
+    """adamw_fp8(dynamic_range_expansion=True, use_kernel=True): apply_gradients sends the eligible tensor to the
+    kernel; two steps equal use_kernel=False's streamed jnp step: states bit for bit, params to float32 rounding (as
+    in test_apply_gradients_kernel_equals_optax_path)."""
+    params = {"w": jax.random.normal(jax.random.key(0), (32, 128)) * 0.1, "b": jnp.zeros(128)}
+    grads = [jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.key(i + 1), p.shape) * 1e-2, params)
+             for i in range(2)]
+    p_kernel, s_kernel = _train(True, params, grads, fmt="dre")
+    assert set(kernel_calls) == {(32, 128)}
+    p_jnp, s_jnp = _train(False, params, grads, fmt="dre")
+    assert isinstance(s_kernel.mu["w"], blockwise.Fp8ExpandedState)
+    for a, b in zip(jax.tree.leaves(s_kernel), jax.tree.leaves(s_jnp)):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    np.testing.assert_array_equal(_bits(p_kernel["b"]), _bits(p_jnp["b"]))
+    np.testing.assert_allclose(np.asarray(p_kernel["w"]), np.asarray(p_jnp["w"]), rtol=0, atol=6e-8)
+
+
 def test_use_kernel_off_hopper_takes_the_optax_path():
     params = {"w": jnp.ones((16, 256))}
     if on_hopper_gpu():
@@ -311,8 +386,9 @@ def test_apply_gradients_any_optax_transformation():
 def test_errors():
     with pytest.raises(ValueError, match="use_kernel=True: the fused kernel supports e4m3"):
         optim.adamw_fp8(1e-3, block_size=64, use_kernel=True)
-    with pytest.raises(ValueError, match="use_kernel=True"):
-        optim.adamw_fp8(1e-3, dynamic_range_expansion=True, use_kernel=True)
+    assert isinstance(optim.adamw_fp8(1e-3, dynamic_range_expansion=True, use_kernel=True), optim.FusedTransformation)
+    with pytest.raises(ValueError, match="use_kernel=True: the fused kernel supports e4m3"):
+        optim.adamw_fp8(1e-3, dynamic_range_expansion=True, block_size=64, use_kernel=True)
     p, g, mu, nu = _inputs((4, 256))
     c = _coefficients(1)
     assert fused_adam.kernel_eligible(p, g, mu, nu)
@@ -347,7 +423,8 @@ def _codec_in_kernel(codes, x, map_name, interpret):
         tile = pl.ds(lax.axis_index("program") * 4, 4)
         table = functools.partial(adam_step_mgpu._lookup, table_ref, interpret=params is not None)
         codes = adam_step_mgpu._load(codes_ref.at[tile], adam_step_mgpu._LAYOUT)
-        values_ref.at[tile][...] = adam_step_mgpu._dequantize_rows(codes, jnp.ones(4, jnp.float32), map_name, table)
+        values_ref.at[tile][...] = adam_step_mgpu._dequantize_rows(codes, (jnp.ones(4, jnp.float32),), map_name,
+                                                                   table)
         encoded_ref.at[tile][...] = codebooks.encode_unit(
             adam_step_mgpu._load(x_ref.at[tile], adam_step_mgpu._LAYOUT), qmap, table)
 
@@ -440,34 +517,50 @@ def _code_steps(state):
     return np.where(bits & 0x80, -(bits & 0x7F), bits & 0x7F)
 
 
+def _same(a, b):
+    """Elementwise equality of two arrays as float32, NaN equal to NaN."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return (a == b) | (np.isnan(a) & np.isnan(b))
+
+
 def _assert_close_gpu(out, ref, label):
-    """Kernel vs XLA:GPU reference: FMA contraction may differ (module docstring), so allow ulp-level differences."""
+    """Kernel vs XLA:GPU reference: FMA contraction may differ (module docstring), so allow ulp-level differences.
+    Range-expanded states (e4m3_dre) also take exp and log, which may differ by ulps between XLA:GPU and Mosaic GPU
+    (not yet measured): looser bounds for them, and a block whose k or centre differs (a log near a rounding
+    boundary of k) is counted apart."""
     (p, mu, nu), (p_ref, mu_ref, nu_ref) = out, ref
+    dre = isinstance(mu_ref, blockwise.Fp8ExpandedState)
     p, p_ref = np.asarray(p), np.asarray(p_ref)
     np.testing.assert_array_equal(np.isnan(p), np.isnan(p_ref))
     # Nearly all params agree to 2 ulps plus ~1e-5 relative of the update lr * |d + wd * p|. Where v decoded to
     # (almost) zero, d = m / (sqrt(v) + eps) is ill-conditioned (up to ~1e5) and FMA rounding shows at ~1e-4 relative.
     finite = np.isfinite(p_ref)
-    off = np.abs(p - p_ref)[finite] > 2.4e-7 * np.abs(p_ref[finite]) + 1e-8
+    off = np.abs(p - p_ref)[finite] > (2e-6 if dre else 2.4e-7) * np.abs(p_ref[finite]) + 1e-8
     assert off.mean() <= 1e-3, (label, off.mean())
     np.testing.assert_allclose(p, p_ref, rtol=1e-3, atol=1e-8, err_msg=label)
     report = [f"{label}: params exact {np.mean(p == p_ref) if p.size else 1:.6f}, beyond 2 ulps {off.mean():.2e}"]
     for name, got, want in (("m", mu, mu_ref), ("v", nu, nu_ref)):
-        scale, scale_ref = np.asarray(fused_adam._scale(got)), np.asarray(fused_adam._scale(want))
+        scale, scale_ref = np.asarray(_scale(got)), np.asarray(_scale(want))
         np.testing.assert_array_equal(np.isnan(scale), np.isnan(scale_ref))
-        finite = np.isfinite(scale_ref)
+        same_params = np.ones(scale.shape, bool)
+        if dre:  # 16 k and the centre: exact functions of the block's max and min |x|, but for k's log
+            same_params = _same(got.expand, want.expand) & _same(got.centre, want.centre)
+            assert np.mean(~same_params) <= 1e-3, (name, np.mean(~same_params))
+        finite = np.isfinite(scale_ref) & same_params
         ulps = _ulps(scale[finite], scale_ref[finite])
         # m and v = old + (1 - b) * (new - old) may each round differently under FMA contraction (an ulp or two),
         # and absmax / 448 can land in the binade below absmax's, where ulps are half as large (3 seen on an H100).
-        assert ulps.max(initial=0) <= 4, (name, ulps.max())
+        # With range expansion the scale is exp(k log(max / centre)) / 448, k log(.) <= ln(448): a few ulps more.
+        assert ulps.max(initial=0) <= (32 if dre else 4), (name, ulps.max())
         codes, codes_ref = _code_steps(got), _code_steps(want)
-        diff = codes != codes_ref
+        diff = (codes != codes_ref) & same_params[:, None]
         fine = finite[:, None] & diff
         # A few ulps of m or of the scale move a code to its neighbour, two steps where the value sits near a
         # rounding boundary on both sides (bounded here, and by the fraction below).
         assert np.abs(codes - codes_ref)[fine].max(initial=0) <= 2, name
         assert diff.mean() <= 1e-3, (name, diff.mean())
-        report.append(f"{name}: codes differ {int(diff.sum())}/{diff.size}, scales differ {int((ulps > 0).sum())}")
+        report.append(f"{name}: codes differ {int(diff.sum())}/{diff.size}, scales differ {int((ulps > 0).sum())}"
+                      + (f", k or centre differ in {int((~same_params).sum())} blocks" if dre else ""))
     print("; ".join(report))
 
 
@@ -486,7 +579,7 @@ def test_gpu_kernel_matches_reference(shape, step, block, fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", EIGHT_BIT)
+@pytest.mark.parametrize("fmt", GPU_TWINS)
 def test_gpu_zero_nan_and_no_decay(fmt):
     c = _coefficients(2)
     p, g, mu, nu = _inputs((1024, 1024), seed=9, zero_states=True, fmt=fmt)
@@ -502,7 +595,7 @@ def test_gpu_zero_nan_and_no_decay(fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", EIGHT_BIT)
+@pytest.mark.parametrize("fmt", GPU_TWINS)
 def test_gpu_apply_gradients_uses_kernel_and_tracks_optax(fmt):
     params = {"w": jax.random.normal(jax.random.key(0), (2048, 2048)), "b": jnp.zeros(2048)}
     grads = [jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.key(i + 1), p.shape) * 1e-3, params)
@@ -519,9 +612,12 @@ def test_gpu_apply_gradients_uses_kernel_and_tracks_optax(fmt):
     # directions: by up to ~6% for e4m3 (a few params differ by ~1e-5), more for 8-bit codes, whose neighbours at
     # the low end of a map level are up to ~20% apart (1.3e-4 seen on an H100). Nearly all agree to float32 rounding.
     bound = 1e-4 if fmt == "e4m3" else 5e-4
+    # Range expansion's exp and log may round differently in every element (an ulp of the decoded m and v, so of
+    # the direction): more params an ulp apart (not yet measured on a GPU).
+    fraction = 0.1 if fmt == "dre" else 1e-2
     print(f"{fmt} apply_gradients vs optax path after 5 steps: max |dp| {diff.max():.3g}, "
           f"fraction > 1e-8: {np.mean(diff > 1e-8):.2e}")
-    assert np.mean(diff > 1e-8) <= 1e-2 and diff.max() <= bound, (np.mean(diff > 1e-8), diff.max())
+    assert np.mean(diff > 1e-8) <= fraction and diff.max() <= bound, (np.mean(diff > 1e-8), diff.max())
 
 
 @pytest.mark.gpu
@@ -559,7 +655,7 @@ def _sr_steps(fmt, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", EIGHT_BIT)
+@pytest.mark.parametrize("fmt", GPU_TWINS)
 def test_gpu_bf16_stochastic_rounding_matches_reference(fmt):
     """Compiled, bfloat16 params + SR: XLA contracts multiply-adds into FMAs where Mosaic GPU may not, so the float32
     new param differs by ulps (as for float32 params), and a stochastic rounding whose random bits sit within that
@@ -598,7 +694,7 @@ def _intermediates_in_kernel(p, g, mu, nu, coef, fmt, interpret):
         load = lambda ref, layout=adam_step_mgpu._LAYOUT: adam_step_mgpu._load(ref.at[tile], layout)
         tables = [functools.partial(adam_step_mgpu._lookup, t, interpret=params is not None)
                   for t in (m_table_ref, v_table_ref)]
-        m_old, v_old = (adam_step_mgpu._dequantize_rows(load(c), load(s, adam_step_mgpu._ROW_LAYOUT), f, t)
+        m_old, v_old = (adam_step_mgpu._dequantize_rows(load(c), (load(s, adam_step_mgpu._ROW_LAYOUT),), f, t)
                         for c, s, f, t in ((mc_ref, ms_ref, formats[0], tables[0]),
                                            (vc_ref, vs_ref, formats[1], tables[1])))
         direction, m, v = numerics.adam_math(load(g_ref).astype(jnp.float32), m_old, v_old, B1, B2, EPS,
@@ -611,7 +707,7 @@ def _intermediates_in_kernel(p, g, mu, nu, coef, fmt, interpret):
     out = tuple(jax.ShapeDtypeStruct((n, block), jnp.float32) for _ in range(4))
     run = plgpu.kernel(body, out_type=out, grid=(n // 4,), grid_names=("program",), interpret=params)
     return jax.jit(run)(coef, *(adam_step_mgpu.code_table(f) for f in formats), p.reshape(n, block),
-                        g.reshape(n, block), mu.codes, fused_adam._scale(mu), nu.codes, fused_adam._scale(nu))
+                        g.reshape(n, block), mu.codes, _scale(mu), nu.codes, _scale(nu))
 
 
 @jax.jit
