@@ -176,7 +176,9 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
             out = _high_precision_matmul(x, wq, out_dtype, precision)
         else:
             out = varying(gemm(xq, wq, out_dtype), vma)
-        if w_spec_t is None:  # dgrad in high precision reads w as (K, N): the weight itself, gathered under FSDP
+        if recipe.dgrad_reads_forward_weight:  # the forward's (gathered) ternary codes, dequantized in backward
+            w_res = wq
+        elif w_spec_t is None:  # dgrad in high precision reads w as (K, N): the weight itself, gathered under FSDP
             w_res = rhs if sharding.fsdp is None else gather(_swap_last(w), sharding.fsdp, 1 - fsdp_n)
         else:
             w_res = gather(w_res, sharding.fsdp, 1 - fsdp_n)
@@ -190,7 +192,9 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
                                            seeds[_WGRAD_LHS], operands=("dgrad lhs g as (M, N)",
                                                                         "wgrad lhs g as (N, M)"),
                                            row_axes=token_axes, col_axes=g_n_axes)
-        if dgrad is None:
+        if recipe.dgrad_reads_forward_weight:  # (B?, N, K) forward codes -> (B?, K, N) weight in rhs' dtype
+            dx = _high_precision_matmul(g_mn, _swap_last(w_res.dequantize(rhs_dtype)), lhs_dtype, precision)
+        elif dgrad is None:
             w_kn = layout.rhs_kn(w_res) if sharding.fsdp is None else w_res
             dx = _high_precision_matmul(g_mn, w_kn, lhs_dtype, precision)
         else:
