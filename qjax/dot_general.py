@@ -22,7 +22,8 @@ A weight stored split over the mesh (FSDP, tensor parallelism) is described by a
 `qjax.DotGeneral` takes it from `qjax.flax.weight_shardings` by layer name). The GEMM then runs per device with the
 weight's shard: it is quantized on its shard (amax reduced over the mesh axes a scale spans, so codes and scales are
 the unsharded ones), and the 8-bit codes and their scales are all-gathered over the FSDP axis (int8 / float8 in
-the HLO, never bf16) before the forward and dgrad GEMMs; the weight gradient is reduce-scattered back onto the shard.
+the HLO, ternary codes packed 4 per byte as uint8; never bf16) before the forward and dgrad GEMMs; the weight
+gradient is reduce-scattered back onto the shard.
 Along the tensor axis the weight stays split (Megatron): column-parallel layers (`tensor_dim="n"`) produce output
 features split over it (the lhs' gradient summed over it), row-parallel ones (`tensor_dim="k"`) read lhs features
 split over it and sum their outputs over it. The gathered dgrad-layout codes are saved for the backward GEMM (one
@@ -130,6 +131,10 @@ def _spec(gemm: recipes_lib.GemmSpec | None, side: str) -> QuantSpec | None:
     return None if gemm is None else getattr(gemm, side)
 
 
+def _is_ternary(spec: QuantSpec | None) -> bool:
+    return spec is not None and spec.dtype == "ternary"
+
+
 @functools.lru_cache(maxsize=None)
 def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision,
                  token_axes: tuple[str, ...] = (), sharding: WeightSharding | None = None):
@@ -171,7 +176,7 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
                                   row_axes=w_n_axes, col_axes=w_k_axes)
         wq = wq if rhs_q is None else rhs_q
         # FSDP: the codes (or, for a GEMM in high precision, the weight itself) are gathered, not the float weight.
-        wq = gather(w if fwd is None else wq, sharding.fsdp, fsdp_n)
+        wq = gather(w if fwd is None else wq, sharding.fsdp, fsdp_n, ternary=_is_ternary(_spec(fwd, "rhs")))
         if fwd is None:
             out = _high_precision_matmul(x, wq, out_dtype, precision)
         else:
@@ -181,7 +186,7 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
         elif w_spec_t is None:  # dgrad in high precision reads w as (K, N): the weight itself, gathered under FSDP
             w_res = rhs if sharding.fsdp is None else gather(_swap_last(w), sharding.fsdp, 1 - fsdp_n)
         else:
-            w_res = gather(w_res, sharding.fsdp, 1 - fsdp_n)
+            w_res = gather(w_res, sharding.fsdp, 1 - fsdp_n, ternary=_is_ternary(w_spec_t))
         residuals = (w_res, lhs if x_spec_t is None else x_res)
         return out.reshape(layout.out_shape()), residuals
 
