@@ -100,16 +100,18 @@ SCRIPT = textwrap.dedent("""
         return jitted(params, batch), jitted.lower(params, batch).compile().as_text()
 
     (ref_loss, ref_grads), _ = loss_and_grads(make_mesh(jax.devices()[:1]))
-    (loss, grads), text = loss_and_grads(make_mesh(data=1, fsdp=N))
-    # 8-bit: a gradient code may round the other way where an output moved by one float32 ulp (as
-    # tests/train/test_fsdp.py allows)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-3)
-    for path, g, r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(grads),
-                          jax.tree.leaves(ref_grads)):
-        g, r = np.asarray(g), np.asarray(r)
-        np.testing.assert_allclose(g, r, rtol=1e-2, atol=1e-2 * np.abs(r).max(),
-                                   err_msg=sharding_lib.path_name(path[0]))
-    # qkv, o, gate_up, down: each gathered in two layouts as uint8, a quarter of the kernel's elements; no int8
+    # fsdp=8; and fsdp=4 x tensor=2, where mean |w| spans both axes' shards
+    for mesh in (make_mesh(data=1, fsdp=N // 2, tensor=2), make_mesh(data=1, fsdp=N)):
+        (loss, grads), text = loss_and_grads(mesh)
+        # 8-bit: a gradient code may round the other way where an output moved by one float32 ulp (as
+        # tests/train/test_fsdp.py allows)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-3)
+        for path, g, r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(grads),
+                              jax.tree.leaves(ref_grads)):
+            g, r = np.asarray(g), np.asarray(r)
+            np.testing.assert_allclose(g, r, rtol=1e-2, atol=1e-2 * np.abs(r).max(),
+                                       err_msg=f"{dict(mesh.shape)} {sharding_lib.path_name(path[0])}")
+    # fsdp=8: qkv, o, gate_up, down each gathered in two layouts as uint8, a quarter of the kernel's elements; no int8
     kernels = {sharding_lib.path_name(p): leaf.size for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
                if "layers_0" in sharding_lib.path_name(p) and leaf.ndim == 2}
     found = gathers(text)
