@@ -34,7 +34,10 @@
 # vs bitnet_b158: carry "data"; bitnet-conv-lr after it adds bitnet_b158 at 2x bf16's LR, reusing its runs),
 # gpt2-conv (GPT-2 small, 600 steps of 32 x 1024 bytes, bf16 vs the data-flow recipes, Jetfire's setting: carry
 # "data"; convergence_gpt2.png comes back in $OUT), fsdp1 (the 1.1B bf16 and int8_rowwise rows with the default mesh,
-# fsdp=1 on one GPU: "fsdp1 fsdp1@base" is the before/after of the mesh code on one GPU). A step written STEP@base
+# fsdp=1 on one GPU: "fsdp1 fsdp1@base" is the before/after of the mesh code on one GPU), bitnet-fsdp (several
+# GPUs: the 1B train step over fsdp=all, int8_rowwise vs bitnet_b158 with its ternary codes gathered packed 2 bits
+# each vs the float weights gathered), bitnet-bf16-bwd (linear bitnet_b158 vs bitnet_b158_bf16_bwd, no peer).
+# A step written STEP@base
 # runs in .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a
 # before/after A/B in one call. On a machine with several GPUs, "A B -- C D" runs the lanes A B and C D at the same
 # time, one GPU each. Steps: profile-int8-dataflow (benchmarks/profile_train.py of the 1.1B int8_dataflow row),
@@ -163,6 +166,10 @@ step_command() {
                  "--optimizer adamw_8bit --rows $([ "$1" = scaling-8b-b8-bf16 ] && echo bf16 || echo int8_rowwise)" \
                  "--steps 3 --warmup 1 --profile 40" ;;
         torch-fsdp) echo "python3 benchmarks/torch_fsdp_peer.py" ;;
+        bitnet-fsdp) echo "python3 benchmarks/scaling.py --size 1b --rows int8_rowwise bitnet_b158 bitnet_b158:bf16" \
+                          "--steps 3 --warmup 1" ;;
+        bitnet-bf16-bwd) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
+                              "bitnet_b158 bitnet_b158_bf16_bwd --no-peer" ;;
         *) return 1 ;;
     esac
 }

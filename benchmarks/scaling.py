@@ -36,7 +36,7 @@ import time  # noqa: E402
 
 from gpus import NO_MULTICAST, visible_gpus  # noqa: E402
 
-RECIPES = ("bf16", "int8_rowwise", "fp8_tensorwise", "fp8_dataflow", "int8_dataflow")
+RECIPES = ("bf16", "int8_rowwise", "fp8_tensorwise", "fp8_dataflow", "int8_dataflow", "bitnet_b158")
 GATHERS = ("8bit", "bf16")
 ROUNDS = 3
 # NVLink multicast stays off on the shared multi-GPU machines (NCCL and the libraries beside it).

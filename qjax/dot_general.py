@@ -22,7 +22,8 @@ A weight stored split over the mesh (FSDP, tensor parallelism) is described by a
 `qjax.DotGeneral` takes it from `qjax.flax.weight_shardings` by layer name). The GEMM then runs per device with the
 weight's shard: it is quantized on its shard (amax reduced over the mesh axes a scale spans, so codes and scales are
 the unsharded ones), and the 8-bit codes and their scales are all-gathered over the FSDP axis (int8 / float8 in
-the HLO, never bf16) before the forward and dgrad GEMMs; the weight gradient is reduce-scattered back onto the shard.
+the HLO, ternary codes packed 4 per byte as uint8; never bf16) before the forward and dgrad GEMMs; the weight
+gradient is reduce-scattered back onto the shard.
 Along the tensor axis the weight stays split (Megatron): column-parallel layers (`tensor_dim="n"`) produce output
 features split over it (the lhs' gradient summed over it), row-parallel ones (`tensor_dim="k"`) read lhs features
 split over it and sum their outputs over it. The gathered dgrad-layout codes are saved for the backward GEMM (one
@@ -130,6 +131,10 @@ def _spec(gemm: recipes_lib.GemmSpec | None, side: str) -> QuantSpec | None:
     return None if gemm is None else getattr(gemm, side)
 
 
+def _is_ternary(spec: QuantSpec | None) -> bool:
+    return spec is not None and spec.dtype == "ternary"
+
+
 @functools.lru_cache(maxsize=None)
 def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision,
                  token_axes: tuple[str, ...] = (), sharding: WeightSharding | None = None):
@@ -171,15 +176,17 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
                                   row_axes=w_n_axes, col_axes=w_k_axes)
         wq = wq if rhs_q is None else rhs_q
         # FSDP: the codes (or, for a GEMM in high precision, the weight itself) are gathered, not the float weight.
-        wq = gather(w if fwd is None else wq, sharding.fsdp, fsdp_n)
+        wq = gather(w if fwd is None else wq, sharding.fsdp, fsdp_n, ternary=_is_ternary(_spec(fwd, "rhs")))
         if fwd is None:
             out = _high_precision_matmul(x, wq, out_dtype, precision)
         else:
             out = varying(gemm(xq, wq, out_dtype), vma)
-        if w_spec_t is None:  # dgrad in high precision reads w as (K, N): the weight itself, gathered under FSDP
+        if recipe.dgrad_reads_forward_weight:  # the forward's (gathered) ternary codes, dequantized in backward
+            w_res = wq
+        elif w_spec_t is None:  # dgrad in high precision reads w as (K, N): the weight itself, gathered under FSDP
             w_res = rhs if sharding.fsdp is None else gather(_swap_last(w), sharding.fsdp, 1 - fsdp_n)
         else:
-            w_res = gather(w_res, sharding.fsdp, 1 - fsdp_n)
+            w_res = gather(w_res, sharding.fsdp, 1 - fsdp_n, ternary=_is_ternary(w_spec_t))
         residuals = (w_res, lhs if x_spec_t is None else x_res)
         return out.reshape(layout.out_shape()), residuals
 
@@ -190,7 +197,9 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
                                            seeds[_WGRAD_LHS], operands=("dgrad lhs g as (M, N)",
                                                                         "wgrad lhs g as (N, M)"),
                                            row_axes=token_axes, col_axes=g_n_axes)
-        if dgrad is None:
+        if recipe.dgrad_reads_forward_weight:  # (B?, N, K) forward codes -> (B?, K, N) weight in rhs' dtype
+            dx = _high_precision_matmul(g_mn, _swap_last(w_res.dequantize(rhs_dtype)), lhs_dtype, precision)
+        elif dgrad is None:
             w_kn = layout.rhs_kn(w_res) if sharding.fsdp is None else w_res
             dx = _high_precision_matmul(g_mn, w_kn, lhs_dtype, precision)
         else:

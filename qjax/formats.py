@@ -3,6 +3,7 @@
 A `Format` names an 8-bit storage type (int8, e4m3, e5m2) and the facts about it that scaling and rounding need.
 "ternary" (BitNet b1.58's weights) is int8 storage holding only -1, 0 and 1: max_value 1, and its scale comes from
 the mean |x| instead of the amax (`qjax.quantize`).
+Ternary codes travel packed 2 bits each, 4 per byte (`pack_ternary`: FSDP gathers them so).
 The casts here are the reference semantics for every kernel: finite values saturate to the format's range (as
 Mosaic GPU's f32->fp8 cast does), NaN stays NaN, and +-Inf is never turned into a finite number.
 """
@@ -74,3 +75,22 @@ def saturating_cast(x: jnp.ndarray, fmt: Format) -> jnp.ndarray:
     if not fmt.is_integer:
         clamped = jnp.where(jnp.isinf(x), x, clamped)
     return clamped.astype(fmt.dtype)
+
+
+_TERNARY_SHIFTS = (6, 4, 2, 0)  # bit offsets of elements 4i .. 4i+3 in byte i (the first in the high bits)
+
+
+def pack_ternary(codes: jnp.ndarray) -> jnp.ndarray:
+    """int8 ternary codes (-1, 0, 1), shape (..., 4k) -> uint8 (..., k): code + 1 (0, 1, 2) in 2 bits, element 4i
+    in the highest two bits of byte i."""
+    fields = (codes + 1).astype(jnp.uint8)
+    packed = fields[..., 0::4] << _TERNARY_SHIFTS[0]
+    for i, shift in enumerate(_TERNARY_SHIFTS[1:], 1):
+        packed = packed | (fields[..., i::4] << shift)
+    return packed
+
+
+def unpack_ternary(packed: jnp.ndarray) -> jnp.ndarray:
+    """Inverse of `pack_ternary`: uint8 (..., k) -> int8 codes (..., 4k)."""
+    fields = jnp.stack([(packed >> shift) & jnp.uint8(3) for shift in _TERNARY_SHIFTS], axis=-1)
+    return (fields.astype(jnp.int8) - 1).reshape(*packed.shape[:-1], -1)

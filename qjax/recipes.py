@@ -90,6 +90,15 @@ class Recipe:
         return any(g is not None and g.is_block_scaled for g in (self.fwd, self.dgrad, self.wgrad))
 
     @property
+    def dgrad_reads_forward_weight(self) -> bool:
+        """Whether dgrad, left in high precision, multiplies by the weight the forward GEMM multiplied by (its codes
+        times its scale, in the weight's dtype) instead of the float weight: where that weight is ternary (BitNet
+        b1.58, whose model is the ternary one: dx = g . Q(w), as its reference BitLinear differentiates). int8 and fp8
+        forwards approximate the float weight, and a high-precision dgrad reads that (the straight-through
+        convention of their recipes)."""
+        return self.dgrad is None and self.fwd is not None and self.fwd.rhs.dtype == "ternary"
+
+    @property
     def needs_key(self) -> bool:
         return any(g is not None and g.stochastic for g in (self.fwd, self.dgrad, self.wgrad))
 
@@ -112,8 +121,9 @@ _INT8_ROW = _gemm("int8", "row", "int8", "row")
 # BitNet b1.58: int8 activations per token x ternary weights (codes -1/0/1, scale mean |w|), on the int8 GEMM. dgrad
 # multiplies the gradient by the same ternary weight the forward did, as the reference BitLinear's
 # w + (Q(w) - w).detach() does: dx is the gradient of the function the forward computed (the float w there trained
-# far worse, benchmarks/NOTES.md). wgrad reaches the float weight as if the rounding were the identity (the
-# straight-through estimator).
+# far worse, benchmarks/NOTES.md); bitnet_b158_bf16_bwd's high-precision dgrad reads that ternary weight too,
+# dequantized (`Recipe.dgrad_reads_forward_weight`). wgrad reaches the float weight as if the rounding were the
+# identity (the straight-through estimator).
 _BITNET_FWD = GemmSpec(QuantSpec("int8", "row"), QuantSpec("ternary", "tensor"))
 _E4M3_ROW = _gemm("e4m3", "row", "e4m3", "row", pow2_scale=True)
 

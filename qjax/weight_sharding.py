@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qjax import formats
 from qjax.qtensor import QTensor
 
 
@@ -57,16 +58,32 @@ class WeightSharding:
         return (self.tensor,) if self.tensor and self.tensor_dim == "n" else ()
 
 
-def gather(q, axis: str | None, dim: int):
+def gather(q, axis: str | None, dim: int, ternary: bool = False):
     """A weight's shard, quantized (QTensor) or not (array), all-gathered over mesh `axis` along `dim` of its 2-D
-    layout; a QTensor's scales travel with its codes where they differ along `dim` (row scales of rows, blocks)."""
+    layout; a QTensor's scales travel with its codes where they differ along `dim` (row scales of rows, blocks).
+    ternary: q's codes are ternary (-1, 0, 1; one tensor scale, the same on every device), gathered packed 4 per
+    byte (`gather_ternary`)."""
     if axis is None or q is None:
         return q
     gather = lambda x: lax.all_gather(x, axis, axis=dim, tiled=True)  # noqa: E731
     if not isinstance(q, QTensor):
         return gather(q)
+    if ternary:
+        return QTensor(gather_ternary(q.data, axis, dim), q.scale, q.granularity)
     scale_split = q.granularity != "tensor" and (q.granularity != "row" or dim == 0)
     return QTensor(gather(q.data), gather(q.scale) if scale_split else q.scale, q.granularity)
+
+
+def gather_ternary(codes, axis: str, dim: int):
+    """int8 ternary codes, a device's shard (..., R, C), all-gathered over mesh `axis` along `dim` as uint8 with 2
+    bits per code (`formats.pack_ternary`): a quarter of the int8 gather's bytes. The shard is packed flat (padded to
+    a multiple of 4 codes), so any shape packs; the unpacked shards are then laid side by side along `dim`."""
+    flat = codes.reshape(-1)
+    packed = formats.pack_ternary(jnp.pad(flat, (0, -flat.size % 4)))
+    shards = formats.unpack_ternary(lax.all_gather(packed, axis))[:, :flat.size].reshape(-1, *codes.shape)
+    shape = list(codes.shape)
+    shape[dim] *= shards.shape[0]
+    return jnp.moveaxis(shards, 0, dim).reshape(shape)
 
 
 def varying(x, axes: tuple[str, ...]):

@@ -90,6 +90,27 @@ def test_gradients_are_the_forward_functions_with_a_straight_through_weight():
     dx, dw = grads("bitnet_b158_bf16_bwd")
     np.testing.assert_allclose(dw, cot.T @ x, rtol=1e-5, atol=1e-5)  # the exact gradient of x . w^T
     assert float(jnp.max(jnp.abs(dw))) > 0
+    # its high-precision dgrad: the float cotangent times the same ternary weight, dequantized (not the float w)
+    exact = jnp.dot(cot, codes * scale, precision="highest")
+    np.testing.assert_allclose(dx, exact, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(exact))))
+
+
+def test_bf16_backward_dgrad_reads_the_ternary_weight_in_the_weights_dtype():
+    """bf16 operands (3-D x, w as (K, N)): dx = g . (codes * scale), the dequantized weight rounded to bf16 as w."""
+    x, w = _xw(m=64, k=128, n=96)
+    x, w_kn = x.reshape(4, 16, 128).astype(jnp.bfloat16), w.T.astype(jnp.bfloat16)
+    cot = jax.random.normal(jax.random.key(2), (4, 16, 96), jnp.bfloat16)
+    dims = (((2,), (0,)), ((), ()))
+    loss = lambda x: jnp.sum(qjax.dot_general(x, w_kn, dims, recipe="bitnet_b158_bf16_bwd").astype(jnp.float32)
+                             * cot)
+    dx = jax.grad(loss)(x)
+    assert dx.dtype == jnp.bfloat16
+    _, codes, scale = _formula(x[0], w_kn.T.astype(jnp.float32))
+    w_used = (codes * scale).astype(jnp.bfloat16).astype(jnp.float32)  # (N, K)
+    want = jnp.einsum("bmn,nk->bmk", cot.astype(jnp.float32), w_used, precision="highest")
+    np.testing.assert_allclose(dx.astype(jnp.float32), want, rtol=1e-2, atol=1e-2 * float(jnp.max(jnp.abs(want))))
+    far = jnp.einsum("bmn,kn->bmk", cot.astype(jnp.float32), w_kn.astype(jnp.float32), precision="highest")
+    assert float(jnp.max(jnp.abs(far - want))) > 0.1 * float(jnp.max(jnp.abs(want)))  # the float w is far off
 
 
 def test_non_finite_weights_stay_visible():
