@@ -12,7 +12,8 @@ against one device.
 
 A row (`--rows`, recipe[:gather]) runs `qjax.train.make_train_step` on random tokens over each mesh of `--meshes`
 (default fsdp over all `--devices`), in its own subprocess (its peak memory is its own). Gather "8bit" (the default;
-the train step's own) has the quantized layers gather their FSDP-split weights as 8-bit codes + scales; "bf16"
+the train step's own) has the quantized layers gather their FSDP-split weights as 8-bit codes + scales (BitNet's
+ternary codes packed 2 bits each: the table says "2bit"); "bf16"
 turns that off (`config.mesh.gather_8bit=False`: XLA all-gathers the float weights); the bf16 recipe always
 gathers floats. `--baselines` adds one-device rows of those recipes at the mesh rows' batch per device (weak
 scaling): "vs 1 device" is tokens/s per device over the baseline's tokens/s. Baselines run side by side, one per
@@ -171,7 +172,8 @@ def table(results: list[dict], args) -> str:
         efficiency = f"{per_device / one['tokens_per_s']:.2f}" if one and r["gather"] != "–" else "–"
         peak = f"{r['peak_gb']:.1f}" if r.get("peak_gb") else "–"
         mfu = f"{r['mfu']:.2f}" if r.get("mfu") else "–"
-        lines.append(f"| {mesh} | {r['recipe']} | {r['gather']} | {r['batch']} | {r['tokens_per_s']:,.0f} | "
+        gathered = "2bit" if r["recipe"].startswith("bitnet") and r["gather"] == "8bit" else r["gather"]  # ternary
+        lines.append(f"| {mesh} | {r['recipe']} | {gathered} | {r['batch']} | {r['tokens_per_s']:,.0f} | "
                      f"{per_device:,.0f} | {efficiency} | {speedup} | {mfu} | {r['step_ms']:.1f} | {peak} |")
     note = (f"Llama {args.size}, seq {args.seq}, remat={args.remat}, params {args.param_dtype}"
             f"{' + stochastic rounding' if args.sr else ''}, optimizer {args.optimizer}, random tokens, LM head in "
