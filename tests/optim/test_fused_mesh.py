@@ -47,76 +47,79 @@ SCRIPT = textwrap.dedent("""
     def mesh_of(fsdp, tensor):
         return jax.make_mesh((fsdp, tensor), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
 
-    # name: (shape, spec) per mesh. rows: dim 0 split (the kernel per device); cols: a column split (jnp); few: dim 0
-    # split into 2 blocks per device (not a multiple of 4: jnp); bias: 1 block (never the kernel).
-    CASES = {
-        "fsdp": (mesh_of(N, 1), {"rows": ((8 * N, 256), P("fsdp", None)), "cols": ((256, 8 * N), P(None, "fsdp")),
-                                 "few": ((2 * N, 256), P("fsdp", None)), "bias": ((256,), P())}),
-        "fsdp_tensor": (mesh_of(N // 2, 2), {"rows": ((8 * N, 256), P(("fsdp", "tensor"), None)),
-                                             "rep": ((4 * N, 256), P("fsdp", None)),  # whole over tensor
-                                             "cols": ((8 * N, 256), P("fsdp", "tensor")), "bias": ((256,), P())}),
-    }
-    SPLIT = {"fsdp": ["rows"], "fsdp_tensor": ["rows", "rep"]}
+    # The params, and their specs on two meshes; SPLIT: the params whose dim 0 alone splits into whole state blocks,
+    # a multiple of 4 per device (the kernel per device). The others take the jnp step: a column split, "few" with 1
+    # or 2 blocks per device, "bias" with 1 block (never the kernel).
+    SHAPES = {"a": (8 * N, 256), "b": (4 * N, 512), "few": (N, 256), "bias": (256,)}
+    CASES = {"fsdp": (mesh_of(N, 1), {"a": P("fsdp", None), "b": P(None, "fsdp"), "few": P("fsdp", None),
+                                      "bias": P()}),
+             "fsdp_tensor": (mesh_of(N // 2, 2), {"a": P(("fsdp", "tensor"), None), "b": P("fsdp", None),
+                                                  "few": P("fsdp", "tensor"), "bias": P()})}  # b: whole over tensor
+    SPLIT = {"fsdp": ["a"], "fsdp_tensor": ["a", "b"]}
 
-    def inputs(shapes, dtype):
-        keys = iter(jax.random.split(jax.random.key(0), 2 * len(shapes)))
-        params = {k: (jax.random.normal(next(keys), s) * 0.02).astype(dtype) for k, s in shapes.items()}
-        grads = {k: (jax.random.normal(next(keys), s) * 1e-3).astype(dtype) for k, s in shapes.items()}
-        return params, grads
+    def inputs(tx, dtype):  # params, grads, and the state after a jnp step (the checked step reads its moments)
+        keys = iter(jax.random.split(jax.random.key(0), 2 * len(SHAPES)))
+        params = {k: (jax.random.normal(next(keys), s) * 0.02).astype(dtype) for k, s in SHAPES.items()}
+        grads = {k: (jax.random.normal(next(keys), s) * 1e-3).astype(dtype) for k, s in SHAPES.items()}
+        with dispatch.force("reference"):
+            step = lambda p, g: optim.apply_gradients(tx, g, tx.init(p), p, jax.random.key(1))
+            params, state = jax.jit(step)(params, jax.tree.map(lambda x: -x, grads))
+        return params, grads, state
 
-    def two_steps(tx, params, grads, key, specs=None):
-        state = tx.init(params)
-        for i in range(2):  # the second step reads quantized moments
-            params, state = optim.apply_gradients(tx, grads, state, params, jax.random.fold_in(key, i), specs)
-        return params, state
-
-    def same(a, b, name):
-        a, b = np.asarray(a), np.asarray(b)
-        if not ON_GPU:
+    def same(a, b, name, kernel):
+        a, b = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
+        if (kernel and not ON_GPU) or a.dtype.kind in "iu" and a.dtype.itemsize > 1:  # counts: exact
             assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), name
-            return
-        # compiled: the same kernel, its tiles cut differently per device, may contract a multiply-add otherwise
-        assert np.mean(a.view(np.uint8) == b.view(np.uint8)) > 0.999, name
-        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=2e-2, atol=1e-6, err_msg=name)
+        elif a.dtype.itemsize == 1:  # codes: but where a value's last bit crosses a rounding boundary
+            assert np.mean(a.view(np.uint8) == b.view(np.uint8)) > 0.99, name
+        else:
+            # The jnp step on sharded tensors: XLA:CPU fuses the sharded program otherwise (test_sharding.py), and
+            # so may a compiled kernel whose tiles are cut otherwise per device: ~1 float32 ulp, which moves a
+            # bfloat16 param's stochastic rounding to the other grid point now and then (and the next step on).
+            a, b = a.astype(np.float32), b.astype(np.float32)
+            close = np.isclose(a, b, rtol=1e-5 if a.dtype == b.dtype == np.float32 else 1e-2, atol=1e-7)
+            assert np.mean(close) > 0.99 and np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b), name
 
     for fmt in ("fp8", "8bit", "4bit") if ON_GPU else ("fp8",):
         tx = TXS[fmt](1e-3, min_quantized_size=256, use_kernel=True)
-        for case, (mesh, layout) in CASES.items():
-            shapes = {k: s for k, (s, _) in layout.items()}
-            specs = {k: spec for k, (_, spec) in layout.items()}
-            for dtype in (jnp.float32, jnp.bfloat16):
-                params, grads = inputs(shapes, dtype)
-                key = jax.random.key(7)
-                with dispatch.force(MODE):  # unsharded: the kernel on one device
-                    ref = jax.jit(lambda p, g: two_steps(tx, p, g, key))(params, grads)
+        for dtype in (jnp.float32, jnp.bfloat16):
+            params, grads, state = inputs(tx, dtype)
+            key = jax.random.key(7)
+            step = lambda p, g, s, specs=None: optim.apply_gradients(tx, g, s, p, key, specs)
+            with dispatch.force(MODE):  # unsharded: the kernel on one device
+                ref = jax.jit(step)(params, grads, state)
+            for case, (mesh, specs) in CASES.items():
                 put = lambda t: {k: jax.device_put(x, NamedSharding(mesh, specs[k])) for k, x in t.items()}
+                whole = jax.device_put(state, NamedSharding(mesh, P()))
                 calls.clear()
+                optim.adamw._warn_unsplit.cache_clear()  # warned once per case and process: here once per run
                 with warnings.catch_warnings(record=True) as caught, dispatch.force(MODE):
                     warnings.simplefilter("always")
                     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                        traced = jax.jit(lambda p, g: two_steps(tx, p, g, key, specs)).trace(put(params), put(grads))
-                    got = traced.lower().compile()(put(params), put(grads))
-                assert sorted(calls) == sorted(2 * [shapes[k] for k in SPLIT[case]]), (fmt, case, calls)
+                        traced = jax.jit(lambda p, g, s: step(p, g, s, specs)).trace(put(params), put(grads), whole)
+                    got = traced.lower().compile()(put(params), put(grads), whole)
+                assert sorted(calls) == sorted(SHAPES[k] for k in SPLIT[case]), (fmt, case, calls)
                 messages = [str(w.message) for w in caught if "qjax" in str(w.message)]
                 assert len(messages) == 1 and "through jnp instead of the per-device kernel" in messages[0], messages
                 assert jax.tree.structure(got) == jax.tree.structure(ref)
                 for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(ref)):
-                    same(a, b, f"{fmt} {case} {np.dtype(dtype).name} {jax.tree_util.keystr(path)}")
+                    name = jax.tree_util.keystr(path)
+                    same(a, b, f"{fmt} {case} {np.dtype(dtype).name} {name}",
+                         kernel=any(f"['{k}']" in name for k in SPLIT[case]))
                 print(fmt, case, np.dtype(dtype).name, "ok")
 
     if not ON_GPU:  # 8-bit and 4-bit: the step lowered for CUDA on emulated Hopper runs one kernel per split tensor
-        from qjax.kernels import adam_step_mgpu
         dispatch.on_hopper_gpu = lambda: True
         for fmt in ("8bit", "4bit"):
             tx = TXS[fmt](1e-3, min_quantized_size=256, use_kernel=True)
-            for case, (mesh, layout) in CASES.items():
-                params, grads = inputs({k: s for k, (s, _) in layout.items()}, jnp.bfloat16)
-                specs = {k: spec for k, (_, spec) in layout.items()}
-                step = lambda p, g: optim.apply_gradients(tx, g, tx.init(p), p, jax.random.key(1), specs)
+            params, grads, state = inputs(tx, jnp.bfloat16)
+            for case, (mesh, specs) in CASES.items():
+                step = lambda p, g, s: optim.apply_gradients(tx, g, s, p, jax.random.key(1), specs)
                 with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # the jnp tensors' warning (checked above)
-                    text = jax.jit(step).trace(params, grads).lower(lowering_platforms=("cuda",)).as_text()
-                kernels = sum("mosaic_gpu" in line for line in text.splitlines() if "stablehlo.custom_call" in line)
+                    lowered = jax.jit(step).trace(params, grads, state).lower(lowering_platforms=("cuda",))
+                lines = lowered.as_text().splitlines()
+                kernels = sum("mosaic_gpu" in line for line in lines if "stablehlo.custom_call" in line)
                 assert kernels == len(SPLIT[case]), (fmt, case, kernels)
                 print(fmt, case, "lowered", "ok")
 """)
@@ -124,7 +127,7 @@ SCRIPT = textwrap.dedent("""
 
 def _expected(on_gpu: bool) -> list[str]:
     runs = [f"{fmt} {case} {dtype} ok" for fmt in (("fp8", "8bit", "4bit") if on_gpu else ("fp8",))
-            for case in ("fsdp", "fsdp_tensor") for dtype in ("float32", "bfloat16")]
+            for dtype in ("float32", "bfloat16") for case in ("fsdp", "fsdp_tensor")]
     if not on_gpu:
         runs += [f"{fmt} {case} lowered ok" for fmt in ("8bit", "4bit") for case in ("fsdp", "fsdp_tensor")]
     return " ".join(runs).split()
