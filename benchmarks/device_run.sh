@@ -46,7 +46,8 @@
 # where params differ and the PTX's float32 op counts (Mosaic GPU and XLA dumps); optim-sr: the bf16 + SR AdamW step
 # (8-bit and e4m3 states), streamed jnp against the fused kernel, each against optax.adamw (float32); optim-4bit:
 # the same for adamw_4bit with float32 params.
-# Several GPUs (nvidia-h100-x2 and up): tests-mesh-gpu (the mesh / FSDP tests on every GPU), scaling-1b, scaling-1b-more, scaling-8b
+# Several GPUs (nvidia-h100-x2 and up): tests-mesh-gpu (the mesh / FSDP tests on every GPU), tests-adam-mesh (the fused
+# AdamW step per device against one GPU's, e4m3 / 8-bit / 4-bit), scaling-1b, scaling-1b-more, scaling-8b
 # (benchmarks/scaling.py), torch-fsdp (benchmarks/torch_fsdp_peer.py: torchrun, FSDP2, bf16 vs torchao float8).
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -138,6 +139,7 @@ step_command() {
         fsdp1) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --warmup 2 --no-peer" ;;
         tests-mesh-gpu) echo "env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider -m gpu" \
                              "tests/test_mesh_gpu.py" ;;
+        tests-adam-mesh) echo "python3 -m pytest -q -p no:cacheprovider -m gpu tests/optim/test_fused_mesh.py" ;;
         scaling-1b) echo "python3 benchmarks/scaling.py --size 1b --rows bf16 int8_rowwise int8_rowwise:bf16" \
                          "--baselines bf16 int8_rowwise --steps 3 --warmup 1" ;;
         scaling-1b-more) echo "python3 benchmarks/scaling.py --size 1b --rows fp8_tensorwise int8_dataflow" \

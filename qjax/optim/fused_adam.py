@@ -11,8 +11,9 @@ Which tensors take the kernel (`kernel_eligible`): float32 param and gradient (o
 rounding seed: the kernel rounds the new param as `sr_params.round_param` does), moments in one of `KERNEL_FORMATS`
 (e4m3 `Fp8State`s, 8-bit `CodebookState`s on the signed / unsigned dynamic maps, or adamw_4bit's 4-bit ones) with
 blocks of 128 or 256 and a block count that is a multiple of 4. Everything else stays on the jnp path. Whether
-kernels run at all is `qjax.dispatch.kernel_mode()`: on a single Hopper GPU (with several devices the step sees global
-arrays and stays on the optax path), or as `qjax.dispatch.force` says.
+kernels run at all is `qjax.dispatch.kernel_mode()`: on a Hopper GPU, or as `qjax.dispatch.force` says. Under a mesh
+of several devices, `fused_step_per_device` runs the kernel on each device's shard inside `jax.shard_map`, for a
+tensor whose layout gives every device whole state blocks of a contiguous run of the param (`per_device_axes`).
 """
 
 import dataclasses
