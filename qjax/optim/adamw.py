@@ -15,15 +15,17 @@ Its state is one `adam.QuantizedAdamState(count, mu, nu)`: count, the steps take
 (bias correction) and the schedule's argument lr(count), as the chain's two counts did. It composes with
 `optax.chain`, clipping, schedules, `optax.MultiSteps`, sharded params and orbax like any optax transformation.
 
-It is also a `FusedTransformation`: `step(grads, state, params, key=None) -> (params, state)` applies its own
-update: per tensor `fused_adam.fused_step_reference` (the update in float32, rounded once to the param's dtype;
-bfloat16 stochastically with `key`), for float32 params and grads bit for bit `update` + `optax.apply_updates`.
+It is also a `FusedTransformation`: `step(grads, state, params, key=None, param_specs=None) -> (params, state)`
+applies its own update: per tensor `fused_adam.fused_step_reference` (the update in float32, rounded once to the
+param's dtype; bfloat16 stochastically with `key`), for float32 params and grads bit for bit `update` +
+`optax.apply_updates`.
 With `use_kernel=True` (e4m3, 8-bit or 4-bit states, on a Hopper GPU) the step updates each eligible tensor's
 param and moments in place in one kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param).
 On several GPUs the kernel runs per device: `step(..., param_specs=)` with the mesh set while tracing
 (`jax.set_mesh(mesh)`), each tensor whose spec splits its param's dim 0 only into whole state blocks per device
-(`fused_adam.per_device_axes`; every param under FSDP alone) takes the kernel on its shards (`jax.shard_map`), the
-others the jnp step (qjax's train step passes them).
+(`fused_adam.per_device_axes`: under FSDP the embedding and the column-parallel kernels, not the row-parallel ones
+or an LM head split on the vocab) takes the kernel on its shards (`jax.shard_map`), the others the jnp step; qjax's
+train step passes the specs.
 `update` and `step` both stream (`qjax.optim.streaming`): groups of tensors in sequence, large tensors in chunks,
 so their temporaries stay about one group's. `apply_gradients(tx, ...)` runs a
 `FusedTransformation`'s step, any other transformation's update + `optax.apply_updates`. `chain_fused(*pre, tx)`
