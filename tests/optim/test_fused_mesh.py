@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qjax.dispatch import on_hopper_gpu
 from qjax.optim import blockwise, fused_adam
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -154,14 +153,16 @@ def test_per_device_step_on_8_cpu_devices_equals_unsharded():
 def test_per_device_step_on_gpus_equals_one_gpu():
     if jax.device_count() < 2 or 8 % jax.device_count():
         pytest.skip(f"needs 2, 4 or 8 GPUs, {jax.device_count()} visible")
-    out = _run({"NCCL_NVLS_ENABLE": "0"})
+    # NVLink multicast stays off on the shared multi-GPU machines (as in tests/test_mesh_gpu.py)
+    out = _run({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
     assert out.returncode == 0, out.stdout + out.stderr[-5000:]
     assert out.stdout.split() == _expected(on_gpu=True)
 
 
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="bit-exact under the interpreter; on GPUs the gpu test")
 def test_shard_offsets_8bit():
     """The 8-bit kernel on each of 4 shards, with the shard's first element as offset, equals the unsharded jnp step
-    (bfloat16 params, stochastic rounding): what each device computes in `fused_step_per_device`."""
+    bit for bit (bfloat16 params, stochastic rounding): what each device computes in `fused_step_per_device`."""
     shape, shards = (64, 256), 4
     kp, kg, km, kv = jax.random.split(jax.random.key(3), 4)
     p = (jax.random.normal(kp, shape) * 0.02).astype(jnp.bfloat16)
@@ -171,7 +172,6 @@ def test_shard_offsets_8bit():
     config = fused_adam.adam.StateConfig("dynamic_signed_8bit", "dynamic_unsigned_8bit", 256, 0)
     coef = (jnp.float32(0.1), jnp.float32(0.03), jnp.float32(-1e-3))
     seed = jnp.uint32(99)
-    interpret = None if on_hopper_gpu() else True
 
     def sharded(p, g, mu, nu):
         rows, blocks = shape[0] // shards, mu.codes.shape[0] // shards
@@ -179,7 +179,7 @@ def test_shard_offsets_8bit():
                                     (rows, shape[1]), s.qmap)
         outs = [fused_adam.fused_step(p[i * rows:(i + 1) * rows], g[i * rows:(i + 1) * rows], part(mu, i),
                                       part(nu, i), 0.9, 0.999, 1e-8, *coef, 0.01, seed=seed,
-                                      offset=jnp.uint32(i * rows * shape[1]), interpret=interpret)
+                                      offset=jnp.uint32(i * rows * shape[1]), interpret=True)
                 for i in range(shards)]
         return [jnp.concatenate([o[0] for o in outs])] + [
             jnp.concatenate([getattr(o[j], f) for o in outs]) for j in (1, 2) for f in ("codes", "absmax")]
