@@ -23,7 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
+from qjax import optim
 from qjax.optim import blockwise, fused_adam
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -192,3 +194,10 @@ def test_shard_offsets_8bit():
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
     assert not np.array_equal(np.asarray(got[0]), np.asarray(fused_adam.sr_params.round_param(
         p.astype(jnp.float32), jnp.bfloat16, seed)))  # the step moved the params
+
+
+def test_param_specs_without_a_mesh_is_an_error():
+    tx = optim.adamw_8bit(1e-3, use_kernel=True)
+    params = {"w": jnp.zeros((64, 256))}
+    with pytest.raises(ValueError, match="no mesh is set while tracing"):
+        optim.apply_gradients(tx, params, tx.init(params), params, param_specs={"w": P("fsdp", None)})
