@@ -1,8 +1,8 @@
 """The fused AdamW step per device under a mesh (`apply_gradients(..., param_specs=)`): each tensor whose spec splits
 its param's dim 0 into whole state blocks per device runs the kernel on its shards inside `jax.shard_map`, and the
 result equals the unsharded step's, bit for bit (bfloat16 params with stochastic rounding included: the kernel
-hashes each element's index in the whole param); the other tensors take the jnp step, equally exact, with one
-warning that names why.
+hashes each element's index in the whole param); the other tensors take the jnp step, with one warning that names
+why (equal to ~1 float32 ulp: XLA:CPU fuses the sharded program otherwise, as in tests/optim/test_sharding.py).
 
 XLA_FLAGS must be set before jax initialises, so the mesh checks run in a subprocess on 8 CPU devices. There the
 kernel runs under the Mosaic GPU interpreter for e4m3 states only: with 8-bit or 4-bit states each program copies
