@@ -52,9 +52,11 @@
 # the same for adamw_4bit with float32 params; optim-dre: the same for adamw_fp8 with range expansion (COAT), and
 # optim-dre-sr with bf16 params + SR;
 # tests-optim-dre: the fused AdamW GPU tests of range-expanded states alone, with their mismatch counts printed.
-# Several GPUs (nvidia-h100-x2 and up): tests-mesh-gpu (the mesh / FSDP tests on every GPU), scaling-1b, scaling-1b-more, scaling-8b
+# Several GPUs (nvidia-h100-x2 and up): tests-mesh-gpu (the mesh / FSDP tests on every GPU), tests-adam-mesh (the fused
+# AdamW step per device against one GPU's, e4m3 / 8-bit / 4-bit), scaling-1b, scaling-1b-more, scaling-8b
 # (benchmarks/scaling.py; scaling-8b-int8 its int8_rowwise row alone; scaling-8b-b8-bf16 / scaling-8b-b8-int8 one
-# row at global batch 8 with GPU 0's profile), torch-fsdp (benchmarks/torch_fsdp_peer.py: torchrun, FSDP2, bf16 vs torchao float8).
+# row at global batch 8 with GPU 0's profile), torch-fsdp (benchmarks/torch_fsdp_peer.py: torchrun, FSDP2, bf16 vs
+# torchao float8).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
@@ -152,6 +154,7 @@ step_command() {
         fsdp1) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --warmup 2 --no-peer" ;;
         tests-mesh-gpu) echo "env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider -m gpu" \
                              "tests/test_mesh_gpu.py" ;;
+        tests-adam-mesh) echo "python3 -m pytest -q -p no:cacheprovider -m gpu tests/optim/test_fused_mesh.py" ;;
         scaling-1b) echo "python3 benchmarks/scaling.py --size 1b --rows bf16 int8_rowwise int8_rowwise:bf16" \
                          "--baselines bf16 int8_rowwise --steps 3 --warmup 1" ;;
         scaling-1b-more) echo "python3 benchmarks/scaling.py --size 1b --rows fp8_tensorwise int8_dataflow" \

@@ -63,10 +63,11 @@ def per_device_region() -> bool:
     return not mesh.empty and mesh.are_all_axes_manual
 
 
-def kernel_mode(backend: str = "auto") -> tuple[bool, bool]:
+def kernel_mode(backend: str = "auto", per_device: bool = False) -> tuple[bool, bool]:
     """(run the kernel?, interpret it?) for a backend: "pallas" always runs it (interpreted off a Hopper GPU),
     "auto" only compiled on a Hopper GPU, with one device or inside a per-device region (or as `force` says),
-    "xla" never.
+    "xla" never. per_device: the caller runs the kernel inside a `jax.shard_map` of its own (the fused AdamW step
+    under a mesh), so on device-local arrays.
 
     "auto" stays on XLA where several devices are visible and the arrays may be global: the kernels are custom
     calls without a partitioning rule, so XLA would gather their operands onto every device. `qjax.dot_general`
@@ -82,7 +83,7 @@ def kernel_mode(backend: str = "auto") -> tuple[bool, bool]:
     forced = _forced.get()
     if forced is not None:
         return forced != "reference", forced == "interpret"
-    if hopper and jax.device_count() > 1 and not per_device_region():
+    if hopper and jax.device_count() > 1 and not (per_device or per_device_region()):
         _warn_kernels_off(jax.device_count())
         return False, False
     return hopper, False
@@ -96,8 +97,9 @@ def _warn_kernels_off(device_count: int) -> None:
                   "runs the XLA path instead of the Pallas kernels (they have no partitioning rule). Set the "
                   "mesh while tracing "
                   "(`with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):` or `jax.set_mesh(mesh)`): "
-                  "qjax.dot_general then runs its GEMMs per device; qjax's train step does this. The fused AdamW "
-                  "step has no per-device form yet: with several GPUs it runs the optax path.", stacklevel=3)
+                  "qjax.dot_general then runs its GEMMs per device; qjax's train step does this, and passes the fused "
+                  "AdamW step its params' PartitionSpecs (qjax.optim.apply_gradients' param_specs), so it runs "
+                  "per device too.", stacklevel=3)
 
 
 def _unsupported(backend: str, what: str, reason: str):

@@ -205,12 +205,13 @@ def _load(ref, layout):
     return plgpu.load(ref, layout=layout, optimized=False)
 
 
-def _round_param(p, seed, row0):
-    """f32 (R, B) new param -> bfloat16 by stochastic rounding with bits hash_uint32(seed, row-major index) (the
-    tile's first row is row0 of the (n, B) param): `sr_params.round_param`'s bits, kernel-safe ops."""
+def _round_param(p, seed, row0, offset):
+    """f32 (R, B) new param -> bfloat16 by stochastic rounding with bits hash_uint32(seed, offset + row-major
+    index) (the tile's first row is row0 of the (n, B) param, whose first element is element `offset` of the whole
+    param): `sr_params.round_param`'s bits, kernel-safe ops."""
     n_rows, block = p.shape
     rows = plgpu.broadcasted_iota(jnp.uint32, p.shape, 0, layout=_LAYOUT) + row0
-    index = rows * jnp.uint32(block) + plgpu.broadcasted_iota(jnp.uint32, p.shape, 1, layout=_LAYOUT)
+    index = rows * jnp.uint32(block) + plgpu.broadcasted_iota(jnp.uint32, p.shape, 1, layout=_LAYOUT) + offset
     return stochastic.stochastic_codes(p, BF16, stochastic.hash_uint32(seed, index), may_be_inf=True)
 
 
@@ -219,7 +220,8 @@ def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_ref
     """One tile in GMEM, updated in place: the fused step of `fused_step_reference` on (R, B) arrays.
     m_refs, v_refs: each moment's codes (R, B) (or (R, B / 2) packed) and per-row arrays (R,) (`adam_step_kernel`).
     m_table_ref, v_table_ref: the code book formats' `codebooks.codec_table` (unused for e4m3). A bfloat16 param is
-    read as float32 and written back with stochastic rounding (seed_ref[0], the tile's first row row0)."""
+    read as float32 and written back with stochastic rounding (seed_ref: seed and element offset; the tile's first
+    row row0)."""
     m_format, v_format = formats
     m_table = functools.partial(_lookup, m_table_ref, interpret=interpret)
     v_table = functools.partial(_lookup, v_table_ref, interpret=interpret)
@@ -243,7 +245,7 @@ def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_ref
     v_old = load_state(v_refs, v_format, v_table)
     direction, m, v = numerics.adam_math(g, m_old, v_old, b1, b2, eps, bc1, bc2_sqrt)
     new_p = numerics.param_update(p, direction, step_size, weight_decay)
-    p_ref[...] = new_p if p_ref.dtype == jnp.float32 else _round_param(new_p, seed_ref[0], row0)
+    p_ref[...] = new_p if p_ref.dtype == jnp.float32 else _round_param(new_p, seed_ref[0], row0, seed_ref[1])
     store_state(m, m_refs, m_format, m_table)
     store_state(v, v_refs, v_format, v_table)
 
@@ -292,13 +294,14 @@ def _step_call(p2, g2, m_state, v_state, coef, seed, *, formats, b1, b2, eps, we
     return tuple(jax.freeze(refs[i]) for i in written)
 
 
-def adam_step_kernel(p2, g2, m_state, v_state, coef, *, formats, b1, b2, eps, weight_decay, seed=None,
+def adam_step_kernel(p2, g2, m_state, v_state, coef, *, formats, b1, b2, eps, weight_decay, seed=None, offset=0,
                      interpret=None):
     """One tensor's AdamW step on (n, B) blocks, n % ROW_MULTIPLE == 0, B in BLOCK_SIZES (module docstring).
 
     Args:
       p2, g2: float32 (n, B) param and gradient, or both bfloat16: the new param is then rounded stochastically
-        with `seed` (uint32 scalar; bits hash_uint32(seed, row-major index), as `sr_params.round_param`).
+        with `seed` (uint32 scalar; bits hash_uint32(seed, offset + row-major index), as `sr_params.round_param`;
+        offset, a uint32 scalar: the index of p2's first element in the whole param, e.g. one device's shard).
       m_state, v_state: each moment as a tuple (codes, *per-block arrays) in the formats `formats`, a pair from
         KERNEL_FORMATS: codes (n, B) float8_e4m3fn or uint8 (4-bit: (n, B / 2), packed), then the per-block (n,)
         arrays: code books absmax f32; e4m3 scale f32; e4m3_dre scale f32, expand uint8 (16 k), centre bfloat16.
@@ -313,7 +316,8 @@ def adam_step_kernel(p2, g2, m_state, v_state, coef, *, formats, b1, b2, eps, we
                          f"{p2.dtype}, g {g2.dtype}")
     if p2.dtype == jnp.bfloat16 and seed is None:
         raise ValueError("a bfloat16 param is rounded stochastically: pass seed= (a uint32 scalar)")
-    seed = jnp.zeros((1,), jnp.uint32) if seed is None else jnp.asarray(seed, jnp.uint32).reshape(1)
+    seed = jnp.stack([jnp.asarray(0 if seed is None else seed, jnp.uint32).reshape(()),
+                      jnp.asarray(offset, jnp.uint32).reshape(())])
     p2, *state = _step_call(p2, g2, tuple(m_state), tuple(v_state), coef, seed, formats=formats, b1=b1, b2=b2,
                             eps=eps, weight_decay=weight_decay, interpret=resolve_interpret(interpret))
     return p2, tuple(state[:len(m_state)]), tuple(state[len(m_state):])

@@ -15,11 +15,17 @@ Its state is one `adam.QuantizedAdamState(count, mu, nu)`: count, the steps take
 (bias correction) and the schedule's argument lr(count), as the chain's two counts did. It composes with
 `optax.chain`, clipping, schedules, `optax.MultiSteps`, sharded params and orbax like any optax transformation.
 
-It is also a `FusedTransformation`: `step(grads, state, params, key=None) -> (params, state)` applies its own
-update: per tensor `fused_adam.fused_step_reference` (the update in float32, rounded once to the param's dtype;
-bfloat16 stochastically with `key`), for float32 params and grads bit for bit `update` + `optax.apply_updates`.
-With `use_kernel=True` (e4m3, 8-bit or 4-bit states, on a single Hopper GPU) the step updates each eligible tensor's
+It is also a `FusedTransformation`: `step(grads, state, params, key=None, param_specs=None) -> (params, state)`
+applies its own update: per tensor `fused_adam.fused_step_reference` (the update in float32, rounded once to the
+param's dtype; bfloat16 stochastically with `key`), for float32 params and grads bit for bit `update` +
+`optax.apply_updates`.
+With `use_kernel=True` (e4m3, 8-bit or 4-bit states, on a Hopper GPU) the step updates each eligible tensor's
 param and moments in place in one kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param).
+On several GPUs the kernel runs per device: `step(..., param_specs=)` with the mesh set while tracing
+(`jax.set_mesh(mesh)`), each tensor whose spec splits its param's dim 0 only into whole state blocks per device
+(`fused_adam.per_device_axes`: under FSDP the embedding and the column-parallel kernels, not the row-parallel ones
+or an LM head split on the vocab) takes the kernel on its shards (`jax.shard_map`), the others the jnp step; qjax's
+train step passes the specs.
 `update` and `step` both stream (`qjax.optim.streaming`): groups of tensors in sequence, large tensors in chunks,
 so their temporaries stay about one group's. `apply_gradients(tx, ...)` runs a
 `FusedTransformation`'s step, any other transformation's update + `optax.apply_updates`. `chain_fused(*pre, tx)`
@@ -27,6 +33,9 @@ chains transformations before it (e.g. clipping) and keeps its step; wrapped in 
 it is an ordinary optax transformation (the same results through `update`, no kernel).
 """
 
+import functools
+import math
+import warnings
 from typing import Callable, NamedTuple
 
 import jax
@@ -44,8 +53,8 @@ class FusedTransformation(optax.GradientTransformation):
     """An `optax.GradientTransformation` (`init`, `update`; isinstance checks and tuple unpacking work as for any
     optax transformation) that also applies its update itself: `step(grads, state, params) -> (params, state)`, the
     result of `update` + `optax.apply_updates` (where a kernel takes a tensor, up to float32 rounding on a GPU).
-    `apply_gradients` calls it; `step(grads, state, params, key)` takes a key for bfloat16 params' stochastic
-    rounding (None: to nearest)."""
+    `apply_gradients` calls it; `step(grads, state, params, key, param_specs)` takes a key for bfloat16 params'
+    stochastic rounding (None: to nearest) and the params' PartitionSpecs on the context mesh (None: no mesh)."""
 
     step: Callable  # set in __new__: a NamedTuple subclass cannot add fields, but may add attributes
 
@@ -55,7 +64,7 @@ class FusedTransformation(optax.GradientTransformation):
         return self
 
 
-def apply_gradients(tx, grads, opt_state, params, key=None):
+def apply_gradients(tx, grads, opt_state, params, key=None, param_specs=None):
     """One optimizer step -> (new params, new opt_state): `tx.update` + `optax.apply_updates`, or with `key`
     + `apply_updates_sr` (bfloat16 params rounded stochastically).
 
@@ -69,9 +78,13 @@ def apply_gradients(tx, grads, opt_state, params, key=None):
     rounding to the neighbouring grid point now and then).
 
     key: a `jax.random.key`, fresh every step, for bfloat16 params (None: they are rounded to nearest).
+    param_specs: a `PartitionSpec` per param (a tree like params) laying them out on the mesh set while tracing
+      (`jax.set_mesh(mesh)` or `jax.sharding.use_abstract_mesh`), their gradients alike, the low-bit states' blocks
+      split along their dim 0 as the params' dim 0: the fused kernel then runs per device (module docstring).
+      Other transformations leave the layout to XLA.
     """
     if isinstance(tx, FusedTransformation):
-        return tx.step(grads, opt_state, params, key)
+        return tx.step(grads, opt_state, params, key, param_specs)
     updates, opt_state = tx.update(grads, opt_state, params)
     if key is None:
         return optax.apply_updates(params, updates), opt_state
@@ -102,9 +115,9 @@ def chain_fused(*transforms) -> FusedTransformation:
     def update_fn(updates, state, params=None):
         return run(transforms, updates, state, params)
 
-    def step_fn(grads, state, params, key=None):
+    def step_fn(grads, state, params, key=None, param_specs=None):
         grads, pre_states = run(pre, grads, state[:-1], params)
-        params, last_state = apply_gradients(last, grads, state[-1], params, key)
+        params, last_state = apply_gradients(last, grads, state[-1], params, key, param_specs)
         return params, (*pre_states, last_state)
 
     return FusedTransformation(init_fn, update_fn, step_fn)
@@ -136,8 +149,9 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
       config: the moments' formats, block size and `min_quantized_size`.
       learning_rate: a float, or an optax schedule called with the count of steps taken (0 at the first step).
       b1, b2, eps: Adam's. weight_decay: >= 0, decoupled; mask: as in `optax.adamw` (which params get decay).
-      use_kernel: `step` runs the fused kernel where `qjax.dispatch.kernel_mode()` allows it (a single Hopper GPU);
-        needs `config`'s formats in `fused_adam.KERNEL_FORMATS` and its block size in `KERNEL_BLOCK_SIZES`.
+      use_kernel: `step` runs the fused kernel where `qjax.dispatch.kernel_mode()` allows it (a Hopper GPU; per
+        device on several, given `param_specs`); needs `config`'s formats in `fused_adam.KERNEL_FORMATS` and its
+        block size in `KERNEL_BLOCK_SIZES`.
     Returns:
       A `FusedTransformation` whose state is an `adam.QuantizedAdamState`; updates have the grads' dtypes.
     """
@@ -154,11 +168,11 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     weight_decay = float(weight_decay)  # a Python float: optax skips a zero decay only then, and so does the kernel
     init_fn = adam.scale_by_quantized_adam(config, b1, b2, eps).init  # checks b1, b2, eps; count 0, zero moments
 
-    def map_tensors(tensor_step, grads, state, params, seeds=None, in_place=False, whole=None):
-        """tensor_step(g, mu, nu, p, offset, weight_decay, _Coefficients, seed) -> (x, mu, nu) for each tensor,
+    def map_tensors(tensor_step, grads, state, params, seeds=None, specs=None, in_place=False, whole=None):
+        """tensor_step(g, mu, nu, p, offset, weight_decay, _Coefficients, seed, spec) -> (x, mu, nu) per tensor,
         streamed (`streaming.run`: groups in sequence, large tensors in chunks of blocks at element `offset`)
         -> (tree of x like grads, new state). x is the new param when `in_place`, else the update; `whole(g, mu,
-        nu, p)` True keeps a tensor unchunked (the kernel's); `seeds`: one per leaf, or None."""
+        nu, p)` True keeps a tensor unchunked (the kernel's); `seeds`, `specs`: one per leaf, or None."""
         if params is None:
             raise ValueError("quantized_adamw's update needs params (weight decay): pass update(grads, state, params)")
         count = optax.safe_increment(state.count)
@@ -166,18 +180,19 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
         coefficients = _Coefficients(*adam.bias_corrections(count, b1, b2), -1 * lr)
         g_leaves, treedef = jax.tree.flatten(grads)
         seeds = [None] * len(g_leaves) if seeds is None else seeds
+        specs = [None] * len(g_leaves) if specs is None else specs
         tensors = zip(g_leaves, *(treedef.flatten_up_to(tree) for tree in (state.mu, state.nu, params)),
-                      _decays(weight_decay, mask, grads), seeds, strict=True)
-        out = streaming.run(lambda g, mu, nu, p, offset, wd, seed: tensor_step(g, mu, nu, p, offset, wd,
-                                                                               coefficients, seed),
+                      _decays(weight_decay, mask, grads), seeds, specs, strict=True)
+        out = streaming.run(lambda g, mu, nu, p, offset, wd, seed, spec: tensor_step(g, mu, nu, p, offset, wd,
+                                                                                     coefficients, seed, spec),
                             list(tensors), in_place=in_place, whole=whole)
         x, mu, nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))
         return x, adam.QuantizedAdamState(count, mu, nu)
 
-    def tensor_update(g, mu, nu, p, offset, wd, c, seed):
+    def tensor_update(g, mu, nu, p, offset, wd, c, seed, spec):
         """One tensor's update with optax's ops: Adam's direction in g's dtype, add_decayed_weights (skipped at 0),
         scale_by_learning_rate (a schedule's value cast to the update's dtype, a constant multiplied as it is)."""
-        del offset, seed
+        del offset, seed, spec
         direction, mu, nu = adam.update_reference(g, mu, nu, config, b1, b2, eps, c.bc1, c.bc2_sqrt)
         u = direction.astype(g.dtype)
         u = u + wd * p if wd else u
@@ -187,23 +202,56 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     def update_fn(grads, state, params=None):
         return map_tensors(tensor_update, grads, state, params)
 
-    def step_fn(grads, state, params, key=None):
-        run_kernel, interpret = dispatch.kernel_mode() if use_kernel else (False, False)
+    def step_fn(grads, state, params, key=None, param_specs=None):
+        mesh = _sharded_mesh(param_specs)
+        run_kernel, interpret = (dispatch.kernel_mode(per_device=mesh is not None) if use_kernel
+                                 else (False, False))
         seeds = None if key is None else sr_params.leaf_seeds(key, len(jax.tree.leaves(params)))
+        specs = None if mesh is None else jax.tree.structure(params).flatten_up_to(param_specs)
         # bfloat16 params take the kernel when a key seeds their stochastic rounding (to nearest: the jnp step)
         eligible = lambda g, mu, nu, p: run_kernel and fused_adam.kernel_eligible(p, g, mu, nu, key is not None)
+        unsplit = []  # (param shape, why not per device) of eligible tensors left to the jnp step
 
-        def tensor_step(g, mu, nu, p, offset, wd, c, seed):
+        def tensor_step(g, mu, nu, p, offset, wd, c, seed, spec):
             step_size = jnp.asarray(c.step_size, jnp.float32)
             if eligible(g, mu, nu, p):
-                return fused_adam.fused_step(p, g, mu, nu, b1, b2, eps, c.bc1, c.bc2_sqrt, step_size, wd,
-                                             seed=seed, interpret=interpret)
+                args = (b1, b2, eps, c.bc1, c.bc2_sqrt, step_size, wd)
+                if mesh is None:
+                    return fused_adam.fused_step(p, g, mu, nu, *args, seed=seed, interpret=interpret)
+                axes, reason = fused_adam.per_device_axes(p, mu, spec, mesh)
+                if reason is None:
+                    return fused_adam.fused_step_per_device(p, g, mu, nu, axes, *args, seed=seed,
+                                                            interpret=interpret)
+                unsplit.append((p.shape, reason))
             return fused_adam.fused_step_reference(p, g, mu, nu, config, b1, b2, eps, c.bc1, c.bc2_sqrt, step_size,
                                                    wd, seed, offset)
 
-        return map_tensors(tensor_step, grads, state, params, seeds, in_place=True, whole=eligible)
+        out = map_tensors(tensor_step, grads, state, params, seeds, specs, in_place=True, whole=eligible)
+        if unsplit:
+            _warn_unsplit(len(unsplit), sum(math.prod(shape) for shape, _ in unsplit), *unsplit[0])
+        return out
 
     return FusedTransformation(init_fn, update_fn, step_fn)
+
+
+def _sharded_mesh(param_specs):
+    """The context mesh when the step runs per device (`param_specs` given, a mesh of several devices set while
+    tracing, not already inside a shard_map), else None."""
+    if param_specs is None:
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        raise ValueError("param_specs lay params out on a mesh, but no mesh is set while tracing: trace the step "
+                         "inside `with jax.set_mesh(mesh):` (or jax.sharding.use_abstract_mesh), or pass "
+                         "param_specs=None")
+    return None if mesh.size == 1 or mesh.manual_axes else mesh
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_unsplit(count: int, elements: int, shape: tuple, reason: str) -> None:
+    """Says once per distinct case that some tensors' sharding kept them off the per-device kernel (slower)."""
+    warnings.warn(f"qjax: the fused AdamW step runs {count} tensor(s) ({elements} elements) through jnp instead of "
+                  f"the per-device kernel, e.g. the param of shape {shape}: {reason}", stacklevel=4)
 
 
 def adamw_8bit(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,

@@ -12,20 +12,25 @@ rounding seed: the kernel rounds the new param as `sr_params.round_param` does),
 (e4m3 `Fp8State`s, COAT's range-expanded e4m3 `Fp8ExpandedState`s, 8-bit `CodebookState`s on the signed /
 unsigned dynamic maps, or adamw_4bit's 4-bit ones) with
 blocks of 128 or 256 and a block count that is a multiple of 4. Everything else stays on the jnp path. Whether
-kernels run at all is `qjax.dispatch.kernel_mode()`: on a single Hopper GPU (with several devices the step sees global
-arrays and stays on the optax path), or as `qjax.dispatch.force` says.
+kernels run at all is `qjax.dispatch.kernel_mode()`: on a Hopper GPU, or as `qjax.dispatch.force` says. Under a mesh
+of several devices, `fused_step_per_device` runs the kernel on each device's shard inside `jax.shard_map`, for a
+tensor whose layout gives every device whole state blocks of a contiguous run of the param (`per_device_axes`).
 """
 
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
 
 from qjax import numerics
 from qjax.kernels import adam_step_mgpu
 from qjax.optim import adam, blockwise, sr_params
 
-__all__ = ["KERNEL_BLOCK_SIZES", "KERNEL_FORMATS", "fused_step", "fused_step_reference", "kernel_eligible"]
+__all__ = ["KERNEL_BLOCK_SIZES", "KERNEL_FORMATS", "fused_step", "fused_step_per_device", "fused_step_reference",
+           "kernel_eligible", "per_device_axes"]
 
 KERNEL_FORMATS = adam_step_mgpu.KERNEL_FORMATS  # (m, v format) pairs: "e4m3", "e4m3_dre" or a code book map's name
 KERNEL_BLOCK_SIZES = adam_step_mgpu.BLOCK_SIZES
@@ -83,7 +88,7 @@ def kernel_eligible(p, g, mu, nu, seeded: bool = False) -> bool:
             and (dtypes == (jnp.float32, jnp.float32) or (seeded and dtypes == (jnp.bfloat16, jnp.bfloat16))))
 
 
-def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float, *, seed=None,
+def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float, *, seed=None, offset=0,
                interpret=None):
     """One tensor's AdamW step with quantized moments in one kernel; the result of `fused_step_reference`.
 
@@ -95,7 +100,8 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
         (n,)); B = 128 or 256, n % 4 == 0.
       b1, b2, eps: Python floats. bc1, bc2_sqrt: float32 scalars 1 - b1**t and sqrt(1 - b2**t).
       step_size: float32 scalar, -learning_rate at this step. weight_decay: Python float (0: none, as optax).
-      seed: uint32 scalar, for bfloat16 p: stochastic rounding's seed (element offset 0: whole tensors only).
+      seed: uint32 scalar, for bfloat16 p: stochastic rounding's seed. offset: uint32 scalar, the index of p's first
+        element in the whole param (a device's shard: `fused_step_per_device`), as in `fused_step_reference`.
       interpret: None / False runs the compiled kernel (needs a Hopper GPU); True or a `plgpu.InterpretGPUParams`
         runs it under the Mosaic GPU interpreter (CPU).
     Returns:
@@ -114,5 +120,53 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
     p_new, m_state, v_state = adam_step_mgpu.adam_step_kernel(
         p.reshape(n_blocks, block), g.reshape(n_blocks, block), _state_arrays(mu), _state_arrays(nu), coef,
         formats=(_state_format(mu), _state_format(nu)), b1=float(b1), b2=float(b2), eps=float(eps),
-        weight_decay=float(weight_decay), seed=seed, interpret=interpret)
+        weight_decay=float(weight_decay), seed=seed, offset=offset, interpret=interpret)
     return p_new.reshape(p.shape), _with_state(mu, m_state), _with_state(nu, v_state)
+
+
+def per_device_axes(p, mu, spec: PartitionSpec | None, mesh) -> tuple[tuple[str, ...], str | None]:
+    """Whether one kernel-eligible tensor's step can run per device on the `mesh` its param is laid out on by
+    `spec`: (the mesh axes that split it, None), or ((), why not).
+
+    It can when `spec` splits the param's dim 0 only, over mesh axes whose devices each get a whole number of
+    state blocks, a multiple of `ROW_MULTIPLE`: each device then holds a contiguous run of the flattened param, and
+    the blocks of the moments' codes and scales split the same way along their dim 0 hold the same elements. A
+    param split along another dim (e.g. a row-parallel kernel's columns) holds no such run on a device.
+    """
+    dims = tuple(spec) if spec is not None else ()
+    if any(d is not None for d in dims[1:]):
+        return (), f"PartitionSpec {spec} splits a dim other than 0, so no device holds whole state blocks"
+    first = dims[0] if dims else None
+    axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+    if not axes:
+        return (), f"PartitionSpec {spec} does not split it over the mesh"
+    if any(a not in mesh.axis_names for a in axes):
+        return (), f"PartitionSpec {spec} names an axis the mesh {tuple(mesh.axis_names)} lacks"
+    devices = math.prod(mesh.shape[a] for a in axes)
+    n_blocks = mu.codes.shape[0]
+    if p.shape[0] % devices or n_blocks % (devices * adam_step_mgpu.ROW_MULTIPLE):
+        return (), (f"its {n_blocks} state blocks do not split into multiples of {adam_step_mgpu.ROW_MULTIPLE} "
+                    f"over the {devices} devices of {axes}")
+    return axes, None
+
+
+def fused_step_per_device(p, g, mu, nu, axes: tuple[str, ...], b1, b2, eps, bc1, bc2_sqrt, step_size,
+                          weight_decay: float, *, seed=None, interpret=None):
+    """`fused_step` of each device's shard, inside `jax.shard_map` over the context mesh: p and g split along dim 0
+    and the moments' codes and scales along their blocks over `axes` (`per_device_axes`), whole over the other
+    axes. Same args and result as `fused_step` (global arrays); a bfloat16 param's stochastic rounding hashes each
+    element's index in the whole param (the shard's offset added), so the result is the unsharded step's."""
+    split = PartitionSpec(axes)
+
+    def local(p, g, mu, nu, coef, seed):
+        offset = lax.axis_index(axes).astype(jnp.uint32) * jnp.uint32(p.size)  # the shard's first element
+        new_p, new_mu, new_nu = fused_step(p, g, dataclasses.replace(mu, shape=p.shape),
+                                           dataclasses.replace(nu, shape=p.shape), b1, b2, eps, *coef, weight_decay,
+                                           seed=seed, offset=offset, interpret=interpret)
+        return new_p, dataclasses.replace(new_mu, shape=mu.shape), dataclasses.replace(new_nu, shape=nu.shape)
+
+    # check_vma=False: the kernel updates its operands as mutable refs, which take no per-device (varying) type
+    # (jax 0.11); every device of the axes not in `axes` computes the same values, so out_specs hold.
+    return jax.shard_map(local, in_specs=(split, split, split, split, PartitionSpec(), PartitionSpec()),
+                         out_specs=(split, split, split), check_vma=False)(p, g, mu, nu, (bc1, bc2_sqrt, step_size),
+                                                                          seed)

@@ -110,21 +110,22 @@ class Optimizer(NamedTuple):
     def init(self, params):
         return self.tx.init(qoptim.dequantize_params(params))
 
-    def step(self, grads, opt_state, params, key=None):
+    def step(self, grads, opt_state, params, key=None, param_specs=None):
         """(grads, opt_state, params) -> (new params, new opt_state): clip, then one AdamW step.
 
         key: a `jax.random.key`, fresh every step; required when `stochastic_rounding` or params hold Int8Param
-        leaves, unused otherwise."""
+        leaves, unused otherwise. param_specs: the params' PartitionSpecs on the mesh set while tracing
+        (`qjax.optim.apply_gradients`: the fused step runs per device)."""
         int8 = qoptim.has_int8_params(params)
         if not (self.stochastic_rounding or int8):
-            return qoptim.apply_gradients(self.tx, grads, opt_state, params)
+            return qoptim.apply_gradients(self.tx, grads, opt_state, params, param_specs=param_specs)
         if key is None:
             raise ValueError("stochastic rounding of bfloat16 or int8 params needs key= (a fresh jax.random.key per "
                              "step)")
         if int8:
             updates, opt_state = self.tx.update(grads, opt_state, qoptim.dequantize_params(params))
             return qoptim.apply_updates_int8(params, updates, key), opt_state
-        return qoptim.apply_gradients(self.tx, grads, opt_state, params, key)
+        return qoptim.apply_gradients(self.tx, grads, opt_state, params, key, param_specs)
 
 
 def make_optimizer(opt, total_steps: int) -> Optimizer:

@@ -135,14 +135,16 @@ def _build_train_step(config: ml_collections.FrozenConfigDict, task: Task, mesh)
     # like its codes.
     is_int8 = lambda x: isinstance(x, qoptim.Int8Param)
     grad_shardings = jax.tree.map(lambda s: s.data if is_int8(s) else s, state_shardings.params, is_leaf=is_int8)
+    param_specs = jax.tree.map(lambda s: s.spec, state_shardings.params)
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
         with mesh_lib.tracing_on(mesh), weight_shardings(lookup):  # quantized GEMMs per device (qjax.dot_general)
             loss, aux, grads = _loss_and_grads(task, state.params, batch, step_key, accum, mesh)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)  # reduce-scattered onto the shards
-        params, opt_state = optimizer.step(grads, state.opt_state, state.params,
-                                           key=jax.random.fold_in(step_key, UPDATE_STREAM))
+        with mesh_lib.tracing_on(mesh):  # the fused AdamW step per device (qjax.optim.apply_gradients)
+            params, opt_state = optimizer.step(grads, state.opt_state, state.params, param_specs=param_specs,
+                                               key=jax.random.fold_in(step_key, UPDATE_STREAM))
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": optimizer.schedule(state.step), **aux}
         return TrainState(state.step + 1, params, opt_state, state.key), metrics
 
