@@ -16,15 +16,21 @@ probabilities, gigabytes a layer that cuDNN never keeps. So attention here is `f
 saves what cuDNN's flash attention saves (q, k, v, the output and a float32 logsumexp per query) and recomputes the
 probabilities in the backward one (batch, kv head) at a time; --attention xla keeps XLA's.
 
---residuals also prints what the loss's vjp saves (`jax._src.ad_checkpoint.saved_residuals` over the whole model,
+--memory-report DIR keeps XLA's memory-usage report of each compiled step (the largest buffers at the peak, with
+shapes; on a GPU it names what the CPU cannot show). --residuals also prints what the loss's vjp saves (`jax._src.ad_checkpoint.saved_residuals` over the whole model,
 the LM head and loss included), grouped by source and summed, at the smallest depth.
 """
 
 import argparse
 import collections
 import functools
+import glob
 import math
+import os
+import pathlib
+import shutil
 import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -120,14 +126,14 @@ def flash_attention(config, q, k, v, *, is_causal: bool):
     return out.reshape(*out.shape[:2], -1)
 
 
-def train_config(recipe: str, n_layers: int, batch: int, seq: int, optimizer: str):
-    """benchmarks/train.py's 1.1B row config at `n_layers` layers."""
+def train_config(recipe: str, n_layers: int, batch: int, seq: int, optimizer: str, attention: str = "flash"):
+    """benchmarks/train.py's 1.1B row config at `n_layers` layers ("flash": XLA attention, replaced by main)."""
     config = llama_base.get_config()
     config.model.size = "1b"
     for field, value in TINYLLAMA.items():
         setattr(config.model, field, value)
     config.model.n_layers = n_layers
-    config.model.attention = "xla"
+    config.model.attention = "xla" if attention == "flash" else attention
     config.recipe = recipe
     config.optimizer.name = optimizer
     config.seq_len, config.batch_size, config.steps = seq, batch, 1000
@@ -182,39 +188,59 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--optimizer", default="adamw", help="qjax.train.OPTIMIZERS name")
-    parser.add_argument("--attention", default="flash", choices=("flash", "xla"))
+    parser.add_argument("--attention", choices=("flash", "xla", "auto"),
+                        help="flash (default off a GPU; module docstring), xla, or auto (the model's choice: cuDNN "
+                             "on a GPU, the default there)")
     parser.add_argument("--residuals", action="store_true", help="print the saved residuals per tensor")
+    parser.add_argument("--memory-report", metavar="DIR",
+                        help="write XLA's memory-usage report of each compiled step (its largest buffers, with "
+                             "shapes) to DIR/<recipe>_<layers>.txt")
     args = parser.parse_args()
+    dump = tempfile.mkdtemp() if args.memory_report else None
+    if dump:  # read when the backend starts, below
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump} --xla_dump_hlo_as_text"
+                                   " --xla_dump_hlo_module_re=train_step")
+    args.attention = args.attention or ("auto" if jax.default_backend() == "gpu" else "flash")
     if args.attention == "flash":
         layers.attention = flash_attention  # module docstring: cuDNN's residuals on any machine
     print(f"1.1B shape, batch {args.batch} x seq {args.seq}, optimizer {args.optimizer}, attention {args.attention}, "
-          f"backend {jax.default_backend()}; GB = 1e9 bytes\n")
+          f"backend {jax.default_backend()}; GB = 1e9 bytes; residuals: what the loss's vjp saves\n")
+    config = lambda recipe, n: train_config(recipe, n, args.batch, args.seq, args.optimizer, args.attention)
     lo, hi = min(args.layers), max(args.layers)
-    header = ["| recipe | layers | argument | output | alias | temp | peak |", "|---|---:|---:|---:|---:|---:|---:|"]
-    lines, fits = list(header), {}
+    keys = ("argument", "output", "alias", "temp", "peak", "residuals")
+    lines, fits = ["| recipe | layers | " + " | ".join(keys) + " |", "|---|" + "---:|" * (len(keys) + 1)], {}
     for recipe in args.recipes:
         for n in sorted(set(args.layers)):
-            m = step_memory(train_config(recipe, n, args.batch, args.seq, args.optimizer))
+            m = step_memory(config(recipe, n))
+            m["residuals"] = sum(r[3] for r in loss_residuals(config(recipe, n)))
+            if dump:
+                out = pathlib.Path(args.memory_report)
+                out.mkdir(parents=True, exist_ok=True)
+                for report in glob.glob(f"{dump}/*memory-usage-report.txt"):
+                    shutil.move(report, out / f"{recipe}_{n}layers.txt")
             fits[recipe, n] = m
-            lines.append(f"| {recipe} | {n} | " + " | ".join(f"{m[k] / GB:.2f}" for k in
-                         ("argument", "output", "alias", "temp", "peak")) + " |")
+            lines.append(f"| {recipe} | {n} | " + " | ".join(f"{m[k] / GB:.2f}" for k in keys) + " |")
             print(lines[-1], flush=True)
-    print("\n".join(lines))
+    print("\n" + "\n".join(lines))
     if hi > lo:
         base = None
-        print(f"\n| recipe | peak per layer | temp per layer | peak at {args.extrapolate} layers | vs {args.recipes[0]} |"
-              "\n|---|---:|---:|---:|---:|")
+        n = args.extrapolate
+        print(f"\nPer layer: the slope between {lo} and {hi} layers. At {n} layers: the compiled peak extrapolated, "
+              "and state (arguments) + residuals, the live set at the start of the backward pass.\n\n"
+              f"| recipe | peak / layer | temp / layer | residuals / layer | peak at {n} | vs {args.recipes[0]} | "
+              f"state + residuals at {n} | vs {args.recipes[0]} |\n|---|---:|---:|---:|---:|---:|---:|---:|")
         for recipe in args.recipes:
             a, b = fits[recipe, lo], fits[recipe, hi]
-            slope = {k: (b[k] - a[k]) / (hi - lo) for k in ("peak", "temp")}
-            at = a["peak"] + slope["peak"] * (args.extrapolate - lo)
-            base = base or at
-            print(f"| {recipe} | {slope['peak'] / GB:.3f} | {slope['temp'] / GB:.3f} | {at / GB:.2f} | "
-                  f"{at / base:.2f}x |")
+            slope = {k: (b[k] - a[k]) / (hi - lo) for k in keys}
+            at = {k: a[k] + slope[k] * (n - lo) for k in keys}
+            live = at["argument"] + at["residuals"]
+            base = base or (at["peak"], live)
+            print(f"| {recipe} | {slope['peak'] / GB:.3f} | {slope['temp'] / GB:.3f} | {slope['residuals'] / GB:.3f} | "
+                  f"{at['peak'] / GB:.2f} | {at['peak'] / base[0]:.2f}x | {live / GB:.2f} | {live / base[1]:.2f}x |")
     if args.residuals:
         for recipe in args.recipes:
             print(f"\n### {recipe}: saved residuals of the loss, {lo} layers\n")
-            print(residual_table(loss_residuals(train_config(recipe, lo, args.batch, args.seq, args.optimizer))))
+            print(residual_table(loss_residuals(config(recipe, lo))))
 
 
 if __name__ == "__main__":
