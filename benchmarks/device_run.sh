@@ -39,7 +39,7 @@
 # before/after A/B in one call. On a machine with several GPUs, "A B -- C D" runs the lanes A B and C D at the same
 # time, one GPU each. Steps: profile-int8-dataflow (benchmarks/profile_train.py of the 1.1B int8_dataflow row),
 # dataflow-mem (bf16 and the 1.1B data-flow rows, int8_dataflow also with adamw_fp8 states: speed
-# and peak memory against bf16), peak-memory (benchmarks/peak_memory.py: the 1.1B step of bf16, int8_rowwise and
+# and peak memory against bf16), peak-memory (benchmarks/peak_memory.py: the 1.1B step of bf16 and
 # the data-flow recipes compiled, not run: XLA's planned peak, and its memory-usage reports in $OUT/peak-memory),
 # hlo-int8-rowwise / hlo-int8-dataflow (the profile's 150 largest ops and the
 # step's optimized HLO in $OUT, gzipped: which fusions the data-flow recipe adds), hf-vit (the Hugging Face ViT tests:
@@ -110,7 +110,8 @@ step_command() {
                        "--warmup 2 --no-peer" ;;
         dataflow-mem) echo "python3 benchmarks/train.py --rows bf16 int8_dataflow int8_dataflow+adamw_fp8" \
                            "fp8_dataflow --steps 5 --warmup 2 --no-peer" ;;
-        peak-memory) echo "python3 benchmarks/peak_memory.py --layers 22 --memory-report $OUT/peak-memory" ;;
+        peak-memory) echo "python3 benchmarks/peak_memory.py --layers 22 --recipes bf16 int8_dataflow fp8_dataflow" \
+                          "--memory-report $OUT/peak-memory" ;;
         profile-int8-dataflow) echo "python3 benchmarks/profile_train.py --row int8_dataflow --top 40" ;;
         hlo-int8-rowwise|hlo-int8-dataflow)
             echo "python3 benchmarks/profile_train.py --row $(echo ${1#hlo-} | tr - _) --top 150 --dump-hlo $OUT/${1#hlo-}.hlo" ;;

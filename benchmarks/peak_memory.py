@@ -16,9 +16,12 @@ probabilities, gigabytes a layer that cuDNN never keeps. So attention here is `f
 saves what cuDNN's flash attention saves (q, k, v, the output and a float32 logsumexp per query) and recomputes the
 probabilities in the backward one (batch, kv head) at a time; --attention xla keeps XLA's.
 
---memory-report DIR keeps XLA's memory-usage report of each compiled step (the largest buffers at the peak, with
-shapes; on a GPU it names what the CPU cannot show). --residuals also prints what the loss's vjp saves (`jax._src.ad_checkpoint.saved_residuals` over the whole model,
-the LM head and loss included), grouped by source and summed, at the smallest depth.
+--memory-report DIR keeps XLA's memory-usage report of each compiled step (its largest buffers, with shapes; on a
+GPU it names what the CPU cannot show). --residuals prints what the loss's vjp saves
+(`jax._src.ad_checkpoint.saved_residuals` over the whole model, LM head and loss included), grouped by source, at the
+smallest depth. The residuals column sums them at every depth: unlike the compiled peak, they are the same on every
+backend (benchmarks/NOTES.md, "Data flow, where the peak memory goes"). A memory-usage report on the GPU:
+  python benchmarks/peak_memory.py --layers 22 --memory-report /tmp/reports   # attention: cuDNN's (auto)
 """
 
 import argparse
