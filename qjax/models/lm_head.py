@@ -4,9 +4,9 @@
   loss = lm_head_loss(config, params, hidden, targets, mask, key)     # float32 (), the mean over (masked) tokens
 
 Autodiff of `logits = head(hidden); softmax_cross_entropy(logits.astype(float32), targets)` keeps, at the start of
-the backward pass, the logits in the compute dtype, their float32 copy, the float32 softmax (the residual of the
-cross-entropy) and the float32 and compute-dtype gradient of the logits: 16 bytes per token and vocabulary entry
-(1.1B Llama at batch 8 x 2048: 16384 x 32000 x 16 B = 8.4 GB; benchmarks/NOTES.md). Here one custom VJP runs the
+the backward pass, the float32 softmax (the cross-entropy's residual) beside the logits' gradient in float32 and the
+compute dtype (1.1B Llama at batch 8 x 2048: the softmax alone is 16384 x 32000 x 4 B = 2.1 GB; the compiled step
+held 3.1-3.5 GB more than with this module, benchmarks/NOTES.md). Here one custom VJP runs the
 head GEMM and the cross-entropy one chunk of positions at a time (chunks along the sequence, each spanning the whole
 batch, so a data-parallel batch stays split): the forward keeps only the loss; the backward recomputes each chunk's
 logits and pulls the gradient back through them (`jax.vjp` of the same chunk function), summing the head weight's
@@ -55,7 +55,8 @@ def lm_head_loss(config, params, hidden: jax.Array, targets: jax.Array, mask: ja
       hidden: (B, T, dim), the final norm's output (`model.apply(..., return_hidden=True)`).
       targets: (B, T) int token ids; mask: (B, T) 0/1 weights of the tokens, or None.
       key: `jax.random.key` for a head whose recipe rounds stochastically (else unused).
-      chunk_elements: logits computed at a time (tokens x vocab); the chunk count divides the sequence.
+      chunk_elements: logits computed at a time (tokens x vocab), at least one position's; the chunks tile the
+        sequence, padded with positions of weight 0.
 
     Returns:
       float32 (): sum(mask * CE) / max(sum(mask), 1); the plain mean without a mask.
@@ -85,7 +86,7 @@ def chunked_cross_entropy(hidden, kernel, targets, weights, *, recipe, key=None,
     recipe = qjax.recipe(recipe)
     if recipe.needs_key and key is None:
         raise ValueError(f"the LM head's recipe {recipe.name!r} rounds stochastically: pass lm_head_loss a key")
-    b, t, dim = hidden.shape
+    b, t = hidden.shape[:2]
     chunks = min(t, max(1, -(-b * t * kernel.shape[1] // chunk_elements)))
     size = -(-t // chunks)
     pad = chunks * size - t  # positions of zero weight, so that the chunks tile the sequence
