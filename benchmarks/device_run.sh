@@ -43,7 +43,9 @@
 # time, one GPU each. Steps: profile-int8-dataflow (benchmarks/profile_train.py of the 1.1B int8_dataflow row),
 # dataflow-mem (bf16 and the 1.1B data-flow rows, int8_dataflow also with adamw_fp8 states: speed
 # and peak memory against bf16), dataflow-b16 (batch 16 x 2048: bf16 against int8_dataflow with adamw_fp8 states),
-# dataflow-peer (bf16, int8_rowwise, int8_dataflow and the torch peer in one run), hlo-int8-rowwise / hlo-int8-dataflow (the profile's 150 largest ops and the
+# dataflow-peer (bf16, int8_rowwise, int8_dataflow and the torch peer in one run), peak-memory
+# (benchmarks/peak_memory.py: the 1.1B step of bf16 and the data-flow recipes compiled, not run: XLA's planned peak,
+# and its memory-usage reports in $OUT/peak-memory), hlo-int8-rowwise / hlo-int8-dataflow (the profile's 150 largest ops and the
 # step's optimized HLO in $OUT, gzipped: which fusions the data-flow recipe adds), hf-vit (the Hugging Face ViT tests:
 # load_hf_vit / save_hf_vit, transformers parity included).
 # adam-sr-diag: bf16 params + SR in the fused AdamW kernel vs its reference, both sides' float32 intermediates
@@ -124,6 +126,8 @@ step_command() {
         dataflow-b16) echo "python3 benchmarks/train.py --rows bf16 int8_dataflow+adamw_fp8 --batch 16 --steps 5" \
                            "--warmup 2 --no-peer" ;;
         dataflow-peer) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_dataflow --steps 5 --warmup 2" ;;
+        peak-memory) echo "python3 benchmarks/peak_memory.py --layers 22 --recipes bf16 int8_dataflow fp8_dataflow" \
+                          "--memory-report $OUT/peak-memory" ;;
         profile-int8-dataflow) echo "python3 benchmarks/profile_train.py --row int8_dataflow --top 40" ;;
         hlo-int8-rowwise|hlo-int8-dataflow)
             echo "python3 benchmarks/profile_train.py --row $(echo ${1#hlo-} | tr - _) --top 150 --dump-hlo $OUT/${1#hlo-}.hlo" ;;

@@ -34,6 +34,7 @@ from qjax.models.gpt2 import GPT2, GPT2_SIZES, GPT2Config, gpt2_config
 from qjax.models.hf_llama import load_hf_config, load_hf_llama, save_hf_llama
 from qjax.models.hf_vit import load_hf_vit, save_hf_vit
 from qjax.models.layers import layer_recipes
+from qjax.models.lm_head import lm_head_loss
 from qjax.models.llama import LLAMA_SIZES, Llama, LlamaConfig, flops_per_token, llama_config, lm_loss, num_params
 from qjax.models.moe import MoEConfig
 from qjax.models.vit import VIT_SIZES, ViT, ViTConfig, classification_loss, flops_per_example, vit_config
@@ -51,6 +52,6 @@ LM_ARCHS = {"llama": LMArch(LLAMA_SIZES, llama_config, Llama), "gpt2": LMArch(GP
 __all__ = [
     "GPT2", "GPT2Config", "GPT2_SIZES", "LLAMA_SIZES", "LMArch", "LM_ARCHS", "Llama", "LlamaConfig", "MoEConfig",
     "VIT_SIZES", "ViT", "ViTConfig", "classification_loss", "dequantize_weights", "flops_per_example",
-    "flops_per_token", "generate", "gpt2_config", "int8_weights", "layer_recipes", "llama_config", "lm_loss",
-    "load_hf_config", "load_hf_llama", "load_hf_vit", "num_params", "save_hf_llama", "save_hf_vit", "vit_config",
+    "flops_per_token", "generate", "gpt2_config", "int8_weights", "layer_recipes", "llama_config", "lm_head_loss",
+    "lm_loss", "load_hf_config", "load_hf_llama", "load_hf_vit", "num_params", "save_hf_llama", "save_hf_vit", "vit_config",
 ]

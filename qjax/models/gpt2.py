@@ -127,7 +127,9 @@ class GPT2(nn.Module):
     config: GPT2Config
 
     @nn.compact
-    def __call__(self, tokens):
+    def __call__(self, tokens, return_hidden: bool = False):
+        """return_hidden: return the final norm's output (B, T, dim) in the compute dtype instead of the logits,
+        for a loss that runs the LM head itself (`qjax.models.lm_head`)."""
         c = self.config
         tokens = layers.check_tokens(tokens, c.max_seq_len, "GPT2")
         compute, param_dtype = jnp.dtype(c.compute_dtype), jnp.dtype(c.param_dtype)
@@ -141,6 +143,8 @@ class GPT2(nn.Module):
         for i in range(c.n_layers):
             x = block(c, causal=True, inits=inits, name=f"layers_{i}")(x)
         x = vit.LayerNorm(c.norm_eps, compute, param_dtype, name="norm")(x)
+        if return_hidden:
+            return x
         # x (B, T, dim) . embedding (vocab, dim) contracted on dim: the embedding is already the (N, K) weight.
         recipe = layers.recipe_for(c, layers.layer_name(self, "lm_head"), c.dim, c.vocab_size)
         logits = qjax.DotGeneral(recipe=recipe, name="lm_head")(x, embed.embedding.astype(compute),

@@ -248,7 +248,9 @@ class Llama(nn.Module):
     config: LlamaConfig
 
     @nn.compact
-    def __call__(self, tokens):
+    def __call__(self, tokens, return_hidden: bool = False):
+        """return_hidden: return the final norm's output (B, T, dim) in the compute dtype instead of the logits,
+        for a loss that runs the LM head itself (`qjax.models.lm_head`)."""
         c = self.config
         tokens = layers.check_tokens(tokens, c.max_seq_len, "Llama")
         compute = jnp.dtype(c.compute_dtype)
@@ -262,6 +264,8 @@ class Llama(nn.Module):
         for i in range(c.n_layers):
             x = block(c, name=f"layers_{i}")(x, positions)
         x = RMSNorm(c.norm_eps, compute, jnp.dtype(c.param_dtype), name="norm")(x)
+        if return_hidden:
+            return x
         if c.tie_embeddings:
             # The head GEMM is x (B, T, dim) . embedding (vocab, dim) contracted on dim: already the (N, K) weight
             # layout. Named "lm_head" so the filter treats it like the untied head.

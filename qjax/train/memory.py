@@ -20,7 +20,9 @@ Per device, in bytes (P params; c = bytes of the compute dtype, 2 for bfloat16):
                  + 8 x n_heads x seq_len              float32 attention scores and probabilities, where attention
                                                       is materialised (XLA; cuDNN flash attention keeps none)
                times L (with model.remat: c x dim x L, the block inputs, plus one block's worth), plus the output
-               layer: T x vocab_size x 10 (the logits in c, float32 logits and their gradient).
+               layer: T x vocab_size x 10 (the logits in c, float32 logits and their gradient); a language
+               model's LM head runs over chunks of positions (`qjax.models.lm_head`), so at most one chunk's
+               logits, `lm_head.CHUNK_ELEMENTS` of them, count.
 
 XLA's temporaries, fusion choices and fragmentation are left out (benchmarks/NOTES.md compares estimates with
 measured peaks). It is used only to reject runs whose estimate exceeds the device's memory; a run close to the limit
@@ -36,6 +38,7 @@ import numpy as np
 
 from qjax import optim as qoptim
 from qjax.models.layers import attention_implementation
+from qjax.models.lm_head import CHUNK_ELEMENTS
 from qjax.train.config import ConfigError
 
 GiB = 2**30
@@ -98,7 +101,8 @@ def activation_bytes(task, examples: int) -> int:
         blocks = tokens * (c.n_layers * elt * c.dim + per_layer)
     else:
         blocks = tokens * c.n_layers * per_layer
-    return blocks + output_rows * outputs * 10
+    logits = min(output_rows * outputs, CHUNK_ELEMENTS) if task.kind == "lm" else output_rows * outputs
+    return blocks + logits * 10
 
 
 def device_memory_bytes(device, devices_sharing: int = 1) -> int | None:

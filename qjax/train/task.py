@@ -29,7 +29,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 from qjax import dispatch, models
 from qjax.models import hf_checkpoint, hf_vit
@@ -112,21 +111,21 @@ class Task:
         """(mean loss float32 (), aux dict of float32 () metrics) of `params` on one batch; `key` feeds "quant".
         A mixture-of-experts Llama's loss includes its layers' load-balancing losses, also reported as the metric
         "moe_aux_loss"."""
-        logits, state = self.model.apply({"params": params}, batch[self.input_key()], rngs={"quant": key},
-                                         mutable=["losses"])
-        if self.kind == "lm":
-            if "loss_mask" in batch:  # instruction data: the answer tokens only
-                losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-                mask = batch["loss_mask"].astype(jnp.float32)
-                loss = jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-            else:
-                loss = models.lm_loss(logits, batch["targets"]).astype(jnp.float32)
+        lm = self.kind == "lm"
+        # A language model's head runs inside the loss, over chunks of positions (`models.lm_head_loss`): the full
+        # float32 logits and their gradient never exist.
+        out, state = self.model.apply({"params": params}, batch[self.input_key()], rngs={"quant": key},
+                                      mutable=["losses"], **({"return_hidden": True} if lm else {}))
+        if lm:
+            # instruction data ("loss_mask"): the answer tokens only
+            loss = models.lm_head_loss(self.model_config, params, out, batch["targets"], batch.get("loss_mask"),
+                                       jax.random.fold_in(key, 1))  # a stochastic head's own stream
             aux_losses = jax.tree.leaves(state.get("losses", {}))  # MoE layers' load-balancing losses, if any
             if not aux_losses:
                 return loss, {}
             aux_loss = sum(aux_losses).astype(jnp.float32)
             return loss + aux_loss, {"moe_aux_loss": aux_loss}
-        loss, accuracy = models.classification_loss(logits, batch["labels"])
+        loss, accuracy = models.classification_loss(out, batch["labels"])
         return loss.astype(jnp.float32), {"accuracy": accuracy.astype(jnp.float32)}
 
 
