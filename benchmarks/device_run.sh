@@ -45,7 +45,8 @@
 # and peak memory against bf16), dataflow-b16 (batch 16 x 2048: bf16 against int8_dataflow with adamw_fp8 states),
 # dataflow-peer (bf16, int8_rowwise, int8_dataflow and the torch peer in one run), peak-memory
 # (benchmarks/peak_memory.py: the 1.1B step of bf16 and the data-flow recipes compiled, not run: XLA's planned peak,
-# and its memory-usage reports in $OUT/peak-memory), hlo-int8-rowwise / hlo-int8-dataflow (the profile's 150 largest ops and the
+# and its memory-usage reports in $OUT/peak-memory), hlo-int8-rowwise / hlo-int8-dataflow (the profile's 150
+# largest ops and the
 # step's optimized HLO in $OUT, gzipped: which fusions the data-flow recipe adds), hf-vit (the Hugging Face ViT tests:
 # load_hf_vit / save_hf_vit, transformers parity included).
 # adam-sr-diag: bf16 params + SR in the fused AdamW kernel vs its reference, both sides' float32 intermediates
@@ -130,7 +131,8 @@ step_command() {
                           "--memory-report $OUT/peak-memory" ;;
         profile-int8-dataflow) echo "python3 benchmarks/profile_train.py --row int8_dataflow --top 40" ;;
         hlo-int8-rowwise|hlo-int8-dataflow)
-            echo "python3 benchmarks/profile_train.py --row $(echo ${1#hlo-} | tr - _) --top 150 --dump-hlo $OUT/${1#hlo-}.hlo" ;;
+            echo "python3 benchmarks/profile_train.py --row $(echo ${1#hlo-} | tr - _) --top 150" \
+                 "--dump-hlo $OUT/${1#hlo-}.hlo" ;;
         dataflow-conv) echo "python3 benchmarks/convergence.py --recipes bf16 fp8_dataflow int8_dataflow" \
                             "bitnet_b158 --size 125m" \
                             "--seq-len 1024 --batch-size 32 --steps 750 --lr 6e-4 --workdir /tmp/convergence" ;;

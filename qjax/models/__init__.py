@@ -53,5 +53,6 @@ __all__ = [
     "GPT2", "GPT2Config", "GPT2_SIZES", "LLAMA_SIZES", "LMArch", "LM_ARCHS", "Llama", "LlamaConfig", "MoEConfig",
     "VIT_SIZES", "ViT", "ViTConfig", "classification_loss", "dequantize_weights", "flops_per_example",
     "flops_per_token", "generate", "gpt2_config", "int8_weights", "layer_recipes", "llama_config", "lm_head_loss",
-    "lm_loss", "load_hf_config", "load_hf_llama", "load_hf_vit", "num_params", "save_hf_llama", "save_hf_vit", "vit_config",
+    "lm_loss", "load_hf_config", "load_hf_llama", "load_hf_vit", "num_params", "save_hf_llama", "save_hf_vit",
+    "vit_config",
 ]

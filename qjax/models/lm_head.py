@@ -89,6 +89,7 @@ def chunked_cross_entropy(hidden, kernel, targets, weights, *, recipe, key=None,
     b, t = hidden.shape[:2]
     chunks = min(t, max(1, -(-b * t * kernel.shape[1] // chunk_elements)))
     size = -(-t // chunks)
+    chunks = -(-t // size)  # no chunk of padding alone (e.g. t 10 over 7 chunks: size 2, so 5 chunks)
     pad = chunks * size - t  # positions of zero weight, so that the chunks tile the sequence
 
     def split(x):  # (B, T, ...) -> (chunks, B, size, ...)

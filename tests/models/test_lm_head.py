@@ -44,7 +44,7 @@ def _rel(a, b):
 
 
 # 2 x 12 positions, vocab 256. chunk_elements 97: every position its own chunk; 1400: 4 chunks of 3 positions;
-# 700: 8 chunks of 2 positions, 4 of them padding.
+# 700: 6 chunks of 2 positions (9 asked for; chunks of padding alone are dropped).
 @pytest.mark.parametrize("arch,recipe,chunk_elements", [("llama", "bf16", 97), ("llama", "int8_dataflow", 700),
                                                         ("gpt2", "fp8_dataflow", 1400)])
 def test_equals_full_logits_float32(arch, recipe, chunk_elements):
@@ -80,6 +80,24 @@ def test_nan_stays_visible():
     (loss, grads), _ = _losses(config, model, params, inputs, targets, chunk_elements=700)
     assert np.isnan(loss)
     assert np.isnan(np.asarray(grads["lm_head"]["kernel"])).any()
+
+
+def test_padded_last_chunk():
+    """10 positions in chunks of 4 (the last holds 2 positions of zero-weight padding): loss and gradients equal
+    one chunk's, to float32 rounding."""
+    b, t, dim, vocab = 2, 10, 16, 32
+    keys = jax.random.split(jax.random.key(3), 3)
+    hidden = jax.random.normal(keys[0], (b, t, dim))
+    kernel = jax.random.normal(keys[1], (dim, vocab)) * 0.3
+    targets = jax.random.randint(keys[2], (b, t), 0, vocab)
+    weights = jnp.full((b, t), 1.0 / (b * t), jnp.float32)
+    loss = lambda h, k, chunk_elements: lhl.chunked_cross_entropy(h, k, targets, weights, recipe="bf16",
+                                                                   chunk_elements=chunk_elements)
+    got = jax.value_and_grad(loss, argnums=(0, 1))(hidden, kernel, 256)  # 3 chunks asked: 4 positions each
+    want = jax.value_and_grad(loss, argnums=(0, 1))(hidden, kernel, 10**9)
+    np.testing.assert_allclose(got[0], want[0], rtol=2e-6)
+    for g, w in zip(got[1], want[1]):
+        assert _rel(g, w) < 1e-5
 
 
 def test_peak_memory_below_full_logits():
