@@ -41,12 +41,21 @@ class Prologue:
     apply(x, *params) -> y: the op alone, differentiable (where no linear layer is fused after it).
     forward(x, *params) -> (y, residuals): y (..., K) in the compute dtype, residuals what backward reads.
     backward(residuals, dy) -> (dx, *dparams), in the dtypes of x and params.
+
+    Fused producers (optional; a data-flow recipe's `prologue_dot` uses them where set, else it composes the above
+    with `save` / `restore`, which they must equal):
+    forward_saving(x, *params, spec, group) -> (y, saved): y = forward(x, *params)[0] and saved = save(x, spec,
+      group), from one read of x.
+    backward_saved(saved, x_like, params, dy) -> (dx, *dparams): backward(forward(restore(saved, x_like.shape,
+      x_like.dtype), *params)[1], dy), from one read of the saved codes and dy (x_like: x's ShapeDtypeStruct).
     """
 
     name: str
     apply: Callable
     forward: Callable
     backward: Callable
+    forward_saving: Callable | None = None
+    backward_saved: Callable | None = None
 
 
 def check_saved_group(recipe: recipes_lib.Recipe, features: int, layer: str) -> None:
@@ -57,7 +66,7 @@ def check_saved_group(recipe: recipes_lib.Recipe, features: int, layer: str) -> 
                          f"{recipe.saved_group} or keep it in high precision (keep_high_precision)")
 
 
-def _save(x: jax.Array, spec: QuantSpec | None, group: int):
+def save(x: jax.Array, spec: QuantSpec | None, group: int):
     """x (..., F) -> the QTensor of its (..., F / group, group) view, one scale per group (per row if group 0);
     x itself where spec is None."""
     if spec is None:
@@ -66,8 +75,8 @@ def _save(x: jax.Array, spec: QuantSpec | None, group: int):
     return quantize_with_seed(view, spec, None, operand="saved activation")
 
 
-def _restore(saved, shape: tuple[int, ...], dtype) -> jax.Array:
-    """The inverse of `_save`: x (shape, dtype) from its saved form."""
+def restore(saved, shape: tuple[int, ...], dtype) -> jax.Array:
+    """The inverse of `save`: x (shape, dtype) from its saved form."""
     if not isinstance(saved, QTensor):
         return saved
     return saved.dequantize(jnp.float32).reshape(shape).astype(dtype)
@@ -106,14 +115,21 @@ def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *
 
     def fwd(x, *rest):
         *params, kernel, seeds = rest
-        out, gemm_residuals = gemm_forward(op.forward(x, *params)[0], kernel, seeds, None, with_residuals=True)
-        return out, (_save(x, recipe.saved, recipe.saved_group), tuple(params), gemm_residuals, seeds)
+        if op.forward_saving is not None and recipe.saved is not None:
+            y, x_saved = op.forward_saving(x, *params, spec=recipe.saved, group=recipe.saved_group)
+        else:
+            y, x_saved = op.forward(x, *params)[0], save(x, recipe.saved, recipe.saved_group)
+        out, gemm_residuals = gemm_forward(y, kernel, seeds, None, with_residuals=True)
+        return out, (x_saved, tuple(params), gemm_residuals, seeds)
 
     def bwd(residuals, g):
         x_saved, params, (w_res, y_res), seeds = residuals
-        x_restored = _restore(x_saved, g.shape[:-1] + (x.shape[-1],), x.dtype)  # x's local (per-device) shape
-        _, op_residuals = op.forward(x_restored, *params)  # y itself is not needed: wgrad reads its saved codes
         dy, dkernel = gemm_backward((w_res, y_res, seeds), g)
+        x_like = jax.ShapeDtypeStruct(g.shape[:-1] + (x.shape[-1],), x.dtype)  # x's local (per-device) shape
+        if op.backward_saved is not None and isinstance(x_saved, QTensor):
+            return (*op.backward_saved(x_saved, x_like, params, dy), dkernel, None)
+        x_restored = restore(x_saved, x_like.shape, x_like.dtype)
+        _, op_residuals = op.forward(x_restored, *params)  # y itself is not needed: wgrad reads its saved codes
         return (*op.backward(op_residuals, dy), dkernel, None)
 
     @jax.custom_vjp
