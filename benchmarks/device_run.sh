@@ -12,8 +12,9 @@
 # `patch -p0 benchmarks/RESULTS.md < results.diff`). QJAX_COMMIT names the code in those RESULTS headings: the
 # device copy's .git can be stale (benchmarks/NOTES.md, device-time lessons).
 #
-# Steps: tests-kernels (the GPU-relevant kernel tests, compiled), tests-optim (fused AdamW GPU tests), quantize
-# (kernels.py quantize), gemm (kernels.py gemm), matmul (A.B^T at 8192), linear (with the torch peer), train (the
+# Steps: tests-kernels (the GPU-relevant kernel tests, compiled), tests-optim (fused AdamW GPU tests, all run: no
+# -x), sr-cost (benchmarks/sr_cost.py: what stochastic rounding costs the quantize kernel), quantize (kernels.py
+# quantize), gemm (kernels.py gemm), matmul (A.B^T at 8192), linear (with the torch peer), train (the
 # 1.1B table with the torch peer), train-qjax (the 1.1B table without the peer), train-sr (bf16, int8_rowwise and
 # int8_rowwise with stochastic rounding of the gradients), hf (the Hugging Face Llama and generate tests, the
 # transformers parity among them), hf-generate (benchmarks/generate.py: prefill and decode of the 1b preset, bf16 /
@@ -84,7 +85,8 @@ step_command() {
     local kernel_rows="int8_row_kernel fp8_row_kernel int8_block_kernel fp8_block_kernel"
     case "$1" in
         tests-kernels) echo "python3 -m pytest -x -q -p no:cacheprovider tests/kernels" ;;
-        tests-optim) echo "python3 -m pytest -x -q -p no:cacheprovider -m gpu tests/optim/test_fused_kernel.py" ;;
+        tests-optim) echo "python3 -m pytest -q -p no:cacheprovider -m gpu tests/optim/test_fused_kernel.py" ;;
+        sr-cost) echo "python3 benchmarks/sr_cost.py" ;;
         adam-sr-diag) echo "env MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp XLA_FLAGS=--xla_dump_to=/tmp/adam_xla" \
                           "python3 -m pytest -q -s -p no:cacheprovider -m gpu -k diagnosis" \
                           "tests/optim/test_fused_kernel.py" ;;
