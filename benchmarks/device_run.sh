@@ -32,7 +32,8 @@
 # kernels compiled), bitnet (linear int8_rowwise vs bitnet_b158, no peer), bitnet-train (the 1.1B bf16 /
 # int8_rowwise / bitnet_b158 rows), int8-params (the 1.1B int8_rowwise rows with int8 weight-only and with bf16 + SR
 # params: run it after bitnet-train, whose int8_rowwise row has float32 params), bitnet-conv (125M convergence, bf16
-# vs bitnet_b158: carry "data"; bitnet-conv-lr after it adds bitnet_b158 at 2x bf16's LR, reusing its runs),
+# vs bitnet_b158: carry "data"; bitnet-conv-lr after it adds bitnet_b158 at 2x bf16's LR, reusing its runs;
+# bitnet-conv-2x: bf16 and bitnet_b158 at 2x bf16's LR alone),
 # gpt2-conv (GPT-2 small, 600 steps of 32 x 1024 bytes, bf16 vs the data-flow recipes, Jetfire's setting: carry
 # "data"; convergence_gpt2.png comes back in $OUT), fsdp1 (the 1.1B bf16 and int8_rowwise rows with the default mesh,
 # fsdp=1 on one GPU: "fsdp1 fsdp1@base" is the before/after of the mesh code on one GPU), bitnet-fsdp (several
@@ -150,6 +151,9 @@ step_command() {
                           "--png benchmarks/convergence_bitnet.png" ;;
         bitnet-conv-lr) echo "python3 benchmarks/convergence.py --size 125m --seq-len 1024 --batch-size 32" \
                              "--steps 750 --lr 6e-4 --recipes bf16 bitnet_b158 bitnet_b158@1.2e-3" \
+                             "--workdir /tmp/convergence --png benchmarks/convergence_bitnet.png" ;;
+        bitnet-conv-2x) echo "python3 benchmarks/convergence.py --size 125m --seq-len 1024 --batch-size 32" \
+                             "--steps 750 --lr 6e-4 --recipes bf16 bitnet_b158@1.2e-3" \
                              "--workdir /tmp/convergence --png benchmarks/convergence_bitnet.png" ;;
         hf) echo "python3 -m pytest -x -q -p no:cacheprovider tests/models/test_hf_llama.py" \
                  "tests/models/test_generate.py" ;;
