@@ -273,3 +273,14 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="max_seq_len 128"):
         jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 129), jnp.int32))
     assert models.llama_config("tiny", keep_high_precision=["lm_head"]).keep_high_precision == ("lm_head",)
+
+
+def test_attention_auto_picks_cudnn_only_where_it_takes_the_case(monkeypatch):
+    """On a GPU, "auto" attention is cuDNN's for even sequences and XLA's for odd ones (cuDNN rejects those in
+    training under a causal mask), and for head dims it cannot take."""
+    from qjax.models import layers
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    config = models.llama_config("tiny")
+    assert layers.attention_implementation(config, 16, 64) == "cudnn"
+    assert layers.attention_implementation(config, 16, 63) == "xla"
+    assert layers.attention_implementation(config, 12, 64) == "xla"
