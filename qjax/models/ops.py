@@ -22,6 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from qjax import numerics
 from qjax.prologue import Prologue
 
 
@@ -100,8 +101,9 @@ layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 @jax.custom_vjp
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """silu(gate) * up, in the inputs' dtype (both (..., ffn_dim), the same float dtype)."""
-    return jax.nn.silu(gate) * up
+    """silu(gate) * up, in the inputs' dtype (both (..., ffn_dim), the same float dtype): `numerics.swiglu`, the
+    formula the fused SwiGLU kernels share (`jax.nn.silu(gate) * up` as XLA evaluates it)."""
+    return numerics.swiglu(gate, up)
 
 
 def _swiglu_fwd(gate, up):
@@ -110,11 +112,7 @@ def _swiglu_fwd(gate, up):
 
 def _swiglu_bwd(residuals, dh):
     gate, up = residuals
-    g, u, dh = gate.astype(jnp.float32), up.astype(jnp.float32), dh.astype(jnp.float32)
-    sig = jax.nn.sigmoid(g)
-    # silu'(g) = sig + g * sig * (1 - sig)
-    dgate = dh * u * sig * (1 + g * (1 - sig))
-    dup = dh * g * sig
+    dgate, dup = numerics.swiglu_backward(gate.astype(jnp.float32), up.astype(jnp.float32), dh.astype(jnp.float32))
     return dgate.astype(gate.dtype), dup.astype(up.dtype)
 
 
