@@ -186,8 +186,10 @@ def supports_backward(saved, dh, x_like) -> str | None:
     group = saved.data.shape[-1]
     if jnp.dtype(dh.dtype) != jnp.dtype(x_like.dtype):
         return f"dh ({dh.dtype}) and gate_up ({x_like.dtype}) must share a dtype"
-    if tuple(saved.data.shape[:-2]) + (saved.data.shape[-2] * group,) != tuple(x_like.shape):
-        return f"saved codes {saved.data.shape} are not the grouped view of gate_up {x_like.shape}"
+    if (tuple(saved.data.shape[:-2]) + (saved.data.shape[-2] * group,) != tuple(x_like.shape)
+            or tuple(saved.scale.shape) != tuple(saved.data.shape[:-1]) + (1,)):
+        return (f"saved codes {saved.data.shape} and scales {saved.scale.shape} are not the grouped view of gate_up "
+                f"{x_like.shape} (codes (..., 2F / g, g), scales (..., 2F / g, 1))")
     return _shape_reason(x_like.shape, x_like.dtype, group, "gate_up")
 
 

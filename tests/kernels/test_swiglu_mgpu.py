@@ -150,6 +150,11 @@ def test_supports_and_fallbacks():
     assert "groups of" in swiglu_mgpu.supports_forward(ok, spec, 12)
     assert "nearest rounding" in swiglu_mgpu.supports_forward(ok, QuantSpec("int8", "row", stochastic=True), 32)
     assert "nearest rounding" in swiglu_mgpu.supports_forward(ok, QuantSpec("int8", "1x128"), 32)
+    saved = prologue.save(_input((8, 512), "int8", 32), spec, 32)
+    dh, x_like = jnp.zeros((8, 256), jnp.bfloat16), jax.ShapeDtypeStruct((8, 512), jnp.bfloat16)
+    assert swiglu_mgpu.supports_backward(saved, dh, x_like) is None
+    assert "grouped view" in swiglu_mgpu.supports_backward(prologue.save(ok, spec, 0), dh, x_like)  # per-row scales
+    assert "share a dtype" in swiglu_mgpu.supports_backward(saved, dh.astype(jnp.float32), x_like)
     with pytest.raises(ValueError, match="multiple of 256"):
         swiglu_mgpu.swiglu_quantize(jnp.zeros((8, 256), jnp.bfloat16), spec, 32, interpret=True)
     # Shapes the kernels cannot tile run the reference under "auto" (here forced to the interpreter) and are an
