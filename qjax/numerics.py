@@ -241,10 +241,11 @@ def dequantize_e4m3_expanded_blocks(codes, scale, expand, centre, broadcast_rows
 
 
 def swiglu(gate, up):
-    """silu(gate) * up, (...) each, any one float dtype -> that dtype: `jax.nn.silu(gate) * up` as XLA evaluates it,
-    computed in float32 with every op rounded to the inputs' dtype (sigmoid = 1 / (1 + exp(-gate)), XLA's expansion
-    of the logistic), so a kernel computing in float32 gives the same values (bit for bit under the CPU interpreter,
-    to the ulps of exp where Mosaic GPU and XLA evaluate exp differently)."""
+    """silu(gate) * up, (...) each, any one float dtype -> that dtype: `jax.nn.silu(gate) * up` as XLA:CPU evaluates
+    it (bit for bit: tests/kernels/test_swiglu_mgpu.py), in float32 with every op rounded to the inputs' dtype and
+    sigmoid = 1 / (1 + exp(-gate)), XLA's expansion of the logistic. A kernel computing in float32 then gives the
+    same values: bit for bit under the CPU interpreter; compiled, to the ulps where Mosaic GPU's exp differs from
+    XLA's, or where XLA:GPU keeps the steps in float32 (excess precision)."""
     dtype = gate.dtype
 
     def rounded(v):
