@@ -56,18 +56,20 @@ def _bits(a):
 
 
 def _assert_same(got, want, compiled=False):
-    """Equal dtype and shape, NaN at the same places, other values equal bit for bit; compiled on a GPU, floats
-    within 4 bf16 ulps (2^-6 relative: exp's ulps, and XLA may drop the reference's bf16 roundings), or 2^-16 of
-    the largest value where the backward's 1 + g (1 - sigmoid) cancels."""
+    """Equal dtype and shape, NaN at the same places, other values equal bit for bit; compiled on a GPU, bf16 within
+    4 ulps (2^-6 relative: exp's ulps, and XLA may drop the reference's bf16 roundings) or 2^-16 of the largest
+    value (where the backward's 1 + g (1 - sigmoid) cancels), float32 within 2^-18 (exp's and the logistic's ulps).
+    8-bit codes stay exact."""
     assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
     want32, got32 = np.asarray(want, np.float32), np.asarray(got, np.float32)
     nan = np.isnan(want32)
     np.testing.assert_array_equal(np.isnan(got32), nan)
-    if compiled and jnp.issubdtype(want.dtype, jnp.floating) and want.dtype.itemsize == 2:
+    if compiled and want.dtype in (jnp.bfloat16, jnp.float32):
         finite = np.isfinite(want32)
         np.testing.assert_array_equal(got32[~finite & ~nan], want32[~finite & ~nan])  # +-Inf
-        np.testing.assert_allclose(got32[finite], want32[finite], rtol=2**-6,
-                                   atol=2**-16 * np.abs(want32[finite]).max())
+        rtol = 2**-6 if want.dtype == jnp.bfloat16 else 2**-18
+        np.testing.assert_allclose(got32[finite], want32[finite], rtol=rtol,
+                                   atol=rtol / 4 * 2**-8 * np.abs(want32[finite]).max())
         return
     g, w = _bits(got)[~nan], _bits(want)[~nan]
     assert int(np.sum(g != w)) == 0, f"{int(np.sum(g != w))} of {g.size} differ"
@@ -120,24 +122,30 @@ def test_kernels_match_reference(spec, group, shape):
         np.testing.assert_array_equal(np.frexp(scale[np.isfinite(scale)])[0], 0.5)
 
 
-@pytest.mark.skipif(on_hopper_gpu(), reason="CPU interpreter tests (GPU: the gpu tests)")
 def test_tile_size_does_not_change_results():
     spec, group = RECIPES[0]
     x = _input((16, 1024), spec.dtype, group, specials=False)
-    outs = [jax.jit(lambda x, e=e: swiglu_mgpu.swiglu_quantize(x, spec, group, interpret=True, tile_elements=e))(x)
+    interpret = None if on_hopper_gpu() else True
+    outs = [jax.jit(lambda x, e=e: swiglu_mgpu.swiglu_quantize(x, spec, group, interpret=interpret,
+                                                                tile_elements=e))(x)
             for e in (1024, 8192)]  # 8 programs of (4, 8, 32) / one of (16, 16, 32)
     for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
         np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
 def test_swiglu_formula_is_xlas_silu():
-    """numerics.swiglu (each op rounded to the inputs' dtype) is `jax.nn.silu(gate) * up` as XLA computes it, bit
-    for bit: ops.swiglu, the non-data-flow path, did not change by calling it."""
+    """numerics.swiglu (each op rounded to the inputs' dtype) is `jax.nn.silu(gate) * up` as XLA:CPU computes it,
+    bit for bit: ops.swiglu, the non-data-flow path, did not change on the CPU by calling it. On a GPU XLA may
+    round the steps differently: close, and the count of differing bf16 values is printed (pytest -s)."""
     for dtype in (jnp.bfloat16, jnp.float32):
         g, u = (jax.random.normal(k, (65536,)) * 4 for k in jax.random.split(jax.random.key(3)))
         g = g.at[:3].set(jnp.array([jnp.nan, jnp.inf, -jnp.inf]))
         g, u = g.astype(dtype), u.astype(dtype)
-        _assert_same(jax.jit(numerics.swiglu)(g, u), jax.jit(lambda g, u: jax.nn.silu(g) * u)(g, u))
+        got, want = jax.jit(numerics.swiglu)(g, u), jax.jit(lambda g, u: jax.nn.silu(g) * u)(g, u)
+        if on_hopper_gpu():
+            print(f"numerics.swiglu vs jax.nn.silu on XLA:GPU, {dtype.__name__}: "
+                  f"{int(np.sum(_bits(got) != _bits(want)))} of {got.size} differ")
+        _assert_same(got, want, compiled=on_hopper_gpu())
 
 
 def test_supports_and_fallbacks():
