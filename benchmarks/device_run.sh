@@ -14,7 +14,8 @@
 #
 # Steps: tests-kernels (the GPU-relevant kernel tests, compiled), tests-optim (fused AdamW GPU tests, all run: no
 # -x), sr-cost (benchmarks/sr_cost.py: what stochastic rounding costs the quantize kernel), quantize (kernels.py
-# quantize), gemm (kernels.py gemm), matmul (A.B^T at 8192), linear (with the torch peer), train (the
+# quantize), swiglu-tests / swiglu-kernels (the fused SwiGLU kernels' tests compiled; kernels.py swiglu), gemm
+# (kernels.py gemm), matmul (A.B^T at 8192), linear (with the torch peer), train (the
 # 1.1B table with the torch peer), train-qjax (the 1.1B table without the peer), train-sr (bf16, int8_rowwise and
 # int8_rowwise with stochastic rounding of the gradients), hf (the Hugging Face Llama and generate tests, the
 # transformers parity among them), hf-generate (benchmarks/generate.py: prefill and decode of the 1b preset, bf16 /
@@ -98,6 +99,8 @@ step_command() {
         tests-optim-dre) echo "python3 -m pytest -x -q -s -p no:cacheprovider -m gpu -k dre" \
                               "tests/optim/test_fused_kernel.py" ;;
         quantize) echo "python3 benchmarks/kernels.py quantize --shapes 16384x4096 16384x14336" ;;
+        swiglu-tests) echo "python3 -m pytest -x -q -p no:cacheprovider tests/kernels/test_swiglu_mgpu.py" ;;
+        swiglu-kernels) echo "python3 benchmarks/kernels.py swiglu --tiles 2048 4096 8192" ;;
         gemm) echo "python3 benchmarks/kernels.py gemm --sizes 4096 8192 --cases" \
                    "int8_block fp8_block fp8_tensor_precise" ;;
         matmul) echo "python3 benchmarks/matmul.py --layouts TN --sizes 8192 --rows bf16 int8 fp8 $kernel_rows" ;;

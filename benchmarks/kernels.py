@@ -3,10 +3,11 @@ bandwidth against a copy.
 
   python benchmarks/kernels.py gemm [--sizes 4096 8192] [--cases int8_row fp8_block] [--sweep]
   python benchmarks/kernels.py quantize [--shapes 16384x2048 16384x11264]
+  python benchmarks/kernels.py swiglu [--shapes 16384x5632] [--tiles 2048 4096 8192]
 
 Each kernel's output is checked against its reference before it is timed (GEMM: relative error column; quantize:
-the kernels' GPU tests in tests/kernels). Prints tables; the end-to-end numbers are benchmarks/matmul.py and
-linear.py.
+the kernels' GPU tests in tests/kernels; SwiGLU: codes and scales against the reference). Prints tables (swiglu
+also appends its table to benchmarks/RESULTS.md); the end-to-end numbers are benchmarks/matmul.py and linear.py.
 """
 
 import argparse
@@ -20,11 +21,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+import common  # benchmarks/: timing helpers and RESULTS.md
 import stochastic_cast_mgpu  # benchmarks/: the standalone SR cast kernel, outside the library
-from qjax import dispatch, stochastic
+from qjax import dispatch, prologue, stochastic
 from qjax.kernels import gemm_config_mgpu as gemm_config
 from qjax.kernels import quantize_mgpu, resolve_interpret
 from qjax.kernels import scaled_matmul_mgpu as mg
+from qjax.kernels import swiglu_mgpu
+from qjax.models import ops
 from qjax.kernels.scaled_matmul import scaled_matmul
 from qjax.quantize import QuantSpec, amax, quantize, quantize_with_seed
 
@@ -195,13 +199,104 @@ def quantize_table(argv):
                 print(f"{shape:>13} {name:46} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
+def swiglu_table(argv):
+    """GPU: the fused SwiGLU kernels of the data-flow recipes (qjax.kernels.swiglu_mgpu) against XLA's composition
+    (SwiGLU + prologue.save forward, prologue.restore + SwiGLU's backward) and a copy, at the 1.1B Llama's input.
+
+    python benchmarks/kernels.py swiglu [--shapes 16384x5632] [--tiles 2048 4096 8192] [--interpret] [--no-append]
+
+    Shapes are tokens x F (gate_up is tokens x 2F, bf16). Timed as `kernels.py quantize`: one jit of --batch calls
+    on distinct inputs, --calls back to back, median of --rounds, per call. GB/s: the bytes a direction must move
+    at least, counted the same for kernel and XLA rows: the forward reads gate_up (4 bytes per token and feature of
+    h) and writes h (2), codes (2) and scales (8 / g); the backward reads codes (2), scales (8 / g) and dh (2) and
+    writes d(gate_up) (4). "of copy": that rate over XLA's gate_up * 2 (read + write) in the same process (the
+    issue's target: >= 0.80). Before timing, each kernel's outputs are compared with the reference's: codes and
+    scales must be equal; "differ" counts h / d(gate_up) elements whose bits differ (ulps of exp).
+    """
+    parser = argparse.ArgumentParser(prog="kernels.py swiglu", description=swiglu_table.__doc__)
+    parser.add_argument("--shapes", nargs="+", default=["16384x5632"])
+    parser.add_argument("--tiles", type=int, nargs="+", default=[swiglu_mgpu.TILE_ELEMENTS],
+                        help="gate elements per program (swiglu_mgpu.TILE_ELEMENTS is the default)")
+    parser.add_argument("--batch", type=int, default=4, help="calls of the op inside one jit (distinct inputs)")
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--interpret", action="store_true", help="CPU smoke test of this script (times meaningless)")
+    parser.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
+    args = parser.parse_args(argv)
+    if jax.devices()[0].platform != "gpu" and not args.interpret:
+        sys.exit("the benchmark needs a Hopper GPU (or --interpret with small --shapes, e.g. 8x256)")
+
+    def seconds(fn, xs):
+        batched = jax.jit(lambda xs: [fn(*x) for x in xs])
+        jax.block_until_ready(batched(xs))  # compile + warm up
+        samples = []
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            jax.block_until_ready([batched(xs) for _ in range(args.calls)])
+            samples.append((time.perf_counter() - start) / args.calls / len(xs))
+        return statistics.median(samples)
+
+    def differ(a, b):
+        return int(jnp.sum(lax.bitcast_convert_type(a, jnp.uint16) != lax.bitcast_convert_type(b, jnp.uint16)))
+
+    rows = [f"{jax.devices()[0].device_kind}, jax {jax.__version__}; one jit of {args.batch} calls on distinct inputs, "
+            f"{args.calls} back to back, median of {args.rounds}", "",
+            "| tokens x F | saved | case | us | GB/s | of copy | differ |", "|---|---|---|---:|---:|---:|---:|"]
+    print(rows[0], flush=True)
+    interpret = resolve_interpret(args.interpret)
+    for shape in args.shapes:
+        m, f = (int(d) for d in shape.split("x"))
+        x = jax.random.normal(jax.random.key(0), (m, 2 * f), jnp.bfloat16)
+        xs = [(x + jnp.bfloat16(i),) for i in range(args.batch)]  # distinct: XLA cannot merge the calls
+        copy = seconds(lambda x: x * 2, xs)
+        rows.append(f"| {shape} | - | copy: XLA gate_up * 2 | {copy * 1e6:.1f} | {8 * m * f / copy / 1e9:.0f} | 1.00 | |")
+        print(rows[-1], flush=True)
+        for spec, group in ((QuantSpec("int8", "row"), 32), (QuantSpec("e4m3", "row"), 16)):
+            saved_name = f"{spec.dtype} 1x{group}"
+            moved = m * f * (8 + 8 / group)  # forward and backward alike (docstring)
+            reference_forward = jax.jit(lambda x: (ops.SWIGLU.forward(x)[0], prologue.save(x, spec, group)))
+            h_ref, saved_ref = reference_forward(x)
+            dh = (h_ref * 0.1).astype(jnp.bfloat16)
+            dhs = [(saved_ref, dh + jnp.bfloat16(i)) for i in range(args.batch)]
+            x_shape = x.shape
+            reference_backward = jax.jit(lambda s, dh: ops.SWIGLU.backward(
+                ops.SWIGLU.forward(prologue.restore(s, x_shape, jnp.bfloat16))[1], dh)[0])
+            dx_ref = reference_backward(saved_ref, dh)
+            cases = [("forward: XLA reference (SwiGLU + save)", reference_forward, xs, moved, ""),
+                     ("backward: XLA reference (restore + backward)", reference_backward, dhs, moved, "")]
+            for tile in args.tiles:
+                try:
+                    forward = jax.jit(lambda x, tile=tile: swiglu_mgpu.swiglu_quantize(
+                        x, spec, group, interpret=interpret, tile_elements=tile))
+                    backward = jax.jit(lambda s, dh, tile=tile: swiglu_mgpu.swiglu_backward(
+                        s, dh, interpret=interpret, tile_elements=tile))
+                    h, saved = forward(x)
+                    if not (bool(jnp.all(saved.data == saved_ref.data)) and bool(jnp.all(saved.scale == saved_ref.scale))):
+                        print(f"{shape} {saved_name} tile {tile}: codes or scales DIFFER from the reference: not timed")
+                        continue
+                    cases += [(f"forward: kernel, tile {tile}", forward, xs, moved, differ(h, h_ref)),
+                              (f"backward: kernel, tile {tile}", backward, dhs, moved,
+                               differ(backward(saved_ref, dh), dx_ref))]
+                except Exception as e:  # keep the other cases' numbers
+                    print(f"{shape} {saved_name} tile {tile}: FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            for name, fn, inputs, moved, mismatches in cases:
+                try:
+                    t = seconds(fn, inputs)
+                    rate = moved / t
+                    rows.append(f"| {shape} | {saved_name} | {name} | {t * 1e6:.1f} | {rate / 1e9:.0f} | "
+                                f"{rate / (8 * m * f / copy):.2f} | {mismatches} |")
+                    print(rows[-1], flush=True)
+                except Exception as e:
+                    print(f"{shape} {saved_name} {name}: FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
+    if not args.interpret and not args.no_append:
+        common.append_results("Fused SwiGLU kernels (data flow)", "\n".join(rows[2:]) + "\n\n" + rows[0] + "\n")
+
+
 def main():
-    if len(sys.argv) < 2 or sys.argv[1] not in ("gemm", "quantize"):
+    commands = {"gemm": gemm_table, "quantize": quantize_table, "swiglu": swiglu_table}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
         sys.exit(__doc__)
-    if sys.argv[1] == "gemm":
-        gemm_table(sys.argv[2:])
-    else:
-        quantize_table(sys.argv[2:])
+    commands[sys.argv[1]](sys.argv[2:])
 
 
 if __name__ == "__main__":

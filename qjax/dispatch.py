@@ -4,6 +4,7 @@
   quantize_pair       kernels.quantize_mgpu.quantize_pair_kernel   quantize.quantize_pair_reference
   quantized_matmul    kernels.scaled_matmul_mgpu.scaled_matmul_kernel  kernels.scaled_matmul.scaled_matmul
   fused AdamW step    kernels.adam_step_mgpu (via optim.fused_adam)   optim.fused_adam.fused_step_reference
+  SwiGLU + saved copy kernels.swiglu_mgpu                          models.ops.SWIGLU's composition (passed in)
 
 `kernel_mode(backend)` answers (run the kernel?, interpret it?) for a recipe backend ("auto", "xla", "pallas"; the
 fused AdamW's `use_kernel=True` is "auto"). Tests and benchmarks override what "auto" finds with `force`:
@@ -23,7 +24,7 @@ import warnings
 
 import jax
 
-from qjax.kernels import quantize_mgpu, scaled_matmul, scaled_matmul_mgpu
+from qjax.kernels import quantize_mgpu, scaled_matmul, scaled_matmul_mgpu, swiglu_mgpu
 from qjax.qtensor import QTensor, QuantSpec
 from qjax.quantize import quantize_pair_reference
 
@@ -143,3 +144,30 @@ def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation:
                                                             interpret=interpret)
         _unsupported(backend, "scaled GEMM", reason)
     return scaled_matmul.scaled_matmul(a, b, out_dtype, precise_accumulation)
+
+
+def swiglu_forward_saving(gate_up: jax.Array, spec: QuantSpec, group: int, reference, *, backend: str = "auto"):
+    """(silu(gate) * up, the saved 8-bit copy of gate_up) for gate_up (..., 2F): the fused kernel
+    (`kernels.swiglu_mgpu.swiglu_quantize`, one read of gate_up) where `backend` selects it and it supports the
+    case, else `reference(gate_up, spec, group)`, the composition it equals (`qjax.models.ops.SWIGLU`'s forward
+    and `qjax.prologue.save`: the model layer owns it, so it is passed in)."""
+    run_kernel, interpret = kernel_mode(backend)
+    if run_kernel:
+        reason = swiglu_mgpu.supports_forward(gate_up, spec, group)
+        if reason is None:
+            return swiglu_mgpu.swiglu_quantize(gate_up, spec, group, interpret=interpret)
+        _unsupported(backend, "fused SwiGLU", reason)
+    return reference(gate_up, spec, group)
+
+
+def swiglu_backward_saved(saved: QTensor, x_like, dh: jax.Array, reference, *, backend: str = "auto") -> jax.Array:
+    """d(gate_up) (x_like's shape and dtype) from gate_up's saved 8-bit copy and dh (..., F): the fused kernel
+    (`kernels.swiglu_mgpu.swiglu_backward`, one read of codes and dh) where `backend` selects it and it supports
+    the case, else `reference(saved, x_like, dh)` (`qjax.prologue.restore`, then SwiGLU's backward)."""
+    run_kernel, interpret = kernel_mode(backend)
+    if run_kernel:
+        reason = swiglu_mgpu.supports_backward(saved, dh, x_like)
+        if reason is None:
+            return swiglu_mgpu.swiglu_backward(saved, dh, interpret=interpret)
+        _unsupported(backend, "fused SwiGLU backward", reason)
+    return reference(saved, x_like, dh)

@@ -240,6 +240,31 @@ def dequantize_e4m3_expanded_blocks(codes, scale, expand, centre, broadcast_rows
     return copysign(magnitude * broadcast_rows(centre.astype(jnp.float32), codes.shape), y)
 
 
+def swiglu(gate, up):
+    """silu(gate) * up, (...) each, any one float dtype -> that dtype: `jax.nn.silu(gate) * up` as XLA:CPU evaluates
+    it (bit for bit: tests/kernels/test_swiglu_mgpu.py), in float32 with every op rounded to the inputs' dtype and
+    sigmoid = 1 / (1 + exp(-gate)), XLA's expansion of the logistic. A kernel computing in float32 then gives the
+    same values: bit for bit under the CPU interpreter; compiled, to the ulps where Mosaic GPU's exp differs from
+    XLA's, or where XLA:GPU keeps the steps in float32 (excess precision)."""
+    dtype = gate.dtype
+
+    def rounded(v):
+        return v.astype(dtype).astype(jnp.float32)
+
+    g, u = gate.astype(jnp.float32), up.astype(jnp.float32)
+    sigmoid = rounded(jnp.float32(1) / rounded(jnp.float32(1) + rounded(jnp.exp(-g))))
+    return (rounded(g * sigmoid) * u).astype(dtype)
+
+
+def swiglu_backward(g, u, dh):
+    """SwiGLU's backward in float32: g, u, dh f32 (...) (gate, up and d(silu(gate) * up)) -> (dgate, dup) f32."""
+    sigmoid = jnp.float32(1) / (jnp.float32(1) + jnp.exp(-g))
+    # silu'(g) = sigmoid + g * sigmoid * (1 - sigmoid)
+    dgate = dh * u * sigmoid * (1 + g * (1 - sigmoid))
+    dup = dh * g * sigmoid
+    return dgate, dup
+
+
 def adam_math(g, m_old, v_old, b1, b2, eps, bias_correction1, bias_correction2_sqrt):
     """One Adam step on float32 arrays -> (direction, m, v), from the un-quantized new m and v."""
     g = g.astype(jnp.float32)

@@ -22,7 +22,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from qjax.prologue import Prologue
+from qjax import dispatch, numerics
+from qjax.prologue import Prologue, restore, save
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -100,8 +101,9 @@ layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 @jax.custom_vjp
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    """silu(gate) * up, in the inputs' dtype (both (..., ffn_dim), the same float dtype)."""
-    return jax.nn.silu(gate) * up
+    """silu(gate) * up, in the inputs' dtype (both (..., ffn_dim), the same float dtype): `numerics.swiglu`, the
+    formula the fused SwiGLU kernels share (`jax.nn.silu(gate) * up` as XLA evaluates it)."""
+    return numerics.swiglu(gate, up)
 
 
 def _swiglu_fwd(gate, up):
@@ -110,11 +112,7 @@ def _swiglu_fwd(gate, up):
 
 def _swiglu_bwd(residuals, dh):
     gate, up = residuals
-    g, u, dh = gate.astype(jnp.float32), up.astype(jnp.float32), dh.astype(jnp.float32)
-    sig = jax.nn.sigmoid(g)
-    # silu'(g) = sig + g * sig * (1 - sig)
-    dgate = dh * u * sig * (1 + g * (1 - sig))
-    dup = dh * g * sig
+    dgate, dup = numerics.swiglu_backward(gate.astype(jnp.float32), up.astype(jnp.float32), dh.astype(jnp.float32))
     return dgate.astype(gate.dtype), dup.astype(up.dtype)
 
 
@@ -230,8 +228,23 @@ def _swiglu_packed_bwd(residuals, dh):
     return (jnp.concatenate(_swiglu_bwd(jnp.split(gate_up, 2, axis=-1), dh), axis=-1),)
 
 
-SWIGLU = Prologue("swiglu", apply=_swiglu_packed, forward=lambda gate_up: (_swiglu_packed(gate_up), (gate_up,)),
-                  backward=_swiglu_packed_bwd)
+def _swiglu_saving_reference(gate_up, spec, group):
+    return _swiglu_packed(gate_up), save(gate_up, spec, group)
+
+
+def _swiglu_backward_reference(saved, x_like, dh):
+    return _swiglu_packed_bwd((restore(saved, x_like.shape, x_like.dtype),), dh)[0]
+
+
+# The data-flow hooks run the fused SwiGLU kernels where `qjax.dispatch` picks them (a Hopper GPU, bf16, F a
+# multiple of 256), else the composition above, which the kernels equal.
+SWIGLU = Prologue(
+    "swiglu", apply=_swiglu_packed, forward=lambda gate_up: (_swiglu_packed(gate_up), (gate_up,)),
+    backward=_swiglu_packed_bwd,
+    forward_saving=lambda gate_up, *, spec, group: dispatch.swiglu_forward_saving(gate_up, spec, group,
+                                                                                  _swiglu_saving_reference),
+    backward_saved=lambda saved, x_like, params, dh: (dispatch.swiglu_backward_saved(saved, x_like, dh,
+                                                                                     _swiglu_backward_reference),))
 GELU = Prologue("gelu", apply=gelu, forward=lambda x: (gelu(x), (x,)), backward=lambda res, dy: _gelu_bwd(res[0], dy))
 GELU_EXACT = Prologue("gelu_exact", apply=gelu_exact, forward=lambda x: (gelu_exact(x), (x,)),
                       backward=lambda res, dy: _gelu_exact_bwd(res[0], dy))
