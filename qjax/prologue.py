@@ -44,10 +44,11 @@ class Prologue:
 
     Fused producers (optional; a data-flow recipe's `prologue_dot` uses them where set, else it composes the above
     with `save` / `restore`, which they must equal):
-    forward_saving(x, *params, spec, group) -> (y, saved): y = forward(x, *params)[0] and saved = save(x, spec,
-      group), from one read of x.
-    backward_saved(saved, x_like, params, dy) -> (dx, *dparams): backward(forward(restore(saved, x_like.shape,
-      x_like.dtype), *params)[1], dy), from one read of the saved codes and dy (x_like: x's ShapeDtypeStruct).
+    forward_saving(x, *params, *, spec, group, backend) -> (y, saved): y = forward(x, *params)[0] and saved = save(x,
+      spec, group), from one read of x; backend: the recipe's (`qjax.dispatch.kernel_mode`).
+    backward_saved(saved, x_like, params, dy, *, backend) -> (dx, *dparams): backward(forward(restore(saved,
+      x_like.shape, x_like.dtype), *params)[1], dy), from one read of the saved codes and dy (x_like: x's
+      ShapeDtypeStruct).
     """
 
     name: str
@@ -116,7 +117,8 @@ def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *
     def fwd(x, *rest):
         *params, kernel, seeds = rest
         if op.forward_saving is not None and recipe.saved is not None:
-            y, x_saved = op.forward_saving(x, *params, spec=recipe.saved, group=recipe.saved_group)
+            y, x_saved = op.forward_saving(x, *params, spec=recipe.saved, group=recipe.saved_group,
+                                            backend=recipe.backend)
         else:
             y, x_saved = op.forward(x, *params)[0], save(x, recipe.saved, recipe.saved_group)
         out, gemm_residuals = gemm_forward(y, kernel, seeds, None, with_residuals=True)
@@ -127,7 +129,7 @@ def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *
         dy, dkernel = gemm_backward((w_res, y_res, seeds), g)
         x_like = jax.ShapeDtypeStruct(g.shape[:-1] + (x.shape[-1],), x.dtype)  # x's local (per-device) shape
         if op.backward_saved is not None and isinstance(x_saved, QTensor):
-            return (*op.backward_saved(x_saved, x_like, params, dy), dkernel, None)
+            return (*op.backward_saved(x_saved, x_like, params, dy, backend=recipe.backend), dkernel, None)
         x_restored = restore(x_saved, x_like.shape, x_like.dtype)
         _, op_residuals = op.forward(x_restored, *params)  # y itself is not needed: wgrad reads its saved codes
         return (*op.backward(op_residuals, dy), dkernel, None)

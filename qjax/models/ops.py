@@ -241,10 +241,10 @@ def _swiglu_backward_reference(saved, x_like, dh):
 SWIGLU = Prologue(
     "swiglu", apply=_swiglu_packed, forward=lambda gate_up: (_swiglu_packed(gate_up), (gate_up,)),
     backward=_swiglu_packed_bwd,
-    forward_saving=lambda gate_up, *, spec, group: dispatch.swiglu_forward_saving(gate_up, spec, group,
-                                                                                  _swiglu_saving_reference),
-    backward_saved=lambda saved, x_like, params, dh: (dispatch.swiglu_backward_saved(saved, x_like, dh,
-                                                                                     _swiglu_backward_reference),))
+    forward_saving=lambda gate_up, *, spec, group, backend: dispatch.swiglu_forward_saving(
+        gate_up, spec, group, _swiglu_saving_reference, backend=backend),
+    backward_saved=lambda saved, x_like, params, dh, *, backend: (dispatch.swiglu_backward_saved(
+        saved, x_like, dh, _swiglu_backward_reference, backend=backend),))
 GELU = Prologue("gelu", apply=gelu, forward=lambda x: (gelu(x), (x,)), backward=lambda res, dy: _gelu_bwd(res[0], dy))
 GELU_EXACT = Prologue("gelu_exact", apply=gelu_exact, forward=lambda x: (gelu_exact(x), (x,)),
                       backward=lambda res, dy: _gelu_exact_bwd(res[0], dy))

@@ -169,8 +169,8 @@ def test_supports_and_fallbacks():
     # error for the explicit backend "pallas".
     for x in (_input((6, 512), "int8", 32), _input((8, 256), "int8", 32)):
         with dispatch.force("interpret"):
-            h, saved = jax.jit(lambda x: ops.SWIGLU.forward_saving(x, spec=spec, group=32))(x)
-            assert _kernel_calls(lambda x: ops.SWIGLU.forward_saving(x, spec=spec, group=32), x) == 0
+            h, saved = jax.jit(lambda x: ops.SWIGLU.forward_saving(x, spec=spec, group=32, backend="auto"))(x)
+            assert _kernel_calls(lambda x: ops.SWIGLU.forward_saving(x, spec=spec, group=32, backend="auto"), x) == 0
         h_ref, saved_ref = _reference_forward(x, spec, 32)
         _assert_same(h, h_ref)
         _assert_same(saved.data, saved_ref.data)
