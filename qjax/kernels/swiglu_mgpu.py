@@ -168,7 +168,8 @@ def _shape_reason(shape, dtype, group, what: str) -> str | None:
     for d in shape[:-1]:
         tokens *= d
     if tokens == 0 or tokens % TOKEN_MULTIPLE:
-        return f"the SwiGLU kernels need a token count (leading dims) that is a multiple of {TOKEN_MULTIPLE}, got {shape}"
+        return (f"the SwiGLU kernels need a token count (leading dims) that is a multiple of {TOKEN_MULTIPLE}, "
+                f"got {shape}")
     return None
 
 
