@@ -5,7 +5,7 @@ Autodiff of the plain formulas saves every intermediate the backward reads: RMSN
 three or four compute-dtype intermediates, RoPE its broadcast cos/sin tables four times per call. Each function here
 computes the same forward, op for op (bit for bit), and saves:
 
-  rms_norm    x in its own dtype and the float32 1/rms per row (..., 1); the backward recomputes x / rms.
+  rms_norm    x in its own dtype and the float32 1/rms per row (...,); the backward recomputes x / rms.
   layer_norm  x in its own dtype, the float32 mean and 1/std per row; the backward recomputes (x - mean) / std.
   swiglu      gate and up in their own dtype; the backward recomputes sigmoid(gate) in float32.
   gelu        x in its own dtype; the backward recomputes the tanh in float32 (gelu_exact: the erf).
@@ -22,6 +22,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from qjax import numerics
 from qjax.prologue import Prologue
 
 
@@ -35,9 +36,8 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype) -> jax.Array:
 
 
 def _rms_norm_forward(x, scale, eps, dtype):
-    x32 = x.astype(jnp.float32)
-    inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # float32 (..., 1)
-    return ((x32 * inv_rms) * scale.astype(jnp.float32)).astype(dtype), inv_rms
+    y, inv_rms = numerics.rms_norm(x.astype(jnp.float32), scale.astype(jnp.float32), eps)  # inv_rms f32 (...,)
+    return y.astype(dtype), inv_rms
 
 
 def _rms_norm_fwd(x, scale, eps, dtype):
@@ -47,12 +47,9 @@ def _rms_norm_fwd(x, scale, eps, dtype):
 
 def _rms_norm_bwd(eps, dtype, residuals, dy):
     x, scale, inv_rms = residuals
-    n = x.astype(jnp.float32) * inv_rms  # the normalized x, recomputed instead of saved in float32
-    dy = dy.astype(jnp.float32)
-    dscale = jnp.sum(dy * n, axis=tuple(range(n.ndim - 1)))
-    dn = dy * scale.astype(jnp.float32)
-    # d(x * inv_rms)/dx: inv_rms * (dn - n * mean(dn * n)), the rms's own dependence on x being the second term.
-    dx = inv_rms * (dn - n * jnp.mean(dn * n, axis=-1, keepdims=True))
+    dx, dscale_terms = numerics.rms_norm_backward(x.astype(jnp.float32), inv_rms, scale.astype(jnp.float32),
+                                                  dy.astype(jnp.float32))
+    dscale = jnp.sum(dscale_terms, axis=tuple(range(x.ndim - 1)))
     return dx.astype(x.dtype), dscale.astype(scale.dtype)
 
 
