@@ -4,6 +4,8 @@
   quantize_pair       kernels.quantize_mgpu.quantize_pair_kernel   quantize.quantize_pair_reference
   quantized_matmul    kernels.scaled_matmul_mgpu.scaled_matmul_kernel  kernels.scaled_matmul.scaled_matmul
   fused AdamW step    kernels.adam_step_mgpu (via optim.fused_adam)   optim.fused_adam.fused_step_reference
+  RMSNorm + 8-bit save   kernels.rmsnorm_mgpu (via models.ops.rms_norm_prologue)   the norm and prologue.save /
+                      (its backward: prologue.restore and the norm's backward)
 
 `kernel_mode(backend)` answers (run the kernel?, interpret it?) for a recipe backend ("auto", "xla", "pallas"; the
 fused AdamW's `use_kernel=True` is "auto"). Tests and benchmarks override what "auto" finds with `force`:
@@ -23,7 +25,7 @@ import warnings
 
 import jax
 
-from qjax.kernels import quantize_mgpu, scaled_matmul, scaled_matmul_mgpu
+from qjax.kernels import quantize_mgpu, rmsnorm_mgpu, scaled_matmul, scaled_matmul_mgpu
 from qjax.qtensor import QTensor, QuantSpec
 from qjax.quantize import quantize_pair_reference
 
@@ -143,3 +145,18 @@ def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation:
                                                             interpret=interpret)
         _unsupported(backend, "scaled GEMM", reason)
     return scaled_matmul.scaled_matmul(a, b, out_dtype, precise_accumulation)
+
+
+def rms_norm_kernel_mode(x, scale, spec: QuantSpec, group: int, dy=None, *, backend: str = "auto"
+                         ) -> tuple[bool, bool]:
+    """(run the fused RMSNorm kernels of `kernels.rmsnorm_mgpu`?, interpret them?) for the norm of x (..., D) with
+    scale (D,) whose input is saved per `spec` in groups of `group` (dy: the backward's gradient): `kernel_mode`,
+    where the kernels support the case (`rmsnorm_mgpu.supports`; else the caller runs the reference, the norm with
+    `prologue.save`, or `prologue.restore` and the norm's backward)."""
+    run_kernel, interpret = kernel_mode(backend)
+    if run_kernel:
+        reason = rmsnorm_mgpu.supports(x, scale, spec, group, dy)
+        if reason is None:
+            return True, interpret
+        _unsupported(backend, "fused RMSNorm", reason)
+    return False, False

@@ -22,8 +22,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from qjax import numerics
-from qjax.prologue import Prologue
+from qjax import dispatch, formats, numerics
+from qjax.kernels import rmsnorm_mgpu
+from qjax.prologue import Prologue, restore, save
+from qjax.qtensor import QuantSpec
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -209,7 +211,31 @@ _rope.defvjp(_rope_fwd, _rope_bwd)
 def rms_norm_prologue(eps: float, dtype) -> Prologue:
     return Prologue("rms_norm", apply=lambda x, scale: rms_norm(x, scale, eps, dtype),
                     forward=lambda x, scale: _rms_norm_fwd(x, scale, eps, dtype),
-                    backward=functools.partial(_rms_norm_bwd, eps, dtype))
+                    backward=functools.partial(_rms_norm_bwd, eps, dtype),
+                    forward_saving=functools.partial(_rms_norm_forward_saving, eps, dtype),
+                    backward_saved=functools.partial(_rms_norm_backward_saved, eps, dtype))
+
+
+def _rms_norm_forward_saving(eps, dtype, x, scale, *, spec, group):
+    """(y, x saved per spec): the fused kernel (`kernels.rmsnorm_mgpu`) where `dispatch` selects it, else its
+    reference, the norm and `prologue.save`."""
+    run_kernel, interpret = dispatch.rms_norm_kernel_mode(x, scale, spec, group)
+    if run_kernel:
+        return rmsnorm_mgpu.forward_saving(x, scale, eps=eps, dtype=dtype, spec=spec, group=group,
+                                           interpret=interpret)
+    return _rms_norm_forward(x, scale, eps, dtype)[0], save(x, spec, group)
+
+
+def _rms_norm_backward_saved(eps, dtype, saved, x_like, params, dy):
+    """(dx, dscale) from x's saved QTensor: the fused kernel where `dispatch` selects it, else its reference,
+    `prologue.restore` and the norm's backward with the statistics recomputed from the restored x."""
+    (scale,) = params
+    spec, group = QuantSpec(formats.get_format(saved.data.dtype).name), saved.data.shape[-1]
+    run_kernel, interpret = dispatch.rms_norm_kernel_mode(x_like, scale, spec, group, dy)
+    if run_kernel:
+        return rmsnorm_mgpu.backward_saved(saved, x_like.dtype, scale, dy, eps=eps, interpret=interpret)
+    x = restore(saved, x_like.shape, x_like.dtype)
+    return _rms_norm_bwd(eps, dtype, _rms_norm_fwd(x, scale, eps, dtype)[1], dy)
 
 
 def layer_norm_prologue(eps: float, dtype) -> Prologue:

@@ -1,0 +1,236 @@
+"""RMSNorm fused with the data-flow recipes' 8-bit save of its input: Pallas Mosaic GPU kernels, one read of each
+tensor (`qjax.models.ops.rms_norm_prologue`'s `forward_saving` and `backward_saved`).
+
+Under `int8_dataflow` / `fp8_dataflow` a norm + linear layer saves its input x (the residual stream) in 8 bits, one
+float32 scale per group of g consecutive features (`qjax.prologue.save`: int8 g = 32, e4m3 g = 16). The reference
+composes XLA passes: the norm, then an amax pass and a codes pass over x; in the backward a dequantize, the
+statistics recomputed from it and the norm's backward. Here:
+
+  forward_saving   x (M, D) -> y = rms_norm(x) * scale (M, D) in the compute dtype, codes (M, D/g, g) and
+                   scales (M, D/g, 1) of x: reads x once, writes y, codes and scales
+  backward_saved   codes, scales, the norm scale, dy (M, D) -> dx (M, D) in x's dtype, dscale (D,): reads the
+                   codes and dy once, writes dx; x' = restore(codes) = (codes * scale) in x's dtype, and the norm's
+                   statistics recomputed from x', as the reference path does
+
+Both call the reference's own formulas: `numerics.rms_norm` / `numerics.rms_norm_backward` (with per-row means and
+broadcasts in the kernel's register layout) and the quantizer's `numerics.amax`, `numerics.scale_from_amax`,
+`numerics.cast_codes` (as `kernels.quantize_mgpu` does), so codes and scales equal `prologue.save`'s bit for bit;
+y, dx and dscale equal the reference to float32 rounding (the row sums are taken in another order).
+
+Layout: x is viewed as (M, D/g, g) (a free reshape), so a group is the last axis and the group amax a reduction
+along it. A program's 4 warps own 4 rows (one each, no cross-warp traffic); a warp's 32 lanes cover 128 consecutive
+features of its row per register, 4 per lane (16-byte f32 / 8-byte bf16 vectors: contiguous, coalesced loads and
+stores), so a group of g features spans g/4 lanes and its amax is a shuffle over them, and the row's sum of squares
+a shuffle over all 32 after summing the lane's registers. Mosaic GPU reduces one axis at a time, so row means are
+taken group by group, then over the groups. No shared-memory staging: values go GMEM -> registers -> GMEM (vector
+loads and stores, as `adam_step_mgpu`); a row of D features is D/32 elements per thread and array, so D is capped
+at MAX_FEATURES (longer rows would spill registers; `supports`).
+
+The backward's dscale is a sum over all M rows. Each program takes ROWS_PER_PROGRAM rows (4 at a time) and keeps a
+per-warp running sum of dy * n in shared memory (4, D) f32 (each thread adds to the elements it owns: no
+synchronisation); at the end the 4 warps' sums are added (a cross-warp reduction) into one (D,) row per program,
+and XLA adds the programs' rows: (M / ROWS_PER_PROGRAM, D) float32, 1/32 of the rows of a float32 dy.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from qjax import formats, numerics
+from qjax.kernels import resolve_interpret
+from qjax.qtensor import QTensor, QuantSpec
+
+WARPS = 4  # rows per block: one per warp of the program's warpgroup
+_LANE_FEATURES = 128  # features a warp covers per register: 32 lanes x 4
+MAX_FEATURES = 4096  # D/32 elements per thread and array: longer rows would spill registers
+GROUPS = (16, 32)  # saved groups the kernels take: the data-flow recipes' (fp8: 16, int8: 32)
+FORMATS = ("int8", "e4m3")
+ROWS_PER_PROGRAM = 32  # backward: rows per program (fewer where M is not a multiple), summed into one dscale row
+_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _layout(group: int):
+    """(rows, D/g, g) arrays: tiles of 4 rows x 128/g groups x g; warps split the rows, lanes the groups and their
+    features in vectors of 4 (so lanes 0..g/4-1 hold a group, the next g/4 the next group...)."""
+    return plgpu.Layout.TILED(plgpu.Tiling(((WARPS, _LANE_FEATURES // group, group), (4,))), warp_dims=(-4,),
+                              lane_dims=(-3, -2), vector_dim=-1)
+
+
+def supports(x, scale, spec: QuantSpec, group: int, dy=None) -> str | None:
+    """None if the kernels can run the norm of x (..., D) with scale (D,), saving x per `spec` in groups of `group`
+    (and, for the backward, with gradient dy of x's shape), else the reason they cannot."""
+    if not isinstance(spec, QuantSpec):
+        return f"spec must be a qjax.QuantSpec, got {type(spec).__name__}"
+    if spec.dtype not in FORMATS or spec.granularity != "row" or spec.stochastic or spec.is_mx:
+        return f"the RMSNorm kernels save {FORMATS} per group with nearest rounding, got {spec}"
+    if group not in GROUPS:
+        return f"the RMSNorm kernels save groups of {GROUPS} features, got {group}"
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is None or len(shape) < 1 or jnp.dtype(dtype) not in _INPUT_DTYPES:
+        return f"the RMSNorm kernels take float32, bfloat16 or float16 x (..., D), got {dtype} {shape}"
+    d, m = shape[-1], int(np.prod(shape[:-1]))
+    if d % _LANE_FEATURES or not 0 < d <= MAX_FEATURES:
+        return (f"the RMSNorm kernels need D a multiple of {_LANE_FEATURES} up to {MAX_FEATURES} (a row per warp in "
+                f"registers), got x of shape {shape}")
+    if m == 0 or m % WARPS:
+        return f"the RMSNorm kernels need a multiple of {WARPS} rows (one per warp), got x of shape {shape}"
+    if getattr(scale, "shape", None) != (d,) or not jnp.issubdtype(scale.dtype, jnp.floating):
+        return f"the RMSNorm kernels need a float scale of shape ({d},), got {getattr(scale, 'shape', None)}"
+    if dy is not None and (dy.shape != tuple(shape) or jnp.dtype(dy.dtype) not in _INPUT_DTYPES):
+        return f"the RMSNorm backward kernel needs a float dy of x's shape {shape}, got {dy.dtype} {dy.shape}"
+    return None
+
+
+def _load(ref, layout):
+    # optimized=False: the "optimized" transfers are SMEM layouts; from GMEM each register is one vector load.
+    return plgpu.load(ref, layout=layout, optimized=False)
+
+
+class _RowLayout:
+    """Per-row means and broadcasts of (4, D/g, g) f32 arrays in `_layout(group)`, for the shared formulas."""
+
+    def __init__(self, group: int):
+        self.layout = _layout(group)
+
+    def mean_rows(self, values):
+        # one axis at a time (Mosaic GPU's reductions): the group sums, then their sum over the row
+        return jnp.sum(jnp.sum(values, axis=2), axis=1) / jnp.float32(values.shape[1] * values.shape[2])
+
+    def broadcast_rows(self, values, shape):
+        return plgpu.layout_cast(lax.broadcast_in_dim(values, shape, (0,)), self.layout)
+
+    def broadcast_groups(self, values, shape):
+        """(4, D/g) per-group values -> (4, D/g, g)."""
+        return plgpu.layout_cast(lax.broadcast_in_dim(values, shape, (0, 1)), self.layout)
+
+    def broadcast_features(self, values, shape):
+        """(D/g, g) per-feature values (the norm scale) -> (4, D/g, g)."""
+        return plgpu.layout_cast(lax.broadcast_in_dim(values, shape, (1, 2)), self.layout)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "dtype", "fmt", "pow2_scale", "interpret"))
+def _forward_call(x3, scale2, *, eps, dtype, fmt, pow2_scale, interpret):
+    """x3 (M, G, g), scale2 (G, g) -> y (M, G, g) dtype, codes (M, G, g), scales (M, G) f32."""
+    m, n_groups, group = x3.shape
+    rows = _RowLayout(group)
+    fmt = formats.get_format(fmt)
+
+    def body(x_ref, scale_ref, y_ref, codes_ref, scales_ref):
+        block = pl.ds(lax.axis_index("block") * WARPS, WARPS)
+        x32 = _load(x_ref.at[block], rows.layout).astype(jnp.float32)
+        scale32 = _load(scale_ref, rows.layout.reduce(0)).astype(jnp.float32)
+        y, _ = numerics.rms_norm(x32, rows.broadcast_features(scale32, x32.shape), eps, rows.mean_rows,
+                                 rows.broadcast_rows)
+        y_ref[block] = y.astype(dtype)
+        # `quantize.quantize_with_seed` of the (M, G, g) view, granularity "row": amax, scale, x * (1 / scale),
+        # round, clamp, cast (x * (1 / scale) is finite or NaN: an Inf makes its group's scale Inf)
+        group_scale = numerics.scale_from_amax(numerics.amax(x32, axis=2), fmt, pow2_scale)
+        scales_ref[block] = group_scale
+        inverse = rows.broadcast_groups(jnp.float32(1) / group_scale, x32.shape)
+        codes_ref[block] = numerics.cast_codes(x32 * inverse, fmt, may_be_inf=False)
+
+    out_type = (jax.ShapeDtypeStruct(x3.shape, dtype), jax.ShapeDtypeStruct(x3.shape, fmt.dtype),
+                jax.ShapeDtypeStruct((m, n_groups), jnp.float32))
+    return plgpu.kernel(body, out_type=out_type, grid=(m // WARPS,), grid_names=("block",),
+                        interpret=interpret)(x3, scale2)
+
+
+def _rows_per_program(m: int) -> int:
+    rows = ROWS_PER_PROGRAM
+    while m % rows:  # m is a multiple of WARPS, a power of two dividing ROWS_PER_PROGRAM
+        rows //= 2
+    return rows
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "x_dtype", "interpret"))
+def _backward_call(codes3, scales, scale2, dy3, *, eps, x_dtype, interpret):
+    """codes3 (M, G, g), scales (M, G) f32, scale2 (G, g), dy3 (M, G, g) -> dx (M, G, g) x_dtype, dscale partial
+    sums (M / rows per program, G, g) f32."""
+    m, n_groups, group = codes3.shape
+    rows = _RowLayout(group)
+    per_program = _rows_per_program(m)
+
+    def body(codes_ref, scales_ref, scale_ref, dy_ref, dx_ref, dscale_ref, dscale_acc):
+        program = lax.axis_index("program")
+        dscale_acc[...] = plgpu.layout_cast(jnp.zeros(dscale_acc.shape, jnp.float32), rows.layout)
+        scale32 = _load(scale_ref, rows.layout.reduce(0)).astype(jnp.float32)
+        shape = (WARPS, n_groups, group)
+        scale32 = rows.broadcast_features(scale32, shape)
+
+        @pl.loop(0, per_program // WARPS)
+        def _(t):
+            block = pl.ds(program * per_program + t * WARPS, WARPS)
+            codes = _load(codes_ref.at[block], rows.layout).astype(jnp.float32)
+            group_scale = _load(scales_ref.at[block], rows.layout.reduce(2))
+            # `prologue.restore`: qtensor.dequantize (codes * scale in f32), in x's dtype
+            x32 = (codes * rows.broadcast_groups(group_scale, shape)).astype(x_dtype).astype(jnp.float32)
+            _, inv_rms = numerics.rms_norm(x32, scale32, eps, rows.mean_rows, rows.broadcast_rows)
+            dy32 = _load(dy_ref.at[block], rows.layout).astype(jnp.float32)
+            dx, dscale_terms = numerics.rms_norm_backward(x32, inv_rms, scale32, dy32, rows.mean_rows,
+                                                          rows.broadcast_rows)
+            dx_ref[block] = dx.astype(x_dtype)
+            dscale_acc[...] = _load(dscale_acc, rows.layout) + dscale_terms  # each thread its own elements
+
+        dscale_ref[program] = jnp.sum(_load(dscale_acc, rows.layout), axis=0)  # across the 4 warps
+
+    out_type = (jax.ShapeDtypeStruct(codes3.shape, x_dtype),
+                jax.ShapeDtypeStruct((m // per_program, n_groups, group), jnp.float32))
+    return plgpu.kernel(body, out_type=out_type, grid=(m // per_program,), grid_names=("program",),
+                        scratch_types=(plgpu.SMEM((WARPS, n_groups, group), jnp.float32),),
+                        interpret=interpret)(codes3, scales, scale2, dy3)
+
+
+def forward_saving(x: jax.Array, scale: jax.Array, *, eps: float, dtype, spec: QuantSpec, group: int,
+                   interpret=False) -> tuple[jax.Array, QTensor]:
+    """RMSNorm of x and its 8-bit copy from one read of x.
+
+    Args:
+      x: float32 / bfloat16 / float16 (..., D); scale: float (D,); eps: Python float; dtype: y's dtype.
+      spec, group: how x is saved (a recipe's `saved` and `saved_group`; `supports` lists the cases).
+      interpret: False / None compile the kernel (a Hopper GPU); True or a `plgpu.InterpretGPUParams`: the
+        Mosaic GPU interpreter (CPU).
+    Returns:
+      y (..., D) in dtype, `ops.rms_norm`'s forward (to float32 rounding), and the QTensor of `prologue.save(x,
+      spec, group)` (codes (..., D/g, g), scales f32 (..., D/g, 1), bit for bit).
+    """
+    reason = supports(x, scale, spec, group)
+    if reason is not None:
+        raise ValueError(reason)
+    *lead, d = x.shape
+    y, codes, scales = _forward_call(x.reshape(-1, d // group, group), scale.reshape(d // group, group),
+                                     eps=float(eps), dtype=jnp.dtype(dtype), fmt=spec.dtype,
+                                     pow2_scale=spec.pow2_scale, interpret=resolve_interpret(interpret))
+    saved = QTensor(codes.reshape(*lead, d // group, group), scales.reshape(*lead, d // group, 1), "row")
+    return y.reshape(x.shape), saved
+
+
+def backward_saved(saved: QTensor, x_dtype, scale: jax.Array, dy: jax.Array, *, eps: float,
+                   interpret=False) -> tuple[jax.Array, jax.Array]:
+    """RMSNorm's backward from the 8-bit copy of its input (one read of the codes and of dy).
+
+    Args:
+      saved: `forward_saving`'s QTensor (codes (..., D/g, g) int8 / float8_e4m3fn, scales f32 (..., D/g, 1)).
+      x_dtype: the norm input's dtype (x is restored in it); scale: float (D,); dy: float (..., D); eps as in
+        `forward_saving`.
+    Returns:
+      (dx (..., D) in x_dtype, dscale (D,) in scale's dtype): `ops.rms_norm`'s backward at x = `prologue.restore(
+      saved, ...)` (to float32 rounding).
+    """
+    *lead, n_groups, group = saved.data.shape
+    spec = QuantSpec(formats.get_format(saved.data.dtype).name)
+    x_like = jax.ShapeDtypeStruct((*lead, n_groups * group), x_dtype)
+    reason = supports(x_like, scale, spec, group, dy)
+    if saved.granularity != "row":
+        reason = f"the RMSNorm backward kernel reads groups saved with granularity 'row', got {saved.granularity!r}"
+    if reason is not None:
+        raise ValueError(reason)
+    dx, dscale_partial = _backward_call(saved.data.reshape(-1, n_groups, group), saved.scale.reshape(-1, n_groups),
+                                        scale.reshape(n_groups, group), dy.reshape(-1, n_groups, group),
+                                        eps=float(eps), x_dtype=jnp.dtype(x_dtype),
+                                        interpret=resolve_interpret(interpret))
+    return dx.reshape(dy.shape), jnp.sum(dscale_partial, axis=0).reshape(-1).astype(scale.dtype)
