@@ -12,7 +12,8 @@
 # `patch -p0 benchmarks/RESULTS.md < results.diff`). QJAX_COMMIT names the code in those RESULTS headings: the
 # device copy's .git can be stale (benchmarks/NOTES.md, device-time lessons).
 #
-# Steps: tests-kernels (the GPU-relevant kernel tests, compiled), tests-optim (fused AdamW GPU tests), quantize
+# Steps: tests-kernels (the GPU-relevant kernel tests, compiled), tests-optim (fused AdamW GPU tests),
+# tests-rmsnorm (the fused RMSNorm kernels' tests, compiled), rmsnorm-kernels (kernels.py rmsnorm), quantize
 # (kernels.py quantize), gemm (kernels.py gemm), matmul (A.B^T at 8192), linear (with the torch peer), train (the
 # 1.1B table with the torch peer), train-qjax (the 1.1B table without the peer), train-sr (bf16, int8_rowwise and
 # int8_rowwise with stochastic rounding of the gradients), hf (the Hugging Face Llama and generate tests, the
@@ -85,6 +86,8 @@ step_command() {
     case "$1" in
         tests-kernels) echo "python3 -m pytest -x -q -p no:cacheprovider tests/kernels" ;;
         tests-optim) echo "python3 -m pytest -x -q -p no:cacheprovider -m gpu tests/optim/test_fused_kernel.py" ;;
+        tests-rmsnorm) echo "python3 -m pytest -x -q -p no:cacheprovider tests/kernels/test_rmsnorm_mgpu.py" ;;
+        rmsnorm-kernels) echo "python3 benchmarks/kernels.py rmsnorm --shapes 16384x2048 16384x4096" ;;
         adam-sr-diag) echo "env MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp XLA_FLAGS=--xla_dump_to=/tmp/adam_xla" \
                           "python3 -m pytest -q -s -p no:cacheprovider -m gpu -k diagnosis" \
                           "tests/optim/test_fused_kernel.py" ;;

@@ -3,6 +3,7 @@ bandwidth against a copy.
 
   python benchmarks/kernels.py gemm [--sizes 4096 8192] [--cases int8_row fp8_block] [--sweep]
   python benchmarks/kernels.py quantize [--shapes 16384x2048 16384x11264]
+  python benchmarks/kernels.py rmsnorm [--shapes 16384x2048 16384x4096]   (appends its table to RESULTS.md)
 
 Each kernel's output is checked against its reference before it is timed (GEMM: relative error column; quantize:
 the kernels' GPU tests in tests/kernels). Prints tables; the end-to-end numbers are benchmarks/matmul.py and
@@ -21,7 +22,11 @@ import jax.numpy as jnp
 from jax import lax
 
 import stochastic_cast_mgpu  # benchmarks/: the standalone SR cast kernel, outside the library
+from common import append_results
 from qjax import dispatch, stochastic
+from qjax.kernels import rmsnorm_mgpu
+from qjax.models import ops
+from qjax.prologue import restore, save
 from qjax.kernels import gemm_config_mgpu as gemm_config
 from qjax.kernels import quantize_mgpu, resolve_interpret
 from qjax.kernels import scaled_matmul_mgpu as mg
@@ -195,13 +200,98 @@ def quantize_table(argv):
                 print(f"{shape:>13} {name:46} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
+def rmsnorm_table(argv):
+    """GPU: the fused RMSNorm kernels (norm + the 8-bit save of its input, and the backward from the codes) against
+    their XLA reference and XLA's copy of x, bf16 x / y / dy, float32 norm scale, at the 1.1B and 8B widths.
+
+    python benchmarks/kernels.py rmsnorm [--shapes 16384x2048 16384x4096] [--interpret] [--no-append]
+
+    Timed as the quantize table is (one jit of --batch calls on distinct inputs, --calls back to back, median of
+    --rounds, per call). Bytes: what the op must move, counted the same for kernel and reference: forward x read
+    (2 B/element), y written (2), codes (1) and scales (4/g); backward codes (1), scales (4/g) and dy (2) read, dx
+    written (2). "of copy": those bytes per second over XLA's x * 2 (4 B/element in 1 pass) per second. Before a
+    shape is timed, the kernels' outputs are checked against the reference (codes and scales equal, y and dx within
+    a bf16 ulp, dscale's relative error: the "check" column).
+    """
+    parser = argparse.ArgumentParser(prog="kernels.py rmsnorm", description=rmsnorm_table.__doc__)
+    parser.add_argument("--shapes", nargs="+", default=["16384x2048", "16384x4096"])
+    parser.add_argument("--batch", type=int, default=8, help="calls of the op inside one jit (distinct inputs)")
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--interpret", action="store_true", help="CPU smoke test of this script (times meaningless)")
+    parser.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
+    args = parser.parse_args(argv)
+    if jax.devices()[0].platform != "gpu" and not args.interpret:
+        sys.exit("the benchmark needs a Hopper GPU (or --interpret with small --shapes, e.g. 64x256)")
+    eps, dtype = 1e-5, jnp.bfloat16
+
+    def seconds(fn, inputs):
+        batched = jax.jit(lambda inputs: [fn(*a) for a in inputs])
+        jax.block_until_ready(batched(inputs))  # compile + warm up
+        samples = []
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            jax.block_until_ready([batched(inputs) for _ in range(args.calls)])
+            samples.append((time.perf_counter() - start) / args.calls / len(inputs))
+        return statistics.median(samples)
+
+    lines = [f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; one jit of {args.batch} calls on "
+             f"distinct inputs, {args.calls} back to back, median of {args.rounds}", "",
+             f"| x | case | us | GB/s | of copy | check |", "|---|---|---:|---:|---:|---|"]
+    print("\n".join(lines), flush=True)
+    for shape in args.shapes:
+        m, d = (int(v) for v in shape.split("x"))
+        n = m * d
+        keys = jax.random.split(jax.random.key(0), 3)
+        x = jax.random.normal(keys[0], (m, d), dtype)
+        scale = 1 + 0.1 * jax.random.normal(keys[1], (d,))
+        dy = jax.random.normal(keys[2], (m, d), dtype)
+        x_like = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        rows = [("copy: XLA x * 2", jax.jit(lambda x: x * 2), [(x + i,) for i in range(args.batch)], 4 * n, "")]
+        for spec, group in ((QuantSpec("int8"), 32), (QuantSpec("e4m3"), 16)):
+            label = f"{spec.dtype} g{group}"
+            forward = jax.jit(lambda x, scale, spec=spec, group=group: rmsnorm_mgpu.forward_saving(
+                x, scale, eps=eps, dtype=dtype, spec=spec, group=group, interpret=args.interpret))
+            forward_ref = jax.jit(lambda x, scale, spec=spec, group=group: (
+                ops._rms_norm_forward(x, scale, eps, dtype)[0], save(x, spec, group)))
+            backward = jax.jit(lambda saved, scale, dy: rmsnorm_mgpu.backward_saved(
+                saved, dtype, scale, dy, eps=eps, interpret=args.interpret))
+            backward_ref = jax.jit(lambda saved, scale, dy: ops._rms_norm_bwd(
+                eps, dtype, ops._rms_norm_fwd(restore(saved, x_like.shape, x_like.dtype), scale, eps, dtype)[1], dy))
+            (y, saved), (y_ref, saved_ref) = forward(x, scale), forward_ref(x, scale)
+            (dx, dscale), (dx_ref, dscale_ref) = backward(saved_ref, scale, dy), backward_ref(saved_ref, scale, dy)
+            codes_equal = bool(jnp.all(saved.data == saved_ref.data) & jnp.all(saved.scale == saved_ref.scale))
+            ulp = lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))
+                                             / jnp.maximum(jnp.abs(b.astype(jnp.float32)), 1e-30)))
+            dscale_err = float(jnp.linalg.norm(dscale - dscale_ref) / jnp.linalg.norm(dscale_ref))
+            check = (f"codes {'equal' if codes_equal else 'DIFFER'}, y {ulp(y, y_ref):.1e}, dx {ulp(dx, dx_ref):.1e}"
+                     f", dscale {dscale_err:.1e}")
+            moved = 5 * n + 4 * n // group  # forward and backward alike (docstring)
+            xs = [(x + i, scale) for i in range(args.batch)]
+            saveds = [(forward_ref(x + i, scale)[1], scale, dy + i) for i in range(args.batch)]
+            rows += [(f"forward {label}: kernel", forward, xs, moved, check),
+                     (f"forward {label}: XLA reference", forward_ref, xs, moved, ""),
+                     (f"backward {label}: kernel", backward, saveds, moved, ""),
+                     (f"backward {label}: XLA reference", backward_ref, saveds, moved, "")]
+        copy_rate = None
+        for name, fn, inputs, moved, check in rows:
+            try:
+                t = seconds(fn, inputs)
+                copy_rate = moved / t if name.startswith("copy") else copy_rate
+                line = f"| {shape} | {name} | {t * 1e6:.1f} | {moved / t / 1e9:.0f} | {moved / t / copy_rate:.2f} | {check} |"
+            except Exception as e:  # keep measuring the other cases
+                line = f"| {shape} | {name} | FAILED: {type(e).__name__}: {str(e)[:300]} | | | |"
+            lines.append(line)
+            print(line, flush=True)
+    if not args.no_append:
+        append_results("Fused RMSNorm kernels (norm + 8-bit save; backward from the codes)", "\n".join(lines) + "\n")
+
+
 def main():
-    if len(sys.argv) < 2 or sys.argv[1] not in ("gemm", "quantize"):
+    tables = {"gemm": gemm_table, "quantize": quantize_table, "rmsnorm": rmsnorm_table}
+    if len(sys.argv) < 2 or sys.argv[1] not in tables:
         sys.exit(__doc__)
-    if sys.argv[1] == "gemm":
-        gemm_table(sys.argv[2:])
-    else:
-        quantize_table(sys.argv[2:])
+    tables[sys.argv[1]](sys.argv[2:])
 
 
 if __name__ == "__main__":
