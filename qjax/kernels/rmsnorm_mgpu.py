@@ -22,14 +22,15 @@ along it. A program's 4 warps own 4 rows (one each, no cross-warp traffic); a wa
 features of its row per register, 4 per lane (16-byte f32 / 8-byte bf16 vectors: contiguous, coalesced loads and
 stores), so a group of g features spans g/4 lanes and its amax is a shuffle over them, and the row's sum of squares
 a shuffle over all 32 after summing the lane's registers. Mosaic GPU reduces one axis at a time, so row means are
-taken group by group, then over the groups. No shared-memory staging: values go GMEM -> registers -> GMEM (vector
-loads and stores, as `adam_step_mgpu`); a row of D features is D/32 elements per thread and array, so D is capped
-at MAX_FEATURES (longer rows would spill registers; `supports`).
+taken group by group, then over the groups. Activations go GMEM -> registers -> GMEM (vector loads and stores, as
+`adam_step_mgpu`; no TMA staging); a row of D features is D/32 elements per thread and array, so D is capped at
+MAX_FEATURES (longer rows would spill registers; `supports`).
 
-The backward's dscale is a sum over all M rows. Each program takes ROWS_PER_PROGRAM rows (4 at a time) and keeps a
-per-warp running sum of dy * n in shared memory (4, D) f32 (each thread adds to the elements it owns: no
-synchronisation); at the end the 4 warps' sums are added (a cross-warp reduction) into one (D,) row per program,
-and XLA adds the programs' rows: (M / ROWS_PER_PROGRAM, D) float32, 1/32 of the rows of a float32 dy.
+Each program takes ROWS_PER_PROGRAM rows (fewer where M is not a multiple), 4 at a time, and stages the norm scale
+in shared memory once. The backward's dscale is a sum over all M rows: each program keeps a per-warp running sum of
+dy * n in shared memory (4, D) f32 (each thread adds to the elements it owns: no synchronisation); at the end the 4
+warps' sums are added (a cross-warp reduction) into one (D,) row per program, and XLA adds the programs' rows:
+(M / ROWS_PER_PROGRAM, D) float32, 1/32 of the rows of a float32 dy.
 """
 
 import functools
@@ -113,6 +114,48 @@ class _RowLayout:
         return plgpu.layout_cast(lax.broadcast_in_dim(values, shape, (1, 2)), self.layout)
 
 
+def _rows_per_program(m: int) -> int:
+    rows = ROWS_PER_PROGRAM
+    while m % rows:  # m is a multiple of WARPS, a power of two dividing ROWS_PER_PROGRAM
+        rows //= 2
+    return rows
+
+
+def _run(block_step, inputs, out_type, *, group, scratch=(), start=None, finish=None, interpret):
+    """Runs block_step(scale (4, D/g, g) f32, rows (a pl.ds of 4 rows), *refs) over the row blocks: programs of
+    `_rows_per_program(M)` rows, 4 at a time (one per warp); start(*refs) before a program's first block and
+    finish(program, *refs) after its last, where given. refs: the inputs' but the scale's, the outputs', the extra
+    scratch's. inputs: (M, D/g, g) arrays and per-row arrays, the norm scale (D/g, g) last: each program stages it
+    in SMEM as f32 once (each warp writes the whole of it, the same values, and reads back what it wrote: no
+    synchronisation) and loads it per block, rather than holding D/32 more f32 per thread in registers or reading
+    it from L2 for every 4 rows."""
+    m, n_groups, _ = inputs[0].shape
+    layout = _RowLayout(group)
+    per_program = _rows_per_program(m)
+    n_in, n_out = len(inputs), len(out_type)
+    shape = (WARPS, n_groups, group)
+
+    def body(*refs):
+        program = lax.axis_index("program")
+        scale_ref, scale_smem = refs[n_in - 1], refs[n_in + n_out]
+        scale_smem[...] = _load(scale_ref, layout.layout.reduce(0)).astype(jnp.float32)
+        step_refs = (*refs[:n_in - 1], *refs[n_in:n_in + n_out], *refs[n_in + n_out + 1:])
+        if start is not None:
+            start(*step_refs)
+
+        @pl.loop(0, per_program // WARPS)
+        def _(t):
+            scale32 = layout.broadcast_features(_load(scale_smem, layout.layout.reduce(0)), shape)
+            block_step(scale32, pl.ds(program * per_program + t * WARPS, WARPS), *step_refs)
+
+        if finish is not None:
+            finish(program, *step_refs)
+
+    scratch = (plgpu.SMEM((n_groups, group), jnp.float32), *scratch)
+    return plgpu.kernel(body, out_type=out_type, grid=(m // per_program,), grid_names=("program",),
+                        scratch_types=scratch, interpret=interpret)(*inputs)
+
+
 @functools.partial(jax.jit, static_argnames=("eps", "dtype", "fmt", "pow2_scale", "interpret"))
 def _forward_call(x3, scale2, *, eps, dtype, fmt, pow2_scale, interpret):
     """x3 (M, G, g), scale2 (G, g) -> y (M, G, g) dtype, codes (M, G, g), scales (M, G) f32."""
@@ -120,12 +163,9 @@ def _forward_call(x3, scale2, *, eps, dtype, fmt, pow2_scale, interpret):
     rows = _RowLayout(group)
     fmt = formats.get_format(fmt)
 
-    def body(x_ref, scale_ref, y_ref, codes_ref, scales_ref):
-        block = pl.ds(lax.axis_index("block") * WARPS, WARPS)
+    def block_step(scale32, block, x_ref, y_ref, codes_ref, scales_ref):
         x32 = _load(x_ref.at[block], rows.layout).astype(jnp.float32)
-        scale32 = _load(scale_ref, rows.layout.reduce(0)).astype(jnp.float32)
-        y, _ = numerics.rms_norm(x32, rows.broadcast_features(scale32, x32.shape), eps, rows.mean_rows,
-                                 rows.broadcast_rows)
+        y, _ = numerics.rms_norm(x32, scale32, eps, rows.mean_rows, rows.broadcast_rows)
         y_ref[block] = y.astype(dtype)
         # `quantize.quantize_with_seed` of the (M, G, g) view, granularity "row": amax, scale, x * (1 / scale),
         # round, clamp, cast (x * (1 / scale) is finite or NaN: an Inf makes its group's scale Inf)
@@ -136,15 +176,7 @@ def _forward_call(x3, scale2, *, eps, dtype, fmt, pow2_scale, interpret):
 
     out_type = (jax.ShapeDtypeStruct(x3.shape, dtype), jax.ShapeDtypeStruct(x3.shape, fmt.dtype),
                 jax.ShapeDtypeStruct((m, n_groups), jnp.float32))
-    return plgpu.kernel(body, out_type=out_type, grid=(m // WARPS,), grid_names=("block",),
-                        interpret=interpret)(x3, scale2)
-
-
-def _rows_per_program(m: int) -> int:
-    rows = ROWS_PER_PROGRAM
-    while m % rows:  # m is a multiple of WARPS, a power of two dividing ROWS_PER_PROGRAM
-        rows //= 2
-    return rows
+    return _run(block_step, (x3, scale2), out_type, group=group, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "x_dtype", "interpret"))
@@ -153,36 +185,32 @@ def _backward_call(codes3, scales, scale2, dy3, *, eps, x_dtype, interpret):
     sums (M / rows per program, G, g) f32."""
     m, n_groups, group = codes3.shape
     rows = _RowLayout(group)
-    per_program = _rows_per_program(m)
+    shape = (WARPS, n_groups, group)
 
-    def body(codes_ref, scales_ref, scale_ref, dy_ref, dx_ref, dscale_ref, dscale_acc):
-        program = lax.axis_index("program")
-        dscale_acc[...] = plgpu.layout_cast(jnp.zeros(dscale_acc.shape, jnp.float32), rows.layout)
-        scale32 = _load(scale_ref, rows.layout.reduce(0)).astype(jnp.float32)
-        shape = (WARPS, n_groups, group)
-        scale32 = rows.broadcast_features(scale32, shape)
+    def start(*refs):
+        dscale_acc = refs[-1]
+        dscale_acc[...] = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), rows.layout)
 
-        @pl.loop(0, per_program // WARPS)
-        def _(t):
-            block = pl.ds(program * per_program + t * WARPS, WARPS)
-            codes = _load(codes_ref.at[block], rows.layout).astype(jnp.float32)
-            group_scale = _load(scales_ref.at[block], rows.layout.reduce(2))
-            # `prologue.restore`: qtensor.dequantize (codes * scale in f32), in x's dtype
-            x32 = (codes * rows.broadcast_groups(group_scale, shape)).astype(x_dtype).astype(jnp.float32)
-            _, inv_rms = numerics.rms_norm(x32, scale32, eps, rows.mean_rows, rows.broadcast_rows)
-            dy32 = _load(dy_ref.at[block], rows.layout).astype(jnp.float32)
-            dx, dscale_terms = numerics.rms_norm_backward(x32, inv_rms, scale32, dy32, rows.mean_rows,
-                                                          rows.broadcast_rows)
-            dx_ref[block] = dx.astype(x_dtype)
-            dscale_acc[...] = _load(dscale_acc, rows.layout) + dscale_terms  # each thread its own elements
+    def block_step(scale32, block, codes_ref, scales_ref, dy_ref, dx_ref, dscale_ref, dscale_acc):
+        codes = _load(codes_ref.at[block], rows.layout).astype(jnp.float32)
+        group_scale = _load(scales_ref.at[block], rows.layout.reduce(2))
+        # `prologue.restore`: qtensor.dequantize (codes * scale in f32), in x's dtype
+        x32 = (codes * rows.broadcast_groups(group_scale, shape)).astype(x_dtype).astype(jnp.float32)
+        _, inv_rms = numerics.rms_norm(x32, scale32, eps, rows.mean_rows, rows.broadcast_rows)
+        dy32 = _load(dy_ref.at[block], rows.layout).astype(jnp.float32)
+        dx, dscale_terms = numerics.rms_norm_backward(x32, inv_rms, scale32, dy32, rows.mean_rows,
+                                                      rows.broadcast_rows)
+        dx_ref[block] = dx.astype(x_dtype)
+        dscale_acc[...] = _load(dscale_acc, rows.layout) + dscale_terms  # each thread adds to its own elements
 
+    def finish(program, *refs):
+        dscale_ref, dscale_acc = refs[-2:]
         dscale_ref[program] = jnp.sum(_load(dscale_acc, rows.layout), axis=0)  # across the 4 warps
 
     out_type = (jax.ShapeDtypeStruct(codes3.shape, x_dtype),
-                jax.ShapeDtypeStruct((m // per_program, n_groups, group), jnp.float32))
-    return plgpu.kernel(body, out_type=out_type, grid=(m // per_program,), grid_names=("program",),
-                        scratch_types=(plgpu.SMEM((WARPS, n_groups, group), jnp.float32),),
-                        interpret=interpret)(codes3, scales, scale2, dy3)
+                jax.ShapeDtypeStruct((m // _rows_per_program(m), n_groups, group), jnp.float32))
+    return _run(block_step, (codes3, scales, dy3, scale2), out_type, group=group,
+                scratch=(plgpu.SMEM(shape, jnp.float32),), start=start, finish=finish, interpret=interpret)
 
 
 def forward_saving(x: jax.Array, scale: jax.Array, *, eps: float, dtype, spec: QuantSpec, group: int,
