@@ -278,7 +278,8 @@ def rmsnorm_table(argv):
             try:
                 t = seconds(fn, inputs)
                 copy_rate = moved / t if name.startswith("copy") else copy_rate
-                line = f"| {shape} | {name} | {t * 1e6:.1f} | {moved / t / 1e9:.0f} | {moved / t / copy_rate:.2f} | {check} |"
+                rate = moved / t
+                line = f"| {shape} | {name} | {t * 1e6:.1f} | {rate / 1e9:.0f} | {rate / copy_rate:.2f} | {check} |"
             except Exception as e:  # keep measuring the other cases
                 line = f"| {shape} | {name} | FAILED: {type(e).__name__}: {str(e)[:300]} | | | |"
             lines.append(line)

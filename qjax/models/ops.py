@@ -5,7 +5,7 @@ Autodiff of the plain formulas saves every intermediate the backward reads: RMSN
 three or four compute-dtype intermediates, RoPE its broadcast cos/sin tables four times per call. Each function here
 computes the same forward, op for op (bit for bit), and saves:
 
-  rms_norm    x in its own dtype and the float32 1/rms per row (...,); the backward recomputes x / rms.
+  rms_norm    x in its own dtype and the float32 1/rms per row (..., 1); the backward recomputes x / rms.
   layer_norm  x in its own dtype, the float32 mean and 1/std per row; the backward recomputes (x - mean) / std.
   swiglu      gate and up in their own dtype; the backward recomputes sigmoid(gate) in float32.
   gelu        x in its own dtype; the backward recomputes the tanh in float32 (gelu_exact: the erf).
@@ -38,8 +38,8 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype) -> jax.Array:
 
 
 def _rms_norm_forward(x, scale, eps, dtype):
-    y, inv_rms = numerics.rms_norm(x.astype(jnp.float32), scale.astype(jnp.float32), eps)  # inv_rms f32 (...,)
-    return y.astype(dtype), inv_rms
+    y, inv_rms = numerics.rms_norm(x.astype(jnp.float32), scale.astype(jnp.float32), eps)
+    return y.astype(dtype), inv_rms[..., None]  # float32 (..., 1)
 
 
 def _rms_norm_fwd(x, scale, eps, dtype):
@@ -49,7 +49,7 @@ def _rms_norm_fwd(x, scale, eps, dtype):
 
 def _rms_norm_bwd(eps, dtype, residuals, dy):
     x, scale, inv_rms = residuals
-    dx, dscale_terms = numerics.rms_norm_backward(x.astype(jnp.float32), inv_rms, scale.astype(jnp.float32),
+    dx, dscale_terms = numerics.rms_norm_backward(x.astype(jnp.float32), inv_rms[..., 0], scale.astype(jnp.float32),
                                                   dy.astype(jnp.float32))
     dscale = jnp.sum(dscale_terms, axis=tuple(range(x.ndim - 1)))
     return dx.astype(x.dtype), dscale.astype(scale.dtype)
