@@ -87,7 +87,8 @@ step_command() {
         tests-kernels) echo "python3 -m pytest -x -q -p no:cacheprovider tests/kernels" ;;
         tests-optim) echo "python3 -m pytest -x -q -p no:cacheprovider -m gpu tests/optim/test_fused_kernel.py" ;;
         tests-rmsnorm) echo "python3 -m pytest -x -q -p no:cacheprovider tests/kernels/test_rmsnorm_mgpu.py" ;;
-        rmsnorm-kernels) echo "python3 benchmarks/kernels.py rmsnorm --shapes 16384x2048 16384x4096" ;;
+        rmsnorm-kernels) echo "python3 benchmarks/kernels.py rmsnorm --shapes 16384x2048 16384x4096" \
+                              "--rows-per-program 32 4" ;;
         adam-sr-diag) echo "env MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp XLA_FLAGS=--xla_dump_to=/tmp/adam_xla" \
                           "python3 -m pytest -q -s -p no:cacheprovider -m gpu -k diagnosis" \
                           "tests/optim/test_fused_kernel.py" ;;

@@ -204,7 +204,7 @@ def rmsnorm_table(argv):
     """GPU: the fused RMSNorm kernels (norm + the 8-bit save of its input, and the backward from the codes) against
     their XLA reference and XLA's copy of x, bf16 x / y / dy, float32 norm scale, at the 1.1B and 8B widths.
 
-    python benchmarks/kernels.py rmsnorm [--shapes 16384x2048 16384x4096] [--interpret] [--no-append]
+    python benchmarks/kernels.py rmsnorm [--shapes 16384x2048 16384x4096] [--rows-per-program 4 32] [--interpret]
 
     Timed as the quantize table is (one jit of --batch calls on distinct inputs, --calls back to back, median of
     --rounds, per call). Bytes: what the op must move, counted the same for kernel and reference: forward x read
@@ -218,6 +218,8 @@ def rmsnorm_table(argv):
     parser.add_argument("--batch", type=int, default=8, help="calls of the op inside one jit (distinct inputs)")
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rows-per-program", type=int, nargs="+", default=[rmsnorm_mgpu.ROWS_PER_PROGRAM],
+                        help="kernel rows for each of these (rmsnorm_mgpu's tuning knob)")
     parser.add_argument("--interpret", action="store_true", help="CPU smoke test of this script (times meaningless)")
     parser.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
     args = parser.parse_args(argv)
@@ -250,12 +252,15 @@ def rmsnorm_table(argv):
         rows = [("copy: XLA x * 2", jax.jit(lambda x: x * 2), [(x + i,) for i in range(args.batch)], 4 * n, "")]
         for spec, group in ((QuantSpec("int8"), 32), (QuantSpec("e4m3"), 16)):
             label = f"{spec.dtype} g{group}"
-            forward = jax.jit(lambda x, scale, spec=spec, group=group: rmsnorm_mgpu.forward_saving(
-                x, scale, eps=eps, dtype=dtype, spec=spec, group=group, interpret=args.interpret))
+            forwards = {rows: jax.jit(lambda x, scale, spec=spec, group=group, rows=rows: rmsnorm_mgpu.forward_saving(
+                x, scale, eps=eps, dtype=dtype, spec=spec, group=group, interpret=args.interpret,
+                rows_per_program=rows)) for rows in args.rows_per_program}
+            backwards = {rows: jax.jit(lambda saved, scale, dy, rows=rows: rmsnorm_mgpu.backward_saved(
+                saved, dtype, scale, dy, eps=eps, interpret=args.interpret, rows_per_program=rows))
+                for rows in args.rows_per_program}
+            forward, backward = forwards[args.rows_per_program[0]], backwards[args.rows_per_program[0]]
             forward_ref = jax.jit(lambda x, scale, spec=spec, group=group: (
                 ops._rms_norm_forward(x, scale, eps, dtype)[0], save(x, spec, group)))
-            backward = jax.jit(lambda saved, scale, dy: rmsnorm_mgpu.backward_saved(
-                saved, dtype, scale, dy, eps=eps, interpret=args.interpret))
             backward_ref = jax.jit(lambda saved, scale, dy: ops._rms_norm_bwd(
                 eps, dtype, ops._rms_norm_fwd(restore(saved, x_like.shape, x_like.dtype), scale, eps, dtype)[1], dy))
             (y, saved), (y_ref, saved_ref) = forward(x, scale), forward_ref(x, scale)
@@ -269,10 +274,12 @@ def rmsnorm_table(argv):
             moved = 5 * n + 4 * n // group  # forward and backward alike (docstring)
             xs = [(x + i, scale) for i in range(args.batch)]
             saveds = [(forward_ref(x + i, scale)[1], scale, dy + i) for i in range(args.batch)]
-            rows += [(f"forward {label}: kernel", forward, xs, moved, check),
-                     (f"forward {label}: XLA reference", forward_ref, xs, moved, ""),
-                     (f"backward {label}: kernel", backward, saveds, moved, ""),
-                     (f"backward {label}: XLA reference", backward_ref, saveds, moved, "")]
+            rows += [(f"forward {label}: kernel, {r} rows/program", forwards[r], xs, moved,
+                      check if r == args.rows_per_program[0] else "") for r in args.rows_per_program]
+            rows += [(f"forward {label}: XLA reference", forward_ref, xs, moved, "")]
+            rows += [(f"backward {label}: kernel, {r} rows/program", backwards[r], saveds, moved, "")
+                     for r in args.rows_per_program]
+            rows += [(f"backward {label}: XLA reference", backward_ref, saveds, moved, "")]
         copy_rate = None
         for name, fn, inputs, moved, check in rows:
             try:

@@ -51,7 +51,7 @@ _LANE_FEATURES = 128  # features a warp covers per register: 32 lanes x 4
 MAX_FEATURES = 4096  # D/32 elements per thread and array: longer rows would spill registers
 GROUPS = (16, 32)  # saved groups the kernels take: the data-flow recipes' (fp8: 16, int8: 32)
 FORMATS = ("int8", "e4m3")
-ROWS_PER_PROGRAM = 32  # backward: rows per program (fewer where M is not a multiple), summed into one dscale row
+ROWS_PER_PROGRAM = 32  # rows per program (fewer where M is not a multiple); the backward sums them into one row
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -114,16 +114,17 @@ class _RowLayout:
         return plgpu.layout_cast(lax.broadcast_in_dim(values, shape, (1, 2)), self.layout)
 
 
-def _rows_per_program(m: int) -> int:
-    rows = ROWS_PER_PROGRAM
-    while m % rows:  # m is a multiple of WARPS, a power of two dividing ROWS_PER_PROGRAM
-        rows //= 2
+def _rows_per_program(m: int, rows: int) -> int:
+    """The largest multiple of WARPS that divides m and is at most `rows` (m is a multiple of WARPS)."""
+    rows = max(WARPS, rows - rows % WARPS)
+    while m % rows:
+        rows -= WARPS
     return rows
 
 
-def _run(block_step, inputs, out_type, *, group, scratch=(), start=None, finish=None, interpret):
+def _run(block_step, inputs, out_type, *, group, per_program, scratch=(), start=None, finish=None, interpret):
     """Runs block_step(scale (4, D/g, g) f32, rows (a pl.ds of 4 rows), *refs) over the row blocks: programs of
-    `_rows_per_program(M)` rows, 4 at a time (one per warp); start(*refs) before a program's first block and
+    `per_program` rows, 4 at a time (one per warp); start(*refs) before a program's first block and
     finish(program, *refs) after its last, where given. refs: the inputs' but the scale's, the outputs', the extra
     scratch's. inputs: (M, D/g, g) arrays and per-row arrays, the norm scale (D/g, g) last: each program stages it
     in SMEM as f32 once (each warp writes the whole of it, the same values, and reads back what it wrote: no
@@ -131,7 +132,6 @@ def _run(block_step, inputs, out_type, *, group, scratch=(), start=None, finish=
     it from L2 for every 4 rows."""
     m, n_groups, _ = inputs[0].shape
     layout = _RowLayout(group)
-    per_program = _rows_per_program(m)
     n_in, n_out = len(inputs), len(out_type)
     shape = (WARPS, n_groups, group)
 
@@ -156,8 +156,8 @@ def _run(block_step, inputs, out_type, *, group, scratch=(), start=None, finish=
                         scratch_types=scratch, interpret=interpret)(*inputs)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "dtype", "fmt", "pow2_scale", "interpret"))
-def _forward_call(x3, scale2, *, eps, dtype, fmt, pow2_scale, interpret):
+@functools.partial(jax.jit, static_argnames=("eps", "dtype", "fmt", "pow2_scale", "per_program", "interpret"))
+def _forward_call(x3, scale2, *, eps, dtype, fmt, pow2_scale, per_program, interpret):
     """x3 (M, G, g), scale2 (G, g) -> y (M, G, g) dtype, codes (M, G, g), scales (M, G) f32."""
     m, n_groups, group = x3.shape
     rows = _RowLayout(group)
@@ -176,11 +176,11 @@ def _forward_call(x3, scale2, *, eps, dtype, fmt, pow2_scale, interpret):
 
     out_type = (jax.ShapeDtypeStruct(x3.shape, dtype), jax.ShapeDtypeStruct(x3.shape, fmt.dtype),
                 jax.ShapeDtypeStruct((m, n_groups), jnp.float32))
-    return _run(block_step, (x3, scale2), out_type, group=group, interpret=interpret)
+    return _run(block_step, (x3, scale2), out_type, group=group, per_program=per_program, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "x_dtype", "interpret"))
-def _backward_call(codes3, scales, scale2, dy3, *, eps, x_dtype, interpret):
+@functools.partial(jax.jit, static_argnames=("eps", "x_dtype", "per_program", "interpret"))
+def _backward_call(codes3, scales, scale2, dy3, *, eps, x_dtype, per_program, interpret):
     """codes3 (M, G, g), scales (M, G) f32, scale2 (G, g), dy3 (M, G, g) -> dx (M, G, g) x_dtype, dscale partial
     sums (M / rows per program, G, g) f32."""
     m, n_groups, group = codes3.shape
@@ -208,13 +208,13 @@ def _backward_call(codes3, scales, scale2, dy3, *, eps, x_dtype, interpret):
         dscale_ref[program] = jnp.sum(_load(dscale_acc, rows.layout), axis=0)  # across the 4 warps
 
     out_type = (jax.ShapeDtypeStruct(codes3.shape, x_dtype),
-                jax.ShapeDtypeStruct((m // _rows_per_program(m), n_groups, group), jnp.float32))
-    return _run(block_step, (codes3, scales, dy3, scale2), out_type, group=group,
+                jax.ShapeDtypeStruct((m // per_program, n_groups, group), jnp.float32))
+    return _run(block_step, (codes3, scales, dy3, scale2), out_type, group=group, per_program=per_program,
                 scratch=(plgpu.SMEM(shape, jnp.float32),), start=start, finish=finish, interpret=interpret)
 
 
 def forward_saving(x: jax.Array, scale: jax.Array, *, eps: float, dtype, spec: QuantSpec, group: int,
-                   interpret=False) -> tuple[jax.Array, QTensor]:
+                   interpret=False, rows_per_program: int = ROWS_PER_PROGRAM) -> tuple[jax.Array, QTensor]:
     """RMSNorm of x and its 8-bit copy from one read of x.
 
     Args:
@@ -222,6 +222,7 @@ def forward_saving(x: jax.Array, scale: jax.Array, *, eps: float, dtype, spec: Q
       spec, group: how x is saved (a recipe's `saved` and `saved_group`; `supports` lists the cases).
       interpret: False / None compile the kernel (a Hopper GPU); True or a `plgpu.InterpretGPUParams`: the
         Mosaic GPU interpreter (CPU).
+      rows_per_program: rows each program runs, 4 at a time (a tuning knob: results do not depend on it).
     Returns:
       y (..., D) in dtype, `ops.rms_norm`'s forward (to float32 rounding), and the QTensor of `prologue.save(x,
       spec, group)` (codes (..., D/g, g), scales f32 (..., D/g, 1), bit for bit).
@@ -232,19 +233,20 @@ def forward_saving(x: jax.Array, scale: jax.Array, *, eps: float, dtype, spec: Q
     *lead, d = x.shape
     y, codes, scales = _forward_call(x.reshape(-1, d // group, group), scale.reshape(d // group, group),
                                      eps=float(eps), dtype=jnp.dtype(dtype), fmt=spec.dtype,
-                                     pow2_scale=spec.pow2_scale, interpret=resolve_interpret(interpret))
+                                     pow2_scale=spec.pow2_scale, per_program=_rows_per_program(
+                                         x.size // d, rows_per_program), interpret=resolve_interpret(interpret))
     saved = QTensor(codes.reshape(*lead, d // group, group), scales.reshape(*lead, d // group, 1), "row")
     return y.reshape(x.shape), saved
 
 
-def backward_saved(saved: QTensor, x_dtype, scale: jax.Array, dy: jax.Array, *, eps: float,
-                   interpret=False) -> tuple[jax.Array, jax.Array]:
+def backward_saved(saved: QTensor, x_dtype, scale: jax.Array, dy: jax.Array, *, eps: float, interpret=False,
+                   rows_per_program: int = ROWS_PER_PROGRAM) -> tuple[jax.Array, jax.Array]:
     """RMSNorm's backward from the 8-bit copy of its input (one read of the codes and of dy).
 
     Args:
       saved: `forward_saving`'s QTensor (codes (..., D/g, g) int8 / float8_e4m3fn, scales f32 (..., D/g, 1)).
       x_dtype: the norm input's dtype (x is restored in it); scale: float (D,); dy: float (..., D); eps as in
-        `forward_saving`.
+        `forward_saving`; interpret and rows_per_program as there.
     Returns:
       (dx (..., D) in x_dtype, dscale (D,) in scale's dtype): `ops.rms_norm`'s backward at x = `prologue.restore(
       saved, ...)` (to float32 rounding).
@@ -259,6 +261,7 @@ def backward_saved(saved: QTensor, x_dtype, scale: jax.Array, dy: jax.Array, *, 
         raise ValueError(reason)
     dx, dscale_partial = _backward_call(saved.data.reshape(-1, n_groups, group), saved.scale.reshape(-1, n_groups),
                                         scale.reshape(n_groups, group), dy.reshape(-1, n_groups, group),
-                                        eps=float(eps), x_dtype=jnp.dtype(x_dtype),
+                                        eps=float(eps), x_dtype=jnp.dtype(x_dtype), per_program=_rows_per_program(
+                                            dy.size // dy.shape[-1], rows_per_program),
                                         interpret=resolve_interpret(interpret))
     return dx.reshape(dy.shape), jnp.sum(dscale_partial, axis=0).reshape(-1).astype(scale.dtype)
