@@ -4,8 +4,8 @@
   quantize_pair       kernels.quantize_mgpu.quantize_pair_kernel   quantize.quantize_pair_reference
   quantized_matmul    kernels.scaled_matmul_mgpu.scaled_matmul_kernel  kernels.scaled_matmul.scaled_matmul
   fused AdamW step    kernels.adam_step_mgpu (via optim.fused_adam)   optim.fused_adam.fused_step_reference
-  RMSNorm + 8-bit save   kernels.rmsnorm_mgpu (via models.ops.rms_norm_prologue)   the norm and prologue.save /
-                      (its backward: prologue.restore and the norm's backward)
+  RMSNorm + its save  kernels.rmsnorm_mgpu (via models.ops.rms_norm_prologue's hooks, rms_norm_kernel_mode)
+                      reference: the norm and prologue.save; backward: prologue.restore and the norm's backward
 
 `kernel_mode(backend)` answers (run the kernel?, interpret it?) for a recipe backend ("auto", "xla", "pallas"; the
 fused AdamW's `use_kernel=True` is "auto"). Tests and benchmarks override what "auto" finds with `force`:
