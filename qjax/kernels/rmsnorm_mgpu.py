@@ -67,12 +67,12 @@ def supports(x, scale, spec: QuantSpec, group: int, dy=None) -> str | None:
     (and, for the backward, with gradient dy of x's shape), else the reason they cannot."""
     if not isinstance(spec, QuantSpec):
         return f"spec must be a qjax.QuantSpec, got {type(spec).__name__}"
-    if spec.dtype not in FORMATS or spec.granularity != "row" or spec.stochastic or spec.is_mx:
-        return f"the RMSNorm kernels save {FORMATS} per group with nearest rounding, got {spec}"
+    if spec.dtype not in FORMATS or spec.granularity != "row" or spec.stochastic or spec.pow2_scale:
+        return f"the RMSNorm kernels save {FORMATS} per group with amax scales and nearest rounding, got {spec}"
     if group not in GROUPS:
         return f"the RMSNorm kernels save groups of {GROUPS} features, got {group}"
     shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
-    if shape is None or len(shape) < 1 or jnp.dtype(dtype) not in _INPUT_DTYPES:
+    if shape is None or dtype is None or len(shape) < 1 or jnp.dtype(dtype) not in _INPUT_DTYPES:
         return f"the RMSNorm kernels take float32, bfloat16 or float16 x (..., D), got {dtype} {shape}"
     d, m = shape[-1], int(np.prod(shape[:-1]))
     if d % _LANE_FEATURES or not 0 < d <= MAX_FEATURES:
@@ -156,8 +156,8 @@ def _run(block_step, inputs, out_type, *, group, per_program, scratch=(), start=
                         scratch_types=scratch, interpret=interpret)(*inputs)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "dtype", "fmt", "pow2_scale", "per_program", "interpret"))
-def _forward_call(x3, scale2, *, eps, dtype, fmt, pow2_scale, per_program, interpret):
+@functools.partial(jax.jit, static_argnames=("eps", "dtype", "fmt", "per_program", "interpret"))
+def _forward_call(x3, scale2, *, eps, dtype, fmt, per_program, interpret):
     """x3 (M, G, g), scale2 (G, g) -> y (M, G, g) dtype, codes (M, G, g), scales (M, G) f32."""
     m, n_groups, group = x3.shape
     rows = _RowLayout(group)
@@ -169,7 +169,7 @@ def _forward_call(x3, scale2, *, eps, dtype, fmt, pow2_scale, per_program, inter
         y_ref[block] = y.astype(dtype)
         # `quantize.quantize_with_seed` of the (M, G, g) view, granularity "row": amax, scale, x * (1 / scale),
         # round, clamp, cast (x * (1 / scale) is finite or NaN: an Inf makes its group's scale Inf)
-        group_scale = numerics.scale_from_amax(numerics.amax(x32, axis=2), fmt, pow2_scale)
+        group_scale = numerics.scale_from_amax(numerics.amax(x32, axis=2), fmt)
         scales_ref[block] = group_scale
         inverse = rows.broadcast_groups(jnp.float32(1) / group_scale, x32.shape)
         codes_ref[block] = numerics.cast_codes(x32 * inverse, fmt, may_be_inf=False)
@@ -233,8 +233,8 @@ def forward_saving(x: jax.Array, scale: jax.Array, *, eps: float, dtype, spec: Q
     *lead, d = x.shape
     y, codes, scales = _forward_call(x.reshape(-1, d // group, group), scale.reshape(d // group, group),
                                      eps=float(eps), dtype=jnp.dtype(dtype), fmt=spec.dtype,
-                                     pow2_scale=spec.pow2_scale, per_program=_rows_per_program(
-                                         x.size // d, rows_per_program), interpret=resolve_interpret(interpret))
+                                     per_program=_rows_per_program(x.size // d, rows_per_program),
+                                     interpret=resolve_interpret(interpret))
     saved = QTensor(codes.reshape(*lead, d // group, group), scales.reshape(*lead, d // group, 1), "row")
     return y.reshape(x.shape), saved
 

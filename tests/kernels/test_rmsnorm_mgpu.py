@@ -166,6 +166,7 @@ def test_other_specs_are_refused():
     x, scale, dy = _inputs((8, 128), jnp.bfloat16, specials=False)
     assert "nearest rounding" in rmsnorm_mgpu.supports(x, scale, QuantSpec("int8", stochastic=True), 32)
     assert "nearest rounding" in rmsnorm_mgpu.supports(x, scale, QuantSpec("e5m2"), 32)
+    assert "amax scales" in rmsnorm_mgpu.supports(x, scale, QuantSpec("e4m3", pow2_scale=True), 16)
     assert "scale of shape (128,)" in rmsnorm_mgpu.supports(x, scale[:64], QuantSpec("int8"), 32)
     assert "dy of x's shape" in rmsnorm_mgpu.supports(x, scale, QuantSpec("int8"), 32, dy[:4])
     assert "float32, bfloat16 or float16" in rmsnorm_mgpu.supports(x.astype(jnp.int32), scale, QuantSpec("int8"), 32)
