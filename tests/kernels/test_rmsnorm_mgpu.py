@@ -21,7 +21,7 @@ from qjax.qtensor import QuantSpec
 
 EPS = 1e-5
 RECIPES = {"int8_dataflow": (QuantSpec("int8"), 32), "fp8_dataflow": (QuantSpec("e4m3"), 16)}
-_ULP = {jnp.dtype(jnp.float32): 2.0**-22, jnp.dtype(jnp.bfloat16): 2.0**-7}  # a couple of f32 ulps; one bf16 ulp
+_ULP = {jnp.dtype(jnp.float32): 2.0**-20, jnp.dtype(jnp.bfloat16): 2.0**-7}  # a few f32 ulps; one bf16 ulp
 
 
 def _inputs(shape, dtype, specials=True, seed=0):
@@ -92,7 +92,7 @@ def assert_same_codes(got, want):
 def test_forward_saving_matches_reference(recipe, x_dtype, rows_per_program):
     spec, group = RECIPES[recipe]
     x, scale, _ = _inputs((2, 4, 256), x_dtype)
-    y_dtype = jnp.bfloat16
+    y_dtype = x_dtype  # the compute dtype: a float32 model's too
     interpret = _interpret()
     y, saved = jax.jit(lambda x, scale: rmsnorm_mgpu.forward_saving(
         x, scale, eps=EPS, dtype=y_dtype, spec=spec, group=group, interpret=interpret,
