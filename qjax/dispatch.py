@@ -4,8 +4,8 @@
   quantize_pair       kernels.quantize_mgpu.quantize_pair_kernel   quantize.quantize_pair_reference
   quantized_matmul    kernels.scaled_matmul_mgpu.scaled_matmul_kernel  kernels.scaled_matmul.scaled_matmul
   fused AdamW step    kernels.adam_step_mgpu (via optim.fused_adam)   optim.fused_adam.fused_step_reference
-  RMSNorm + its save  kernels.rmsnorm_mgpu (via models.ops.rms_norm_prologue's hooks, rms_norm_kernel_mode)
-                      reference: the norm and prologue.save; backward: prologue.restore and the norm's backward
+  RMSNorm + saved copy  kernels.rmsnorm_mgpu                        models.ops.rms_norm_prologue's composition
+                                                                   (passed in)
 
 `kernel_mode(backend)` answers (run the kernel?, interpret it?) for a recipe backend ("auto", "xla", "pallas"; the
 fused AdamW's `use_kernel=True` is "auto"). Tests and benchmarks override what "auto" finds with `force`:
@@ -147,16 +147,33 @@ def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation:
     return scaled_matmul.scaled_matmul(a, b, out_dtype, precise_accumulation)
 
 
-def rms_norm_kernel_mode(x, scale, spec: QuantSpec, group: int, dy=None, *, backend: str = "auto"
-                         ) -> tuple[bool, bool]:
-    """(run the fused RMSNorm kernels of `kernels.rmsnorm_mgpu`?, interpret them?) for the norm of x (..., D) with
-    scale (D,) whose input is saved per `spec` in groups of `group` (dy: the backward's gradient): `kernel_mode`,
-    where the kernels support the case (`rmsnorm_mgpu.supports`; else the caller runs the reference, the norm with
-    `prologue.save`, or `prologue.restore` and the norm's backward)."""
+
+def rms_norm_forward_saving(x: jax.Array, scale: jax.Array, spec: QuantSpec, group: int, reference, *, eps: float,
+                            dtype, backend: str = "auto"):
+    """(RMSNorm of x (..., D) with scale (D,) in `dtype`, x's saved 8-bit copy): the fused kernel
+    (`kernels.rmsnorm_mgpu.forward_saving`, one read of x) where `backend` selects it and it supports the case, else
+    `reference(x, scale, spec, group)`, the composition it equals (`qjax.models.ops.rms_norm`'s forward and
+    `qjax.prologue.save`: the model layer owns it, so it is passed in)."""
     run_kernel, interpret = kernel_mode(backend)
     if run_kernel:
-        reason = rmsnorm_mgpu.supports(x, scale, spec, group, dy)
+        reason = rmsnorm_mgpu.supports(x, scale, spec, group)
         if reason is None:
-            return True, interpret
+            return rmsnorm_mgpu.forward_saving(x, scale, eps=eps, dtype=dtype, spec=spec, group=group,
+                                               interpret=interpret)
         _unsupported(backend, "fused RMSNorm", reason)
-    return False, False
+    return reference(x, scale, spec, group)
+
+
+def rms_norm_backward_saved(saved: QTensor, x_like, scale: jax.Array, dy: jax.Array, reference, *, eps: float,
+                            backend: str = "auto"):
+    """(dx (x_like's shape and dtype), dscale (D,)) from the norm input's saved 8-bit copy and dy (..., D): the fused
+    kernel (`kernels.rmsnorm_mgpu.backward_saved`, one read of the codes and dy) where `backend` selects it and it
+    supports the case, else `reference(saved, x_like, scale, dy)` (`qjax.prologue.restore`, then the norm's
+    backward with its statistics recomputed from the restored x)."""
+    run_kernel, interpret = kernel_mode(backend)
+    if run_kernel:
+        reason = rmsnorm_mgpu.supports_backward(saved, x_like, scale, dy)
+        if reason is None:
+            return rmsnorm_mgpu.backward_saved(saved, x_like.dtype, scale, dy, eps=eps, interpret=interpret)
+        _unsupported(backend, "fused RMSNorm backward", reason)
+    return reference(saved, x_like, scale, dy)

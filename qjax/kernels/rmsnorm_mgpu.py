@@ -87,6 +87,21 @@ def supports(x, scale, spec: QuantSpec, group: int, dy=None) -> str | None:
     return None
 
 
+def supports_backward(saved, x_like, scale, dy) -> str | None:
+    """None if `backward_saved(saved, x_like.dtype, scale, dy)` can run for the norm input like x_like (shape,
+    dtype), else the reason."""
+    if not isinstance(saved, QTensor) or saved.granularity != "row" or saved.data.ndim < 2:
+        return "the RMSNorm backward kernel reads the saved QTensor of `prologue.save` (granularity 'row')"
+    *lead, n_groups, group = saved.data.shape
+    if ((*lead, n_groups * group) != tuple(x_like.shape)
+            or tuple(saved.scale.shape) != (*lead, n_groups, 1)):
+        return (f"saved codes {saved.data.shape} and scales {saved.scale.shape} are not the grouped view of x "
+                f"{x_like.shape} (codes (..., D / g, g), scales (..., D / g, 1))")
+    if saved.data.dtype not in (jnp.dtype(formats.get_format(name).dtype) for name in FORMATS):
+        return f"the RMSNorm backward kernel reads {FORMATS} codes, got {saved.data.dtype}"
+    return supports(x_like, scale, QuantSpec(formats.get_format(saved.data.dtype).name), group, dy)
+
+
 def _load(ref, layout):
     # optimized=False: the "optimized" transfers are SMEM layouts; from GMEM each register is one vector load.
     return plgpu.load(ref, layout=layout, optimized=False)
@@ -252,11 +267,7 @@ def backward_saved(saved: QTensor, x_dtype, scale: jax.Array, dy: jax.Array, *, 
       saved, ...)` (to float32 rounding).
     """
     *lead, n_groups, group = saved.data.shape
-    spec = QuantSpec(formats.get_format(saved.data.dtype).name)
-    x_like = jax.ShapeDtypeStruct((*lead, n_groups * group), x_dtype)
-    reason = supports(x_like, scale, spec, group, dy)
-    if saved.granularity != "row":
-        reason = f"the RMSNorm backward kernel reads groups saved with granularity 'row', got {saved.granularity!r}"
+    reason = supports_backward(saved, jax.ShapeDtypeStruct((*lead, n_groups * group), x_dtype), scale, dy)
     if reason is not None:
         raise ValueError(reason)
     dx, dscale_partial = _backward_call(saved.data.reshape(-1, n_groups, group), saved.scale.reshape(-1, n_groups),

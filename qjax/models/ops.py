@@ -22,10 +22,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from qjax import dispatch, formats, numerics
-from qjax.kernels import rmsnorm_mgpu
+from qjax import dispatch, numerics
 from qjax.prologue import Prologue, restore, save
-from qjax.qtensor import QuantSpec
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -209,31 +207,24 @@ _rope.defvjp(_rope_fwd, _rope_bwd)
 
 
 def rms_norm_prologue(eps: float, dtype) -> Prologue:
+    # The data-flow hooks run the fused RMSNorm kernels where `qjax.dispatch` picks them, else the composition
+    # below, which the kernels equal.
     return Prologue("rms_norm", apply=lambda x, scale: rms_norm(x, scale, eps, dtype),
                     forward=lambda x, scale: _rms_norm_fwd(x, scale, eps, dtype),
                     backward=functools.partial(_rms_norm_bwd, eps, dtype),
-                    forward_saving=functools.partial(_rms_norm_forward_saving, eps, dtype),
-                    backward_saved=functools.partial(_rms_norm_backward_saved, eps, dtype))
+                    forward_saving=lambda x, scale, *, spec, group: dispatch.rms_norm_forward_saving(
+                        x, scale, spec, group, functools.partial(_rms_norm_saving_reference, eps, dtype), eps=eps,
+                        dtype=dtype),
+                    backward_saved=lambda saved, x_like, params, dy: dispatch.rms_norm_backward_saved(
+                        saved, x_like, *params, dy, functools.partial(_rms_norm_backward_reference, eps, dtype),
+                        eps=eps))
 
 
-def _rms_norm_forward_saving(eps, dtype, x, scale, *, spec, group):
-    """(y, x saved per spec): the fused kernel (`kernels.rmsnorm_mgpu`) where `dispatch` selects it, else its
-    reference, the norm and `prologue.save`."""
-    run_kernel, interpret = dispatch.rms_norm_kernel_mode(x, scale, spec, group)
-    if run_kernel:
-        return rmsnorm_mgpu.forward_saving(x, scale, eps=eps, dtype=dtype, spec=spec, group=group,
-                                           interpret=interpret)
+def _rms_norm_saving_reference(eps, dtype, x, scale, spec, group):
     return _rms_norm_forward(x, scale, eps, dtype)[0], save(x, spec, group)
 
 
-def _rms_norm_backward_saved(eps, dtype, saved, x_like, params, dy):
-    """(dx, dscale) from x's saved QTensor: the fused kernel where `dispatch` selects it, else its reference,
-    `prologue.restore` and the norm's backward with the statistics recomputed from the restored x."""
-    (scale,) = params
-    spec, group = QuantSpec(formats.get_format(saved.data.dtype).name), saved.data.shape[-1]
-    run_kernel, interpret = dispatch.rms_norm_kernel_mode(x_like, scale, spec, group, dy)
-    if run_kernel:
-        return rmsnorm_mgpu.backward_saved(saved, x_like.dtype, scale, dy, eps=eps, interpret=interpret)
+def _rms_norm_backward_reference(eps, dtype, saved, x_like, scale, dy):
     x = restore(saved, x_like.shape, x_like.dtype)
     return _rms_norm_bwd(eps, dtype, _rms_norm_fwd(x, scale, eps, dtype)[1], dy)
 

@@ -139,10 +139,12 @@ def test_unsupported_shapes_are_refused(shape, group, reason):
     x, scale, _ = _inputs(shape, jnp.bfloat16, specials=False)
     spec = QuantSpec("int8")
     assert reason in rmsnorm_mgpu.supports(x, scale, spec, group)
+    forward = lambda **backend: dispatch.rms_norm_forward_saving(x, scale, spec, group, lambda *a: "reference",
+                                                                 eps=EPS, dtype=jnp.bfloat16, **backend)
     with dispatch.force("interpret"):
-        assert dispatch.rms_norm_kernel_mode(x, scale, spec, group) == (False, False)  # "auto": the reference
+        assert forward() == "reference"  # "auto" falls back
     with pytest.raises(ValueError, match="backend 'pallas'.*fused RMSNorm"):
-        dispatch.rms_norm_kernel_mode(x, scale, spec, group, backend="pallas")
+        forward(backend="pallas")
     with pytest.raises(ValueError, match=reason):
         rmsnorm_mgpu.forward_saving(x, scale, eps=EPS, dtype=jnp.bfloat16, spec=spec, group=group)
 
@@ -170,6 +172,12 @@ def test_other_specs_are_refused():
     assert "scale of shape (128,)" in rmsnorm_mgpu.supports(x, scale[:64], QuantSpec("int8"), 32)
     assert "dy of x's shape" in rmsnorm_mgpu.supports(x, scale, QuantSpec("int8"), 32, dy[:4])
     assert "float32, bfloat16 or float16" in rmsnorm_mgpu.supports(x.astype(jnp.int32), scale, QuantSpec("int8"), 32)
+    saved = save(x, QuantSpec("int8"), 32)
+    x_like = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    assert rmsnorm_mgpu.supports_backward(saved, x_like, scale, dy) is None
+    assert "grouped view" in rmsnorm_mgpu.supports_backward(saved, jax.ShapeDtypeStruct((8, 256), x.dtype), scale, dy)
+    assert "prologue.save" in rmsnorm_mgpu.supports_backward(x, x_like, scale, dy)
+    assert "codes" in rmsnorm_mgpu.supports_backward(save(x, QuantSpec("e5m2"), 32), x_like, scale, dy)
 
 
 def test_lowers_for_hopper():
