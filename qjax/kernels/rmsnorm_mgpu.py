@@ -18,13 +18,13 @@ broadcasts in the kernel's register layout) and the quantizer's `numerics.amax`,
 y, dx and dscale equal the reference to float32 rounding (the row sums are taken in another order).
 
 Layout: x is viewed as (M, D/g, g) (a free reshape), so a group is the last axis and the group amax a reduction
-along it. A program's 4 warps own 4 rows (one each, no cross-warp traffic); a warp's 32 lanes cover 128 consecutive
-features of its row per register, 4 per lane (16-byte f32 / 8-byte bf16 vectors: contiguous, coalesced loads and
-stores), so a group of g features spans g/4 lanes and its amax is a shuffle over them, and the row's sum of squares
-a shuffle over all 32 after summing the lane's registers. Mosaic GPU reduces one axis at a time, so row means are
-taken group by group, then over the groups. Activations go GMEM -> registers -> GMEM (vector loads and stores, as
-`adam_step_mgpu`; no TMA staging); a row of D features is D/32 elements per thread and array, so D is capped at
-MAX_FEATURES (longer rows would spill registers; `supports`).
+along it. A program's 4 warps own 4 rows (one each, no cross-warp traffic); a warp's 32 lanes cover 32 v
+consecutive features of its row per register, v per lane (v = 8 for bf16 / f16 activations, 4 for f32: 16-byte
+vectors, contiguous and coalesced), so a group of g features spans g/v lanes and its amax is a shuffle over them,
+and the row's sum of squares a shuffle over all 32 after summing the lane's registers. Mosaic GPU reduces one axis
+at a time, so row means are taken group by group, then over the groups. Activations go GMEM -> registers -> GMEM
+(vector loads and stores, as `adam_step_mgpu`; no TMA staging); a row of D features is D/32 elements per thread and
+array, so D is capped at MAX_FEATURES (longer rows would spill registers; `supports`).
 
 Each program takes ROWS_PER_PROGRAM rows (fewer where M is not a multiple), 4 at a time, and stages the norm scale
 in shared memory once. The backward's dscale is a sum over all M rows: each program keeps a per-warp running sum of
@@ -47,7 +47,6 @@ from qjax.kernels import resolve_interpret
 from qjax.qtensor import QTensor, QuantSpec
 
 WARPS = 4  # rows per block: one per warp of the program's warpgroup
-_LANE_FEATURES = 128  # features a warp covers per register: 32 lanes x 4
 MAX_FEATURES = 4096  # D/32 elements per thread and array: longer rows would spill registers
 GROUPS = (16, 32)  # saved groups the kernels take: the data-flow recipes' (fp8: 16, int8: 32)
 FORMATS = ("int8", "e4m3")
@@ -55,10 +54,15 @@ ROWS_PER_PROGRAM = 32  # rows per program (fewer where M is not a multiple); the
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _layout(group: int):
-    """(rows, D/g, g) arrays: tiles of 4 rows x 128/g groups x g; warps split the rows, lanes the groups and their
-    features in vectors of 4 (so lanes 0..g/4-1 hold a group, the next g/4 the next group...)."""
-    return plgpu.Layout.TILED(plgpu.Tiling(((WARPS, _LANE_FEATURES // group, group), (4,))), warp_dims=(-4,),
+def _vector(dtype) -> int:
+    """Elements per lane and register: 16 bytes of the activation's dtype (8 bf16 / f16, 4 f32)."""
+    return min(8, 16 // jnp.dtype(dtype).itemsize)
+
+
+def _layout(group: int, vector: int):
+    """(rows, D/g, g) arrays: tiles of 4 rows x 32 vector/g groups x g; warps split the rows, lanes the groups and
+    their features in vectors (lanes 0..g/vector-1 hold a group, the next g/vector the next group...)."""
+    return plgpu.Layout.TILED(plgpu.Tiling(((WARPS, 32 * vector // group, group), (vector,))), warp_dims=(-4,),
                               lane_dims=(-3, -2), vector_dim=-1)
 
 
@@ -74,16 +78,17 @@ def supports(x, scale, spec: QuantSpec, group: int, dy=None) -> str | None:
     shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
     if shape is None or dtype is None or len(shape) < 1 or jnp.dtype(dtype) not in _INPUT_DTYPES:
         return f"the RMSNorm kernels take float32, bfloat16 or float16 x (..., D), got {dtype} {shape}"
+    if dy is not None and (dy.shape != tuple(shape) or jnp.dtype(dy.dtype) not in _INPUT_DTYPES):
+        return f"the RMSNorm backward kernel needs a float dy of x's shape {shape}, got {dy.dtype} {dy.shape}"
     d, m = shape[-1], int(np.prod(shape[:-1]))
-    if d % _LANE_FEATURES or not 0 < d <= MAX_FEATURES:
-        return (f"the RMSNorm kernels need D a multiple of {_LANE_FEATURES} up to {MAX_FEATURES} (a row per warp in "
+    lane_features = 32 * _vector(dtype if dy is None else dy.dtype)  # the stream the kernel loads
+    if d % lane_features or not 0 < d <= MAX_FEATURES:
+        return (f"the RMSNorm kernels need D a multiple of {lane_features} up to {MAX_FEATURES} (a row per warp in "
                 f"registers), got x of shape {shape}")
     if m == 0 or m % WARPS:
         return f"the RMSNorm kernels need a multiple of {WARPS} rows (one per warp), got x of shape {shape}"
     if getattr(scale, "shape", None) != (d,) or not jnp.issubdtype(scale.dtype, jnp.floating):
         return f"the RMSNorm kernels need a float scale of shape ({d},), got {getattr(scale, 'shape', None)}"
-    if dy is not None and (dy.shape != tuple(shape) or jnp.dtype(dy.dtype) not in _INPUT_DTYPES):
-        return f"the RMSNorm backward kernel needs a float dy of x's shape {shape}, got {dy.dtype} {dy.shape}"
     return None
 
 
@@ -108,10 +113,11 @@ def _load(ref, layout):
 
 
 class _RowLayout:
-    """Per-row means and broadcasts of (4, D/g, g) f32 arrays in `_layout(group)`, for the shared formulas."""
+    """Per-row means and broadcasts of (4, D/g, g) f32 arrays in `_layout(group, vector)`, for the shared
+    formulas."""
 
-    def __init__(self, group: int):
-        self.layout = _layout(group)
+    def __init__(self, group: int, vector: int):
+        self.layout = _layout(group, vector)
 
     def mean_rows(self, values):
         # one axis at a time (Mosaic GPU's reductions): the group sums, then their sum over the row
@@ -137,30 +143,29 @@ def _rows_per_program(m: int, rows: int) -> int:
     return rows
 
 
-def _run(block_step, inputs, out_type, *, group, per_program, scratch=(), start=None, finish=None, interpret):
-    """Runs block_step(scale (4, D/g, g) f32, rows (a pl.ds of 4 rows), *refs) over the row blocks: programs of
+def _run(block_step, inputs, out_type, *, rows, per_program, scratch=(), start=None, finish=None, interpret):
+    """Runs block_step(scale (4, D/g, g) f32, block (a pl.ds of 4 rows), *refs) over the row blocks: programs of
     `per_program` rows, 4 at a time (one per warp); start(*refs) before a program's first block and
     finish(program, *refs) after its last, where given. refs: the inputs' but the scale's, the outputs', the extra
     scratch's. inputs: (M, D/g, g) arrays and per-row arrays, the norm scale (D/g, g) last: each program stages it
     in SMEM as f32 once (each warp writes the whole of it, the same values, and reads back what it wrote: no
     synchronisation) and loads it per block, rather than holding D/32 more f32 per thread in registers or reading
-    it from L2 for every 4 rows."""
-    m, n_groups, _ = inputs[0].shape
-    layout = _RowLayout(group)
+    it from L2 for every 4 rows. rows: the `_RowLayout` of the arrays."""
+    m, n_groups, group = inputs[0].shape
     n_in, n_out = len(inputs), len(out_type)
     shape = (WARPS, n_groups, group)
 
     def body(*refs):
         program = lax.axis_index("program")
         scale_ref, scale_smem = refs[n_in - 1], refs[n_in + n_out]
-        scale_smem[...] = _load(scale_ref, layout.layout.reduce(0)).astype(jnp.float32)
+        scale_smem[...] = _load(scale_ref, rows.layout.reduce(0)).astype(jnp.float32)
         step_refs = (*refs[:n_in - 1], *refs[n_in:n_in + n_out], *refs[n_in + n_out + 1:])
         if start is not None:
             start(*step_refs)
 
         @pl.loop(0, per_program // WARPS)
         def _(t):
-            scale32 = layout.broadcast_features(_load(scale_smem, layout.layout.reduce(0)), shape)
+            scale32 = rows.broadcast_features(_load(scale_smem, rows.layout.reduce(0)), shape)
             block_step(scale32, pl.ds(program * per_program + t * WARPS, WARPS), *step_refs)
 
         if finish is not None:
@@ -175,7 +180,7 @@ def _run(block_step, inputs, out_type, *, group, per_program, scratch=(), start=
 def _forward_call(x3, scale2, *, eps, dtype, fmt, per_program, interpret):
     """x3 (M, G, g), scale2 (G, g) -> y (M, G, g) dtype, codes (M, G, g), scales (M, G) f32."""
     m, n_groups, group = x3.shape
-    rows = _RowLayout(group)
+    rows = _RowLayout(group, _vector(x3.dtype))
     fmt = formats.get_format(fmt)
 
     def block_step(scale32, block, x_ref, y_ref, codes_ref, scales_ref):
@@ -191,7 +196,7 @@ def _forward_call(x3, scale2, *, eps, dtype, fmt, per_program, interpret):
 
     out_type = (jax.ShapeDtypeStruct(x3.shape, dtype), jax.ShapeDtypeStruct(x3.shape, fmt.dtype),
                 jax.ShapeDtypeStruct((m, n_groups), jnp.float32))
-    return _run(block_step, (x3, scale2), out_type, group=group, per_program=per_program, interpret=interpret)
+    return _run(block_step, (x3, scale2), out_type, rows=rows, per_program=per_program, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "x_dtype", "per_program", "interpret"))
@@ -199,7 +204,7 @@ def _backward_call(codes3, scales, scale2, dy3, *, eps, x_dtype, per_program, in
     """codes3 (M, G, g), scales (M, G) f32, scale2 (G, g), dy3 (M, G, g) -> dx (M, G, g) x_dtype, dscale partial
     sums (M / rows per program, G, g) f32."""
     m, n_groups, group = codes3.shape
-    rows = _RowLayout(group)
+    rows = _RowLayout(group, _vector(dy3.dtype))
     shape = (WARPS, n_groups, group)
 
     def start(*refs):
@@ -220,11 +225,13 @@ def _backward_call(codes3, scales, scale2, dy3, *, eps, x_dtype, per_program, in
 
     def finish(program, *refs):
         dscale_ref, dscale_acc = refs[-2:]
-        dscale_ref[program] = jnp.sum(_load(dscale_acc, rows.layout), axis=0)  # across the 4 warps
+        plgpu.commit_smem()  # (a warpgroup barrier) every warp's sums are in SMEM: read below in another layout
+        # The sum across the 4 warps, in f32 vectors of 4: Mosaic GPU's cross-warp reduction takes 16 bytes a lane.
+        dscale_ref[program] = jnp.sum(_load(dscale_acc, _layout(group, 4)), axis=0)
 
     out_type = (jax.ShapeDtypeStruct(codes3.shape, x_dtype),
                 jax.ShapeDtypeStruct((m // per_program, n_groups, group), jnp.float32))
-    return _run(block_step, (codes3, scales, dy3, scale2), out_type, group=group, per_program=per_program,
+    return _run(block_step, (codes3, scales, dy3, scale2), out_type, rows=rows, per_program=per_program,
                 scratch=(plgpu.SMEM(shape, jnp.float32),), start=start, finish=finish, interpret=interpret)
 
 
