@@ -28,8 +28,8 @@ array, so D is capped at MAX_FEATURES (longer rows would spill registers; `suppo
 
 Each program takes ROWS_PER_PROGRAM rows (fewer where M is not a multiple), 4 at a time, and stages the norm scale
 in shared memory once. The backward's dscale is a sum over all M rows: each program keeps a per-warp running sum of
-dy * n in shared memory (4, D) f32 (each thread adds to the elements it owns: no synchronisation); at the end the 4
-warps' sums are added (a cross-warp reduction) into one (D,) row per program, and XLA adds the programs' rows:
+dy * n in shared memory (4, D) f32 (each thread adds to the elements it owns: no synchronisation); at the end, after
+a warpgroup barrier, the 4 warps' sums are added into one (D,) row per program, and XLA adds the programs' rows:
 (M / ROWS_PER_PROGRAM, D) float32, 1/32 of the rows of a float32 dy.
 """
 
