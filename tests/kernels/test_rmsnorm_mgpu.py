@@ -3,8 +3,9 @@ replace: `ops.rms_norm`'s forward and `prologue.save` (forward), `prologue.resto
 
 Off a GPU the kernels run under the Mosaic GPU interpreter: saved codes and scales equal the reference bit for bit,
 y, dx and dscale to float32 rounding (the kernels sum a row group by group; XLA in its own order), so a bf16 output
-may differ by one bf16 ulp where the float32 value sits at a rounding boundary. The `gpu` test compiles them at the
-1.1B model's size (16384 x 2048) and compares with XLA:GPU's reference the same way.
+may differ by one bf16 ulp where the float32 value sits at a rounding boundary. On a Hopper GPU the same tests run
+the compiled kernels (the Llama test is the interpreter's alone), and the `gpu` test compiles them at the 1.1B
+model's size (16384 x 2048) and compares with XLA:GPU's reference the same way.
 """
 
 import jax
