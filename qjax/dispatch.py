@@ -2,10 +2,10 @@
 
   op                  kernel                                       reference
   quantize_pair       kernels.quantize_mgpu.quantize_pair_kernel   quantize.quantize_pair_reference
-  quantized_matmul    kernels.scaled_matmul_mgpu.scaled_matmul_kernel  kernels.scaled_matmul.scaled_matmul
-  fused AdamW step    kernels.adam_step_mgpu (via optim.fused_adam)   optim.fused_adam.fused_step_reference
   RMSNorm + saved copy  kernels.rmsnorm_mgpu                        models.ops.rms_norm_prologue's composition
                                                                    (passed in)
+  quantized_matmul    kernels.scaled_matmul_mgpu.scaled_matmul_kernel  kernels.scaled_matmul.scaled_matmul
+  fused AdamW step    kernels.adam_step_mgpu (via optim.fused_adam)   optim.fused_adam.fused_step_reference
 
 `kernel_mode(backend)` answers (run the kernel?, interpret it?) for a recipe backend ("auto", "xla", "pallas"; the
 fused AdamW's `use_kernel=True` is "auto"). Tests and benchmarks override what "auto" finds with `force`:
@@ -131,23 +131,6 @@ def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None
                                    col_axes=col_axes)
 
 
-def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation: bool = False,
-                     backend: str = "auto") -> jax.Array:
-    """(B?, M, K) x (B?, N, K) QTensors -> (B?, M, N) of out_dtype: the Mosaic GPU GEMM where `backend` selects it
-    and it supports the case (2-D operands), else the reference `scaled_matmul` (equal to float32 rounding).
-    precise_accumulation as in `scaled_matmul`; the kernel then promotes its fp8 partial sums to float32 every 128
-    of K (benchmarks/NOTES.md compares it with cuBLAS at Precision.HIGHEST)."""
-    run_kernel, interpret = kernel_mode(backend)
-    if run_kernel:
-        reason = "batched operands" if a.data.ndim != 2 else scaled_matmul_mgpu.supports(a, b, out_dtype)
-        if reason is None:
-            return scaled_matmul_mgpu.scaled_matmul_kernel(a, b, out_dtype, precise_accumulation=precise_accumulation,
-                                                            interpret=interpret)
-        _unsupported(backend, "scaled GEMM", reason)
-    return scaled_matmul.scaled_matmul(a, b, out_dtype, precise_accumulation)
-
-
-
 def rms_norm_forward_saving(x: jax.Array, scale: jax.Array, spec: QuantSpec, group: int, reference, *, eps: float,
                             dtype, backend: str = "auto"):
     """(RMSNorm of x (..., D) with scale (D,) in `dtype`, x's saved 8-bit copy): the fused kernel
@@ -177,3 +160,19 @@ def rms_norm_backward_saved(saved: QTensor, x_like, scale: jax.Array, dy: jax.Ar
             return rmsnorm_mgpu.backward_saved(saved, x_like.dtype, scale, dy, eps=eps, interpret=interpret)
         _unsupported(backend, "fused RMSNorm backward", reason)
     return reference(saved, x_like, scale, dy)
+
+
+def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation: bool = False,
+                     backend: str = "auto") -> jax.Array:
+    """(B?, M, K) x (B?, N, K) QTensors -> (B?, M, N) of out_dtype: the Mosaic GPU GEMM where `backend` selects it
+    and it supports the case (2-D operands), else the reference `scaled_matmul` (equal to float32 rounding).
+    precise_accumulation as in `scaled_matmul`; the kernel then promotes its fp8 partial sums to float32 every 128
+    of K (benchmarks/NOTES.md compares it with cuBLAS at Precision.HIGHEST)."""
+    run_kernel, interpret = kernel_mode(backend)
+    if run_kernel:
+        reason = "batched operands" if a.data.ndim != 2 else scaled_matmul_mgpu.supports(a, b, out_dtype)
+        if reason is None:
+            return scaled_matmul_mgpu.scaled_matmul_kernel(a, b, out_dtype, precise_accumulation=precise_accumulation,
+                                                            interpret=interpret)
+        _unsupported(backend, "scaled GEMM", reason)
+    return scaled_matmul.scaled_matmul(a, b, out_dtype, precise_accumulation)
