@@ -21,15 +21,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+import common  # benchmarks/: timing helpers and RESULTS.md
 import stochastic_cast_mgpu  # benchmarks/: the standalone SR cast kernel, outside the library
-from common import append_results
 from qjax import dispatch, stochastic
-from qjax.kernels import rmsnorm_mgpu
-from qjax.models import ops
-from qjax.prologue import restore, save
 from qjax.kernels import gemm_config_mgpu as gemm_config
 from qjax.kernels import quantize_mgpu, resolve_interpret
+from qjax.kernels import rmsnorm_mgpu
 from qjax.kernels import scaled_matmul_mgpu as mg
+from qjax.models import ops
 from qjax.kernels.scaled_matmul import scaled_matmul
 from qjax.quantize import QuantSpec, amax, quantize, quantize_with_seed
 
@@ -259,10 +258,11 @@ def rmsnorm_table(argv):
                 saved, dtype, scale, dy, eps=eps, interpret=args.interpret, rows_per_program=rows))
                 for rows in args.rows_per_program}
             forward, backward = forwards[args.rows_per_program[0]], backwards[args.rows_per_program[0]]
-            forward_ref = jax.jit(lambda x, scale, spec=spec, group=group: (
-                ops._rms_norm_forward(x, scale, eps, dtype)[0], save(x, spec, group)))
-            backward_ref = jax.jit(lambda saved, scale, dy: ops._rms_norm_bwd(
-                eps, dtype, ops._rms_norm_fwd(restore(saved, x_like.shape, x_like.dtype), scale, eps, dtype)[1], dy))
+            # the compositions the model's hooks fall back to (ops.rms_norm_prologue)
+            forward_ref = jax.jit(lambda x, scale, spec=spec, group=group: ops._rms_norm_saving_reference(
+                eps, dtype, x, scale, spec, group))
+            backward_ref = jax.jit(lambda saved, scale, dy: ops._rms_norm_backward_reference(
+                eps, dtype, saved, x_like, scale, dy))
             (y, saved), (y_ref, saved_ref) = forward(x, scale), forward_ref(x, scale)
             (dx, dscale), (dx_ref, dscale_ref) = backward(saved_ref, scale, dy), backward_ref(saved_ref, scale, dy)
             codes_equal = bool(jnp.all(saved.data == saved_ref.data) & jnp.all(saved.scale == saved_ref.scale))
@@ -291,14 +291,15 @@ def rmsnorm_table(argv):
             lines.append(line)
             print(line, flush=True)
     if not args.no_append:
-        append_results("Fused RMSNorm kernels (norm + 8-bit save; backward from the codes)", "\n".join(lines) + "\n")
+        common.append_results("Fused RMSNorm kernels (norm + 8-bit save; backward from the codes)",
+                              "\n".join(lines) + "\n")
 
 
 def main():
-    tables = {"gemm": gemm_table, "quantize": quantize_table, "rmsnorm": rmsnorm_table}
-    if len(sys.argv) < 2 or sys.argv[1] not in tables:
+    commands = {"gemm": gemm_table, "quantize": quantize_table, "rmsnorm": rmsnorm_table}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
         sys.exit(__doc__)
-    tables[sys.argv[1]](sys.argv[2:])
+    commands[sys.argv[1]](sys.argv[2:])
 
 
 if __name__ == "__main__":
