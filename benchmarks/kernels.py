@@ -290,7 +290,7 @@ def rmsnorm_table(argv):
                 line = f"| {shape} | {name} | FAILED: {type(e).__name__}: {str(e)[:300]} | | | |"
             lines.append(line)
             print(line, flush=True)
-    if not args.no_append:
+    if not args.interpret and not args.no_append:  # CPU times are no results
         common.append_results("Fused RMSNorm kernels (norm + 8-bit save; backward from the codes)",
                               "\n".join(lines) + "\n")
 
