@@ -58,6 +58,7 @@
 # the same for adamw_4bit with float32 params; optim-dre: the same for adamw_fp8 with range expansion (COAT), and
 # optim-dre-sr with bf16 params + SR;
 # tests-optim-dre: the fused AdamW GPU tests of range-expanded states alone, with their mismatch counts printed.
+# tests-rmsnorm: the fused RMSNorm kernels' tests, compiled; rmsnorm-kernels: kernels.py rmsnorm (their table).
 # Several GPUs (nvidia-h100-x2 and up): tests-mesh-gpu (the mesh / FSDP tests on every GPU), tests-adam-mesh (the fused
 # AdamW step per device against one GPU's, e4m3 / 8-bit / 4-bit), scaling-1b, scaling-1b-more, scaling-8b
 # (benchmarks/scaling.py; scaling-8b-int8 its int8_rowwise row alone; scaling-8b-b8-bf16 / scaling-8b-b8-int8 one
@@ -104,6 +105,9 @@ step_command() {
         gemm) echo "python3 benchmarks/kernels.py gemm --sizes 4096 8192 --cases" \
                    "int8_block fp8_block fp8_tensor_precise" ;;
         matmul) echo "python3 benchmarks/matmul.py --layouts TN --sizes 8192 --rows bf16 int8 fp8 $kernel_rows" ;;
+        tests-rmsnorm) echo "python3 -m pytest -x -q -p no:cacheprovider tests/kernels/test_rmsnorm_mgpu.py" ;;
+        rmsnorm-kernels) echo "python3 benchmarks/kernels.py rmsnorm --shapes 16384x2048 16384x4096" \
+                              "--rows-per-program 32 4" ;;
         linear) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
                      "int8_rowwise fp8_tensorwise fp8_rowwise fp8_blockwise" ;;
         train) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --warmup 2" \

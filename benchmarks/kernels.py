@@ -4,10 +4,12 @@ bandwidth against a copy.
   python benchmarks/kernels.py gemm [--sizes 4096 8192] [--cases int8_row fp8_block] [--sweep]
   python benchmarks/kernels.py quantize [--shapes 16384x2048 16384x11264]
   python benchmarks/kernels.py swiglu [--shapes 16384x5632] [--tiles 2048 4096 8192]
+  python benchmarks/kernels.py rmsnorm [--shapes 16384x2048 16384x4096]
 
 Each kernel's output is checked against its reference before it is timed (GEMM: relative error column; quantize:
-the kernels' GPU tests in tests/kernels; SwiGLU: codes and scales against the reference). Prints tables (swiglu
-also appends its table to benchmarks/RESULTS.md); the end-to-end numbers are benchmarks/matmul.py and linear.py.
+the kernels' GPU tests in tests/kernels; SwiGLU and RMSNorm: codes and scales against the reference). Prints tables
+(swiglu and rmsnorm also append theirs to benchmarks/RESULTS.md); the end-to-end numbers are benchmarks/matmul.py and
+linear.py.
 """
 
 import argparse
@@ -26,6 +28,7 @@ import stochastic_cast_mgpu  # benchmarks/: the standalone SR cast kernel, outsi
 from qjax import dispatch, prologue, stochastic
 from qjax.kernels import gemm_config_mgpu as gemm_config
 from qjax.kernels import quantize_mgpu, resolve_interpret
+from qjax.kernels import rmsnorm_mgpu
 from qjax.kernels import scaled_matmul_mgpu as mg
 from qjax.kernels import swiglu_mgpu
 from qjax.models import ops
@@ -292,8 +295,105 @@ def swiglu_table(argv):
         common.append_results("Fused SwiGLU kernels (data flow)", "\n".join(rows[2:]) + "\n\n" + rows[0] + "\n")
 
 
+def rmsnorm_table(argv):
+    """GPU: the fused RMSNorm kernels (norm + the 8-bit save of its input, and the backward from the codes) against
+    their XLA reference and XLA's copy of x, bf16 x / y / dy, float32 norm scale, at the 1.1B and 8B widths.
+
+    python benchmarks/kernels.py rmsnorm [--shapes 16384x2048 16384x4096] [--rows-per-program 4 32] [--interpret]
+
+    Timed as the quantize table is (one jit of --batch calls on distinct inputs, --calls back to back, median of
+    --rounds, per call). Bytes: what the op must move, counted the same for kernel and reference: forward x read
+    (2 B/element), y written (2), codes (1) and scales (4/g); backward codes (1), scales (4/g) and dy (2) read, dx
+    written (2). "of copy": those bytes per second over XLA's x * 2 (4 B/element in 1 pass) per second. Before a
+    shape is timed, the kernels' outputs are checked against the reference (codes and scales equal; the normwise
+    relative errors of y, dx and dscale: the "check" column).
+    """
+    parser = argparse.ArgumentParser(prog="kernels.py rmsnorm", description=rmsnorm_table.__doc__)
+    parser.add_argument("--shapes", nargs="+", default=["16384x2048", "16384x4096"])
+    parser.add_argument("--batch", type=int, default=8, help="calls of the op inside one jit (distinct inputs)")
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rows-per-program", type=int, nargs="+", default=[rmsnorm_mgpu.ROWS_PER_PROGRAM],
+                        help="kernel rows for each of these (rmsnorm_mgpu's tuning knob)")
+    parser.add_argument("--interpret", action="store_true", help="CPU smoke test of this script (times meaningless)")
+    parser.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
+    args = parser.parse_args(argv)
+    if jax.devices()[0].platform != "gpu" and not args.interpret:
+        sys.exit("the benchmark needs a Hopper GPU (or --interpret with small --shapes, e.g. 64x256)")
+    eps, dtype = 1e-5, jnp.bfloat16
+
+    def seconds(fn, inputs):
+        batched = jax.jit(lambda inputs: [fn(*a) for a in inputs])
+        jax.block_until_ready(batched(inputs))  # compile + warm up
+        samples = []
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            jax.block_until_ready([batched(inputs) for _ in range(args.calls)])
+            samples.append((time.perf_counter() - start) / args.calls / len(inputs))
+        return statistics.median(samples)
+
+    lines = [f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; one jit of {args.batch} calls on "
+             f"distinct inputs, {args.calls} back to back, median of {args.rounds}", "",
+             f"| x | case | us | GB/s | of copy | check |", "|---|---|---:|---:|---:|---|"]
+    print("\n".join(lines), flush=True)
+    for shape in args.shapes:
+        m, d = (int(v) for v in shape.split("x"))
+        n = m * d
+        keys = jax.random.split(jax.random.key(0), 3)
+        x = jax.random.normal(keys[0], (m, d), dtype)
+        scale = 1 + 0.1 * jax.random.normal(keys[1], (d,))
+        dy = jax.random.normal(keys[2], (m, d), dtype)
+        x_like = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        rows = [("copy: XLA x * 2", jax.jit(lambda x: x * 2), [(x + i,) for i in range(args.batch)], 4 * n, "")]
+        for spec, group in ((QuantSpec("int8"), 32), (QuantSpec("e4m3"), 16)):
+            label = f"{spec.dtype} g{group}"
+            forwards = {rows: jax.jit(lambda x, scale, spec=spec, group=group, rows=rows: rmsnorm_mgpu.forward_saving(
+                x, scale, eps=eps, dtype=dtype, spec=spec, group=group, interpret=args.interpret,
+                rows_per_program=rows)) for rows in args.rows_per_program}
+            backwards = {rows: jax.jit(lambda saved, scale, dy, rows=rows: rmsnorm_mgpu.backward_saved(
+                saved, dtype, scale, dy, eps=eps, interpret=args.interpret, rows_per_program=rows))
+                for rows in args.rows_per_program}
+            forward, backward = forwards[args.rows_per_program[0]], backwards[args.rows_per_program[0]]
+            # the compositions the model's hooks fall back to (ops.rms_norm_prologue)
+            forward_ref = jax.jit(lambda x, scale, spec=spec, group=group: ops._rms_norm_saving_reference(
+                eps, dtype, x, scale, spec, group))
+            backward_ref = jax.jit(lambda saved, scale, dy: ops._rms_norm_backward_reference(
+                eps, dtype, saved, x_like, scale, dy))
+            (y, saved), (y_ref, saved_ref) = forward(x, scale), forward_ref(x, scale)
+            (dx, dscale), (dx_ref, dscale_ref) = backward(saved_ref, scale, dy), backward_ref(saved_ref, scale, dy)
+            codes_equal = bool(jnp.all(saved.data == saved_ref.data) & jnp.all(saved.scale == saved_ref.scale))
+            rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
+                                     / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
+            check = (f"codes {'equal' if codes_equal else 'DIFFER'}; relative error y {rel(y, y_ref):.1e}, "
+                     f"dx {rel(dx, dx_ref):.1e}, dscale {rel(dscale, dscale_ref):.1e}")
+            moved = 5 * n + 4 * n // group  # forward and backward alike (docstring)
+            xs = [(x + i, scale) for i in range(args.batch)]
+            saveds = [(forward_ref(x + i, scale)[1], scale, dy + i) for i in range(args.batch)]
+            rows += [(f"forward {label}: kernel, {r} rows/program", forwards[r], xs, moved,
+                      check if r == args.rows_per_program[0] else "") for r in args.rows_per_program]
+            rows += [(f"forward {label}: XLA reference", forward_ref, xs, moved, "")]
+            rows += [(f"backward {label}: kernel, {r} rows/program", backwards[r], saveds, moved, "")
+                     for r in args.rows_per_program]
+            rows += [(f"backward {label}: XLA reference", backward_ref, saveds, moved, "")]
+        copy_rate = None
+        for name, fn, inputs, moved, check in rows:
+            try:
+                t = seconds(fn, inputs)
+                copy_rate = moved / t if name.startswith("copy") else copy_rate
+                rate = moved / t
+                line = f"| {shape} | {name} | {t * 1e6:.1f} | {rate / 1e9:.0f} | {rate / copy_rate:.2f} | {check} |"
+            except Exception as e:  # keep measuring the other cases
+                line = f"| {shape} | {name} | FAILED: {type(e).__name__}: {str(e)[:300]} | | | |"
+            lines.append(line)
+            print(line, flush=True)
+    if not args.interpret and not args.no_append:  # CPU times are no results
+        common.append_results("Fused RMSNorm kernels (norm + 8-bit save; backward from the codes)",
+                              "\n".join(lines) + "\n")
+
+
 def main():
-    commands = {"gemm": gemm_table, "quantize": quantize_table, "swiglu": swiglu_table}
+    commands = {"gemm": gemm_table, "quantize": quantize_table, "swiglu": swiglu_table,
+                "rmsnorm": rmsnorm_table}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         sys.exit(__doc__)
     commands[sys.argv[1]](sys.argv[2:])

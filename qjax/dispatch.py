@@ -2,6 +2,8 @@
 
   op                  kernel                                       reference
   quantize_pair       kernels.quantize_mgpu.quantize_pair_kernel   quantize.quantize_pair_reference
+  RMSNorm + saved copy  kernels.rmsnorm_mgpu                        models.ops.rms_norm_prologue's composition
+                                                                   (passed in)
   quantized_matmul    kernels.scaled_matmul_mgpu.scaled_matmul_kernel  kernels.scaled_matmul.scaled_matmul
   fused AdamW step    kernels.adam_step_mgpu (via optim.fused_adam)   optim.fused_adam.fused_step_reference
   SwiGLU + saved copy kernels.swiglu_mgpu                          models.ops.SWIGLU's composition (passed in)
@@ -24,7 +26,7 @@ import warnings
 
 import jax
 
-from qjax.kernels import quantize_mgpu, scaled_matmul, scaled_matmul_mgpu, swiglu_mgpu
+from qjax.kernels import quantize_mgpu, rmsnorm_mgpu, scaled_matmul, scaled_matmul_mgpu, swiglu_mgpu
 from qjax.qtensor import QTensor, QuantSpec
 from qjax.quantize import quantize_pair_reference
 
@@ -128,6 +130,37 @@ def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None
             _unsupported(backend, "fused quantize", reason)
     return quantize_pair_reference(x, spec, spec_t, seed, seed_t, operands=operands, row_axes=row_axes,
                                    col_axes=col_axes)
+
+
+def rms_norm_forward_saving(x: jax.Array, scale: jax.Array, spec: QuantSpec, group: int, reference, *, eps: float,
+                            dtype, backend: str = "auto"):
+    """(RMSNorm of x (..., D) with scale (D,) in `dtype`, x's saved 8-bit copy): the fused kernel
+    (`kernels.rmsnorm_mgpu.forward_saving`, one read of x) where `backend` selects it and it supports the case, else
+    `reference(x, scale, spec, group)`, the composition it equals (`qjax.models.ops.rms_norm`'s forward and
+    `qjax.prologue.save`: the model layer owns it, so it is passed in)."""
+    run_kernel, interpret = kernel_mode(backend)
+    if run_kernel:
+        reason = rmsnorm_mgpu.supports(x, scale, spec, group)
+        if reason is None:
+            return rmsnorm_mgpu.forward_saving(x, scale, eps=eps, dtype=dtype, spec=spec, group=group,
+                                               interpret=interpret)
+        _unsupported(backend, "fused RMSNorm", reason)
+    return reference(x, scale, spec, group)
+
+
+def rms_norm_backward_saved(saved: QTensor, x_like, scale: jax.Array, dy: jax.Array, reference, *, eps: float,
+                            backend: str = "auto"):
+    """(dx (x_like's shape and dtype), dscale (D,)) from the norm input's saved 8-bit copy and dy (..., D): the fused
+    kernel (`kernels.rmsnorm_mgpu.backward_saved`, one read of the codes and dy) where `backend` selects it and it
+    supports the case, else `reference(saved, x_like, scale, dy)` (`qjax.prologue.restore`, then the norm's
+    backward with its statistics recomputed from the restored x)."""
+    run_kernel, interpret = kernel_mode(backend)
+    if run_kernel:
+        reason = rmsnorm_mgpu.supports_backward(saved, x_like, scale, dy)
+        if reason is None:
+            return rmsnorm_mgpu.backward_saved(saved, x_like.dtype, scale, dy, eps=eps, interpret=interpret)
+        _unsupported(backend, "fused RMSNorm backward", reason)
+    return reference(saved, x_like, scale, dy)
 
 
 def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation: bool = False,

@@ -36,9 +36,8 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype) -> jax.Array:
 
 
 def _rms_norm_forward(x, scale, eps, dtype):
-    x32 = x.astype(jnp.float32)
-    inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # float32 (..., 1)
-    return ((x32 * inv_rms) * scale.astype(jnp.float32)).astype(dtype), inv_rms
+    y, inv_rms = numerics.rms_norm(x.astype(jnp.float32), scale.astype(jnp.float32), eps)
+    return y.astype(dtype), inv_rms[..., None]  # float32 (..., 1)
 
 
 def _rms_norm_fwd(x, scale, eps, dtype):
@@ -48,12 +47,9 @@ def _rms_norm_fwd(x, scale, eps, dtype):
 
 def _rms_norm_bwd(eps, dtype, residuals, dy):
     x, scale, inv_rms = residuals
-    n = x.astype(jnp.float32) * inv_rms  # the normalized x, recomputed instead of saved in float32
-    dy = dy.astype(jnp.float32)
-    dscale = jnp.sum(dy * n, axis=tuple(range(n.ndim - 1)))
-    dn = dy * scale.astype(jnp.float32)
-    # d(x * inv_rms)/dx: inv_rms * (dn - n * mean(dn * n)), the rms's own dependence on x being the second term.
-    dx = inv_rms * (dn - n * jnp.mean(dn * n, axis=-1, keepdims=True))
+    dx, dscale_terms = numerics.rms_norm_backward(x.astype(jnp.float32), inv_rms[..., 0], scale.astype(jnp.float32),
+                                                  dy.astype(jnp.float32))
+    dscale = jnp.sum(dscale_terms, axis=tuple(range(x.ndim - 1)))
     return dx.astype(x.dtype), dscale.astype(scale.dtype)
 
 
@@ -208,9 +204,26 @@ _rope.defvjp(_rope_fwd, _rope_bwd)
 
 
 def rms_norm_prologue(eps: float, dtype) -> Prologue:
+    # The data-flow hooks run the fused RMSNorm kernels where `qjax.dispatch` picks them, else the composition
+    # below, which the kernels equal.
     return Prologue("rms_norm", apply=lambda x, scale: rms_norm(x, scale, eps, dtype),
                     forward=lambda x, scale: _rms_norm_fwd(x, scale, eps, dtype),
-                    backward=functools.partial(_rms_norm_bwd, eps, dtype))
+                    backward=functools.partial(_rms_norm_bwd, eps, dtype),
+                    forward_saving=lambda x, scale, *, spec, group, backend: dispatch.rms_norm_forward_saving(
+                        x, scale, spec, group, functools.partial(_rms_norm_saving_reference, eps, dtype), eps=eps,
+                        dtype=dtype, backend=backend),
+                    backward_saved=lambda saved, x_like, params, dy, *, backend: dispatch.rms_norm_backward_saved(
+                        saved, x_like, *params, dy, functools.partial(_rms_norm_backward_reference, eps, dtype),
+                        eps=eps, backend=backend))
+
+
+def _rms_norm_saving_reference(eps, dtype, x, scale, spec, group):
+    return _rms_norm_forward(x, scale, eps, dtype)[0], save(x, spec, group)
+
+
+def _rms_norm_backward_reference(eps, dtype, saved, x_like, scale, dy):
+    x = restore(saved, x_like.shape, x_like.dtype)
+    return _rms_norm_bwd(eps, dtype, _rms_norm_fwd(x, scale, eps, dtype)[1], dy)
 
 
 def layer_norm_prologue(eps: float, dtype) -> Prologue:
