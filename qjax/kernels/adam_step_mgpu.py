@@ -55,7 +55,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref, vector
 
 from qjax import codebooks, numerics, stochastic
-from qjax.formats import BF16
+from qjax.formats import BF16, FP8_STATE_FORMATS  # e4m3 states: no code table
 from qjax.kernels import resolve_interpret
 
 # Elements per program: chosen by the tile-size sweep recorded in benchmarks/NOTES.md.
@@ -75,7 +75,6 @@ _PACKED_LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((ROW_MULTIPLE, _LANE_COLUMNS /
 # (m format, v format) pairs the kernel reads and writes: "e4m3", or a code book's map name (8-bit or 4-bit).
 KERNEL_FORMATS = (("e4m3", "e4m3"), ("e4m3_dre", "e4m3_dre"), ("dynamic_signed_8bit", "dynamic_unsigned_8bit"),
                   ("dynamic_signed_4bit", "linear_unsigned_4bit"))
-_FP8_FORMATS = ("e4m3", "e4m3_dre")  # no code table
 BLOCK_SIZES = (_LANE_COLUMNS, _MAX_BLOCK)
 _TABLE_COLUMNS = 128  # code tables travel as (T / 128, 128) arrays: a TMA box is at most 256 wide
 
@@ -110,7 +109,7 @@ def _lookup(table_ref, index: jax.Array, interpret: bool) -> jax.Array:
 def code_table(fmt: str) -> jax.Array:
     """A code book format's `codebooks.codec_table` as the kernel reads it: float32 (T / 128, 128), zero-padded to
     whole rows (a 4-bit table has 32 entries); a dummy for the e4m3 formats."""
-    if fmt in _FP8_FORMATS:
+    if fmt in FP8_STATE_FORMATS:
         return jnp.zeros((1, _TABLE_COLUMNS), jnp.float32)
     table = codebooks.codec_table(codebooks.get_map(fmt))
     return jnp.asarray(np.pad(table, (0, -table.size % _TABLE_COLUMNS)).reshape(-1, _TABLE_COLUMNS))
@@ -118,7 +117,7 @@ def code_table(fmt: str) -> jax.Array:
 
 def _is_packed(fmt: str) -> bool:
     """Whether a format stores two 4-bit codes per byte (codes (n, B / 2)): element 2i in the high nibble."""
-    return fmt not in _FP8_FORMATS and codebooks.get_map(fmt).size == 16
+    return fmt not in FP8_STATE_FORMATS and codebooks.get_map(fmt).size == 16
 
 
 def _map_lanes(fa, out_length: int, fn):
@@ -265,7 +264,7 @@ def _step_call(p2, g2, m_state, v_state, coef, seed, *, formats, b1, b2, eps, we
     written = (0, *range(2, len(inputs)))  # all but the gradient: updated in place
     n_m = len(m_state)
 
-    code_tables = formats[0] not in _FP8_FORMATS
+    code_tables = formats[0] not in FP8_STATE_FORMATS
 
     def body(coef_ref, seed_ref, m_table_ref, v_table_ref, *refs):
         if code_tables:  # each program copies the two 2 KB tables to SMEM (lookups: ld.shared)
