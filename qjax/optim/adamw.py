@@ -168,11 +168,11 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     weight_decay = float(weight_decay)  # a Python float: optax skips a zero decay only then, and so does the kernel
     init_fn = adam.scale_by_quantized_adam(config, b1, b2, eps).init  # checks b1, b2, eps; count 0, zero moments
 
-    def map_tensors(tensor_step, grads, state, params, seeds=None, specs=None, in_place=False, whole=None):
-        """tensor_step(g, mu, nu, p, offset, weight_decay, _Coefficients, seed, spec) -> (x, mu, nu) per tensor,
+    def map_tensors(tensor_step, grads, state, params, seeds=None, routes=None, in_place=False):
+        """tensor_step(g, mu, nu, p, offset, weight_decay, _Coefficients, seed, route) -> (x, mu, nu) per tensor,
         streamed (`streaming.run`: groups in sequence, large tensors in chunks of blocks at element `offset`)
-        -> (tree of x like grads, new state). x is the new param when `in_place`, else the update; `whole(g, mu,
-        nu, p)` True keeps a tensor unchunked (the kernel's); `seeds`, `specs`: one per leaf, or None."""
+        -> (tree of x like grads, new state). x is the new param when `in_place`, else the update. `seeds`,
+        `routes`: one per leaf, or None; a tensor whose route is not False runs unchunked (the kernel's)."""
         if params is None:
             raise ValueError("quantized_adamw's update needs params (weight decay): pass update(grads, state, params)")
         count = optax.safe_increment(state.count)
@@ -180,19 +180,19 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
         coefficients = _Coefficients(*adam.bias_corrections(count, b1, b2), -1 * lr)
         g_leaves, treedef = jax.tree.flatten(grads)
         seeds = [None] * len(g_leaves) if seeds is None else seeds
-        specs = [None] * len(g_leaves) if specs is None else specs
+        routes = [False] * len(g_leaves) if routes is None else routes
         tensors = zip(g_leaves, *(treedef.flatten_up_to(tree) for tree in (state.mu, state.nu, params)),
-                      _decays(weight_decay, mask, grads), seeds, specs, strict=True)
-        out = streaming.run(lambda g, mu, nu, p, offset, wd, seed, spec: tensor_step(g, mu, nu, p, offset, wd,
-                                                                                     coefficients, seed, spec),
-                            list(tensors), in_place=in_place, whole=whole)
+                      _decays(weight_decay, mask, grads), seeds, routes, strict=True)
+        out = streaming.run(lambda g, mu, nu, p, offset, wd, seed, route: tensor_step(g, mu, nu, p, offset, wd,
+                                                                                      coefficients, seed, route),
+                            list(tensors), in_place=in_place, whole=[route is not False for route in routes])
         x, mu, nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))
         return x, adam.QuantizedAdamState(count, mu, nu)
 
-    def tensor_update(g, mu, nu, p, offset, wd, c, seed, spec):
+    def tensor_update(g, mu, nu, p, offset, wd, c, seed, route):
         """One tensor's update with optax's ops: Adam's direction in g's dtype, add_decayed_weights (skipped at 0),
         scale_by_learning_rate (a schedule's value cast to the update's dtype, a constant multiplied as it is)."""
-        del offset, seed, spec
+        del offset, seed, route
         direction, mu, nu = adam.update_reference(g, mu, nu, config, b1, b2, eps, c.bc1, c.bc2_sqrt)
         u = direction.astype(g.dtype)
         u = u + wd * p if wd else u
@@ -207,26 +207,38 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
         run_kernel, interpret = (dispatch.kernel_mode(per_device=mesh is not None) if use_kernel
                                  else (False, False))
         seeds = None if key is None else sr_params.leaf_seeds(key, len(jax.tree.leaves(params)))
-        specs = None if mesh is None else jax.tree.structure(params).flatten_up_to(param_specs)
-        # bfloat16 params take the kernel when a key seeds their stochastic rounding (to nearest: the jnp step)
-        eligible = lambda g, mu, nu, p: run_kernel and fused_adam.kernel_eligible(p, g, mu, nu, key is not None)
-        unsplit = []  # (param shape, why not per device) of eligible tensors left to the jnp step
+        g_leaves, treedef = jax.tree.flatten(grads)
+        specs = [None] * len(g_leaves) if mesh is None else treedef.flatten_up_to(param_specs)
+        unsplit = []  # (param shape, why not per device) of kernel-eligible tensors left to the jnp step
 
-        def tensor_step(g, mu, nu, p, offset, wd, c, seed, spec):
-            step_size = jnp.asarray(c.step_size, jnp.float32)
-            if eligible(g, mu, nu, p):
-                args = (b1, b2, eps, c.bc1, c.bc2_sqrt, step_size, wd)
-                if mesh is None:
-                    return fused_adam.fused_step(p, g, mu, nu, *args, seed=seed, interpret=interpret)
-                axes, reason = fused_adam.per_device_axes(p, mu, spec, mesh)
-                if reason is None:
-                    return fused_adam.fused_step_per_device(p, g, mu, nu, axes, *args, seed=seed,
-                                                            interpret=interpret)
+        def route(g, mu, nu, p, spec):
+            """How one tensor's step runs: False the jnp step, True the kernel (no mesh), a `fused_adam.ShardLayout`
+            the kernel per device. bfloat16 params take the kernel when a key seeds their stochastic rounding (to
+            nearest: the jnp step)."""
+            if not (run_kernel and fused_adam.kernel_eligible(p, g, mu, nu, key is not None)):
+                return False
+            if mesh is None:
+                return True
+            layout, reason = fused_adam.per_device_layout(p, mu, spec, mesh)
+            if layout is None:
                 unsplit.append((p.shape, reason))
+                return False
+            return layout
+
+        routes = [route(*leaves) for leaves in zip(g_leaves, *(treedef.flatten_up_to(tree) for tree in (
+            state.mu, state.nu, params)), specs, strict=True)]
+
+        def tensor_step(g, mu, nu, p, offset, wd, c, seed, route):
+            step_size = jnp.asarray(c.step_size, jnp.float32)
+            args = (b1, b2, eps, c.bc1, c.bc2_sqrt, step_size, wd)
+            if route is True:
+                return fused_adam.fused_step(p, g, mu, nu, *args, seed=seed, interpret=interpret)
+            if route is not False:
+                return fused_adam.fused_step_per_device(p, g, mu, nu, route, *args, seed=seed, interpret=interpret)
             return fused_adam.fused_step_reference(p, g, mu, nu, config, b1, b2, eps, c.bc1, c.bc2_sqrt, step_size,
                                                    wd, seed, offset)
 
-        out = map_tensors(tensor_step, grads, state, params, seeds, specs, in_place=True, whole=eligible)
+        out = map_tensors(tensor_step, grads, state, params, seeds, routes, in_place=True)
         if unsplit:
             _warn_unsplit(len(unsplit), sum(math.prod(shape) for shape, _ in unsplit), *unsplit[0])
         return out
