@@ -168,11 +168,11 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     weight_decay = float(weight_decay)  # a Python float: optax skips a zero decay only then, and so does the kernel
     init_fn = adam.scale_by_quantized_adam(config, b1, b2, eps).init  # checks b1, b2, eps; count 0, zero moments
 
-    def map_tensors(tensor_step, grads, state, params, seeds=None, routes=None, in_place=False):
+    def map_tensors(tensor_step, grads, state, params, seeds=None, routes=None, in_place=False, whole=None):
         """tensor_step(g, mu, nu, p, offset, weight_decay, _Coefficients, seed, route) -> (x, mu, nu) per tensor,
         streamed (`streaming.run`: groups in sequence, large tensors in chunks of blocks at element `offset`)
         -> (tree of x like grads, new state). x is the new param when `in_place`, else the update. `seeds`,
-        `routes`: one per leaf, or None; a tensor whose route is not False runs unchunked (the kernel's)."""
+        `routes`, `whole` (True: never chunked): one per leaf, or None."""
         if params is None:
             raise ValueError("quantized_adamw's update needs params (weight decay): pass update(grads, state, params)")
         count = optax.safe_increment(state.count)
@@ -185,7 +185,7 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
                       _decays(weight_decay, mask, grads), seeds, routes, strict=True)
         out = streaming.run(lambda g, mu, nu, p, offset, wd, seed, route: tensor_step(g, mu, nu, p, offset, wd,
                                                                                       coefficients, seed, route),
-                            list(tensors), in_place=in_place, whole=[route is not False for route in routes])
+                            list(tensors), in_place=in_place, whole=whole)
         x, mu, nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))
         return x, adam.QuantizedAdamState(count, mu, nu)
 
@@ -227,6 +227,10 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
 
         routes = [route(*leaves) for leaves in zip(g_leaves, *(treedef.flatten_up_to(tree) for tree in (
             state.mu, state.nu, params)), specs, strict=True)]
+        # Unchunked: the kernel's tensors (it streams them itself), and under a mesh the jnp step's tensors split
+        # over it: XLA partitions a chunk loop over a split tensor by gathering it (4-7x the temporaries of the
+        # unchunked step, benchmarks/NOTES.md); tensors whole on every device are chunked as on one device.
+        whole = [r is not False or (mesh is not None and _splits(spec, mesh)) for r, spec in zip(routes, specs)]
 
         def tensor_step(g, mu, nu, p, offset, wd, c, seed, route):
             step_size = jnp.asarray(c.step_size, jnp.float32)
@@ -238,7 +242,7 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
             return fused_adam.fused_step_reference(p, g, mu, nu, config, b1, b2, eps, c.bc1, c.bc2_sqrt, step_size,
                                                    wd, seed, offset)
 
-        out = map_tensors(tensor_step, grads, state, params, seeds, routes, in_place=True)
+        out = map_tensors(tensor_step, grads, state, params, seeds, routes, in_place=True, whole=whole)
         if unsplit:
             _warn_unsplit(len(unsplit), sum(math.prod(shape) for shape, _ in unsplit), *unsplit[0])
         return out
@@ -257,6 +261,12 @@ def _sharded_mesh(param_specs):
                          "inside `with jax.set_mesh(mesh):` (or jax.sharding.use_abstract_mesh), or pass "
                          "param_specs=None")
     return None if mesh.size == 1 or mesh.manual_axes else mesh
+
+
+def _splits(spec, mesh) -> bool:
+    """Whether PartitionSpec `spec` splits its array over the mesh (names an axis of more than one device)."""
+    named = [a for d in (spec or ()) if d is not None for a in ((d,) if isinstance(d, str) else d)]
+    return any(mesh.shape.get(a, 1) > 1 for a in named)
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,6 +36,7 @@ SCRIPT = textwrap.dedent("""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     from qjax import dispatch, optim
     from qjax.optim import fused_adam
+    from qjax.train import sharding as train_sharding
 
     N = len(jax.devices())
     ON_GPU = jax.default_backend() == "gpu"
@@ -48,15 +49,23 @@ SCRIPT = textwrap.dedent("""
     def mesh_of(fsdp, tensor):
         return jax.make_mesh((fsdp, tensor), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
 
-    # The params, and their specs on two meshes; SPLIT: the params whose dim 0 alone splits into whole state blocks,
-    # a multiple of 4 per device (the kernel per device). The others take the jnp step: a column split, "few" with 1
-    # or 2 blocks per device, "bias" with 1 block (never the kernel).
-    SHAPES = {"a": (4 * N, 256), "b": (N, 1024), "few": (N, 256), "bias": (256,)}  # few programs to interpret
-    CASES = {"fsdp": (mesh_of(N, 1), {"a": P("fsdp", None), "b": P(None, "fsdp"), "few": P("fsdp", None),
+    # The params, and their specs on three meshes; SPLIT: the params whose shards are whole state blocks, a multiple
+    # of 4 per device (the kernel per device): split along dim 0 ("rows"), an inner dim ("cols", a row-parallel
+    # kernel or an LM head under FSDP), both ("both"; "stack" with an unsplit dim between), or whole ("rep", and
+    # every param on the data-parallel mesh). The others take the jnp step: "few" with 1 or 2 blocks, or half a
+    # block, per device, "stack" on "fsdp" in runs of 64 elements, "bias" with 1 block (never the kernel).
+    SHAPES = {"rows": (4 * N, 256), "cols": (4, 256 * N), "both": (8, 1024), "stack": (4, 4, 512),
+              "few": (N, 256), "rep": (4, 256), "bias": (256,)}  # few programs to interpret
+    CASES = {"fsdp": (mesh_of(N, 1), {"rows": P("fsdp", None), "cols": P(None, "fsdp"), "both": P("fsdp", None),
+                                      "stack": P(None, None, "fsdp"), "few": P("fsdp", None), "rep": P(),
                                       "bias": P()}),
-             "fsdp_tensor": (mesh_of(N // 2, 2), {"a": P(("fsdp", "tensor"), None), "b": P("fsdp", None),
-                                                  "few": P("fsdp", "tensor"), "bias": P()})}  # b: whole over tensor
-    SPLIT = {"fsdp": ["a"], "fsdp_tensor": ["a", "b"]}
+             "fsdp_tensor": (mesh_of(N // 2, 2), {"rows": P(("fsdp", "tensor"), None),
+                                                  "cols": P(None, ("fsdp", "tensor")), "both": P("tensor", "fsdp"),
+                                                  "stack": P("fsdp", None, "tensor"), "few": P("fsdp", "tensor"),
+                                                  "rep": P(None, None), "bias": P()}),
+             "data": (jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,)), {k: P() for k in SHAPES})}
+    SPLIT = {"fsdp": ["rows", "cols", "both", "rep"], "fsdp_tensor": ["rows", "cols", "both", "stack", "rep"],
+             "data": ["rows", "cols", "both", "stack", "few", "rep"]}
 
     def inputs(tx, dtype):  # params, grads, and the state after a jnp step (the checked step reads its moments)
         keys = iter(jax.random.split(jax.random.key(0), 2 * len(SHAPES)))
@@ -83,15 +92,18 @@ SCRIPT = textwrap.dedent("""
 
     for fmt in ("fp8", "8bit", "4bit") if ON_GPU else ("fp8",):
         tx = TXS[fmt](1e-3, min_quantized_size=256, use_kernel=True)
-        for dtype in (jnp.float32, jnp.bfloat16):
+        for dtype in (jnp.float32, jnp.bfloat16):  # float32: on one mesh (the same kernel, no rounding offsets)
             params, grads, state = inputs(tx, dtype)
             key = jax.random.key(7)
             step = lambda p, g, s, specs=None: optim.apply_gradients(tx, g, s, p, key, specs)
             with dispatch.force(MODE):  # unsharded: the kernel on one device
                 ref = jax.jit(step)(params, grads, state)
-            for case, (mesh, specs) in CASES.items():
+            for case in CASES if dtype == jnp.bfloat16 else ["fsdp_tensor"]:
+                mesh, specs = CASES[case]
                 put = lambda t: {k: jax.device_put(x, NamedSharding(mesh, specs[k])) for k, x in t.items()}
-                whole = jax.device_put(state, NamedSharding(mesh, P()))
+                # the moments as the train step lays them out: blocks split along dim 0 over "fsdp"
+                whole = jax.device_put(state, train_sharding.named(train_sharding.state_specs(state, params, mesh),
+                                                                   mesh))
                 calls.clear()
                 optim.adamw._warn_unsplit.cache_clear()  # warned once per case and process: here once per run
                 with warnings.catch_warnings(record=True) as caught, dispatch.force(MODE):
@@ -123,18 +135,20 @@ SCRIPT = textwrap.dedent("""
                 with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # the jnp tensors' warning (checked above)
                     lowered = jax.jit(step).trace(params, grads, state).lower(lowering_platforms=("cuda",))
-                lines = lowered.as_text().splitlines()
-                kernels = sum("mosaic_gpu" in line for line in lines if "stablehlo.custom_call" in line)
-                assert kernels == len(SPLIT[case]), (fmt, case, kernels)
+                text = lowered.as_text()
+                # calls of the kernel's jitted wrapper (shards of one shape share one function and its custom call)
+                n_calls = sum("call @_step_call" in line for line in text.splitlines())
+                assert n_calls == len(SPLIT[case]) and "mosaic_gpu" in text, (fmt, case, n_calls)
                 print(fmt, case, "lowered", "ok")
 """)
 
 
 def _expected(on_gpu: bool) -> list[str]:
+    cases = ("fsdp", "fsdp_tensor", "data")
     runs = [f"{fmt} {case} {dtype} ok" for fmt in (("fp8", "8bit", "4bit") if on_gpu else ("fp8",))
-            for dtype in ("float32", "bfloat16") for case in ("fsdp", "fsdp_tensor")]
+            for dtype in ("float32", "bfloat16") for case in (cases if dtype == "bfloat16" else ("fsdp_tensor",))]
     if not on_gpu:
-        runs += [f"{fmt} {case} lowered ok" for fmt in ("8bit", "4bit") for case in ("fsdp", "fsdp_tensor")]
+        runs += [f"{fmt} {case} lowered ok" for fmt in ("8bit", "4bit") for case in cases]
     return " ".join(runs).split()
 
 
