@@ -22,12 +22,13 @@ param's dtype; bfloat16 stochastically with `key`), for float32 params and grads
 With `use_kernel=True` (e4m3, 8-bit or 4-bit states, on a Hopper GPU) the step updates each eligible tensor's
 param and moments in place in one kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param).
 On several GPUs the kernel runs per device: `step(..., param_specs=)` with the mesh set while tracing
-(`jax.set_mesh(mesh)`), each tensor whose spec splits its param's dim 0 only into whole state blocks per device
-(`fused_adam.per_device_axes`: under FSDP the embedding and the column-parallel kernels, not the row-parallel ones
-or an LM head split on the vocab) takes the kernel on its shards (`jax.shard_map`), the others the jnp step; qjax's
-train step passes the specs.
+(`jax.set_mesh(mesh)`), each tensor whose shards are whole state blocks (`fused_adam.per_device_layout`: split
+along dim 0, one other dim or both, as FSDP and tensor parallelism split kernels, embeddings and LM heads, or whole
+on every device) takes the kernel on its shards (`jax.shard_map`), the others the jnp step; qjax's train step
+passes the specs.
 `update` and `step` both stream (`qjax.optim.streaming`): groups of tensors in sequence, large tensors in chunks,
-so their temporaries stay about one group's. `apply_gradients(tx, ...)` runs a
+so their temporaries stay about one group's (under a mesh, `step` leaves a tensor split over it unchunked: XLA
+would gather it for the chunk loop). `apply_gradients(tx, ...)` runs a
 `FusedTransformation`'s step, any other transformation's update + `optax.apply_updates`. `chain_fused(*pre, tx)`
 chains transformations before it (e.g. clipping) and keeps its step; wrapped in `optax.chain` or `optax.MultiSteps`
 it is an ordinary optax transformation (the same results through `update`, no kernel).
@@ -79,8 +80,9 @@ def apply_gradients(tx, grads, opt_state, params, key=None, param_specs=None):
 
     key: a `jax.random.key`, fresh every step, for bfloat16 params (None: they are rounded to nearest).
     param_specs: a `PartitionSpec` per param (a tree like params) laying them out on the mesh set while tracing
-      (`jax.set_mesh(mesh)` or `jax.sharding.use_abstract_mesh`), their gradients alike, the low-bit states' blocks
-      split along their dim 0 as the params' dim 0: the fused kernel then runs per device (module docstring).
+      (`jax.set_mesh(mesh)` or `jax.sharding.use_abstract_mesh`), their gradients alike (the low-bit states may lie
+      in any layout; the train step splits their blocks along dim 0): the fused kernel then runs per device
+      (module docstring).
       Other transformations leave the layout to XLA.
     """
     if isinstance(tx, FusedTransformation):
