@@ -156,7 +156,7 @@ def per_device_layout(p, mu, spec: PartitionSpec | None, mesh) -> tuple[ShardLay
     dim 0 is split), each a whole number of the blocks the moments are quantized in (along the flattened param).
     A param whole on every device (data parallelism) runs whole on each. Covered: FSDP and tensor-parallel
     kernels split along their rows, columns or both, embeddings and LM heads; not: a spec splitting two dims past
-    dim 0, or shards of part of a block.
+    dim 0, or shards that cut a block (an LM head whose vocab shard is not a multiple of the block).
     """
     dims = tuple(spec) if spec is not None else ()
     if len(dims) > p.ndim or any(d is not None and not isinstance(d, (str, tuple)) for d in dims):
