@@ -154,9 +154,11 @@ def per_device_layout(p, mu, spec: PartitionSpec | None, mesh) -> tuple[ShardLay
     device then holds whole state blocks, a multiple of `ROW_MULTIPLE`: a device's shard is runs of
     (size of d on a device) * prod(shape[d + 1:]) consecutive elements of the flattened param (one run when only
     dim 0 is split), each a whole number of the blocks the moments are quantized in (along the flattened param).
-    A param whole on every device (data parallelism) runs whole on each. Covered: FSDP and tensor-parallel
-    kernels split along their rows, columns or both, embeddings and LM heads; not: a spec splitting two dims past
-    dim 0, or shards that cut a block (an LM head whose vocab shard is not a multiple of the block).
+    A param whole on every device (data parallelism) runs whole on each. Where d's shards cut blocks (an LM head
+    whose vocab shard is not a multiple of the block), the step runs on the same devices with the param split along
+    dim 0 over all of the spec's axes, if that gives whole blocks: p and g move there and the new p back (the
+    train step's states lie so already). Not covered: a spec splitting two dims past dim 0, or shards of part of a
+    block either way.
     """
     dims = tuple(spec) if spec is not None else ()
     if len(dims) > p.ndim or any(d is not None and not isinstance(d, (str, tuple)) for d in dims):
@@ -168,16 +170,25 @@ def per_device_layout(p, mu, spec: PartitionSpec | None, mesh) -> tuple[ShardLay
     inner = [d for d in range(1, p.ndim) if axes[d]]
     if len(inner) > 1:
         return None, f"PartitionSpec {spec} splits dims {inner} past dim 0; the per-device kernel takes at most one"
-    layout = ShardLayout(axes, inner[0] if inner else 0)
+    own = ShardLayout(axes, inner[0] if inner else 0)
+    why = _whole_blocks(p, mu, own, mesh)
+    if why and own.inner:  # the same devices along dim 0 (the train step's state layout): p and g move there
+        moved = ShardLayout((sum(axes, ()),) + ((),) * (p.ndim - 1), 0)
+        if _whole_blocks(p, mu, moved, mesh) is None:
+            return moved, None
+    return (None, f"PartitionSpec {spec}: {why}") if why else (own, None)
+
+
+def _whole_blocks(p, mu, layout: ShardLayout, mesh) -> str | None:
+    """None where `layout` gives each device whole state blocks, a multiple of `ROW_MULTIPLE`; else why not."""
     devices = _devices(layout, mesh)
     if any(size % n for size, n in zip(p.shape, devices)):
-        return None, f"PartitionSpec {spec} does not split shape {p.shape} evenly over the mesh {dict(mesh.shape)}"
-    run = _runs(p.shape, layout, mesh)[0]
-    block = _block_size(mu)
+        return f"shape {p.shape} does not split evenly over the mesh {dict(mesh.shape)}"
+    run, block = _runs(p.shape, layout, mesh)[0], _block_size(mu)
     if run % block or p.size // math.prod(devices) // block % adam_step_mgpu.ROW_MULTIPLE:
-        return None, (f"a device's shard, runs of {run} consecutive elements, is not a multiple of "
-                      f"{adam_step_mgpu.ROW_MULTIPLE} whole state blocks of {block}")
-    return layout, None
+        return (f"a device's shard, runs of {run} consecutive elements, is not a multiple of "
+                f"{adam_step_mgpu.ROW_MULTIPLE} whole state blocks of {block}")
+    return None
 
 
 def _devices(layout: ShardLayout, mesh) -> list[int]:

@@ -55,19 +55,23 @@ SCRIPT = textwrap.dedent("""
     # The params, and their specs on three meshes; SPLIT: the params whose shards are whole state blocks, a multiple
     # of 4 per device (the kernel per device): split along dim 0 ("rows"), an inner dim ("cols", a row-parallel
     # kernel or an LM head under FSDP), both ("both"; "stack" with an unsplit dim between), or whole ("rep", and
-    # every param on the data-parallel mesh). The others take the jnp step: "few" with 1 or 2 blocks, or half a
-    # block, per device, "bias" with 1 block (never the kernel).
+    # every param on the data-parallel mesh); "head", whose column shards cut blocks, moves to a split along dim 0.
+    # The others take the jnp step: "few" with 1 or 2 blocks, or half a block, per device, "bias" with 1 block (never
+    # the kernel).
     SHAPES = {"rows": (4 * N, 256), "cols": (4, 256 * N), "both": (8, 1024), "stack": (4, 4, 512),
-              "few": (N, 256), "rep": (4, 256), "bias": (256,)}  # few programs to interpret
+              "head": (8 * N, 384), "few": (N, 256), "rep": (4, 256), "bias": (256,)}  # few programs to interpret
     CASES = {"fsdp": (mesh_of(N, 1), {"rows": P("fsdp", None), "cols": P(None, "fsdp"), "both": P("fsdp", None),
-                                      "stack": P(), "few": P("fsdp", None), "rep": P(),
+                                      "stack": P(), "head": P(None, "fsdp"),
+                                      "few": P("fsdp", None), "rep": P(),
                                       "bias": P()}),
              "fsdp_tensor": (mesh_of(N // 2, 2), {"rows": P(("fsdp", "tensor"), None),
                                                   "cols": P(None, ("fsdp", "tensor")), "both": P("tensor", "fsdp"),
                                                   "stack": P("fsdp", None, "tensor"), "few": P("fsdp", "tensor"),
-                                                  "rep": P(None, None), "bias": P()}),
+                                                  "head": P(None, ("fsdp", "tensor")), "rep": P(None, None),
+                                                  "bias": P()}),
              "data": (jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,)), {k: P() for k in SHAPES})}
-    SPLIT = {"fsdp": ["rows", "cols", "both", "stack", "rep"], "fsdp_tensor": ["rows", "cols", "both", "stack", "rep"]}
+    SPLIT = {"fsdp": ["rows", "cols", "both", "stack", "head", "rep"],
+             "fsdp_tensor": ["rows", "cols", "both", "stack", "head", "rep"]}
 
     def kernel_params(case, params, grads, state):  # on the data-parallel mesh: every tensor the kernel takes
         eligible = lambda k: fused_adam.kernel_eligible(params[k], grads[k], state.mu[k], state.nu[k], seeded=True)
@@ -246,14 +250,15 @@ def test_per_device_layout():
                ((1024, 8192), P(None, "fsdp")): (((), ("fsdp",)), 1),  # LM head
                ((8192, 1024), P(("fsdp", "tensor"))): ((("fsdp", "tensor"), ()), 0),
                ((4, 8, 1024), P("fsdp", None, "tensor")): ((("fsdp",), (), ("tensor",)), 2),
+               ((64, 1280), P(None, "fsdp")): ((("fsdp",), ()), 0),  # columns cut blocks: moved to dim 0
                ((64, 256), P()): (((), ()), 0),  # data parallel: whole on every device
                ((64, 256), None): (((), ()), 0)}
     for (shape, spec), (axes, inner) in covered.items():
         assert layout(shape, spec) == (fused_adam.ShardLayout(axes, inner), None), (shape, spec)
     refused = {((4096, 1024), P("fsdp", "data")): "names an axis the mesh",
                ((4, 8, 1024), P(None, "fsdp", "tensor")): "splits dims [1, 2] past dim 0",
-               ((6, 1024), P("fsdp", None)): "does not split shape (6, 1024) evenly",
-               ((64, 256), P(None, "fsdp")): "runs of 64 consecutive elements, is not a multiple of 4 whole",
+               ((6, 1024), P("fsdp", None)): "shape (6, 1024) does not split evenly",
+               ((8, 256), P(None, "fsdp")): "runs of 64 consecutive elements, is not a multiple of 4 whole",
                ((8, 256), P("fsdp", None)): "is not a multiple of 4 whole state blocks of 256",
                ((64, 256), P(None, None, "fsdp")): "does not lay out a param of shape (64, 256)"}
     for (shape, spec), reason in refused.items():
