@@ -214,9 +214,9 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
         unsplit = []  # (param shape, why not per device) of kernel-eligible tensors left to the jnp step
 
         def route(g, mu, nu, p, spec):
-            """How one tensor's step runs: False the jnp step, True the kernel (no mesh), a `fused_adam.ShardLayout`
-            the kernel per device. bfloat16 params take the kernel when a key seeds their stochastic rounding (to
-            nearest: the jnp step)."""
+            """How one tensor's step runs: False the jnp step, True the kernel (no mesh), (`fused_adam.ShardLayout`,
+            spec) the kernel per device. bfloat16 params take the kernel when a key seeds their stochastic rounding
+            (to nearest: the jnp step)."""
             if not (run_kernel and fused_adam.kernel_eligible(p, g, mu, nu, key is not None)):
                 return False
             if mesh is None:
@@ -225,7 +225,7 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
             if layout is None:
                 unsplit.append((p.shape, reason))
                 return False
-            return layout
+            return layout, jax.sharding.PartitionSpec() if spec is None else spec
 
         routes = [route(*leaves) for leaves in zip(g_leaves, *(treedef.flatten_up_to(tree) for tree in (
             state.mu, state.nu, params)), specs, strict=True)]
@@ -240,7 +240,10 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
             if route is True:
                 return fused_adam.fused_step(p, g, mu, nu, *args, seed=seed, interpret=interpret)
             if route is not False:
-                return fused_adam.fused_step_per_device(p, g, mu, nu, route, *args, seed=seed, interpret=interpret)
+                layout, spec = route
+                new_p, mu, nu = fused_adam.fused_step_per_device(p, g, mu, nu, layout, *args, seed=seed,
+                                                                 interpret=interpret)
+                return jax.lax.with_sharding_constraint(new_p, spec), mu, nu  # where a layout moved p: back
             return fused_adam.fused_step_reference(p, g, mu, nu, config, b1, b2, eps, c.bc1, c.bc2_sqrt, step_size,
                                                    wd, seed, offset)
 
