@@ -129,6 +129,8 @@ SCRIPT = textwrap.dedent("""
                 assert len(messages) == (1 if unsplit else 0), messages
                 assert all("through jnp instead of the per-device kernel" in m for m in messages), messages
                 assert jax.tree.structure(got) == jax.tree.structure(ref)
+                for k in split:  # the new params keep their layout ("head" comes back from its dim-0 split)
+                    assert got[0][k].sharding.is_equivalent_to(NamedSharding(mesh, specs[k]), len(SHAPES[k])), k
                 for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(ref)):
                     name = jax.tree_util.keystr(path)
                     same(a, b, f"{fmt} {case} {np.dtype(dtype).name} {name}",
