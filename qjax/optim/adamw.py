@@ -213,7 +213,7 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
         specs = [None] * len(g_leaves) if mesh is None else treedef.flatten_up_to(param_specs)
         unsplit = []  # (param shape, why not per device) of kernel-eligible tensors left to the jnp step
 
-        def route(g, mu, nu, p, spec):
+        def route_of(g, mu, nu, p, spec):
             """How one tensor's step runs: False the jnp step, True the kernel (no mesh), (`fused_adam.ShardLayout`,
             spec) the kernel per device. bfloat16 params take the kernel when a key seeds their stochastic rounding
             (to nearest: the jnp step)."""
@@ -227,7 +227,7 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
                 return False
             return layout, jax.sharding.PartitionSpec() if spec is None else spec
 
-        routes = [route(*leaves) for leaves in zip(g_leaves, *(treedef.flatten_up_to(tree) for tree in (
+        routes = [route_of(*leaves) for leaves in zip(g_leaves, *(treedef.flatten_up_to(tree) for tree in (
             state.mu, state.nu, params)), specs, strict=True)]
         # Unchunked: the kernel's tensors (it streams them itself), and under a mesh the jnp step's tensors split
         # over it: XLA partitions a chunk loop over a split tensor by gathering it (4-7x the temporaries of the
