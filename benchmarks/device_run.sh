@@ -60,7 +60,9 @@
 # tests-optim-dre: the fused AdamW GPU tests of range-expanded states alone, with their mismatch counts printed.
 # tests-rmsnorm: the fused RMSNorm kernels' tests, compiled; rmsnorm-kernels: kernels.py rmsnorm (their table).
 # Several GPUs (nvidia-h100-x2 and up): tests-mesh-gpu (the mesh / FSDP tests on every GPU), tests-adam-mesh (the fused
-# AdamW step per device against one GPU's, e4m3 / 8-bit / 4-bit), scaling-1b, scaling-1b-more, scaling-8b
+# AdamW step per device against one GPU's, e4m3 / 8-bit / 4-bit), optim-mesh (benchmarks/optim_mesh.py: the bf16 + SR
+# adamw_8bit step under FSDP over all GPUs, per-device kernel vs jnp vs optax.adamw, 4 Llama-3-8B layers),
+# scaling-1b, scaling-1b-more, scaling-8b
 # (benchmarks/scaling.py; scaling-8b-int8 its int8_rowwise row alone; scaling-8b-b8-bf16 / scaling-8b-b8-int8 one
 # row at global batch 8 with GPU 0's profile), torch-fsdp (benchmarks/torch_fsdp_peer.py: torchrun, FSDP2, bf16 vs
 # torchao float8).
@@ -174,6 +176,7 @@ step_command() {
         tests-mesh-gpu) echo "env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider -m gpu" \
                              "tests/test_mesh_gpu.py" ;;
         tests-adam-mesh) echo "python3 -m pytest -q -p no:cacheprovider -m gpu tests/optim/test_fused_mesh.py" ;;
+        optim-mesh) echo "python3 benchmarks/optim_mesh.py --layers 4" ;;
         scaling-1b) echo "python3 benchmarks/scaling.py --size 1b --rows bf16 int8_rowwise int8_rowwise:bf16" \
                          "--baselines bf16 int8_rowwise --steps 3 --warmup 1" ;;
         scaling-1b-more) echo "python3 benchmarks/scaling.py --size 1b --rows fp8_tensorwise int8_dataflow" \

@@ -55,7 +55,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref, vector
 
 from qjax import codebooks, numerics, stochastic
-from qjax.formats import BF16
+from qjax.formats import BF16, FP8_STATE_FORMATS  # e4m3 states: no code table
 from qjax.kernels import resolve_interpret
 
 # Elements per program: chosen by the tile-size sweep recorded in benchmarks/NOTES.md.
@@ -75,7 +75,6 @@ _PACKED_LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((ROW_MULTIPLE, _LANE_COLUMNS /
 # (m format, v format) pairs the kernel reads and writes: "e4m3", or a code book's map name (8-bit or 4-bit).
 KERNEL_FORMATS = (("e4m3", "e4m3"), ("e4m3_dre", "e4m3_dre"), ("dynamic_signed_8bit", "dynamic_unsigned_8bit"),
                   ("dynamic_signed_4bit", "linear_unsigned_4bit"))
-_FP8_FORMATS = ("e4m3", "e4m3_dre")  # no code table
 BLOCK_SIZES = (_LANE_COLUMNS, _MAX_BLOCK)
 _TABLE_COLUMNS = 128  # code tables travel as (T / 128, 128) arrays: a TMA box is at most 256 wide
 
@@ -110,7 +109,7 @@ def _lookup(table_ref, index: jax.Array, interpret: bool) -> jax.Array:
 def code_table(fmt: str) -> jax.Array:
     """A code book format's `codebooks.codec_table` as the kernel reads it: float32 (T / 128, 128), zero-padded to
     whole rows (a 4-bit table has 32 entries); a dummy for the e4m3 formats."""
-    if fmt in _FP8_FORMATS:
+    if fmt in FP8_STATE_FORMATS:
         return jnp.zeros((1, _TABLE_COLUMNS), jnp.float32)
     table = codebooks.codec_table(codebooks.get_map(fmt))
     return jnp.asarray(np.pad(table, (0, -table.size % _TABLE_COLUMNS)).reshape(-1, _TABLE_COLUMNS))
@@ -118,7 +117,7 @@ def code_table(fmt: str) -> jax.Array:
 
 def _is_packed(fmt: str) -> bool:
     """Whether a format stores two 4-bit codes per byte (codes (n, B / 2)): element 2i in the high nibble."""
-    return fmt not in _FP8_FORMATS and codebooks.get_map(fmt).size == 16
+    return fmt not in FP8_STATE_FORMATS and codebooks.get_map(fmt).size == 16
 
 
 def _map_lanes(fa, out_length: int, fn):
@@ -205,23 +204,29 @@ def _load(ref, layout):
     return plgpu.load(ref, layout=layout, optimized=False)
 
 
-def _round_param(p, seed, row0, offset):
-    """f32 (R, B) new param -> bfloat16 by stochastic rounding with bits hash_uint32(seed, offset + row-major
-    index) (the tile's first row is row0 of the (n, B) param, whose first element is element `offset` of the whole
-    param): `sr_params.round_param`'s bits, kernel-safe ops."""
+def _round_param(p, seed, row0, offset, runs):
+    """f32 (R, B) new param -> bfloat16 by stochastic rounding with bits hash_uint32(seed, element index in the
+    whole param) (the tile's first row is row0 of the (n, B) param; `adam_step_kernel` says how offset and runs
+    place its elements in the whole param): `sr_params.round_param`'s bits, kernel-safe ops."""
     n_rows, block = p.shape
     rows = plgpu.broadcasted_iota(jnp.uint32, p.shape, 0, layout=_LAYOUT) + row0
-    index = rows * jnp.uint32(block) + plgpu.broadcasted_iota(jnp.uint32, p.shape, 1, layout=_LAYOUT) + offset
+    columns = plgpu.broadcasted_iota(jnp.uint32, p.shape, 1, layout=_LAYOUT)
+    if runs is None:  # one run: p2 is a contiguous part of the param
+        index = rows * jnp.uint32(block) + columns + offset
+    else:  # runs of run_blocks rows, `stride` elements apart (a shard split along an inner dim)
+        run, stride = runs
+        run_blocks = jnp.uint32(run // block)
+        index = (rows // run_blocks) * jnp.uint32(stride) + (rows % run_blocks) * jnp.uint32(block) + columns + offset
     return stochastic.stochastic_codes(p, BF16, stochastic.hash_uint32(seed, index), may_be_inf=True)
 
 
 def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_refs, v_refs, *, row0, formats, b1, b2,
-               eps, weight_decay, interpret):
+               eps, weight_decay, runs, interpret):
     """One tile in GMEM, updated in place: the fused step of `fused_step_reference` on (R, B) arrays.
     m_refs, v_refs: each moment's codes (R, B) (or (R, B / 2) packed) and per-row arrays (R,) (`adam_step_kernel`).
     m_table_ref, v_table_ref: the code book formats' `codebooks.codec_table` (unused for e4m3). A bfloat16 param is
-    read as float32 and written back with stochastic rounding (seed_ref: seed and element offset; the tile's first
-    row row0)."""
+    read as float32 and written back with stochastic rounding (seed_ref: seed and element offset, runs as in
+    `adam_step_kernel`; the tile's first row row0)."""
     m_format, v_format = formats
     m_table = functools.partial(_lookup, m_table_ref, interpret=interpret)
     v_table = functools.partial(_lookup, v_table_ref, interpret=interpret)
@@ -245,7 +250,7 @@ def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_ref
     v_old = load_state(v_refs, v_format, v_table)
     direction, m, v = numerics.adam_math(g, m_old, v_old, b1, b2, eps, bc1, bc2_sqrt)
     new_p = numerics.param_update(p, direction, step_size, weight_decay)
-    p_ref[...] = new_p if p_ref.dtype == jnp.float32 else _round_param(new_p, seed_ref[0], row0, seed_ref[1])
+    p_ref[...] = new_p if p_ref.dtype == jnp.float32 else _round_param(new_p, seed_ref[0], row0, seed_ref[1], runs)
     store_state(m, m_refs, m_format, m_table)
     store_state(v, v_refs, v_format, v_table)
 
@@ -257,15 +262,15 @@ def _tile_rows(n_rows: int, block_size: int) -> int:
     return rows
 
 
-@functools.partial(jax.jit, static_argnames=("formats", "b1", "b2", "eps", "weight_decay", "interpret"))
-def _step_call(p2, g2, m_state, v_state, coef, seed, *, formats, b1, b2, eps, weight_decay, interpret):
+@functools.partial(jax.jit, static_argnames=("formats", "b1", "b2", "eps", "weight_decay", "runs", "interpret"))
+def _step_call(p2, g2, m_state, v_state, coef, seed, *, formats, b1, b2, eps, weight_decay, runs, interpret):
     n_rows, block = p2.shape
     rows = _tile_rows(n_rows, block)
     inputs = (p2, g2, *m_state, *v_state)
     written = (0, *range(2, len(inputs)))  # all but the gradient: updated in place
     n_m = len(m_state)
 
-    code_tables = formats[0] not in _FP8_FORMATS
+    code_tables = formats[0] not in FP8_STATE_FORMATS
 
     def body(coef_ref, seed_ref, m_table_ref, v_table_ref, *refs):
         if code_tables:  # each program copies the two 2 KB tables to SMEM (lookups: ld.shared)
@@ -279,7 +284,7 @@ def _step_call(p2, g2, m_state, v_state, coef, seed, *, formats, b1, b2, eps, we
         p_ref, g_ref, *state_refs = (ref.at[pl.ds(row0, rows)] for ref in refs)
         _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, state_refs[:n_m], state_refs[n_m:],
                    row0=row0.astype(jnp.uint32), formats=formats, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                   interpret=interpret is not None)
+                   runs=runs, interpret=interpret is not None)
 
     # The param and state arrays go in as mutable refs, updated in place (the kernel's aliased outputs): with the
     # step's params and state donated, XLA then writes them where they are instead of copying each kernel output
@@ -295,13 +300,17 @@ def _step_call(p2, g2, m_state, v_state, coef, seed, *, formats, b1, b2, eps, we
 
 
 def adam_step_kernel(p2, g2, m_state, v_state, coef, *, formats, b1, b2, eps, weight_decay, seed=None, offset=0,
-                     interpret=None):
+                     runs=None, interpret=None):
     """One tensor's AdamW step on (n, B) blocks, n % ROW_MULTIPLE == 0, B in BLOCK_SIZES (module docstring).
 
     Args:
       p2, g2: float32 (n, B) param and gradient, or both bfloat16: the new param is then rounded stochastically
-        with `seed` (uint32 scalar; bits hash_uint32(seed, offset + row-major index), as `sr_params.round_param`;
-        offset, a uint32 scalar: the index of p2's first element in the whole param, e.g. one device's shard).
+        with `seed` (uint32 scalar; bits hash_uint32(seed, element index in the whole param), as
+        `sr_params.round_param` draws them). offset: uint32 scalar, the index of p2's first element in the whole
+        param (e.g. one device's shard). runs: None when p2's elements are consecutive in the whole param (index =
+        offset + row-major index), or static ints (run, stride) when they come in runs of `run` consecutive
+        elements (a multiple of B) whose starts lie `stride` apart (a shard split along an inner dim: run j's
+        element e has index offset + j * stride + e; `fused_adam.fused_step_reference` with the same runs).
       m_state, v_state: each moment as a tuple (codes, *per-block arrays) in the formats `formats`, a pair from
         KERNEL_FORMATS: codes (n, B) float8_e4m3fn or uint8 (4-bit: (n, B / 2), packed), then the per-block (n,)
         arrays: code books absmax f32; e4m3 scale f32; e4m3_dre scale f32, expand uint8 (16 k), centre bfloat16.
@@ -316,8 +325,12 @@ def adam_step_kernel(p2, g2, m_state, v_state, coef, *, formats, b1, b2, eps, we
                          f"{p2.dtype}, g {g2.dtype}")
     if p2.dtype == jnp.bfloat16 and seed is None:
         raise ValueError("a bfloat16 param is rounded stochastically: pass seed= (a uint32 scalar)")
+    if runs is not None and (runs[0] % p2.shape[1] or p2.size % runs[0] or runs[1] < runs[0]):
+        raise ValueError(f"runs (run, stride) = {runs} must cut p2's {p2.size} elements into runs of whole blocks "
+                         f"of {p2.shape[1]}, at least run apart")
     seed = jnp.stack([jnp.asarray(0 if seed is None else seed, jnp.uint32).reshape(()),
                       jnp.asarray(offset, jnp.uint32).reshape(())])
     p2, *state = _step_call(p2, g2, tuple(m_state), tuple(v_state), coef, seed, formats=formats, b1=b1, b2=b2,
-                            eps=eps, weight_decay=weight_decay, interpret=resolve_interpret(interpret))
+                            eps=eps, weight_decay=weight_decay, runs=None if runs is None else tuple(map(int, runs)),
+                            interpret=resolve_interpret(interpret))
     return p2, tuple(state[:len(m_state)]), tuple(state[len(m_state):])

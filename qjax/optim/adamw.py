@@ -22,12 +22,13 @@ param's dtype; bfloat16 stochastically with `key`), for float32 params and grads
 With `use_kernel=True` (e4m3, 8-bit or 4-bit states, on a Hopper GPU) the step updates each eligible tensor's
 param and moments in place in one kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param).
 On several GPUs the kernel runs per device: `step(..., param_specs=)` with the mesh set while tracing
-(`jax.set_mesh(mesh)`), each tensor whose spec splits its param's dim 0 only into whole state blocks per device
-(`fused_adam.per_device_axes`: under FSDP the embedding and the column-parallel kernels, not the row-parallel ones
-or an LM head split on the vocab) takes the kernel on its shards (`jax.shard_map`), the others the jnp step; qjax's
-train step passes the specs.
+(`jax.set_mesh(mesh)`), each tensor whose shards are whole state blocks (`fused_adam.per_device_layout`: split
+along dim 0, one other dim or both, as FSDP and tensor parallelism split kernels, embeddings and LM heads, or whole
+on every device) takes the kernel on its shards (`jax.shard_map`), the others the jnp step; qjax's train step
+passes the specs.
 `update` and `step` both stream (`qjax.optim.streaming`): groups of tensors in sequence, large tensors in chunks,
-so their temporaries stay about one group's. `apply_gradients(tx, ...)` runs a
+so their temporaries stay about one group's (under a mesh, `step` leaves a tensor split over it unchunked: XLA
+would gather it for the chunk loop). `apply_gradients(tx, ...)` runs a
 `FusedTransformation`'s step, any other transformation's update + `optax.apply_updates`. `chain_fused(*pre, tx)`
 chains transformations before it (e.g. clipping) and keeps its step; wrapped in `optax.chain` or `optax.MultiSteps`
 it is an ordinary optax transformation (the same results through `update`, no kernel).
@@ -79,8 +80,9 @@ def apply_gradients(tx, grads, opt_state, params, key=None, param_specs=None):
 
     key: a `jax.random.key`, fresh every step, for bfloat16 params (None: they are rounded to nearest).
     param_specs: a `PartitionSpec` per param (a tree like params) laying them out on the mesh set while tracing
-      (`jax.set_mesh(mesh)` or `jax.sharding.use_abstract_mesh`), their gradients alike, the low-bit states' blocks
-      split along their dim 0 as the params' dim 0: the fused kernel then runs per device (module docstring).
+      (`jax.set_mesh(mesh)` or `jax.sharding.use_abstract_mesh`), their gradients alike (the low-bit states may lie
+      in any layout; the train step splits their blocks along dim 0): the fused kernel then runs per device
+      (module docstring).
       Other transformations leave the layout to XLA.
     """
     if isinstance(tx, FusedTransformation):
@@ -168,11 +170,11 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     weight_decay = float(weight_decay)  # a Python float: optax skips a zero decay only then, and so does the kernel
     init_fn = adam.scale_by_quantized_adam(config, b1, b2, eps).init  # checks b1, b2, eps; count 0, zero moments
 
-    def map_tensors(tensor_step, grads, state, params, seeds=None, specs=None, in_place=False, whole=None):
-        """tensor_step(g, mu, nu, p, offset, weight_decay, _Coefficients, seed, spec) -> (x, mu, nu) per tensor,
+    def map_tensors(tensor_step, grads, state, params, seeds=None, routes=None, in_place=False, whole=None):
+        """tensor_step(g, mu, nu, p, offset, weight_decay, _Coefficients, seed, route) -> (x, mu, nu) per tensor,
         streamed (`streaming.run`: groups in sequence, large tensors in chunks of blocks at element `offset`)
-        -> (tree of x like grads, new state). x is the new param when `in_place`, else the update; `whole(g, mu,
-        nu, p)` True keeps a tensor unchunked (the kernel's); `seeds`, `specs`: one per leaf, or None."""
+        -> (tree of x like grads, new state). x is the new param when `in_place`, else the update. `seeds`,
+        `routes`, `whole` (True: never chunked): one per leaf, or None."""
         if params is None:
             raise ValueError("quantized_adamw's update needs params (weight decay): pass update(grads, state, params)")
         count = optax.safe_increment(state.count)
@@ -180,19 +182,19 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
         coefficients = _Coefficients(*adam.bias_corrections(count, b1, b2), -1 * lr)
         g_leaves, treedef = jax.tree.flatten(grads)
         seeds = [None] * len(g_leaves) if seeds is None else seeds
-        specs = [None] * len(g_leaves) if specs is None else specs
+        routes = [False] * len(g_leaves) if routes is None else routes
         tensors = zip(g_leaves, *(treedef.flatten_up_to(tree) for tree in (state.mu, state.nu, params)),
-                      _decays(weight_decay, mask, grads), seeds, specs, strict=True)
-        out = streaming.run(lambda g, mu, nu, p, offset, wd, seed, spec: tensor_step(g, mu, nu, p, offset, wd,
-                                                                                     coefficients, seed, spec),
+                      _decays(weight_decay, mask, grads), seeds, routes, strict=True)
+        out = streaming.run(lambda g, mu, nu, p, offset, wd, seed, route: tensor_step(g, mu, nu, p, offset, wd,
+                                                                                      coefficients, seed, route),
                             list(tensors), in_place=in_place, whole=whole)
         x, mu, nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))
         return x, adam.QuantizedAdamState(count, mu, nu)
 
-    def tensor_update(g, mu, nu, p, offset, wd, c, seed, spec):
+    def tensor_update(g, mu, nu, p, offset, wd, c, seed, route):
         """One tensor's update with optax's ops: Adam's direction in g's dtype, add_decayed_weights (skipped at 0),
         scale_by_learning_rate (a schedule's value cast to the update's dtype, a constant multiplied as it is)."""
-        del offset, seed, spec
+        del offset, seed, route
         direction, mu, nu = adam.update_reference(g, mu, nu, config, b1, b2, eps, c.bc1, c.bc2_sqrt)
         u = direction.astype(g.dtype)
         u = u + wd * p if wd else u
@@ -210,26 +212,45 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
         # k / centre differed on an H200, benchmarks/NOTES.md): jnp there until that is fixed; the interpreter runs it.
         run_kernel = run_kernel and (interpret or "e4m3_dre" not in (config.mu_format, config.nu_format))
         seeds = None if key is None else sr_params.leaf_seeds(key, len(jax.tree.leaves(params)))
-        specs = None if mesh is None else jax.tree.structure(params).flatten_up_to(param_specs)
-        # bfloat16 params take the kernel when a key seeds their stochastic rounding (to nearest: the jnp step)
-        eligible = lambda g, mu, nu, p: run_kernel and fused_adam.kernel_eligible(p, g, mu, nu, key is not None)
-        unsplit = []  # (param shape, why not per device) of eligible tensors left to the jnp step
+        g_leaves, treedef = jax.tree.flatten(grads)
+        specs = [None] * len(g_leaves) if mesh is None else treedef.flatten_up_to(param_specs)
+        unsplit = []  # (param shape, why not per device) of kernel-eligible tensors left to the jnp step
 
-        def tensor_step(g, mu, nu, p, offset, wd, c, seed, spec):
-            step_size = jnp.asarray(c.step_size, jnp.float32)
-            if eligible(g, mu, nu, p):
-                args = (b1, b2, eps, c.bc1, c.bc2_sqrt, step_size, wd)
-                if mesh is None:
-                    return fused_adam.fused_step(p, g, mu, nu, *args, seed=seed, interpret=interpret)
-                axes, reason = fused_adam.per_device_axes(p, mu, spec, mesh)
-                if reason is None:
-                    return fused_adam.fused_step_per_device(p, g, mu, nu, axes, *args, seed=seed,
-                                                            interpret=interpret)
+        def route_of(g, mu, nu, p, spec):
+            """How one tensor's step runs: False the jnp step, True the kernel (no mesh), (`fused_adam.ShardLayout`,
+            spec) the kernel per device. bfloat16 params take the kernel when a key seeds their stochastic rounding
+            (to nearest: the jnp step)."""
+            if not (run_kernel and fused_adam.kernel_eligible(p, g, mu, nu, key is not None)):
+                return False
+            if mesh is None:
+                return True
+            layout, reason = fused_adam.per_device_layout(p, mu, spec, mesh)
+            if layout is None:
                 unsplit.append((p.shape, reason))
+                return False
+            return layout, jax.sharding.PartitionSpec() if spec is None else spec
+
+        routes = [route_of(*leaves) for leaves in zip(g_leaves, *(treedef.flatten_up_to(tree) for tree in (
+            state.mu, state.nu, params)), specs, strict=True)]
+        # Unchunked: the kernel's tensors (it streams them itself), and under a mesh the jnp step's tensors split
+        # over it: XLA partitions a chunk loop over a split tensor by gathering it (4-7x the temporaries of the
+        # unchunked step, benchmarks/NOTES.md); tensors whole on every device are chunked as on one device.
+        whole = [r is not False or (mesh is not None and _splits(spec, mesh)) for r, spec in zip(routes, specs)]
+
+        def tensor_step(g, mu, nu, p, offset, wd, c, seed, route):
+            step_size = jnp.asarray(c.step_size, jnp.float32)
+            args = (b1, b2, eps, c.bc1, c.bc2_sqrt, step_size, wd)
+            if route is True:
+                return fused_adam.fused_step(p, g, mu, nu, *args, seed=seed, interpret=interpret)
+            if route is not False:
+                layout, spec = route
+                new_p, mu, nu = fused_adam.fused_step_per_device(p, g, mu, nu, layout, *args, seed=seed,
+                                                                 interpret=interpret)
+                return jax.lax.with_sharding_constraint(new_p, spec), mu, nu  # where a layout moved p: back
             return fused_adam.fused_step_reference(p, g, mu, nu, config, b1, b2, eps, c.bc1, c.bc2_sqrt, step_size,
                                                    wd, seed, offset)
 
-        out = map_tensors(tensor_step, grads, state, params, seeds, specs, in_place=True, whole=eligible)
+        out = map_tensors(tensor_step, grads, state, params, seeds, routes, in_place=True, whole=whole)
         if unsplit:
             _warn_unsplit(len(unsplit), sum(math.prod(shape) for shape, _ in unsplit), *unsplit[0])
         return out
@@ -248,6 +269,12 @@ def _sharded_mesh(param_specs):
                          "inside `with jax.set_mesh(mesh):` (or jax.sharding.use_abstract_mesh), or pass "
                          "param_specs=None")
     return None if mesh.size == 1 or mesh.manual_axes else mesh
+
+
+def _splits(spec, mesh) -> bool:
+    """Whether PartitionSpec `spec` splits its array over the mesh (names an axis of more than one device)."""
+    named = [a for d in (spec or ()) if d is not None for a in ((d,) if isinstance(d, str) else d)]
+    return any(mesh.shape.get(a, 1) > 1 for a in named)
 
 
 @functools.lru_cache(maxsize=None)

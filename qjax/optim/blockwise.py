@@ -35,12 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qjax import codebooks, numerics
+from qjax import codebooks, formats, numerics
 
 CODEBOOK_FORMATS = {  # name -> bits
     "dynamic_signed_8bit": 8, "dynamic_unsigned_8bit": 8, "dynamic_signed_4bit": 4, "linear_unsigned_4bit": 4}
-FP8_FORMATS = ("e4m3", "e4m3_dre")
-STATE_FORMATS = tuple(CODEBOOK_FORMATS) + FP8_FORMATS
+STATE_FORMATS = tuple(CODEBOOK_FORMATS) + formats.FP8_STATE_FORMATS
 
 
 @jax.tree_util.register_dataclass

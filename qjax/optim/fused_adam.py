@@ -14,7 +14,8 @@ unsigned dynamic maps, or adamw_4bit's 4-bit ones) with
 blocks of 128 or 256 and a block count that is a multiple of 4. Everything else stays on the jnp path. Whether
 kernels run at all is `qjax.dispatch.kernel_mode()`: on a Hopper GPU, or as `qjax.dispatch.force` says. Under a mesh
 of several devices, `fused_step_per_device` runs the kernel on each device's shard inside `jax.shard_map`, for a
-tensor whose layout gives every device whole state blocks of a contiguous run of the param (`per_device_axes`).
+tensor whose layout gives every device whole state blocks (`per_device_layout`: split along dim 0, along one
+other dim, along both, or whole on every device).
 """
 
 import dataclasses
@@ -29,21 +30,27 @@ from qjax import numerics
 from qjax.kernels import adam_step_mgpu
 from qjax.optim import adam, blockwise, sr_params
 
-__all__ = ["KERNEL_BLOCK_SIZES", "KERNEL_FORMATS", "fused_step", "fused_step_per_device", "fused_step_reference",
-           "kernel_eligible", "per_device_axes"]
+__all__ = ["KERNEL_BLOCK_SIZES", "KERNEL_FORMATS", "ShardLayout", "fused_step", "fused_step_per_device",
+           "fused_step_reference", "kernel_eligible", "per_device_layout"]
 
 KERNEL_FORMATS = adam_step_mgpu.KERNEL_FORMATS  # (m, v format) pairs: "e4m3", "e4m3_dre" or a code book map's name
 KERNEL_BLOCK_SIZES = adam_step_mgpu.BLOCK_SIZES
 
 
 def fused_step_reference(p, g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float,
-                         seed=None, offset=0):
+                         seed=None, offset=0, runs=None):
     """jnp reference of one tensor's fused step, any state format: `adam.update_reference`, then the param update in
-    float32, rounded to p's dtype (`sr_params.round_param`: stochastically for bfloat16 with a `seed`, from element
-    index `offset` on). Args as in `fused_step`, plus the `adam.StateConfig`."""
+    float32, rounded to p's dtype (`sr_params.round_param`: stochastically for bfloat16 with a `seed`; p's elements
+    have indices offset + row-major index in the whole param, or with `runs` = (run, stride) offset + j * stride + e
+    for element e of the j-th run of `run` elements). Args as in `fused_step`, plus the `adam.StateConfig`."""
     direction, mu, nu = adam.update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt)
     new_p = numerics.param_update(p.astype(jnp.float32), direction, step_size, weight_decay)
-    return sr_params.round_param(new_p, p.dtype, seed, offset), mu, nu
+    if runs is None:
+        return sr_params.round_param(new_p, p.dtype, seed, offset), mu, nu
+    run, stride = runs
+    starts = jnp.asarray(offset, jnp.uint32) + jnp.uint32(stride) * lax.iota(jnp.uint32, new_p.size // run)
+    rounded = jax.vmap(lambda x, start: sr_params.round_param(x, p.dtype, seed, start))(new_p.reshape(-1, run), starts)
+    return rounded.reshape(p.shape), mu, nu
 
 
 def _state_format(state) -> str | None:
@@ -89,7 +96,7 @@ def kernel_eligible(p, g, mu, nu, seeded: bool = False) -> bool:
 
 
 def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float, *, seed=None, offset=0,
-               interpret=None):
+               runs=None, interpret=None):
     """One tensor's AdamW step with quantized moments in one kernel; the result of `fused_step_reference`.
 
     Args:
@@ -101,7 +108,9 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
       b1, b2, eps: Python floats. bc1, bc2_sqrt: float32 scalars 1 - b1**t and sqrt(1 - b2**t).
       step_size: float32 scalar, -learning_rate at this step. weight_decay: Python float (0: none, as optax).
       seed: uint32 scalar, for bfloat16 p: stochastic rounding's seed. offset: uint32 scalar, the index of p's first
-        element in the whole param (a device's shard: `fused_step_per_device`), as in `fused_step_reference`.
+        element in the whole param (a device's shard: `fused_step_per_device`); runs: None (p's elements follow
+        one another in the whole param) or static (run, stride) (runs of `run` elements, a multiple of B, `stride`
+        apart), as in `fused_step_reference`.
       interpret: None / False runs the compiled kernel (needs a Hopper GPU); True or a `plgpu.InterpretGPUParams`
         runs it under the Mosaic GPU interpreter (CPU).
     Returns:
@@ -120,53 +129,123 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
     p_new, m_state, v_state = adam_step_mgpu.adam_step_kernel(
         p.reshape(n_blocks, block), g.reshape(n_blocks, block), _state_arrays(mu), _state_arrays(nu), coef,
         formats=(_state_format(mu), _state_format(nu)), b1=float(b1), b2=float(b2), eps=float(eps),
-        weight_decay=float(weight_decay), seed=seed, offset=offset, interpret=interpret)
+        weight_decay=float(weight_decay), seed=seed, offset=offset, runs=runs, interpret=interpret)
     return p_new.reshape(p.shape), _with_state(mu, m_state), _with_state(nu, v_state)
 
 
-def per_device_axes(p, mu, spec: PartitionSpec | None, mesh) -> tuple[tuple[str, ...], str | None]:
-    """Whether one kernel-eligible tensor's step can run per device on the `mesh` its param is laid out on by
-    `spec`: (the mesh axes that split it, None), or ((), why not).
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """How the per-device step cuts one param over the mesh (`per_device_layout`).
 
-    It can when `spec` splits the param's dim 0 only, over mesh axes whose devices each get a whole number of
-    state blocks, a multiple of `ROW_MULTIPLE`: each device then holds a contiguous run of the flattened param, and
-    the blocks of the moments' codes and scales split the same way along their dim 0 hold the same elements. A
-    param split along another dim (e.g. a row-parallel kernel's columns) holds no such run on a device.
+    Attributes:
+      axes: per dim of the param, the mesh axes splitting it (() where whole); only dim 0 and `inner` are split.
+      inner: the split dim past dim 0, or 0 where none is (the param split along dim 0 alone, or whole).
+    """
+
+    axes: tuple[tuple[str, ...], ...]
+    inner: int
+
+
+def per_device_layout(p, mu, spec: PartitionSpec | None, mesh) -> tuple[ShardLayout | None, str | None]:
+    """Whether one kernel-eligible tensor's step can run per device on the `mesh` its param is laid out on by
+    `spec`: (its `ShardLayout`, None), or (None, why not).
+
+    It can when `spec` splits at most dim 0 and one other dim d (the innermost split), each evenly, and every
+    device then holds whole state blocks, a multiple of `ROW_MULTIPLE`: a device's shard is runs of
+    (size of d on a device) * prod(shape[d + 1:]) consecutive elements of the flattened param (one run when only
+    dim 0 is split), each a whole number of the blocks the moments are quantized in (along the flattened param).
+    A param whole on every device (data parallelism) runs whole on each. Where d's shards cut blocks (an LM head
+    whose vocab shard is not a multiple of the block), the step runs on the same devices with the param split along
+    dim 0 over all of the spec's axes, if that gives whole blocks: p and g move there and the new p back (the
+    train step's states lie so already). Not covered: a spec splitting two dims past dim 0, or shards of part of a
+    block either way.
     """
     dims = tuple(spec) if spec is not None else ()
-    if any(d is not None for d in dims[1:]):
-        return (), f"PartitionSpec {spec} splits a dim other than 0, so no device holds whole state blocks"
-    first = dims[0] if dims else None
-    axes = () if first is None else (first,) if isinstance(first, str) else tuple(first)
-    if not axes:
-        return (), f"PartitionSpec {spec} does not split it over the mesh"
-    if any(a not in mesh.axis_names for a in axes):
-        return (), f"PartitionSpec {spec} names an axis the mesh {tuple(mesh.axis_names)} lacks"
-    devices = math.prod(mesh.shape[a] for a in axes)
-    n_blocks = mu.codes.shape[0]
-    if p.shape[0] % devices or n_blocks % (devices * adam_step_mgpu.ROW_MULTIPLE):
-        return (), (f"its {n_blocks} state blocks do not split into multiples of {adam_step_mgpu.ROW_MULTIPLE} "
-                    f"over the {devices} devices of {axes}")
-    return axes, None
+    if len(dims) > p.ndim or any(d is not None and not isinstance(d, (str, tuple)) for d in dims):
+        return None, f"PartitionSpec {spec} does not lay out a param of shape {p.shape} dim by dim"
+    axes = tuple(() if d is None else (d,) if isinstance(d, str) else tuple(d)
+                 for d in dims + (None,) * (p.ndim - len(dims)))
+    if any(a not in mesh.axis_names for dim_axes in axes for a in dim_axes):
+        return None, f"PartitionSpec {spec} names an axis the mesh {tuple(mesh.axis_names)} lacks"
+    inner = [d for d in range(1, p.ndim) if axes[d]]
+    if len(inner) > 1:
+        return None, f"PartitionSpec {spec} splits dims {inner} past dim 0; the per-device kernel takes at most one"
+    own = ShardLayout(axes, inner[0] if inner else 0)
+    why = _whole_blocks(p, mu, own, mesh)
+    if why and own.inner:  # the same devices along dim 0 (the train step's state layout): p and g move there
+        moved = ShardLayout((sum(axes, ()),) + ((),) * (p.ndim - 1), 0)
+        if _whole_blocks(p, mu, moved, mesh) is None:
+            return moved, None
+    return (None, f"PartitionSpec {spec}: {why}") if why else (own, None)
 
 
-def fused_step_per_device(p, g, mu, nu, axes: tuple[str, ...], b1, b2, eps, bc1, bc2_sqrt, step_size,
+def _whole_blocks(p, mu, layout: ShardLayout, mesh) -> str | None:
+    """None where `layout` gives each device whole state blocks, a multiple of `ROW_MULTIPLE`; else why not."""
+    devices = _devices(layout, mesh)
+    if any(size % n for size, n in zip(p.shape, devices)):
+        return f"shape {p.shape} does not split evenly over the mesh {dict(mesh.shape)}"
+    run, block = _runs(p.shape, layout, mesh)[0], _block_size(mu)
+    if run % block or p.size // math.prod(devices) // block % adam_step_mgpu.ROW_MULTIPLE:
+        return (f"a device's shard, runs of {run} consecutive elements, is not a multiple of "
+                f"{adam_step_mgpu.ROW_MULTIPLE} whole state blocks of {block}")
+    return None
+
+
+def _devices(layout: ShardLayout, mesh) -> list[int]:
+    """The number of shards of each dim of the param."""
+    return [math.prod(mesh.shape[a] for a in dim_axes) for dim_axes in layout.axes]
+
+
+def _runs(shape: tuple, layout: ShardLayout, mesh) -> tuple[int, int]:
+    """(run, stride): a device's shard of a param of `shape` is runs of `run` consecutive elements of the whole
+    param, `stride` apart (one run, stride = run, when no dim past 0 is split)."""
+    inner, local = layout.inner, [size // n for size, n in zip(shape, _devices(layout, mesh))]
+    after = math.prod(shape[inner + 1:])
+    if inner == 0:
+        return math.prod(local), math.prod(local)
+    return local[inner] * after, shape[inner] * after
+
+
+def fused_step_per_device(p, g, mu, nu, layout: ShardLayout, b1, b2, eps, bc1, bc2_sqrt, step_size,
                           weight_decay: float, *, seed=None, interpret=None):
-    """`fused_step` of each device's shard, inside `jax.shard_map` over the context mesh: p and g split along dim 0
-    and the moments' codes and scales along their blocks over `axes` (`per_device_axes`), whole over the other
-    axes. Same args and result as `fused_step` (global arrays); a bfloat16 param's stochastic rounding hashes each
-    element's index in the whole param (the shard's offset added), so the result is the unsharded step's."""
-    split = PartitionSpec(axes)
+    """`fused_step` of each device's shard, inside `jax.shard_map` over the context mesh: p and g split as
+    `layout` says (`per_device_layout`), the moments' blocks alike: their codes and per-block arrays viewed as
+    (*shape[:inner], blocks of shape[inner:], ...) and split the same way, so each device gets the blocks of its
+    elements (XLA moves them there from however the state lies: for a dim-0 split, where the train step keeps
+    them, nothing moves). Same args and result as `fused_step` (global arrays); a bfloat16 param's stochastic
+    rounding hashes each element's index in the whole param (`fused_step_reference`'s offset and runs), so the
+    result is the unsharded step's."""
+    mesh = jax.sharding.get_abstract_mesh()
+    inner, shape = layout.inner, p.shape
+    run, stride = _runs(shape, layout, mesh)
+    runs = None if run == stride else (run, stride)
+    param_spec = PartitionSpec(*(a or None for a in layout.axes))
+    state_spec = PartitionSpec(*(a or None for a in layout.axes[:inner + 1]))
+    blocks = (*shape[:inner], math.prod(shape[inner:]) // _block_size(mu))  # a state's dims, its blocks last
+    as_view = lambda s: jax.tree.map(lambda a: a.reshape(*blocks, *a.shape[1:]), s)
 
     def local(p, g, mu, nu, coef, seed):
-        offset = lax.axis_index(axes).astype(jnp.uint32) * jnp.uint32(p.size)  # the shard's first element
-        new_p, new_mu, new_nu = fused_step(p, g, dataclasses.replace(mu, shape=p.shape),
-                                           dataclasses.replace(nu, shape=p.shape), b1, b2, eps, *coef, weight_decay,
-                                           seed=seed, offset=offset, interpret=interpret)
-        return new_p, dataclasses.replace(new_mu, shape=mu.shape), dataclasses.replace(new_nu, shape=nu.shape)
+        def first(dim):  # the global index along `dim` of the shard's first element, times dim's stride
+            index = lax.axis_index(layout.axes[dim]).astype(jnp.uint32) if layout.axes[dim] else jnp.uint32(0)
+            return index * jnp.uint32(p.shape[dim] * math.prod(shape[dim + 1:]))
+
+        offset = first(0) + (first(inner) if inner else jnp.uint32(0))
+        flat = lambda s: dataclasses.replace(
+            jax.tree.map(lambda a: a.reshape(-1, *a.shape[inner + 1:]), s), shape=p.shape)
+        new_p, new_mu, new_nu = fused_step(p, g, flat(mu), flat(nu), b1, b2, eps, *coef, weight_decay, seed=seed,
+                                           offset=offset, runs=runs, interpret=interpret)
+        return new_p, _reshaped(new_mu, mu), _reshaped(new_nu, nu)
 
     # check_vma=False: the kernel updates its operands as mutable refs, which take no per-device (varying) type
-    # (jax 0.11); every device of the axes not in `axes` computes the same values, so out_specs hold.
-    return jax.shard_map(local, in_specs=(split, split, split, split, PartitionSpec(), PartitionSpec()),
-                         out_specs=(split, split, split), check_vma=False)(p, g, mu, nu, (bc1, bc2_sqrt, step_size),
-                                                                          seed)
+    # (jax 0.11); every device of the axes that do not split the param computes the same values, so out_specs hold.
+    new_p, new_mu, new_nu = jax.shard_map(
+        local, in_specs=(param_spec, param_spec, state_spec, state_spec, PartitionSpec(), PartitionSpec()),
+        out_specs=(param_spec, state_spec, state_spec), check_vma=False)(
+            p, g, as_view(mu), as_view(nu), (bc1, bc2_sqrt, step_size), seed)
+    return new_p, _reshaped(new_mu, mu), _reshaped(new_nu, nu)
+
+
+def _reshaped(state, like):
+    """`state`'s arrays in the shapes of `like`'s, as a state of like's static fields (one view of its blocks)."""
+    leaves = [a.reshape(b.shape) for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(like), strict=True)]
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)

@@ -88,7 +88,7 @@ def _chunked(fn, g, mu, nu, p, extra, in_place: bool, budget: int):
     return x2.reshape(g.shape), mu, nu
 
 
-def run(fn: Callable, tensors: Sequence[tuple], *, in_place: bool, whole: Callable | None = None,
+def run(fn: Callable, tensors: Sequence[tuple], *, in_place: bool, whole: Sequence[bool] | None = None,
         budget: int | None = None) -> list[tuple]:
     """[fn(g, mu, nu, p, offset, *extra) for (g, mu, nu, p, *extra) in tensors], streamed (module docstring).
 
@@ -99,7 +99,7 @@ def run(fn: Callable, tensors: Sequence[tuple], *, in_place: bool, whole: Callab
       tensors: per tensor (g, mu, nu, p, *extra); mu, nu float32 arrays or `blockwise` states; p an array or None;
         extra: values passed through unchanged (a weight decay, a seed).
       in_place: x overwrites p (a chunk reads p's rows before writing them).
-      whole: whole(g, mu, nu, p) True runs that tensor unchunked (e.g. a kernel that streams it itself).
+      whole: per tensor, True runs it unchunked (e.g. a kernel that streams it itself); None: none.
       budget: elements per group (default: 1/GROUPS of all tensors' elements, at least MIN_GROUP_ELEMENTS).
     Returns:
       fn's results, one tuple per tensor, in order.
@@ -115,7 +115,7 @@ def run(fn: Callable, tensors: Sequence[tuple], *, in_place: bool, whole: Callab
             inputs, _ = lax.optimization_barrier((inputs, previous))
         for i, (g, mu, nu, p) in zip(group, inputs, strict=True):
             extra = tensors[i][4:]
-            if blockwise.is_quantized(mu) and g.size > budget and not (whole and whole(g, mu, nu, p)):
+            if blockwise.is_quantized(mu) and g.size > budget and not (whole and whole[i]):
                 out[i] = _chunked(fn, g, mu, nu, p, extra, in_place, budget)
             else:
                 out[i] = fn(g, mu, nu, p, jnp.uint32(0), *extra)
