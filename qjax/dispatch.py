@@ -109,6 +109,18 @@ def _unsupported(backend: str, what: str, reason: str):
                          "to fall back to XLA")
 
 
+def kernel_if_supported(backend: str, what: str, supports) -> tuple[bool, bool]:
+    """`kernel_mode(backend)` for an op whose kernel may not handle the case: supports(interpret) is None where it
+    does, else the reason, and then the reference runs (an error for "pallas", an explicit request)."""
+    run_kernel, interpret = kernel_mode(backend)
+    if run_kernel:
+        reason = supports(interpret)
+        if reason is None:
+            return True, interpret
+        _unsupported(backend, what, reason)
+    return False, False
+
+
 def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None, seed, seed_t, *,
                   backend: str = "auto", operands: tuple[str, str] = ("array", "transposed array"),
                   row_axes: tuple[str, ...] = (), col_axes: tuple[str, ...] = ()

@@ -83,8 +83,9 @@ class GroupedConfig:
             raise ValueError(f"{self} needs more shared memory than a Hopper block has; lower max_concurrent_steps")
 
 
-def supports(a, b, group_sizes, out_dtype) -> str | None:
-    """None if `grouped_matmul_kernel(a, b, group_sizes, out_dtype)` handles these operands, else why not."""
+def supports(a, b, group_sizes, out_dtype, precise: bool = False) -> str | None:
+    """None if `grouped_matmul_kernel(a, b, group_sizes, out_dtype, precise=precise)` handles these operands, else
+    why not."""
     if not isinstance(a, QTensor) or not isinstance(b, QTensor):
         return f"operands must be QTensors, got {type(a).__name__} and {type(b).__name__}"
     if a.data.ndim != 2 or b.data.ndim != 3 or a.data.shape[1] != b.data.shape[2]:
@@ -96,6 +97,7 @@ def supports(a, b, group_sizes, out_dtype) -> str | None:
     da, db = jnp.dtype(a.data.dtype), jnp.dtype(b.data.dtype)
     if not ((da == db == jnp.int8) or (da in FP8 and db in FP8)):
         return f"codes must be int8 x int8 or float8 x float8, got {da} x {db}"
+    del precise  # every case: fp8 promotes per tile_k, int8 sums are exact
     if da == jnp.int8 and a.data.shape[1] > INT32_SAFE_K:
         return f"int8 sums over K = {a.data.shape[1]} > {INT32_SAFE_K} could overflow int32"
     if jnp.dtype(out_dtype) not in _OUT_DTYPES:
@@ -127,15 +129,17 @@ def work_items(group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
     return jnp.stack([group, tile, row0 - tile * tile_m, rows]).astype(jnp.int32)
 
 
-def _kernel(cfg: GroupedConfig, items_table, a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem):
+def _kernel(cfg: GroupedConfig, promote: bool, items_table, a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem):
     """refs: items (4, T) int32, a codes (Mp, Kp), b codes (G, Np, Kp), sa (Mp,) f32, sb (G, Np) f32, out (Mp, Np)."""
     tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
     items, n_tiles, k_steps = items_table.shape[1], out_gmem.shape[1] // tile_n, a_gmem.shape[1] // tile_k
     code_transforms = (plgpu.TilingTransform((8, tile_k)), plgpu.SwizzleTransform(tile_k))
     acc_dtype = jnp.int32 if a_gmem.dtype == jnp.int8 else jnp.float32
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-    in_specs = [plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=code_transforms, delay_release=1),
-                plgpu.BlockSpec((tile_n, tile_k), lambda k: (0, k), transforms=code_transforms, delay_release=1)]
+    # Accumulating in the wgmma accumulator, a step's wgmma still runs while the next one is issued (a stage is
+    # refilled one step late); promoting waits for each step's partial sum.
+    in_specs = [plgpu.BlockSpec(shape, lambda k: (0, k), transforms=code_transforms, delay_release=int(not promote))
+                for shape in ((tile_m, tile_k), (tile_n, tile_k))]
 
     def scoped(out_smem, rs_smem, cs_smem, barriers):
         @plgpu.nd_loop((items * n_tiles,), collective_axes="sm")
@@ -151,17 +155,30 @@ def _kernel(cfg: GroupedConfig, items_table, a_gmem, b_gmem, sa_gmem, sb_gmem, o
                 plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem, barriers.at[0])
                 plgpu.copy_gmem_to_smem(sb_gmem.at[group, cols], cs_smem, barriers.at[1])
 
+                pipeline = functools.partial(plgpu.emit_pipeline, grid=(k_steps,), in_specs=in_specs,
+                                             max_concurrent_steps=cfg.max_concurrent_steps)
+                operands = (a_gmem.at[rows, :], b_gmem.at[group, cols, :])
+
                 def accumulate(acc_ref):
                     def step(_, a_smem, b_smem):
                         plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
                         plgpu.wgmma_wait(1)  # the previous step's wgmma is done: its stage may be refilled
 
-                    plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=in_specs,
-                                        max_concurrent_steps=cfg.max_concurrent_steps)(
-                                            a_gmem.at[rows, :], b_gmem.at[group, cols, :])
+                    pipeline(step)(*operands)
                     return acc_ref[...]  # waits for every wgmma
 
-                acc = pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), acc_dtype)).astype(jnp.float32)
+                def promote_step(_, a_smem, b_smem, acc):
+                    def product(part_ref):
+                        plgpu.wgmma(part_ref, a_smem, b_smem.transpose((1, 0)))
+                        return part_ref[...]  # waits for it
+
+                    return acc + pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))
+
+                if promote:  # fp8 wgmma accumulates with reduced precision: f32 sums of tile_k products each
+                    zeros = plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA)
+                    acc = pipeline(promote_step, init_carry=zeros)(*operands)
+                else:
+                    acc = pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), acc_dtype)).astype(jnp.float32)
                 plgpu.barrier_wait(barriers.at[0])
                 plgpu.barrier_wait(barriers.at[1])
                 # (acc * a_scale) * b_scale: the reference's order (two roundings)
@@ -196,14 +213,14 @@ def _pad(x, shape, value):
     return jnp.pad(x, pad, constant_values=value) if any(p[1] for p in pad) else x
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def _launch(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dtype, config, interpret):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "promote", "interpret"))
+def _launch(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dtype, config, promote, interpret):
     (m, k), (groups, n, _) = a_codes.shape, b_codes.shape
     mp, np_, kp = _round_up(m, config.tile_m), _round_up(n, config.tile_n), _round_up(k, config.tile_k)
     items = work_items(group_sizes, m, config.tile_m)
     tiles = items.shape[1] * (np_ // config.tile_n)
     num_ctas = config.num_ctas or (2 if interpret else jax.devices()[0].core_count)
-    kernel = plgpu.kernel(functools.partial(_kernel, config),
+    kernel = plgpu.kernel(functools.partial(_kernel, config, promote),
                           out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
                           grid=(min(num_ctas, tiles),), grid_names=("sm",), interpret=interpret)
     out = kernel(items, _pad(a_codes, (mp, kp), 0), _pad(b_codes, (groups, np_, kp), 0), _pad(a_scale, (mp,), 1),
@@ -213,7 +230,7 @@ def _launch(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dtype, confi
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
 
 
-def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dtype, *,
+def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dtype, *, precise: bool = False,
                           config: GroupedConfig | None = None, interpret=False) -> jax.Array:
     """Scaled grouped GEMM on a Hopper GPU (module docstring): out[r] = a[r] . b[group(r)]^T with a's row scale and
     b's (group, column) scale; rows >= sum(group_sizes) are 0.
@@ -223,6 +240,9 @@ def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dt
       b: QTensor, data (G, N, K) of the same code family (K-major); scale () or (G, N, 1) float32.
       group_sizes: (G,) int32, >= 0, summing to at most M (trusted: the caller checks them).
       out_dtype: jnp.bfloat16 or jnp.float32.
+      precise: fp8 only: sum each tile_k of K in a fresh wgmma accumulator and add it to a float32 sum in
+        registers (Hopper's fp8 wgmma accumulates with reduced precision; the reference then uses
+        Precision.HIGHEST). Slower: each step waits for its wgmma. int8 sums are exact either way.
       config: `GroupedConfig`; None takes its defaults.
       interpret: False compiles for the GPU; True runs the Mosaic GPU interpreter (any machine).
 
@@ -233,7 +253,7 @@ def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dt
     Raises:
       ValueError: operands the kernel does not handle (the message says why; see `supports`).
     """
-    reason = supports(a, b, group_sizes, out_dtype)
+    reason = supports(a, b, group_sizes, out_dtype, precise)
     if reason is not None:
         raise ValueError(f"grouped_matmul_kernel: {reason}")
     (m, _), (groups, n, _) = a.data.shape, b.data.shape
@@ -242,4 +262,36 @@ def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dt
     if interpret is True:
         interpret = plgpu.InterpretGPUParams()
     return _launch(a.data, b.data, a_scale, b_scale, group_sizes.astype(jnp.int32), out_dtype=jnp.dtype(out_dtype),
-                   config=config or GroupedConfig(), interpret=interpret)
+                   config=config or GroupedConfig(), promote=precise and a.data.dtype != jnp.int8,
+                   interpret=interpret)
+
+
+def bf16_supports(lhs, rhs, out_dtype, interpret: bool) -> str | None:
+    """None if `bf16_rows` and `bf16_contract` run all three GEMMs of lhs (M, K) x rhs (G, K, N) -> out_dtype
+    (forward, dgrad, wgrad), else why not."""
+    if interpret:
+        return "JAX's bf16 grouped kernels have no interpreted mode"
+    dtypes = {jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), jnp.dtype(out_dtype)}
+    if dtypes != {jnp.dtype(jnp.bfloat16)}:
+        return f"JAX's grouped kernels run here for bfloat16 operands and output only, got {sorted(map(str, dtypes))}"
+    (m, k), n = lhs.shape, rhs.shape[2]
+    tile = BF16_BLOCKS["block_m"]
+    if m % tile or k % tile or n % tile:
+        return f"M, K and N must be multiples of {tile} (no padding), got M={m}, K={k}, N={n}"
+    return None
+
+
+def bf16_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False) -> jax.Array:
+    """JAX's grouped kernel: lhs (M, K) bf16 x rhs (G, K, N) (or (G, N, K) with transpose_rhs) -> (M, N) bf16,
+    f32 accumulation; rows >= sum(group_sizes) are 0 (the kernel leaves them unwritten)."""
+    out = ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes, transpose_rhs=transpose_rhs, **BF16_BLOCKS)
+    valid = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
+
+
+def bf16_contract(x: jax.Array, g: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """JAX's transposed grouped kernel: x (M, K) bf16, g (M, N) bf16 -> (G, K, N) bf16, out[e] = x[rows of e]^T .
+    g[rows of e] with f32 accumulation. It masks the rows of neighbouring groups by multiplying them with 0, so rows
+    after sum(group_sizes) must be finite (callers zero them), and an Inf in one group's rows of x makes the
+    neighbouring groups' sums NaN where lax.ragged_dot_general keeps them finite."""
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(x, g, group_sizes=group_sizes, **BF16_BLOCKS)
