@@ -182,8 +182,8 @@ def _kernel(cfg: GroupedConfig, promote: bool, items_table, a_gmem, b_gmem, sa_g
                 plgpu.barrier_wait(barriers.at[0])
                 plgpu.barrier_wait(barriers.at[1])
                 # (acc * a_scale) * b_scale: the reference's order (two roundings)
-                acc = acc * lax.broadcast_in_dim(plgpu.load(rs_smem, (), layout=row_layout), acc.shape, [0])
-                acc = acc * lax.broadcast_in_dim(plgpu.load(cs_smem, (), layout=col_layout), acc.shape, [1])
+                acc = acc * lax.broadcast_in_dim(plgpu.load(rs_smem, layout=row_layout), acc.shape, [0])
+                acc = acc * lax.broadcast_in_dim(plgpu.load(cs_smem, layout=col_layout), acc.shape, [1])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have left SMEM
                 out_smem[...] = acc.astype(out_smem.dtype)
                 plgpu.commit_smem()

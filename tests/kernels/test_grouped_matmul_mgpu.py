@@ -1,0 +1,205 @@
+"""The Mosaic GPU grouped scaled GEMM against its reference (`qjax.ragged_dot._grouped_gemm`, XLA's ragged_dot on the
+codes with the scales after it), and `qjax.ragged_dot`'s use of it and of JAX's bf16 grouped kernels.
+
+Off a Hopper GPU the kernel runs under the Mosaic GPU interpreter (slow: few, small cases, each covering several
+ragged properties: an empty group, a group straddling tiles, rows past sum(group_sizes), M, N and K that pad);
+`test_lowers_for_cuda` lowers the default config at the MoE benchmark's size for the GPU from any machine. Tests
+marked gpu run compiled at size, and JAX's bf16 kernels (which have no interpreted mode), only on the device.
+
+Tolerances: int8 sums are exact in both, and the scales are multiplied in the reference's order, so float32
+outputs are equal; fp8 sums differ in float32 summation order only (interpreted) or by Hopper's reduced-precision
+fp8 accumulation (compiled, unpromoted).
+"""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import qjax
+from qjax.dispatch import on_hopper_gpu
+from qjax.kernels import grouped_matmul_mgpu as grouped
+from qjax.quantize import QuantSpec, quantize
+
+ragged_dot_lib = importlib.import_module("qjax.ragged_dot")  # the module (qjax.ragged_dot is the function)
+INTERPRET = not on_hopper_gpu()
+# Small tiles: several work items per group and several n-tiles per CTA at small sizes, short interpreter compiles.
+SMALL = grouped.GroupedConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2)
+F32_RTOL = 1e-5  # relative to |a| |b|^T: float32 summation order over K <= 4096
+FP8_RTOL = F32_RTOL if INTERPRET else 2e-3  # compiled, unpromoted: Hopper's fp8 wgmma accumulation
+
+
+def _operands(m, n, k, groups, code, seed=0):
+    """Row-quantized a (M, K) with per-row magnitudes over decades, b (G, N, K) per-(group, n) scales."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k), np.float32) * 10.0 ** rng.uniform(-2, 2, (m, 1)).astype(np.float32)
+    w = rng.standard_normal((groups, n, k), np.float32) * 10.0 ** rng.uniform(-1, 1, (groups, 1, 1)).astype(
+        np.float32)
+    spec = QuantSpec(code, "row")
+    return quantize(jnp.asarray(x), spec), quantize(jnp.asarray(w), spec)
+
+
+def _reference(a, b, sizes, out_dtype, precise=False):
+    valid, group_ids = ragged_dot_lib._rows_and_groups(a.data.shape[0], sizes)
+    out = ragged_dot_lib._grouped_gemm(a, b, sizes, ragged_dot_lib._RAGGED_ROWS, group_ids, out_dtype, precise)
+    return np.where(np.asarray(valid)[:, None], np.asarray(out.astype(jnp.float32), np.float64), 0)
+
+
+def _magnitude(a, b, sizes):
+    """|a| |b[group(r)]|^T per row: the scale of each output's summation-order error."""
+    group_ids = ragged_dot_lib._rows_and_groups(a.data.shape[0], sizes)[1]
+    ab = jnp.einsum("mk,mnk->mn", jnp.abs(a.dequantize()), jnp.abs(b.dequantize())[group_ids],
+                    precision=lax.Precision.HIGHEST)
+    return np.asarray(ab, np.float64)
+
+
+def _kernel(a, b, sizes, out_dtype, config=SMALL, precise=False):
+    # jitted: interpreted kernels run eagerly can deadlock with the next eager op
+    fn = jax.jit(lambda a, b, s: grouped.grouped_matmul_kernel(a, b, s, out_dtype, precise=precise, config=config,
+                                                               interpret=INTERPRET))
+    out = fn(a, b, sizes)
+    assert out.shape == (a.data.shape[0], b.data.shape[1]) and out.dtype == jnp.dtype(out_dtype)
+    return np.asarray(out.astype(jnp.float32), np.float64)
+
+
+def _assert_close(out, ref, mag, out_dtype, rtol):
+    bound = rtol * mag + (2.0**-8 * np.abs(ref) if out_dtype == jnp.bfloat16 else 0)
+    assert np.all(np.isfinite(out))
+    excess = np.abs(out - ref) - bound
+    assert excess.max() <= 0, f"worst excess {excess.max():.3g} at {np.unravel_index(excess.argmax(), out.shape)}"
+
+
+def test_work_items_cover_each_row_once():
+    """Every row of every group is in exactly one item of its group; items past the groups have no rows."""
+    sizes = jnp.array([0, 70, 0, 1, 64, 100, 0], jnp.int32)
+    m, tile = 300, 64  # sum 235 < M: the rows after it are in no item
+    table = np.asarray(grouped.work_items(sizes, m, tile))
+    assert table.shape == (4, -(-m // tile) + sizes.shape[0] - 1)
+    owner = np.full(m, -1)
+    for group, tile_idx, first, count in table.T:
+        assert 0 <= first and first + count <= tile
+        rows = np.arange(tile_idx * tile + first, tile_idx * tile + first + count)
+        assert (owner[rows] == -1).all(), "a row in two items"
+        owner[rows] = group
+    expected = np.concatenate([np.full(s, g) for g, s in enumerate(np.asarray(sizes))] + [np.full(m - 235, -1)])
+    np.testing.assert_array_equal(owner, expected)
+
+
+@pytest.mark.parametrize("code, out_dtype, sizes, m", [
+    # empty first and middle groups, a group straddling tiles, 30 rows past the sum; M, N, K all pad
+    ("int8", jnp.float32, (0, 70, 0, 100), 200),
+    # one group of all the rows
+    ("e4m3", jnp.bfloat16, (0, 192, 0, 0), 192),
+])
+def test_kernel_equals_reference(code, out_dtype, sizes, m):
+    n, k = 160, 192  # pad to 192 = 3 n-tiles; K = 3 steps
+    sizes = jnp.array(sizes, jnp.int32)
+    a, b = _operands(m, n, k, sizes.shape[0], code)
+    out, ref = _kernel(a, b, sizes, out_dtype), _reference(a, b, sizes, out_dtype)
+    if code == "int8" and out_dtype == jnp.float32:
+        np.testing.assert_array_equal(out, ref)  # exact int32 sums, the reference's scale order
+    _assert_close(out, ref, _magnitude(a, b, sizes), out_dtype, FP8_RTOL if code == "e4m3" else 0.0)
+    assert (out[int(sizes.sum()):] == 0).all()
+
+
+def test_precise_fp8_promotes():
+    """fp8 with precise accumulation (the dgrad) against the reference at Precision.HIGHEST."""
+    sizes = jnp.array([100, 28], jnp.int32)
+    a, b = _operands(128, 64, 256, 2, "e4m3", seed=1)
+    out = _kernel(a, b, sizes, jnp.float32, precise=True)
+    _assert_close(out, _reference(a, b, sizes, jnp.float32, precise=True), _magnitude(a, b, sizes), jnp.float32,
+                  F32_RTOL if INTERPRET else 5e-4)
+
+
+def test_ragged_dot_runs_kernel_and_matches_reference():
+    """qjax.ragged_dot int8_rowwise with the kernel (forward and dgrad) equals it without (XLA), value and grads."""
+    m, k, n = 192, 128, 128
+    sizes = jnp.array([50, 0, 90], jnp.int32)
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x, w, g = jax.random.normal(kx, (m, k)), jax.random.normal(kw, (3, k, n)) * 0.1, jax.random.normal(kg, (m, n))
+
+    def run(mode):
+        with qjax.dispatch.force(mode):
+            fn = jax.jit(lambda x, w: jax.vjp(lambda x, w: qjax.ragged_dot(x, w, sizes, recipe="int8_rowwise"),
+                                              x, w))
+            out, vjp = fn(x, w)
+            return [np.asarray(v) for v in (out, *vjp(g))]
+
+    kernel = run("interpret" if INTERPRET else "kernel")
+    for ours, ref in zip(kernel, run("reference")):
+        np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+def test_bad_operands():
+    a, b = _operands(64, 64, 64, 2, "int8")
+    sizes = jnp.array([32, 32], jnp.int32)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        grouped.grouped_matmul_kernel(a, b, sizes, jnp.float16, interpret=True)
+    with pytest.raises(ValueError, match=r"group_sizes must have shape \(2,\)"):
+        grouped.grouped_matmul_kernel(a, b, sizes[:1], jnp.float32, interpret=True)
+    fp8_b = quantize(b.dequantize(), QuantSpec("e4m3", "row"))
+    with pytest.raises(ValueError, match="int8 x int8 or float8"):
+        grouped.grouped_matmul_kernel(a, fp8_b, sizes, jnp.float32, interpret=True)
+    with pytest.raises(ValueError, match="tile_n must be"):
+        grouped.GroupedConfig(tile_n=96)
+
+
+def test_lowers_for_cuda():
+    """The default config at the MoE benchmark's gate_up shape lowers to a Mosaic GPU module (layouts, wgmma
+    operands, shared memory), accumulating and promoting."""
+    m, k, n, groups = 131072, 2048, 2816, 64
+    for code, promote in ((jnp.int8, False), (jnp.float8_e4m3fn, False), (jnp.float8_e4m3fn, True)):
+        args = (jax.ShapeDtypeStruct((m, k), code), jax.ShapeDtypeStruct((groups, n, k), code),
+                jax.ShapeDtypeStruct((m,), jnp.float32), jax.ShapeDtypeStruct((groups, n), jnp.float32),
+                jax.ShapeDtypeStruct((groups,), jnp.int32))
+        config = grouped.GroupedConfig(num_ctas=132)
+        lowered = jax.jit(lambda *xs: grouped._launch(*xs, out_dtype=jnp.dtype(jnp.bfloat16), config=config,
+                                                      promote=promote, interpret=False)).trace(*args).lower(
+                                                          lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
+
+
+# ---- compiled, real sizes (device only) ----
+
+def _routed_sizes(rows, groups, seed=0):
+    counts = np.bincount(np.random.default_rng(seed).integers(0, groups, rows), minlength=groups)
+    counts[3] = 0  # an empty expert
+    return jnp.asarray(counts, jnp.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("code, precise", [("int8", False), ("e4m3", False), ("e4m3", True)])
+def test_kernel_at_size(code, precise):
+    m, k, n, groups = 8192, 2048, 1408, 16
+    sizes = _routed_sizes(m - 100, groups)  # 100 rows past the sum
+    a, b = _operands(m, n, k, groups, code)
+    out = _kernel(a, b, sizes, jnp.float32, config=grouped.GroupedConfig(), precise=precise)
+    rtol = 0.0 if code == "int8" else (5e-4 if precise else FP8_RTOL)
+    _assert_close(out, _reference(a, b, sizes, jnp.float32, precise), _magnitude(a, b, sizes), jnp.float32, rtol)
+
+
+@pytest.mark.gpu
+def test_bf16_ragged_dot_on_jax_kernels():
+    """recipe "bf16" on JAX's grouped kernels: value and both gradients within bf16 rounding of lax.ragged_dot at
+    Precision.HIGHEST in float32 (rows past the sum 0, an empty group)."""
+    m, k, n, groups = 4096, 1024, 768, 8
+    sizes = _routed_sizes(m - 256, groups)
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (groups, k, n)) * k**-0.5).astype(jnp.bfloat16)
+    g = jax.random.normal(kg, (m, n), jnp.bfloat16)
+    assert ragged_dot_lib._use_bf16_kernels(importlib.import_module("qjax.recipes").recipe("bf16"), x, w, None)
+
+    def value_and_grads(fn, *args):
+        out, vjp = jax.vjp(fn, *args)
+        return [np.asarray(v.astype(jnp.float32), np.float64) for v in (out, *vjp(g.astype(out.dtype)))]
+
+    ours = jax.jit(lambda x, w: value_and_grads(lambda x, w: qjax.ragged_dot(x, w, sizes, recipe="bf16"), x, w))
+    exact = lambda x, w: lax.ragged_dot(x, w, sizes, precision=lax.Precision.HIGHEST)
+    refs = value_and_grads(exact, x.astype(jnp.float32), w.astype(jnp.float32))
+    for got, ref in zip(ours(x, w), refs):
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, ref, rtol=2.0**-7, atol=2.0**-7 * np.abs(ref).max())
