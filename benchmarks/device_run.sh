@@ -27,8 +27,8 @@
 # train` on the Shakespeare corpus: carry "data" prepared here), dataflow (the 1.1B rows of the data-flow recipes),
 # dataflow-conv (benchmarks/convergence.py at the default run's 125M settings for bf16, the data-flow recipes and
 # bitnet_b158: carry "data"; the new PNG comes back in $OUT), tests-moe (the ragged_dot, MXFP8 and MoE tests on the
-# GPU: XLA's grouped GEMMs on 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16
-# lax.ragged_dot), linear-mxfp8 (linear.py's fp8_blockwise and mxfp8 rows, no peer), tests-bitnet (bitnet_b158's
+# GPU: XLA's grouped GEMMs on 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16 on
+# JAX's grouped kernels), moe-kernels (the grouped kernels' GPU tests; run "moe-kernels moe"), linear-mxfp8 (linear.py's fp8_blockwise and mxfp8 rows, no peer), tests-bitnet (bitnet_b158's
 # kernels compiled), bitnet (linear int8_rowwise vs bitnet_b158, no peer), bitnet-train (the 1.1B bf16 /
 # int8_rowwise / bitnet_b158 rows), int8-params (the 1.1B int8_rowwise rows with int8 weight-only and with bf16 + SR
 # params: run it after bitnet-train, whose int8_rowwise row has float32 params), bitnet-conv (125M convergence, bf16
@@ -119,6 +119,7 @@ step_command() {
         tests-moe) echo "python3 -m pytest -x -q -p no:cacheprovider tests/test_ragged_dot.py tests/test_mxfp8.py" \
                         "tests/models/test_moe.py" ;;
         moe) echo "python3 benchmarks/ragged.py" ;;
+        moe-kernels) echo "python3 -m pytest -x -q -p no:cacheprovider tests/kernels/test_grouped_matmul_mgpu.py tests/test_ragged_dot.py" ;;
         linear-mxfp8) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
                            "fp8_blockwise mxfp8 --no-peer" ;;
         train-sr) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_rowwise_sr --steps 5 --warmup 2" \
