@@ -129,17 +129,60 @@ def work_items(group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
     return jnp.stack([group, tile, row0 - tile * tile_m, rows]).astype(jnp.int32)
 
 
-def _kernel(cfg: GroupedConfig, promote: bool, items_table, a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem):
-    """refs: items (4, T) int32, a codes (Mp, Kp), b codes (G, Np, Kp), sa (Mp,) f32, sb (G, Np) f32, out (Mp, Np)."""
-    tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
-    items, n_tiles, k_steps = items_table.shape[1], out_gmem.shape[1] // tile_n, a_gmem.shape[1] // tile_k
-    code_transforms = (plgpu.TilingTransform((8, tile_k)), plgpu.SwizzleTransform(tile_k))
-    acc_dtype = jnp.int32 if a_gmem.dtype == jnp.int8 else jnp.float32
-    row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+def _tile_sum(cfg: GroupedConfig, promote: bool, a_ref, b_ref, first_step, steps):
+    """(tile_m, tile_n) f32 sum in the WGMMA layout of a_ref (tile_m, K) . b_ref (tile_n, K)^T over the K steps
+    first_step ..< first_step + steps (each tile_k wide), through a TMA pipeline."""
+    shape = (cfg.tile_m, cfg.tile_n)
+    acc_dtype = jnp.int32 if a_ref.dtype == jnp.int8 else jnp.float32
+    transforms = (plgpu.TilingTransform((8, cfg.tile_k)), plgpu.SwizzleTransform(cfg.tile_k))
     # Accumulating in the wgmma accumulator, a step's wgmma still runs while the next one is issued (a stage is
     # refilled one step late); promoting waits for each step's partial sum.
-    in_specs = [plgpu.BlockSpec(shape, lambda k: (0, k), transforms=code_transforms, delay_release=int(not promote))
-                for shape in ((tile_m, tile_k), (tile_n, tile_k))]
+    in_specs = [plgpu.BlockSpec(block, lambda k: (0, first_step + k), transforms=transforms,
+                                delay_release=int(not promote))
+                for block in ((cfg.tile_m, cfg.tile_k), (cfg.tile_n, cfg.tile_k))]
+    pipeline = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
+                                 max_concurrent_steps=cfg.max_concurrent_steps)
+
+    def accumulate(acc_ref):
+        def step(_, a_smem, b_smem):
+            plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
+            plgpu.wgmma_wait(1)  # the previous step's wgmma is done: its stage may be refilled
+
+        pipeline(step)(a_ref, b_ref)
+        return acc_ref[...]  # waits for every wgmma
+
+    def promote_step(_, a_smem, b_smem, acc):
+        def product(part_ref):
+            plgpu.wgmma(part_ref, a_smem, b_smem.transpose((1, 0)))
+            return part_ref[...]  # waits for it
+
+        return acc + pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+
+    if promote:  # fp8 wgmma accumulates with reduced precision: f32 sums of tile_k products each
+        zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+        return pipeline(promote_step, init_carry=zeros)(a_ref, b_ref)
+    return pl.run_scoped(accumulate, plgpu.ACC(shape, acc_dtype)).astype(jnp.float32)
+
+
+def _scaled(acc, rs_smem, cs_smem, barriers):
+    """acc (tile_m, tile_n) f32 * the row and column scales TMA brought to SMEM: (acc * a_scale) * b_scale, the
+    reference's order (two roundings)."""
+    plgpu.barrier_wait(barriers.at[0])
+    plgpu.barrier_wait(barriers.at[1])
+    acc = acc * lax.broadcast_in_dim(plgpu.load(rs_smem, layout=plgpu.Layout.WGMMA.reduce(1)), acc.shape, [0])
+    return acc * lax.broadcast_in_dim(plgpu.load(cs_smem, layout=plgpu.Layout.WGMMA.reduce(0)), acc.shape, [1])
+
+
+def _scratch(cfg: GroupedConfig, out_dtype):
+    return dict(out_smem=plgpu.SMEM((cfg.tile_m, cfg.tile_n), out_dtype),
+                rs_smem=plgpu.SMEM((cfg.tile_m,), jnp.float32), cs_smem=plgpu.SMEM((cfg.tile_n,), jnp.float32),
+                barriers=plgpu.Barrier(num_barriers=2))
+
+
+def _rows_kernel(cfg: GroupedConfig, promote: bool, items_table, a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem):
+    """refs: items (4, T) int32, a codes (Mp, Kp), b codes (G, Np, Kp), sa (Mp,) f32, sb (G, Np) f32, out (Mp, Np)."""
+    tile_m, tile_n = cfg.tile_m, cfg.tile_n
+    items, n_tiles, k_steps = items_table.shape[1], out_gmem.shape[1] // tile_n, a_gmem.shape[1] // cfg.tile_k
 
     def scoped(out_smem, rs_smem, cs_smem, barriers):
         @plgpu.nd_loop((items * n_tiles,), collective_axes="sm")
@@ -154,36 +197,8 @@ def _kernel(cfg: GroupedConfig, promote: bool, items_table, a_gmem, b_gmem, sa_g
                 # the epilogue's scales arrive while the main loop runs
                 plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem, barriers.at[0])
                 plgpu.copy_gmem_to_smem(sb_gmem.at[group, cols], cs_smem, barriers.at[1])
-
-                pipeline = functools.partial(plgpu.emit_pipeline, grid=(k_steps,), in_specs=in_specs,
-                                             max_concurrent_steps=cfg.max_concurrent_steps)
-                operands = (a_gmem.at[rows, :], b_gmem.at[group, cols, :])
-
-                def accumulate(acc_ref):
-                    def step(_, a_smem, b_smem):
-                        plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
-                        plgpu.wgmma_wait(1)  # the previous step's wgmma is done: its stage may be refilled
-
-                    pipeline(step)(*operands)
-                    return acc_ref[...]  # waits for every wgmma
-
-                def promote_step(_, a_smem, b_smem, acc):
-                    def product(part_ref):
-                        plgpu.wgmma(part_ref, a_smem, b_smem.transpose((1, 0)))
-                        return part_ref[...]  # waits for it
-
-                    return acc + pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))
-
-                if promote:  # fp8 wgmma accumulates with reduced precision: f32 sums of tile_k products each
-                    zeros = plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA)
-                    acc = pipeline(promote_step, init_carry=zeros)(*operands)
-                else:
-                    acc = pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), acc_dtype)).astype(jnp.float32)
-                plgpu.barrier_wait(barriers.at[0])
-                plgpu.barrier_wait(barriers.at[1])
-                # (acc * a_scale) * b_scale: the reference's order (two roundings)
-                acc = acc * lax.broadcast_in_dim(plgpu.load(rs_smem, layout=row_layout), acc.shape, [0])
-                acc = acc * lax.broadcast_in_dim(plgpu.load(cs_smem, layout=col_layout), acc.shape, [1])
+                acc = _tile_sum(cfg, promote, a_gmem.at[rows, :], b_gmem.at[group, cols, :], 0, k_steps)
+                acc = _scaled(acc, rs_smem, cs_smem, barriers)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have left SMEM
                 out_smem[...] = acc.astype(out_smem.dtype)
                 plgpu.commit_smem()
@@ -199,9 +214,38 @@ def _kernel(cfg: GroupedConfig, promote: bool, items_table, a_gmem, b_gmem, sa_g
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    pl.run_scoped(scoped, out_smem=plgpu.SMEM((tile_m, tile_n), out_gmem.dtype),
-                  rs_smem=plgpu.SMEM((tile_m,), jnp.float32), cs_smem=plgpu.SMEM((tile_n,), jnp.float32),
-                  barriers=plgpu.Barrier(num_barriers=2))
+    pl.run_scoped(scoped, **_scratch(cfg, out_gmem.dtype))
+
+
+def _contract_kernel(cfg: GroupedConfig, promote: bool, steps_table, a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem):
+    """refs: steps (2, G) int32 (each group's first token block and block count), a codes (Kp, Tp), b codes (Np, Tp),
+    sa (Kp,) f32, sb (Np,) f32, out (G, Kp, Np); tokens grouped in tile_k-aligned, zero-padded runs."""
+    tile_m, tile_n = cfg.tile_m, cfg.tile_n
+    groups, m_tiles, n_tiles = out_gmem.shape[0], out_gmem.shape[1] // tile_m, out_gmem.shape[2] // tile_n
+
+    def scoped(out_smem, rs_smem, cs_smem, barriers):
+        @plgpu.nd_loop((groups * m_tiles * n_tiles,), collective_axes="sm")
+        def _(loop_info):
+            (lin,) = loop_info.index
+            group_m, n_idx = plgpu.planar_snake(lin, (groups * m_tiles, n_tiles), 1, cfg.grid_tile_width)
+            group, m_idx = lax.div(group_m, m_tiles), lax.rem(group_m, m_tiles)
+            first, steps = steps_table[0, group], steps_table[1, group]
+
+            @pl.when(steps > 0)  # an empty group's tiles are left to the wrapper
+            def _():
+                rows, cols = pl.ds(m_idx * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
+                plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem, barriers.at[0])
+                plgpu.copy_gmem_to_smem(sb_gmem.at[cols], cs_smem, barriers.at[1])
+                acc = _tile_sum(cfg, promote, a_gmem.at[rows, :], b_gmem.at[cols, :], first, steps)
+                acc = _scaled(acc, rs_smem, cs_smem, barriers)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has left SMEM
+                out_smem[...] = acc.astype(out_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[group, rows, cols])
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(scoped, **_scratch(cfg, out_gmem.dtype))
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -220,7 +264,7 @@ def _launch(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dtype, confi
     items = work_items(group_sizes, m, config.tile_m)
     tiles = items.shape[1] * (np_ // config.tile_n)
     num_ctas = config.num_ctas or (2 if interpret else jax.devices()[0].core_count)
-    kernel = plgpu.kernel(functools.partial(_kernel, config, promote),
+    kernel = plgpu.kernel(functools.partial(_rows_kernel, config, promote),
                           out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
                           grid=(min(num_ctas, tiles),), grid_names=("sm",), interpret=interpret)
     out = kernel(items, _pad(a_codes, (mp, kp), 0), _pad(b_codes, (groups, np_, kp), 0), _pad(a_scale, (mp,), 1),
