@@ -98,15 +98,16 @@ def _rows_and_groups(m: int, group_sizes):
 
 def _grouped_gemm(a: QTensor, b: QTensor, group_sizes, dims, group_ids, out_dtype, precise: bool,
                   backend: str = "xla"):
-    """Quantized grouped GEMM -> out_dtype: on the codes with scales after it, or dequantized (block scales). The
-    forward and dgrad (rows ragged) run `grouped_matmul_mgpu`'s kernel where `backend` selects it and it supports
-    the operands; this function is its reference."""
-    if dims is _RAGGED_ROWS:
-        run_kernel, interpret = dispatch.kernel_if_supported(
-            backend, "grouped GEMM", lambda _: grouped_matmul_mgpu.supports(a, b, group_sizes, out_dtype, precise))
-        if run_kernel:
-            return grouped_matmul_mgpu.grouped_matmul_kernel(a, b, group_sizes, out_dtype, precise=precise,
-                                                             interpret=interpret)
+    """Quantized grouped GEMM -> out_dtype: on the codes with scales after it, or dequantized (block scales).
+    `grouped_matmul_mgpu`'s kernels (rows ragged: forward and dgrad; contracting over each group's rows: wgrad) run
+    where `backend` selects them and they support the operands; the rest of this function is their reference."""
+    rows = dims is _RAGGED_ROWS
+    supports = (functools.partial(grouped_matmul_mgpu.supports, a, b, group_sizes, out_dtype) if rows
+                else functools.partial(grouped_matmul_mgpu.supports_contract, a, b, out_dtype))
+    run_kernel, interpret = dispatch.kernel_if_supported(backend, "grouped GEMM", lambda _: supports())
+    if run_kernel:
+        kernel = grouped_matmul_mgpu.grouped_matmul_kernel if rows else grouped_matmul_mgpu.grouped_contract_kernel
+        return kernel(a, b, group_sizes, out_dtype, precise=precise, interpret=interpret)
     if a.is_block_scaled or b.is_block_scaled:
         a_values, b_values, precision = dequantize_for_gemm(a, b)
         return _ragged(a_values, b_values, group_sizes, dims, jnp.float32, precision).astype(out_dtype)
@@ -169,7 +170,8 @@ def _quantized_ragged_dot(recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_
         if wgrad is None:
             dw = _dense_ragged(x_res.T, g.T, group_sizes, _RAGGED_CONTRACT, rhs_dtype, precision)
         else:
-            dw = _grouped_gemm(x_res, gq_wgrad, group_sizes, _RAGGED_CONTRACT, None, rhs_dtype, precise=True)
+            dw = _grouped_gemm(x_res, gq_wgrad, group_sizes, _RAGGED_CONTRACT, None, rhs_dtype, precise=True,
+                               backend=recipe.backend)
         # An empty group's weight gradient is 0 (its row scales, spanning all tokens, may not be finite).
         dw = jnp.where(group_sizes[:, None, None] > 0, dw, jnp.zeros((), dw.dtype))
         return jnp.where(valid[:, None], dx, jnp.zeros((), dx.dtype)), dw, None, None

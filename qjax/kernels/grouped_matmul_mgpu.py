@@ -83,9 +83,8 @@ class GroupedConfig:
             raise ValueError(f"{self} needs more shared memory than a Hopper block has; lower max_concurrent_steps")
 
 
-def supports(a, b, group_sizes, out_dtype, precise: bool = False) -> str | None:
-    """None if `grouped_matmul_kernel(a, b, group_sizes, out_dtype, precise=precise)` handles these operands, else
-    why not."""
+def supports(a, b, group_sizes, out_dtype) -> str | None:
+    """None if `grouped_matmul_kernel(a, b, group_sizes, out_dtype)` handles these operands, else why not."""
     if not isinstance(a, QTensor) or not isinstance(b, QTensor):
         return f"operands must be QTensors, got {type(a).__name__} and {type(b).__name__}"
     if a.data.ndim != 2 or b.data.ndim != 3 or a.data.shape[1] != b.data.shape[2]:
@@ -97,7 +96,6 @@ def supports(a, b, group_sizes, out_dtype, precise: bool = False) -> str | None:
     da, db = jnp.dtype(a.data.dtype), jnp.dtype(b.data.dtype)
     if not ((da == db == jnp.int8) or (da in FP8 and db in FP8)):
         return f"codes must be int8 x int8 or float8 x float8, got {da} x {db}"
-    del precise  # every case: fp8 promotes per tile_k, int8 sums are exact
     if da == jnp.int8 and a.data.shape[1] > INT32_SAFE_K:
         return f"int8 sums over K = {a.data.shape[1]} > {INT32_SAFE_K} could overflow int32"
     if jnp.dtype(out_dtype) not in _OUT_DTYPES:
@@ -297,7 +295,7 @@ def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dt
     Raises:
       ValueError: operands the kernel does not handle (the message says why; see `supports`).
     """
-    reason = supports(a, b, group_sizes, out_dtype, precise)
+    reason = supports(a, b, group_sizes, out_dtype)
     if reason is not None:
         raise ValueError(f"grouped_matmul_kernel: {reason}")
     (m, _), (groups, n, _) = a.data.shape, b.data.shape
@@ -308,6 +306,94 @@ def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dt
     return _launch(a.data, b.data, a_scale, b_scale, group_sizes.astype(jnp.int32), out_dtype=jnp.dtype(out_dtype),
                    config=config or GroupedConfig(), promote=precise and a.data.dtype != jnp.int8,
                    interpret=interpret)
+
+
+def supports_contract(a, b, out_dtype) -> str | None:
+    """None if `grouped_contract_kernel(a, b, group_sizes, out_dtype)` handles these operands, else why not."""
+    if not isinstance(a, QTensor) or not isinstance(b, QTensor):
+        return f"operands must be QTensors, got {type(a).__name__} and {type(b).__name__}"
+    if a.data.ndim != 2 or b.data.ndim != 2 or a.data.shape[1] != b.data.shape[1]:
+        return f"operands must be a (K, M) and b (N, M), got shapes {a.data.shape} and {b.data.shape}"
+    if min(a.data.shape + b.data.shape) == 0:
+        return f"empty operands {a.data.shape} x {b.data.shape}"
+    da, db = jnp.dtype(a.data.dtype), jnp.dtype(b.data.dtype)
+    if not ((da == db == jnp.int8) or (da in FP8 and db in FP8)):
+        return f"codes must be int8 x int8 or float8 x float8, got {da} x {db}"
+    if da == jnp.int8 and a.data.shape[1] > INT32_SAFE_K:
+        return f"int8 sums over a group of up to M = {a.data.shape[1]} > {INT32_SAFE_K} rows could overflow int32"
+    if jnp.dtype(out_dtype) not in _OUT_DTYPES:
+        return f"out_dtype must be bfloat16 or float32, got {jnp.dtype(out_dtype)}"
+    for name, q in (("a", a), ("b", b)):
+        if q.is_block_scaled or tuple(q.scale.shape) not in ((), (q.data.shape[0], 1)):
+            return (f"{name}: needs tensor or row scales of shape ({q.data.shape[0]}, 1), got {q.granularity!r} "
+                    f"{q.scale.shape}")
+        if jnp.dtype(q.scale.dtype) != jnp.float32:
+            return f"{name}: scales must be float32, got {q.scale.dtype}"
+    return None
+
+
+def group_runs(group_sizes: jax.Array, m: int, tile_k: int) -> tuple[jax.Array, jax.Array]:
+    """Each group's tokens moved to a run starting at a multiple of tile_k: (source token of each padded position,
+    -1 for padding (round_up(m, tile_k) + G * tile_k,) int32; (2, G) int32 each group's first tile_k block and
+    block count)."""
+    groups = group_sizes.shape[0]
+    blocks = -(-group_sizes // tile_k)
+    block_ends = jnp.cumsum(blocks)
+    run_starts, starts = (block_ends - blocks) * tile_k, jnp.cumsum(group_sizes) - group_sizes
+    position = jnp.arange(_round_up(m, tile_k) + groups * tile_k, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(block_ends * tile_k, position, side="right"), groups - 1)
+    offset = position - run_starts[group]
+    source = jnp.where(offset < group_sizes[group], starts[group] + offset, -1)
+    return source.astype(jnp.int32), jnp.stack([block_ends - blocks, blocks]).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "promote", "interpret"))
+def _launch_contract(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dtype, config, promote, interpret):
+    (k, m), n, groups = a_codes.shape, b_codes.shape[0], group_sizes.shape[0]
+    kp, np_ = _round_up(k, config.tile_m), _round_up(n, config.tile_n)
+    source, steps = group_runs(group_sizes, m, config.tile_k)
+    # tokens gathered into tile_k-aligned runs per group, zeros between them: no block mixes two groups
+    runs = lambda codes: jnp.where(source >= 0, jnp.take(codes, jnp.maximum(source, 0), axis=1),
+                                   jnp.zeros((), codes.dtype))
+    tiles = groups * (kp // config.tile_m) * (np_ // config.tile_n)
+    num_ctas = config.num_ctas or (2 if interpret else jax.devices()[0].core_count)
+    kernel = plgpu.kernel(functools.partial(_contract_kernel, config, promote),
+                          out_type=jax.ShapeDtypeStruct((groups, kp, np_), out_dtype),
+                          grid=(min(num_ctas, tiles),), grid_names=("sm",), interpret=interpret)
+    out = kernel(steps, _pad(runs(a_codes), (kp, source.shape[0]), 0), _pad(runs(b_codes), (np_, source.shape[0]), 0),
+                 _pad(a_scale, (kp,), 1), _pad(b_scale, (np_,), 1))[:, :k, :n]
+    # an empty group's tiles are never written
+    return jnp.where(group_sizes[:, None, None] > 0, out, jnp.zeros((), out.dtype))
+
+
+def grouped_contract_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dtype, *, precise: bool = False,
+                            config: GroupedConfig | None = None, interpret=False) -> jax.Array:
+    """Grouped GEMM contracting over each group's rows (the wgrad), on a Hopper GPU: out[e] = a[:, rows of e] .
+    b[:, rows of e]^T with a's and b's row scales; rows >= sum(group_sizes) and empty groups give 0.
+
+    The tokens are gathered into tile_k-aligned runs per group (zeros between them) so that every K block of the
+    kernel belongs to one group; then (group, m-tile, n-tile) items, each a pipeline over its group's blocks.
+
+    Args:
+      a: QTensor, data (K, M) int8 / float8 (the tokens last), scale () or (K, 1) float32.
+      b: QTensor, data (N, M) of the same code family, scale () or (N, 1) float32.
+      group_sizes: (G,) int32, >= 0, summing to at most M (trusted).
+      out_dtype: jnp.bfloat16 or jnp.float32.
+      precise, config, interpret: as in `grouped_matmul_kernel` (config.tile_m tiles K, tile_k the tokens).
+
+    Returns:
+      (G, K, N) array of out_dtype; equal to `qjax.ragged_dot._grouped_gemm` with the tokens as the ragged
+      contracting dimension up to float32 summation order.
+    """
+    reason = supports_contract(a, b, out_dtype)
+    if reason is not None:
+        raise ValueError(f"grouped_contract_kernel: {reason}")
+    row_scale = lambda q: jnp.broadcast_to(q.scale.reshape(-1), (q.data.shape[0],))
+    if interpret is True:
+        interpret = plgpu.InterpretGPUParams()
+    return _launch_contract(a.data, b.data, row_scale(a), row_scale(b), group_sizes.astype(jnp.int32),
+                            out_dtype=jnp.dtype(out_dtype), config=config or GroupedConfig(),
+                            promote=precise and a.data.dtype != jnp.int8, interpret=interpret)
 
 
 def bf16_supports(lhs, rhs, out_dtype, interpret: bool) -> str | None:
