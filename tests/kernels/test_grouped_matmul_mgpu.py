@@ -1,5 +1,6 @@
-"""The Mosaic GPU grouped scaled GEMM against its reference (`qjax.ragged_dot._grouped_gemm`, XLA's ragged_dot on the
-codes with the scales after it), and `qjax.ragged_dot`'s use of it and of JAX's bf16 grouped kernels.
+"""The Mosaic GPU grouped scaled GEMMs (rows ragged: forward and dgrad; contracting over each group's rows: wgrad)
+against their reference (`qjax.ragged_dot._grouped_gemm`, XLA's ragged_dot on the codes with the scales after it),
+and `qjax.ragged_dot`'s use of them and of JAX's bf16 grouped kernels.
 
 Off a Hopper GPU the kernel runs under the Mosaic GPU interpreter (slow: few, small cases, each covering several
 ragged properties: an empty group, a group straddling tiles, rows past sum(group_sizes), M, N and K that pad);
@@ -40,6 +41,28 @@ def _operands(m, n, k, groups, code, seed=0):
         np.float32)
     spec = QuantSpec(code, "row")
     return quantize(jnp.asarray(x), spec), quantize(jnp.asarray(w), spec)
+
+
+def _contract_operands(m, n, k, code, seed=0):
+    """Row-quantized a (K, M) and b (N, M): the tokens last, per-feature magnitudes over decades."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((k, m), np.float32) * 10.0 ** rng.uniform(-2, 2, (k, 1)).astype(np.float32)
+    g = rng.standard_normal((n, m), np.float32) * 10.0 ** rng.uniform(-1, 1, (n, 1)).astype(np.float32)
+    spec = QuantSpec(code, "row")
+    return quantize(jnp.asarray(x), spec), quantize(jnp.asarray(g), spec)
+
+
+def _contract_reference(a, b, sizes, out_dtype, precise):
+    out = ragged_dot_lib._grouped_gemm(a, b, sizes, ragged_dot_lib._RAGGED_CONTRACT, None, out_dtype, precise)
+    return np.where(np.asarray(sizes)[:, None, None] > 0, np.asarray(out.astype(jnp.float32), np.float64), 0)
+
+
+def _contract_magnitude(a, b, sizes):
+    """|a[:, rows of e]| |b[:, rows of e]|^T per group e."""
+    dims = ragged_dot_lib._RAGGED_CONTRACT
+    ab = lax.ragged_dot_general(jnp.abs(a.dequantize()), jnp.abs(b.dequantize()), sizes, dims,
+                                precision=lax.Precision.HIGHEST)
+    return np.asarray(ab, np.float64)
 
 
 def _reference(a, b, sizes, out_dtype, precise=False):
@@ -114,8 +137,44 @@ def test_precise_fp8_promotes():
                   F32_RTOL if INTERPRET else 5e-4)
 
 
+def test_group_runs_align_each_group():
+    """Each group's tokens, in order, start a run at a multiple of tile_k; the rest of the buffer is padding."""
+    sizes = jnp.array([0, 70, 0, 1, 64, 100], jnp.int32)
+    source, steps = (np.asarray(v) for v in grouped.group_runs(sizes, 300, 64))
+    start = 0
+    for size, (first, blocks) in zip(np.asarray(sizes), steps.T):
+        assert blocks == -(-size // 64)
+        run = source[first * 64:(first + blocks) * 64]
+        np.testing.assert_array_equal(run[:size], np.arange(start, start + size))
+        assert (run[size:] == -1).all()
+        start += size
+    assert (source >= 0).sum() == start
+
+
+@pytest.mark.parametrize("code, out_dtype, precise, sizes", [
+    # an empty group, a 3-row group, 27 rows past the sum; K and N pad, several token blocks per group
+    ("int8", jnp.float32, True, (70, 0, 100, 3)),
+    # one group of all the rows, promoted fp8 (the wgrad's precise accumulation)
+    ("e4m3", jnp.bfloat16, True, (0, 200, 0, 0)),
+])
+def test_contract_kernel_equals_reference(code, out_dtype, precise, sizes):
+    m, n, k = 200, 160, 96
+    sizes = jnp.array(sizes, jnp.int32)
+    a, b = _contract_operands(m, n, k, code)
+    fn = jax.jit(lambda a, b, s: grouped.grouped_contract_kernel(a, b, s, out_dtype, precise=precise, config=SMALL,
+                                                                 interpret=INTERPRET))
+    out = np.asarray(fn(a, b, sizes).astype(jnp.float32), np.float64)
+    assert out.shape == (4, k, n)
+    ref = _contract_reference(a, b, sizes, out_dtype, precise)
+    if code == "int8" and out_dtype == jnp.float32:
+        np.testing.assert_array_equal(out, ref)
+    _assert_close(out, ref, _contract_magnitude(a, b, sizes), out_dtype, F32_RTOL if code == "e4m3" else 0.0)
+    assert (out[np.asarray(sizes) == 0] == 0).all()
+
+
 def test_ragged_dot_runs_kernel_and_matches_reference():
-    """qjax.ragged_dot int8_rowwise with the kernel (forward and dgrad) equals it without (XLA), value and grads."""
+    """qjax.ragged_dot int8_rowwise with the kernels (forward, dgrad, wgrad) equals it without (XLA), value and
+    grads."""
     m, k, n = 192, 128, 128
     sizes = jnp.array([50, 0, 90], jnp.int32)
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
@@ -145,6 +204,8 @@ def test_bad_operands():
         grouped.grouped_matmul_kernel(a, fp8_b, sizes, jnp.float32, interpret=True)
     with pytest.raises(ValueError, match="tile_n must be"):
         grouped.GroupedConfig(tile_n=96)
+    with pytest.raises(ValueError, match=r"a \(K, M\) and b \(N, M\)"):
+        grouped.grouped_contract_kernel(a, b, sizes, jnp.float32, interpret=True)
 
 
 def test_lowers_for_cuda():
@@ -159,6 +220,13 @@ def test_lowers_for_cuda():
         lowered = jax.jit(lambda *xs: grouped._launch(*xs, out_dtype=jnp.dtype(jnp.bfloat16), config=config,
                                                       promote=promote, interpret=False)).trace(*args).lower(
                                                           lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
+        contract_args = (jax.ShapeDtypeStruct((k, m), code), jax.ShapeDtypeStruct((n, m), code),
+                         jax.ShapeDtypeStruct((k,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32),
+                         jax.ShapeDtypeStruct((groups,), jnp.int32))
+        lowered = jax.jit(lambda *xs: grouped._launch_contract(
+            *xs, out_dtype=jnp.dtype(jnp.float32), config=config, promote=promote, interpret=False)).trace(
+                *contract_args).lower(lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -179,6 +247,18 @@ def test_kernel_at_size(code, precise):
     out = _kernel(a, b, sizes, jnp.float32, config=grouped.GroupedConfig(), precise=precise)
     rtol = 0.0 if code == "int8" else (5e-4 if precise else FP8_RTOL)
     _assert_close(out, _reference(a, b, sizes, jnp.float32, precise), _magnitude(a, b, sizes), jnp.float32, rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("code", ["int8", "e4m3"])
+def test_contract_kernel_at_size(code):
+    m, k, n, groups = 8192, 2048, 1408, 16
+    sizes = _routed_sizes(m - 100, groups)
+    a, b = _contract_operands(m, n, k, code)
+    out = jax.jit(lambda a, b, s: grouped.grouped_contract_kernel(a, b, s, jnp.float32, precise=True))(a, b, sizes)
+    out = np.asarray(out, np.float64)
+    _assert_close(out, _contract_reference(a, b, sizes, jnp.float32, True), _contract_magnitude(a, b, sizes),
+                  jnp.float32, 0.0 if code == "int8" else 5e-4)
 
 
 @pytest.mark.gpu
