@@ -4,6 +4,8 @@
   quantize_pair       kernels.quantize_mgpu.quantize_pair_kernel   quantize.quantize_pair_reference
   quantized_matmul    kernels.scaled_matmul_mgpu.scaled_matmul_kernel  kernels.scaled_matmul.scaled_matmul
   fused AdamW step    kernels.adam_step_mgpu (via optim.fused_adam)   optim.fused_adam.fused_step_reference
+  grouped GEMMs       kernels.grouped_matmul_mgpu (via ragged_dot,     ragged_dot._grouped_gemm / lax.ragged_dot
+                      `kernel_if_supported`)
 
 `kernel_mode(backend)` answers (run the kernel?, interpret it?) for a recipe backend ("auto", "xla", "pallas"; the
 fused AdamW's `use_kernel=True` is "auto"). Tests and benchmarks override what "auto" finds with `force`:

@@ -18,8 +18,10 @@ tokens (one quantization of x and g for every expert, as dot_general's), so a Na
 makes every non-empty group's weight gradient non-finite, where lax's stays finite for the other groups.
 Block-scaled operands ("1x128", "128x128", "1x32") are dequantized for the GEMM
 (`qjax.kernels.scaled_matmul.dequantize_for_gemm`); a 128x128 weight block is 128 x 128 of one expert. Quantization
-runs through `qjax.dispatch.quantize_pair` (the fused kernel where it applies); the grouped GEMMs run on XLA: there
-is no grouped Mosaic GPU kernel yet.
+runs through `qjax.dispatch.quantize_pair` (the fused kernel where it applies). Row/tensor-scaled GEMMs run on
+`qjax.kernels.grouped_matmul_mgpu`'s kernels where the recipe's backend selects them (a Hopper GPU), block-scaled
+ones on XLA (`_grouped_gemm` is the kernels' reference). Recipe "bf16" runs JAX's Mosaic GPU grouped kernels on a
+Hopper GPU where the shapes tile (`_bf16_kernel_ragged_dot`), `lax.ragged_dot` elsewhere.
 
 Rows after sum(group_sizes) (padding) are zeroed before quantization, so they neither produce output nor enter the
 scales of real tokens, as lax.ragged_dot ignores them.
