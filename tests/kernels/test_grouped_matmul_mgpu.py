@@ -172,9 +172,13 @@ def test_contract_kernel_equals_reference(code, out_dtype, precise, sizes):
     assert (out[np.asarray(sizes) == 0] == 0).all()
 
 
-def test_ragged_dot_runs_kernel_and_matches_reference():
+def test_ragged_dot_runs_kernel_and_matches_reference(monkeypatch):
     """qjax.ragged_dot int8_rowwise with the kernels (forward, dgrad, wgrad) equals it without (XLA), value and
     grads."""
+    calls = []
+    for name in ("grouped_matmul_kernel", "grouped_contract_kernel"):
+        kernel = getattr(grouped, name)
+        monkeypatch.setattr(grouped, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
     m, k, n = 192, 128, 128
     sizes = jnp.array([50, 0, 90], jnp.int32)
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
@@ -188,6 +192,7 @@ def test_ragged_dot_runs_kernel_and_matches_reference():
             return [np.asarray(v) for v in (out, *vjp(g))]
 
     kernel = run("interpret" if INTERPRET else "kernel")
+    assert sorted(calls) == ["grouped_contract_kernel"] + ["grouped_matmul_kernel"] * 2  # wgrad; forward, dgrad
     for ours, ref in zip(kernel, run("reference")):
         np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
 
