@@ -83,30 +83,37 @@ class GroupedConfig:
             raise ValueError(f"{self} needs more shared memory than a Hopper block has; lower max_concurrent_steps")
 
 
-def supports(a, b, group_sizes, out_dtype) -> str | None:
-    """None if `grouped_matmul_kernel(a, b, group_sizes, out_dtype)` handles these operands, else why not."""
+def _check_operands(a, b, out_dtype, a_shape: str, b_shape: str, b_ndim: int) -> str | None:
+    """Checks shared by both kernels: QTensors a (rows, L) and b (..., rows', L), the contracting length L last,
+    codes of one family, tensor scales or one scale per row (shape (..., rows, 1))."""
     if not isinstance(a, QTensor) or not isinstance(b, QTensor):
         return f"operands must be QTensors, got {type(a).__name__} and {type(b).__name__}"
-    if a.data.ndim != 2 or b.data.ndim != 3 or a.data.shape[1] != b.data.shape[2]:
-        return f"operands must be a (M, K) and b (G, N, K), got shapes {a.data.shape} and {b.data.shape}"
+    if a.data.ndim != 2 or b.data.ndim != b_ndim or a.data.shape[1] != b.data.shape[-1]:
+        return f"operands must be a {a_shape} and b {b_shape}, got shapes {a.data.shape} and {b.data.shape}"
     if min(a.data.shape + b.data.shape) == 0:
         return f"empty operands {a.data.shape} x {b.data.shape}"
-    if group_sizes.shape != (b.data.shape[0],):
-        return f"group_sizes must have shape ({b.data.shape[0]},), got {group_sizes.shape}"
     da, db = jnp.dtype(a.data.dtype), jnp.dtype(b.data.dtype)
     if not ((da == db == jnp.int8) or (da in FP8 and db in FP8)):
         return f"codes must be int8 x int8 or float8 x float8, got {da} x {db}"
     if da == jnp.int8 and a.data.shape[1] > INT32_SAFE_K:
-        return f"int8 sums over K = {a.data.shape[1]} > {INT32_SAFE_K} could overflow int32"
+        return f"int8 sums over {a.data.shape[1]} > {INT32_SAFE_K} products could overflow int32"
     if jnp.dtype(out_dtype) not in _OUT_DTYPES:
         return f"out_dtype must be bfloat16 or float32, got {jnp.dtype(out_dtype)}"
-    (m, _), (g, n, _) = a.data.shape, b.data.shape
-    for name, q, shapes in (("a", a, ((), (m, 1))), ("b", b, ((), (g, n, 1)))):
-        if q.is_block_scaled or tuple(q.scale.shape) not in shapes:
-            return f"{name}: needs tensor or row scales of shape {shapes[1]}, got {q.granularity!r} {q.scale.shape}"
+    for name, q in (("a", a), ("b", b)):
+        shape = (*q.data.shape[:-1], 1)
+        if q.is_block_scaled or tuple(q.scale.shape) not in ((), shape):
+            return f"{name}: needs tensor or row scales of shape {shape}, got {q.granularity!r} {q.scale.shape}"
         if jnp.dtype(q.scale.dtype) != jnp.float32:
             return f"{name}: scales must be float32, got {q.scale.dtype}"
     return None
+
+
+def supports(a, b, group_sizes, out_dtype) -> str | None:
+    """None if `grouped_matmul_kernel(a, b, group_sizes, out_dtype)` handles these operands, else why not."""
+    reason = _check_operands(a, b, out_dtype, "(M, K)", "(G, N, K)", 3)
+    if reason is None and group_sizes.shape != (b.data.shape[0],):
+        return f"group_sizes must have shape ({b.data.shape[0]},), got {group_sizes.shape}"
+    return reason
 
 
 def work_items(group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
@@ -310,26 +317,7 @@ def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dt
 
 def supports_contract(a, b, out_dtype) -> str | None:
     """None if `grouped_contract_kernel(a, b, group_sizes, out_dtype)` handles these operands, else why not."""
-    if not isinstance(a, QTensor) or not isinstance(b, QTensor):
-        return f"operands must be QTensors, got {type(a).__name__} and {type(b).__name__}"
-    if a.data.ndim != 2 or b.data.ndim != 2 or a.data.shape[1] != b.data.shape[1]:
-        return f"operands must be a (K, M) and b (N, M), got shapes {a.data.shape} and {b.data.shape}"
-    if min(a.data.shape + b.data.shape) == 0:
-        return f"empty operands {a.data.shape} x {b.data.shape}"
-    da, db = jnp.dtype(a.data.dtype), jnp.dtype(b.data.dtype)
-    if not ((da == db == jnp.int8) or (da in FP8 and db in FP8)):
-        return f"codes must be int8 x int8 or float8 x float8, got {da} x {db}"
-    if da == jnp.int8 and a.data.shape[1] > INT32_SAFE_K:
-        return f"int8 sums over a group of up to M = {a.data.shape[1]} > {INT32_SAFE_K} rows could overflow int32"
-    if jnp.dtype(out_dtype) not in _OUT_DTYPES:
-        return f"out_dtype must be bfloat16 or float32, got {jnp.dtype(out_dtype)}"
-    for name, q in (("a", a), ("b", b)):
-        if q.is_block_scaled or tuple(q.scale.shape) not in ((), (q.data.shape[0], 1)):
-            return (f"{name}: needs tensor or row scales of shape ({q.data.shape[0]}, 1), got {q.granularity!r} "
-                    f"{q.scale.shape}")
-        if jnp.dtype(q.scale.dtype) != jnp.float32:
-            return f"{name}: scales must be float32, got {q.scale.dtype}"
-    return None
+    return _check_operands(a, b, out_dtype, "(K, M)", "(N, M)", 2)
 
 
 def group_runs(group_sizes: jax.Array, m: int, tile_k: int) -> tuple[jax.Array, jax.Array]:

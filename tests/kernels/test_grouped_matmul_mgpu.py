@@ -213,6 +213,15 @@ def test_bad_operands():
         grouped.grouped_contract_kernel(a, b, sizes, jnp.float32, interpret=True)
 
 
+def test_bf16_kernels_only_where_they_tile():
+    """JAX's bf16 kernels take bf16 in and out, M, K, N multiples of 128, compiled; the rest stays on XLA."""
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    assert grouped.bf16_supports(bf16(256, 128), bf16(4, 128, 384), jnp.bfloat16, interpret=False) is None
+    assert "interpreted" in grouped.bf16_supports(bf16(256, 128), bf16(4, 128, 384), jnp.bfloat16, interpret=True)
+    assert "multiples of 128" in grouped.bf16_supports(bf16(200, 128), bf16(4, 128, 384), jnp.bfloat16, False)
+    assert "bfloat16" in grouped.bf16_supports(bf16(256, 128), bf16(4, 128, 384), jnp.float32, False)
+
+
 def test_lowers_for_cuda():
     """The default config at the MoE benchmark's gate_up shape lowers to a Mosaic GPU module (layouts, wgmma
     operands, shared memory), accumulating and promoting."""
