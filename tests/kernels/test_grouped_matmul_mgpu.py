@@ -244,6 +244,18 @@ def test_lowers_for_cuda():
         assert "mosaic_gpu" in lowered.as_text()
 
 
+def test_bf16_rows_lower_for_cuda():
+    """JAX's bf16 grouped kernel with our block sizes, forward and dgrad (transposed rhs), lowers at the MoE
+    benchmark's size. (Its wgrad kernel asks the device for its SM count, so it lowers on the GPU only.)"""
+    m, k, n, groups = 131072, 2048, 2816, 64
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    for transpose_rhs, rhs in ((False, bf16(groups, k, n)), (True, bf16(groups, n, k))):
+        fn = jax.jit(lambda x, w, s: grouped.bf16_rows(x, w, s, transpose_rhs=transpose_rhs))
+        lowered = fn.trace(bf16(m, k), rhs, jax.ShapeDtypeStruct((groups,), jnp.int32)).lower(
+            lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
+
+
 # ---- compiled, real sizes (device only) ----
 
 def _routed_sizes(rows, groups, seed=0):
