@@ -107,7 +107,8 @@ def main():
     baseline = "JAX's Mosaic GPU grouped kernels" if bf16_kernels else "lax.ragged_dot (JAX's kernels do not run here)"
     report = ("\n".join(lines) + f"\n\n{tokens} tokens x top-{top_k} of {experts} experts = {rows} rows (random "
               f"routing); x, w, g in bfloat16; y, dx, dw per step; median of {reps} samples of {inner} steps queued "
-              f"back to back; speedup vs bf16 on {baseline}. {flops}.\n")
+              f"back to back; speedup vs bf16 on {baseline}; row/tensor-scaled recipes on "
+              f"{'qjax.kernels.grouped_matmul_mgpu' if qjax.dispatch.kernel_mode()[0] else 'XLA'}. {flops}.\n")
     report += "".join(f"\n{name} failed: {why}\n" for name, why in failures.items())
     print("\n" + report)
     if not args.no_append:
