@@ -2,13 +2,17 @@
 
   out (M, N) [r] = a (M, K) [r] . b (G, N, K) [group(r)]^T      rows r sorted by group; rows >= sum(sizes) are 0
 
+  dw (G, K, N) [e] = a (K, M) [:, rows of e] . b (N, M) [:, rows of e]^T              the wgrad: rows contracted
+
 Two families:
 
-  scaled 8-bit (ours, `grouped_matmul_kernel`): a int8 / fp8 codes (M, K) with per-row f32 scales, b codes
-    (G, N, K) (K-major: Hopper's 8-bit wgmma wants both operands so) with per-(group, n) f32 scales; int32 (int8) or
-    f32 (fp8) accumulation over all of K, scales in the epilogue as the reference multiplies them:
-    out[r, n] = ((acc[r, n] * sa[r]) * sb[group(r), n]).astype(out_dtype). Its reference is
-    `qjax.ragged_dot._grouped_gemm` (XLA's ragged_dot on the codes, scales after it).
+  scaled 8-bit (ours): `grouped_matmul_kernel` (rows ragged): a int8 / fp8 codes (M, K) with per-row f32 scales, b
+    codes (G, N, K) (K-major: Hopper's 8-bit wgmma wants both operands so) with per-(group, n) f32 scales;
+    `grouped_contract_kernel` (rows contracted): a (K, M) and b (N, M) codes with per-row scales. int32 (int8) or
+    f32 (fp8) accumulation, scales in the epilogue as the reference multiplies them:
+    out[r, n] = ((acc[r, n] * sa[r]) * sb[group(r), n]).astype(out_dtype); fp8 with `precise` sums each tile_k of
+    K in a fresh accumulator and adds it in float32 (Hopper's fp8 wgmma accumulates with reduced precision). Their
+    reference is `qjax.ragged_dot._grouped_gemm` (XLA's ragged_dot on the codes, scales after it).
   bf16 (JAX's, `bf16_rows` / `bf16_contract`): `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` (the
     forward and dgrad shape) and `transposed_ragged_dot_mgpu.transposed_ragged_dot` (the wgrad shape, contracting
     over each group's rows), called with the block sizes below where the shapes tile (`bf16_supports`).
@@ -20,7 +24,10 @@ int32 (4, items) table; items past the last group have 0 rows and are skipped. P
 walk (item, n-tile) pairs; per pair a TMA pipeline over K (`plgpu.emit_pipeline`, wgmma with b's (tile_n, tile_k)
 SMEM tile transposed), the scales fetched by TMA meanwhile, then the epilogue writes the item's rows only: the tile
 goes to SMEM and TMA stores it in power-of-two row pieces (one per set bit of the row count; TMA stores need static
-shapes). Rows past sum(group_sizes) are written by no item: the wrapper zeroes them.
+shapes). Rows past sum(group_sizes) are written by no item: the wrapper zeroes them. The contracting kernel first
+gathers each group's tokens into a tile_k-aligned run (zeros between runs: one copy of the codes), so that no K block
+mixes groups, then walks (group, m-tile, n-tile) tiles, each a pipeline over its group's blocks. Rows never mix:
+a NaN in one group's rows reaches only that group's outputs, as in lax.ragged_dot.
 
 Shapes that do not tile are padded with zero codes (scale 1) and sliced. Off the GPU the kernel runs under the
 Mosaic GPU interpreter (`interpret=True`); JAX's bf16 kernels have no interpreted mode and run only compiled.
@@ -52,9 +59,10 @@ class GroupedConfig:
     """Tiling of the scaled grouped kernel: one warpgroup computes a (tile_m, tile_n) tile.
 
     Attributes:
-      tile_m: rows per work item, a multiple of 64 (wgmma M); smaller tiles waste fewer rows at group boundaries.
+      tile_m: rows per work item (wgrad: of K), a multiple of 64 (wgmma M) <= 256; smaller tiles waste fewer rows
+        at group boundaries.
       tile_n: columns per tile, a multiple of 64 and <= 256 (wgmma N).
-      tile_k: K per pipeline step, 64 or 128 (128 bytes of 8-bit codes = one 128B swizzle row).
+      tile_k: K per pipeline step (wgrad: tokens), 64 or 128 (128 bytes of 8-bit codes = one 128B swizzle row).
       max_concurrent_steps: pipeline stages (> 1: a step's wgmma may run while the next step's TMA lands).
       grid_tile_width: (item, n-tile) pairs are visited in stripes this many n-tiles wide (`plgpu.planar_snake`), so
         CTAs in flight share rows of a in L2.
@@ -69,8 +77,9 @@ class GroupedConfig:
     num_ctas: int | None = None
 
     def __post_init__(self):
-        if self.tile_m <= 0 or self.tile_m % 64:
-            raise ValueError(f"tile_m must be a positive multiple of 64 (wgmma M), got {self.tile_m}")
+        if self.tile_m <= 0 or self.tile_m % 64 or self.tile_m > 256:
+            raise ValueError(f"tile_m must be 64, 128, 192 or 256 (wgmma M steps of 64, TMA boxes <= 256), got "
+                             f"{self.tile_m}")
         if self.tile_n <= 0 or self.tile_n % 64 or self.tile_n > 256:
             raise ValueError(f"tile_n must be 64, 128, 192 or 256 (wgmma N <= 256), got {self.tile_n}")
         if self.tile_k not in (64, 128):
