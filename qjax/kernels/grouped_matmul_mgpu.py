@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
+from qjax.kernels import resolve_interpret
 from qjax.kernels.gemm_config_mgpu import FP8, SMEM_BYTES, SMEM_MARGIN
 from qjax.numerics import INT32_SAFE_K
 from qjax.qtensor import QTensor
@@ -317,11 +318,9 @@ def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dt
     (m, _), (groups, n, _) = a.data.shape, b.data.shape
     a_scale = jnp.broadcast_to(a.scale.reshape(-1), (m,))
     b_scale = jnp.broadcast_to(b.scale.reshape(-1) if b.scale.ndim else b.scale, (groups * n,)).reshape(groups, n)
-    if interpret is True:
-        interpret = plgpu.InterpretGPUParams()
     return _launch(a.data, b.data, a_scale, b_scale, group_sizes.astype(jnp.int32), out_dtype=jnp.dtype(out_dtype),
                    config=config or GroupedConfig(), promote=precise and a.data.dtype != jnp.int8,
-                   interpret=interpret)
+                   interpret=resolve_interpret(interpret))
 
 
 def supports_contract(a, b, out_dtype) -> str | None:
@@ -386,11 +385,10 @@ def grouped_contract_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_
     if reason is not None:
         raise ValueError(f"grouped_contract_kernel: {reason}")
     row_scale = lambda q: jnp.broadcast_to(q.scale.reshape(-1), (q.data.shape[0],))
-    if interpret is True:
-        interpret = plgpu.InterpretGPUParams()
     return _launch_contract(a.data, b.data, row_scale(a), row_scale(b), group_sizes.astype(jnp.int32),
                             out_dtype=jnp.dtype(out_dtype), config=config or GroupedConfig(),
-                            promote=precise and a.data.dtype != jnp.int8, interpret=interpret)
+                            promote=precise and a.data.dtype != jnp.int8,
+                            interpret=resolve_interpret(interpret))
 
 
 def bf16_supports(lhs, rhs, out_dtype, interpret: bool) -> str | None:
