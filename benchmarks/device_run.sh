@@ -28,8 +28,9 @@
 # train` on the Shakespeare corpus: carry "data" prepared here), dataflow (the 1.1B rows of the data-flow recipes),
 # dataflow-conv (benchmarks/convergence.py at the default run's 125M settings for bf16, the data-flow recipes and
 # bitnet_b158: carry "data"; the new PNG comes back in $OUT), tests-moe (the ragged_dot, MXFP8 and MoE tests on the
-# GPU: XLA's grouped GEMMs on 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16
-# lax.ragged_dot), linear-mxfp8 (linear.py's fp8_blockwise and mxfp8 rows, no peer), tests-bitnet (bitnet_b158's
+# GPU: XLA's grouped GEMMs on 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16 on
+# JAX's grouped kernels), moe-kernels (the grouped kernels' GPU tests; run "moe-kernels moe"), linear-mxfp8
+# (linear.py's fp8_blockwise and mxfp8 rows, no peer), tests-bitnet (bitnet_b158's
 # kernels compiled), bitnet (linear int8_rowwise vs bitnet_b158, no peer), bitnet-train (the 1.1B bf16 /
 # int8_rowwise / bitnet_b158 rows), int8-params (the 1.1B int8_rowwise rows with int8 weight-only and with bf16 + SR
 # params: run it after bitnet-train, whose int8_rowwise row has float32 params), bitnet-conv (125M convergence, bf16
@@ -46,6 +47,7 @@
 # time, one GPU each. Steps: profile-int8-dataflow (benchmarks/profile_train.py of the 1.1B int8_dataflow row),
 # dataflow-mem (bf16 and the 1.1B data-flow rows, int8_dataflow also with adamw_fp8 states: speed
 # and peak memory against bf16), dataflow-b16 (batch 16 x 2048: bf16 against int8_dataflow with adamw_fp8 states),
+# dataflow-ab (int8_rowwise against int8_dataflow: what the data flow costs),
 # dataflow-peer (bf16, int8_rowwise, int8_dataflow and the torch peer in one run), peak-memory
 # (benchmarks/peak_memory.py: the 1.1B step of bf16 and the data-flow recipes compiled, not run: XLA's planned peak,
 # and its memory-usage reports in $OUT/peak-memory), hlo-int8-rowwise / hlo-int8-dataflow (the profile's 150
@@ -128,6 +130,8 @@ step_command() {
         tests-moe) echo "python3 -m pytest -x -q -p no:cacheprovider tests/test_ragged_dot.py tests/test_mxfp8.py" \
                         "tests/models/test_moe.py" ;;
         moe) echo "python3 benchmarks/ragged.py" ;;
+        moe-kernels) echo "python3 -m pytest -x -q -p no:cacheprovider tests/kernels/test_grouped_matmul_mgpu.py" \
+                          "tests/test_ragged_dot.py" ;;
         linear-mxfp8) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
                            "fp8_blockwise mxfp8 --no-peer" ;;
         train-sr) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_rowwise_sr --steps 5 --warmup 2" \
@@ -138,6 +142,7 @@ step_command() {
                            "fp8_dataflow --steps 5 --warmup 2 --no-peer" ;;
         dataflow-b16) echo "python3 benchmarks/train.py --rows bf16 int8_dataflow+adamw_fp8 --batch 16 --steps 5" \
                            "--warmup 2 --no-peer" ;;
+        dataflow-ab) echo "python3 benchmarks/train.py --rows int8_rowwise int8_dataflow --steps 5 --warmup 2 --no-peer" ;;
         dataflow-peer) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_dataflow --steps 5 --warmup 2" ;;
         peak-memory) echo "python3 benchmarks/peak_memory.py --layers 22 --recipes bf16 int8_dataflow fp8_dataflow" \
                           "--memory-report $OUT/peak-memory" ;;

@@ -1,18 +1,23 @@
-"""Grouped GEMM (mixture-of-experts) forward + backward per recipe vs bf16 `lax.ragged_dot`: y = ragged_dot(x, w,
+"""Grouped GEMM (mixture-of-experts) forward + backward per recipe vs bf16 grouped GEMMs: y = ragged_dot(x, w,
 group_sizes), then dx and dw from an upstream gradient, at DeepSeek-V3-like expert shapes.
 
-  python benchmarks/ragged.py           # GPU: 16384 tokens x top-8 of 64 experts = 131072 rows; dim 2048, expert FFN
-                                        # 1408: gate_up 2048 -> 2816 and down 1408 -> 2048 per expert
-  python benchmarks/ragged.py --small   # CPU-sized (the default when no GPU is present)
+  python benchmarks/ragged.py             # GPU: 16384 tokens x top-8 of 64 experts = 131072 rows; dim 2048, expert
+                                          # FFN 1408: gate_up 2048 -> 2816 and down 1408 -> 2048 per expert
+  python benchmarks/ragged.py --with-xla  # also XLA's bf16 lax.ragged_dot (slow on GPUs: minutes at this size)
+  python benchmarks/ragged.py --small     # CPU-sized (the default when no GPU is present)
 
 The rows are the (token, expert) pairs of a random top-k routing, sorted by expert (group sizes: the routing's
 counts, uneven as real routing is). Rows: "dense bf16" (one lax.dot_general of the same rows and FLOPs: what a
-grouped GEMM at full efficiency would cost), "bf16" (lax.ragged_dot, the baseline), and qjax.ragged_dot per recipe.
-Prints milliseconds per step and the speedup over bf16, and appends the table to benchmarks/RESULTS.md (--no-append
-to skip). A step's time is the median over --reps samples after warm-up, each --inner steps queued back to back.
+grouped GEMM at full efficiency would cost, the roofline), "bf16 (XLA)" (lax.ragged_dot, with --with-xla), "bf16"
+(qjax.ragged_dot recipe "bf16": JAX's Mosaic GPU grouped kernels on a Hopper GPU, the baseline; lax.ragged_dot
+elsewhere), and qjax.ragged_dot per recipe. Prints milliseconds per step and the speedup over "bf16", and appends the
+table to benchmarks/RESULTS.md (--no-append to skip). A step's time is the median over --reps samples after warm-up,
+each --inner steps queued back to back.
 """
 
 import argparse
+
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +26,12 @@ from jax import lax
 import qjax
 from common import append_results, device_kind, time_ms
 
-RECIPES = ["int8_rowwise", "fp8_rowwise", "fp8_tensorwise", "fp8_blockwise", "mxfp8"]
+RECIPES = ["int8_rowwise", "fp8_rowwise"]
 
 
 def make_step(recipe):
-    """(x, w, g, group_sizes) -> (y, dx, dw), jitted; recipe None: lax.ragged_dot; "dense": one dense GEMM."""
+    """(x, w, g, group_sizes) -> (y, dx, dw), jitted; recipe None: lax.ragged_dot; "dense": one dense GEMM; else
+    qjax.ragged_dot (recipe "bf16": on JAX's grouped kernels where they run)."""
 
     def gemm(x, w, sizes):
         if recipe == "dense":
@@ -58,7 +64,9 @@ def main():
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--shapes", nargs="*", help="K x N per expert (default 2048x2816 1408x2048)")
-    parser.add_argument("--recipes", nargs="*", default=RECIPES)
+    parser.add_argument("--recipes", nargs="*", default=RECIPES, help="quantized recipes (others: fp8_tensorwise, "
+                        "fp8_blockwise, mxfp8)")
+    parser.add_argument("--with-xla", action="store_true", help="also time XLA's bf16 lax.ragged_dot (slow on GPUs)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--inner", type=int, default=2, help="steps queued back to back per timed sample")
@@ -73,12 +81,15 @@ def main():
     rows = tokens * top_k
     print(f"ragged fwd+bwd on {device_kind()} ({jax.default_backend()}), jax {jax.__version__}: {tokens} tokens x "
           f"top-{top_k} of {experts} experts = {rows} rows", flush=True)
-    names = ["dense bf16", "bf16"] + [r for r in args.recipes if r != "bf16"]
+    names = ["dense bf16"] + ["bf16 (XLA)"] * (args.with_xla or small) + ["bf16"]
+    names += [r for r in args.recipes if r != "bf16"]
+    ragged_dot_lib = importlib.import_module("qjax.ragged_dot")  # the module (qjax.ragged_dot is the function)
     times, failures = {}, {}
     for k, n in shapes:
         data = operands(rows, tokens, experts, top_k, k, n)
+        bf16_kernels = ragged_dot_lib._use_bf16_kernels(qjax.recipe("bf16"), data[0], data[1], None)
         for name in names:
-            recipe = {"dense bf16": "dense", "bf16": None}.get(name, name)
+            recipe = {"dense bf16": "dense", "bf16 (XLA)": None}.get(name, name)
             try:  # XLA may not lower an 8-bit ragged_dot on this GPU: record that and go on
                 ms = time_ms(make_step(recipe), data, args.warmup, reps, inner)
             except Exception as e:  # noqa: BLE001
@@ -91,11 +102,13 @@ def main():
     for name, by_shape in times.items():
         cells = " | ".join(f"{by_shape[s]:.3f} | {times['bf16'][s] / by_shape[s]:.2f}x" for s in shapes)
         lines.append(f"| {name} | {cells} |")
-    flops = " · ".join(f"{k}→{n}: bf16 ragged {6 * rows * k * n / times['bf16'][(k, n)] / 1e9:.0f} TFLOP/s"
+    flops = " · ".join(f"{k}→{n}: bf16 {6 * rows * k * n / times['bf16'][(k, n)] / 1e9:.0f} TFLOP/s"
                        for k, n in shapes)
+    baseline = "JAX's Mosaic GPU grouped kernels" if bf16_kernels else "lax.ragged_dot (JAX's kernels do not run here)"
     report = ("\n".join(lines) + f"\n\n{tokens} tokens x top-{top_k} of {experts} experts = {rows} rows (random "
               f"routing); x, w, g in bfloat16; y, dx, dw per step; median of {reps} samples of {inner} steps queued "
-              f"back to back; speedup vs bf16 lax.ragged_dot. {flops}.\n")
+              f"back to back; speedup vs bf16 on {baseline}; row/tensor-scaled recipes on "
+              f"{'qjax.kernels.grouped_matmul_mgpu' if qjax.dispatch.kernel_mode()[0] else 'XLA'}. {flops}.\n")
     report += "".join(f"\n{name} failed: {why}\n" for name, why in failures.items())
     print("\n" + report)
     if not args.no_append:

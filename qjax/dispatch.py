@@ -7,6 +7,8 @@
   quantized_matmul    kernels.scaled_matmul_mgpu.scaled_matmul_kernel  kernels.scaled_matmul.scaled_matmul
   fused AdamW step    kernels.adam_step_mgpu (via optim.fused_adam)   optim.fused_adam.fused_step_reference
   SwiGLU + saved copy kernels.swiglu_mgpu                          models.ops.SWIGLU's composition (passed in)
+  grouped GEMMs       kernels.grouped_matmul_mgpu (via ragged_dot,     ragged_dot._grouped_gemm / lax.ragged_dot
+                      `kernel_if_supported`)
 
 `kernel_mode(backend)` answers (run the kernel?, interpret it?) for a recipe backend ("auto", "xla", "pallas"; the
 fused AdamW's `use_kernel=True` is "auto"). Tests and benchmarks override what "auto" finds with `force`:
@@ -110,6 +112,18 @@ def _unsupported(backend: str, what: str, reason: str):
     if backend == "pallas":
         raise ValueError(f"backend 'pallas': the {what} kernel cannot run this case ({reason}); use backend 'auto' "
                          "to fall back to XLA")
+
+
+def kernel_if_supported(backend: str, what: str, supports) -> tuple[bool, bool]:
+    """`kernel_mode(backend)` for an op whose kernel may not handle the case: supports(interpret) is None where it
+    does, else the reason, and then the reference runs (an error for "pallas", an explicit request)."""
+    run_kernel, interpret = kernel_mode(backend)
+    if run_kernel:
+        reason = supports(interpret)
+        if reason is None:
+            return True, interpret
+        _unsupported(backend, what, reason)
+    return False, False
 
 
 def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None, seed, seed_t, *,

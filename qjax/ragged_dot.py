@@ -18,8 +18,10 @@ tokens (one quantization of x and g for every expert, as dot_general's), so a Na
 makes every non-empty group's weight gradient non-finite, where lax's stays finite for the other groups.
 Block-scaled operands ("1x128", "128x128", "1x32") are dequantized for the GEMM
 (`qjax.kernels.scaled_matmul.dequantize_for_gemm`); a 128x128 weight block is 128 x 128 of one expert. Quantization
-runs through `qjax.dispatch.quantize_pair` (the fused kernel where it applies); the grouped GEMMs run on XLA: there
-is no grouped Mosaic GPU kernel yet.
+runs through `qjax.dispatch.quantize_pair` (the fused kernel where it applies). Row/tensor-scaled GEMMs run on
+`qjax.kernels.grouped_matmul_mgpu`'s kernels where the recipe's backend selects them (a Hopper GPU), block-scaled
+ones on XLA (`_grouped_gemm` is the kernels' reference). Recipe "bf16" runs JAX's Mosaic GPU grouped kernels on a
+Hopper GPU where the shapes tile (`_bf16_kernel_ragged_dot`), `lax.ragged_dot` elsewhere.
 
 Rows after sum(group_sizes) (padding) are zeroed before quantization, so they neither produce output nor enter the
 scales of real tokens, as lax.ragged_dot ignores them.
@@ -35,6 +37,7 @@ from jax import lax
 from qjax import dispatch
 from qjax import recipes as recipes_lib
 from qjax.dot_general import _seeds
+from qjax.kernels import grouped_matmul_mgpu
 from qjax.kernels.scaled_matmul import dequantize_for_gemm
 from qjax.numerics import INT32_SAFE_K
 from qjax.qtensor import QTensor
@@ -88,8 +91,25 @@ def _int_ragged(a, b, group_sizes, dims):
     return total
 
 
-def _grouped_gemm(a: QTensor, b: QTensor, group_sizes, dims, group_ids, out_dtype, precise: bool):
-    """Quantized grouped GEMM -> out_dtype: on the codes with scales after it, or dequantized (block scales)."""
+def _rows_and_groups(m: int, group_sizes):
+    """(whether each row belongs to a group (M,), its group (M,), clipped for the padding rows)."""
+    ends = jnp.cumsum(group_sizes)
+    rows = jnp.arange(m, dtype=jnp.int32)
+    return rows < ends[-1], jnp.minimum(jnp.searchsorted(ends, rows, side="right"), group_sizes.shape[0] - 1)
+
+
+def _grouped_gemm(a: QTensor, b: QTensor, group_sizes, dims, group_ids, out_dtype, precise: bool,
+                  backend: str = "xla"):
+    """Quantized grouped GEMM -> out_dtype: on the codes with scales after it, or dequantized (block scales).
+    `grouped_matmul_mgpu`'s kernels (rows ragged: forward and dgrad; contracting over each group's rows: wgrad) run
+    where `backend` selects them and they support the operands; the rest of this function is their reference."""
+    rows = dims is _RAGGED_ROWS
+    supports = (functools.partial(grouped_matmul_mgpu.supports, a, b, group_sizes, out_dtype) if rows
+                else functools.partial(grouped_matmul_mgpu.supports_contract, a, b, out_dtype))
+    run_kernel, interpret = dispatch.kernel_if_supported(backend, "grouped GEMM", lambda _: supports())
+    if run_kernel:
+        kernel = grouped_matmul_mgpu.grouped_matmul_kernel if rows else grouped_matmul_mgpu.grouped_contract_kernel
+        return kernel(a, b, group_sizes, out_dtype, precise=precise, interpret=interpret)
     if a.is_block_scaled or b.is_block_scaled:
         a_values, b_values, precision = dequantize_for_gemm(a, b)
         return _ragged(a_values, b_values, group_sizes, dims, jnp.float32, precision).astype(out_dtype)
@@ -119,14 +139,8 @@ def _quantized_ragged_dot(recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_
     fwd, dgrad, wgrad = recipe.fwd, recipe.dgrad, recipe.wgrad
     spec = lambda gemm, side: None if gemm is None else getattr(gemm, side)
 
-    def rows_and_groups(m, group_sizes):
-        """(whether each row belongs to a group (M,), its group (M,), clipped for the padding rows)."""
-        ends = jnp.cumsum(group_sizes)
-        rows = jnp.arange(m, dtype=jnp.int32)
-        return rows < ends[-1], jnp.minimum(jnp.searchsorted(ends, rows, side="right"), group_sizes.shape[0] - 1)
-
     def forward_gemm(x, w, group_sizes, seeds, with_residuals):
-        valid, group_ids = rows_and_groups(x.shape[0], group_sizes)
+        valid, group_ids = _rows_and_groups(x.shape[0], group_sizes)
         x = jnp.where(valid[:, None], x, jnp.zeros((), x.dtype))
         x_spec_t = spec(wgrad, "rhs") if with_residuals else None
         w_spec_t = spec(dgrad, "rhs") if with_residuals else None
@@ -138,13 +152,14 @@ def _quantized_ragged_dot(recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_
         if fwd is None:
             out = _dense_ragged(x, jnp.swapaxes(w, 1, 2), group_sizes, _RAGGED_ROWS, out_dtype, precision)
         else:
-            out = _grouped_gemm(xq, wq, group_sizes, _RAGGED_ROWS, group_ids, out_dtype, precise=False)
+            out = _grouped_gemm(xq, wq, group_sizes, _RAGGED_ROWS, group_ids, out_dtype, precise=False,
+                                backend=recipe.backend)
         residuals = (w if w_spec_t is None else w_res, x if x_spec_t is None else x_res, group_sizes, seeds)
         return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype)), residuals
 
     def backward(residuals, g):
         w_res, x_res, group_sizes, seeds = residuals
-        valid, group_ids = rows_and_groups(g.shape[0], group_sizes)
+        valid, group_ids = _rows_and_groups(g.shape[0], group_sizes)
         g = jnp.where(valid[:, None], g, jnp.zeros((), g.dtype))
         gq_dgrad, gq_wgrad = quantize_both(g, spec(dgrad, "lhs"), spec(wgrad, "lhs"), seeds[_DGRAD_LHS],
                                            seeds[_WGRAD_LHS], operands=("ragged dgrad lhs g as (M, N)",
@@ -152,11 +167,13 @@ def _quantized_ragged_dot(recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_
         if dgrad is None:
             dx = _dense_ragged(g, w_res, group_sizes, _RAGGED_ROWS, lhs_dtype, precision)
         else:
-            dx = _grouped_gemm(gq_dgrad, w_res, group_sizes, _RAGGED_ROWS, group_ids, lhs_dtype, precise=True)
+            dx = _grouped_gemm(gq_dgrad, w_res, group_sizes, _RAGGED_ROWS, group_ids, lhs_dtype, precise=True,
+                               backend=recipe.backend)
         if wgrad is None:
             dw = _dense_ragged(x_res.T, g.T, group_sizes, _RAGGED_CONTRACT, rhs_dtype, precision)
         else:
-            dw = _grouped_gemm(x_res, gq_wgrad, group_sizes, _RAGGED_CONTRACT, None, rhs_dtype, precise=True)
+            dw = _grouped_gemm(x_res, gq_wgrad, group_sizes, _RAGGED_CONTRACT, None, rhs_dtype, precise=True,
+                               backend=recipe.backend)
         # An empty group's weight gradient is 0 (its row scales, spanning all tokens, may not be finite).
         dw = jnp.where(group_sizes[:, None, None] > 0, dw, jnp.zeros((), dw.dtype))
         return jnp.where(valid[:, None], dx, jnp.zeros((), dx.dtype)), dw, None, None
@@ -167,6 +184,34 @@ def _quantized_ragged_dot(recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_
 
     quantized_ragged_dot.defvjp(lambda *args: forward_gemm(*args, with_residuals=True), backward)
     return quantized_ragged_dot
+
+
+@jax.custom_vjp
+def _bf16_kernel_ragged_dot(x, w, group_sizes):
+    """lax.ragged_dot of bf16 x (M, K) and w (G, K, N) on JAX's Mosaic GPU grouped kernels (all three GEMMs)."""
+    return grouped_matmul_mgpu.bf16_rows(x, w, group_sizes)
+
+
+def _bf16_kernel_backward(residuals, g):
+    x, w, group_sizes = residuals
+    valid = _rows_and_groups(x.shape[0], group_sizes)[0][:, None]
+    g = jnp.where(valid, g, jnp.zeros((), g.dtype))
+    dx = grouped_matmul_mgpu.bf16_rows(g, w, group_sizes, transpose_rhs=True)
+    # the wgrad kernel masks rows outside a group by multiplying them with 0: the padding rows must be finite
+    dw = grouped_matmul_mgpu.bf16_contract(jnp.where(valid, x, jnp.zeros((), x.dtype)), g, group_sizes)
+    return dx, dw, None
+
+
+_bf16_kernel_ragged_dot.defvjp(lambda x, w, group_sizes: (_bf16_kernel_ragged_dot(x, w, group_sizes),
+                                                          (x, w, group_sizes)), _bf16_kernel_backward)
+
+
+def _use_bf16_kernels(recipe: recipes_lib.Recipe, lhs, rhs, preferred_element_type) -> bool:
+    """Whether a high-precision ragged_dot runs on JAX's grouped kernels (compiled, Hopper, bf16, shapes tile)."""
+    out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
+    return dispatch.kernel_if_supported(
+        recipe.backend, "bf16 grouped GEMM",
+        lambda interpret: grouped_matmul_mgpu.bf16_supports(lhs, rhs, out_dtype, interpret))[0]
 
 
 def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, *, recipe, key=None):
@@ -191,7 +236,11 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"ragged_dot takes lhs (M, K) and rhs (G, K, N) with equal K, got {lhs.shape} and {rhs.shape}")
     _check_group_sizes(group_sizes, lhs.shape[0], rhs.shape[0])
-    if recipe.is_high_precision or lhs.size == 0 or rhs.size == 0:
+    if lhs.size == 0 or rhs.size == 0:
+        return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type)
+    if recipe.is_high_precision:
+        if _use_bf16_kernels(recipe, lhs, rhs, preferred_element_type):
+            return _bf16_kernel_ragged_dot(lhs, rhs, group_sizes)
         return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type)
     for name, array in (("lhs", lhs), ("rhs", rhs)):
         if not jnp.issubdtype(array.dtype, jnp.floating):

@@ -1,0 +1,422 @@
+"""Grouped GEMMs (mixture-of-experts `ragged_dot`) as Pallas Mosaic GPU kernels for Hopper.
+
+  out (M, N) [r] = a (M, K) [r] . b (G, N, K) [group(r)]^T      rows r sorted by group; rows >= sum(sizes) are 0
+
+  dw (G, K, N) [e] = a (K, M) [:, rows of e] . b (N, M) [:, rows of e]^T              the wgrad: rows contracted
+
+Two families:
+
+  scaled 8-bit (ours): `grouped_matmul_kernel` (rows ragged): a int8 / fp8 codes (M, K) with per-row f32 scales, b
+    codes (G, N, K) (K-major: Hopper's 8-bit wgmma wants both operands so) with per-(group, n) f32 scales;
+    `grouped_contract_kernel` (rows contracted): a (K, M) and b (N, M) codes with per-row scales. int32 (int8) or
+    f32 (fp8) accumulation, scales in the epilogue as the reference multiplies them:
+    out[r, n] = ((acc[r, n] * sa[r]) * sb[group(r), n]).astype(out_dtype); fp8 with `precise` sums each tile_k of
+    K in a fresh accumulator and adds it in float32 (Hopper's fp8 wgmma accumulates with reduced precision). Their
+    reference is `qjax.ragged_dot._grouped_gemm` (XLA's ragged_dot on the codes, scales after it).
+  bf16 (JAX's, `bf16_rows` / `bf16_contract`): `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` (the
+    forward and dgrad shape) and `transposed_ragged_dot_mgpu.transposed_ragged_dot` (the wgrad shape, contracting
+    over each group's rows), called with the block sizes below where the shapes tile (`bf16_supports`).
+
+Scaled kernel structure: the work items are (group, m-tile) pairs: group g covers m-tiles start_g // tile_m ..
+(end_g - 1) // tile_m, so a tile that straddles groups is computed once per group, at most cdiv(M, tile_m) + G - 1
+items. The wrapper computes each item's (group, tile, first row in the tile, rows) with jnp and passes them as an
+int32 (4, items) table; items past the last group have 0 rows and are skipped. Persistent CTAs (one warpgroup)
+walk (item, n-tile) pairs; per pair a TMA pipeline over K (`plgpu.emit_pipeline`, wgmma with b's (tile_n, tile_k)
+SMEM tile transposed), the scales fetched by TMA meanwhile, then the epilogue writes the item's rows only: the tile
+goes to SMEM and TMA stores it in power-of-two row pieces (one per set bit of the row count; TMA stores need static
+shapes). Rows past sum(group_sizes) are written by no item: the wrapper zeroes them. The contracting kernel first
+gathers each group's tokens into a tile_k-aligned run (zeros between runs: one copy of the codes), so that no K block
+mixes groups, then walks (group, m-tile, n-tile) tiles, each a pipeline over its group's blocks. Rows never mix:
+a NaN in one group's rows reaches only that group's outputs, as in lax.ragged_dot.
+
+Shapes that do not tile are padded with zero codes (scale 1) and sliced. Off the GPU the kernel runs under the
+Mosaic GPU interpreter (`interpret=True`); JAX's bf16 kernels have no interpreted mode and run only compiled.
+Not checked off the GPU: ptxas, async wgmma/TMA timing, speed.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+from qjax.kernels import resolve_interpret
+from qjax.kernels.gemm_config_mgpu import FP8, SMEM_BYTES, SMEM_MARGIN
+from qjax.numerics import INT32_SAFE_K
+from qjax.qtensor import QTensor
+
+_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+# JAX's bf16 kernels: 128 x 128 output tiles, 64 of K per step (128 bytes of bf16: one 128B swizzle row), 4 stages.
+BF16_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedConfig:
+    """Tiling of the scaled grouped kernel: one warpgroup computes a (tile_m, tile_n) tile.
+
+    Attributes:
+      tile_m: rows per work item (wgrad: of K), a multiple of 64 (wgmma M) <= 256; smaller tiles waste fewer rows
+        at group boundaries.
+      tile_n: columns per tile, a multiple of 64 and <= 256 (wgmma N).
+      tile_k: K per pipeline step (wgrad: tokens), 64 or 128 (128 bytes of 8-bit codes = one 128B swizzle row).
+      max_concurrent_steps: pipeline stages (> 1: a step's wgmma may run while the next step's TMA lands).
+      grid_tile_width: (item, n-tile) pairs are visited in stripes this many n-tiles wide (`plgpu.planar_snake`), so
+        CTAs in flight share rows of a in L2.
+      num_ctas: persistent grid size; None = number of SMs on a GPU, 2 under the interpreter.
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 128
+    max_concurrent_steps: int = 4
+    grid_tile_width: int = 8
+    num_ctas: int | None = None
+
+    def __post_init__(self):
+        if self.tile_m <= 0 or self.tile_m % 64 or self.tile_m > 256:
+            raise ValueError(f"tile_m must be 64, 128, 192 or 256 (wgmma M steps of 64, TMA boxes <= 256), got "
+                             f"{self.tile_m}")
+        if self.tile_n <= 0 or self.tile_n % 64 or self.tile_n > 256:
+            raise ValueError(f"tile_n must be 64, 128, 192 or 256 (wgmma N <= 256), got {self.tile_n}")
+        if self.tile_k not in (64, 128):
+            raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
+        if self.max_concurrent_steps < 2:
+            raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
+        stage = (self.tile_m + self.tile_n) * self.tile_k
+        out_tile = self.tile_m * self.tile_n * 4  # f32 outputs at most
+        if self.max_concurrent_steps * stage + out_tile + SMEM_MARGIN > SMEM_BYTES:
+            raise ValueError(f"{self} needs more shared memory than a Hopper block has; lower max_concurrent_steps")
+
+
+def _check_operands(a, b, out_dtype, a_shape: str, b_shape: str, b_ndim: int) -> str | None:
+    """Checks shared by both kernels: QTensors a (rows, L) and b (..., rows', L), the contracting length L last,
+    codes of one family, tensor scales or one scale per row (shape (..., rows, 1))."""
+    if not isinstance(a, QTensor) or not isinstance(b, QTensor):
+        return f"operands must be QTensors, got {type(a).__name__} and {type(b).__name__}"
+    if a.data.ndim != 2 or b.data.ndim != b_ndim or a.data.shape[1] != b.data.shape[-1]:
+        return f"operands must be a {a_shape} and b {b_shape}, got shapes {a.data.shape} and {b.data.shape}"
+    if min(a.data.shape + b.data.shape) == 0:
+        return f"empty operands {a.data.shape} x {b.data.shape}"
+    da, db = jnp.dtype(a.data.dtype), jnp.dtype(b.data.dtype)
+    if not ((da == db == jnp.int8) or (da in FP8 and db in FP8)):
+        return f"codes must be int8 x int8 or float8 x float8, got {da} x {db}"
+    if da == jnp.int8 and a.data.shape[1] > INT32_SAFE_K:
+        return f"int8 sums over {a.data.shape[1]} > {INT32_SAFE_K} products could overflow int32"
+    if jnp.dtype(out_dtype) not in _OUT_DTYPES:
+        return f"out_dtype must be bfloat16 or float32, got {jnp.dtype(out_dtype)}"
+    for name, q in (("a", a), ("b", b)):
+        shape = (*q.data.shape[:-1], 1)
+        if q.is_block_scaled or tuple(q.scale.shape) not in ((), shape):
+            return f"{name}: needs tensor or row scales of shape {shape}, got {q.granularity!r} {q.scale.shape}"
+        if jnp.dtype(q.scale.dtype) != jnp.float32:
+            return f"{name}: scales must be float32, got {q.scale.dtype}"
+    return None
+
+
+def supports(a, b, group_sizes, out_dtype) -> str | None:
+    """None if `grouped_matmul_kernel(a, b, group_sizes, out_dtype)` handles these operands, else why not."""
+    reason = _check_operands(a, b, out_dtype, "(M, K)", "(G, N, K)", 3)
+    if reason is None and group_sizes.shape != (b.data.shape[0],):
+        return f"group_sizes must have shape ({b.data.shape[0]},), got {group_sizes.shape}"
+    return reason
+
+
+def work_items(group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
+    """(4, cdiv(m, tile_m) + G - 1) int32: per work item its group, m-tile, first row within the tile and row
+    count (0 for the items past the last group's rows)."""
+    groups = group_sizes.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    first, last = starts // tile_m, (ends - 1) // tile_m
+    counts = jnp.where(group_sizes > 0, last - first + 1, 0)
+    count_ends = jnp.cumsum(counts)
+    item = jnp.arange(-(-m // tile_m) + groups - 1, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(count_ends, item, side="right"), groups - 1).astype(jnp.int32)
+    tile = first[group] + item - (count_ends - counts)[group]
+    row0 = jnp.maximum(starts[group], tile * tile_m)
+    row1 = jnp.minimum(ends[group], (tile + 1) * tile_m)
+    rows = jnp.where(item < count_ends[-1], row1 - row0, 0)
+    return jnp.stack([group, tile, row0 - tile * tile_m, rows]).astype(jnp.int32)
+
+
+def _tile_sum(cfg: GroupedConfig, promote: bool, a_ref, b_ref, first_step, steps):
+    """(tile_m, tile_n) f32 sum in the WGMMA layout of a_ref (tile_m, K) . b_ref (tile_n, K)^T over the K steps
+    first_step ..< first_step + steps (each tile_k wide), through a TMA pipeline."""
+    shape = (cfg.tile_m, cfg.tile_n)
+    acc_dtype = jnp.int32 if a_ref.dtype == jnp.int8 else jnp.float32
+    transforms = (plgpu.TilingTransform((8, cfg.tile_k)), plgpu.SwizzleTransform(cfg.tile_k))
+    # Accumulating in the wgmma accumulator, a step's wgmma still runs while the next one is issued (a stage is
+    # refilled one step late); promoting waits for each step's partial sum.
+    in_specs = [plgpu.BlockSpec(block, lambda k: (0, first_step + k), transforms=transforms,
+                                delay_release=int(not promote))
+                for block in ((cfg.tile_m, cfg.tile_k), (cfg.tile_n, cfg.tile_k))]
+    pipeline = functools.partial(plgpu.emit_pipeline, grid=(steps,), in_specs=in_specs,
+                                 max_concurrent_steps=cfg.max_concurrent_steps)
+
+    def accumulate(acc_ref):
+        def step(_, a_smem, b_smem):
+            plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
+            plgpu.wgmma_wait(1)  # the previous step's wgmma is done: its stage may be refilled
+
+        pipeline(step)(a_ref, b_ref)
+        return acc_ref[...]  # waits for every wgmma
+
+    def promote_step(_, a_smem, b_smem, acc):
+        def product(part_ref):
+            plgpu.wgmma(part_ref, a_smem, b_smem.transpose((1, 0)))
+            return part_ref[...]  # waits for it
+
+        return acc + pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+
+    if promote:  # fp8 wgmma accumulates with reduced precision: f32 sums of tile_k products each
+        zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+        return pipeline(promote_step, init_carry=zeros)(a_ref, b_ref)
+    return pl.run_scoped(accumulate, plgpu.ACC(shape, acc_dtype)).astype(jnp.float32)
+
+
+def _scaled(acc, rs_smem, cs_smem, barriers):
+    """acc (tile_m, tile_n) f32 * the row and column scales TMA brought to SMEM: (acc * a_scale) * b_scale, the
+    reference's order (two roundings)."""
+    plgpu.barrier_wait(barriers.at[0])
+    plgpu.barrier_wait(barriers.at[1])
+    acc = acc * lax.broadcast_in_dim(plgpu.load(rs_smem, layout=plgpu.Layout.WGMMA.reduce(1)), acc.shape, [0])
+    return acc * lax.broadcast_in_dim(plgpu.load(cs_smem, layout=plgpu.Layout.WGMMA.reduce(0)), acc.shape, [1])
+
+
+def _scratch(cfg: GroupedConfig, out_dtype):
+    return dict(out_smem=plgpu.SMEM((cfg.tile_m, cfg.tile_n), out_dtype),
+                rs_smem=plgpu.SMEM((cfg.tile_m,), jnp.float32), cs_smem=plgpu.SMEM((cfg.tile_n,), jnp.float32),
+                barriers=plgpu.Barrier(num_barriers=2))
+
+
+def _rows_kernel(cfg: GroupedConfig, promote: bool, items_table, a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem):
+    """refs: items (4, T) int32, a codes (Mp, Kp), b codes (G, Np, Kp), sa (Mp,) f32, sb (G, Np) f32, out (Mp, Np)."""
+    tile_m, tile_n = cfg.tile_m, cfg.tile_n
+    items, n_tiles, k_steps = items_table.shape[1], out_gmem.shape[1] // tile_n, a_gmem.shape[1] // cfg.tile_k
+
+    def scoped(out_smem, rs_smem, cs_smem, barriers):
+        @plgpu.nd_loop((items * n_tiles,), collective_axes="sm")
+        def _(loop_info):
+            (lin,) = loop_info.index
+            item, n_idx = plgpu.planar_snake(lin, (items, n_tiles), 1, cfg.grid_tile_width)
+            group, tile, first, count = (items_table[i, item] for i in range(4))
+
+            @pl.when(count > 0)
+            def _():
+                rows, cols = pl.ds(tile * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
+                # the epilogue's scales arrive while the main loop runs
+                plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem, barriers.at[0])
+                plgpu.copy_gmem_to_smem(sb_gmem.at[group, cols], cs_smem, barriers.at[1])
+                acc = _tile_sum(cfg, promote, a_gmem.at[rows, :], b_gmem.at[group, cols, :], 0, k_steps)
+                acc = _scaled(acc, rs_smem, cs_smem, barriers)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have left SMEM
+                out_smem[...] = acc.astype(out_smem.dtype)
+                plgpu.commit_smem()
+                # The item's `count` rows from row `first` of the tile: one TMA store per set bit of count.
+                offset, size = first, tile_m
+                while size:
+                    @pl.when(count & size != 0)
+                    def _():
+                        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(offset, size)],
+                                                out_gmem.at[pl.ds(tile * tile_m + offset, size), cols])
+                    offset = offset + (count & size)
+                    size //= 2
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(scoped, **_scratch(cfg, out_gmem.dtype))
+
+
+def _contract_kernel(cfg: GroupedConfig, promote: bool, steps_table, a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem):
+    """refs: steps (2, G) int32 (each group's first token block and block count), a codes (Kp, Tp), b codes (Np, Tp),
+    sa (Kp,) f32, sb (Np,) f32, out (G, Kp, Np); tokens grouped in tile_k-aligned, zero-padded runs."""
+    tile_m, tile_n = cfg.tile_m, cfg.tile_n
+    groups, m_tiles, n_tiles = out_gmem.shape[0], out_gmem.shape[1] // tile_m, out_gmem.shape[2] // tile_n
+
+    def scoped(out_smem, rs_smem, cs_smem, barriers):
+        @plgpu.nd_loop((groups * m_tiles * n_tiles,), collective_axes="sm")
+        def _(loop_info):
+            (lin,) = loop_info.index
+            group_m, n_idx = plgpu.planar_snake(lin, (groups * m_tiles, n_tiles), 1, cfg.grid_tile_width)
+            group, m_idx = lax.div(group_m, m_tiles), lax.rem(group_m, m_tiles)
+            first, steps = steps_table[0, group], steps_table[1, group]
+
+            @pl.when(steps > 0)  # an empty group's tiles are left to the wrapper
+            def _():
+                rows, cols = pl.ds(m_idx * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
+                plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem, barriers.at[0])
+                plgpu.copy_gmem_to_smem(sb_gmem.at[cols], cs_smem, barriers.at[1])
+                acc = _tile_sum(cfg, promote, a_gmem.at[rows, :], b_gmem.at[cols, :], first, steps)
+                acc = _scaled(acc, rs_smem, cs_smem, barriers)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has left SMEM
+                out_smem[...] = acc.astype(out_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[group, rows, cols])
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(scoped, **_scratch(cfg, out_gmem.dtype))
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _pad(x, shape, value):
+    pad = [(0, size - dim) for dim, size in zip(x.shape, shape)]
+    return jnp.pad(x, pad, constant_values=value) if any(p[1] for p in pad) else x
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "promote", "interpret"))
+def _launch(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dtype, config, promote, interpret):
+    (m, k), (groups, n, _) = a_codes.shape, b_codes.shape
+    mp, np_, kp = _round_up(m, config.tile_m), _round_up(n, config.tile_n), _round_up(k, config.tile_k)
+    items = work_items(group_sizes, m, config.tile_m)
+    tiles = items.shape[1] * (np_ // config.tile_n)
+    num_ctas = config.num_ctas or (2 if interpret else jax.devices()[0].core_count)
+    kernel = plgpu.kernel(functools.partial(_rows_kernel, config, promote),
+                          out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+                          grid=(min(num_ctas, tiles),), grid_names=("sm",), interpret=interpret)
+    out = kernel(items, _pad(a_codes, (mp, kp), 0), _pad(b_codes, (groups, np_, kp), 0), _pad(a_scale, (mp,), 1),
+                 _pad(b_scale, (groups, np_), 1))[:m, :n]
+    # rows past sum(group_sizes) belong to no work item and are never written
+    valid = jnp.arange(m) < jnp.sum(group_sizes)
+    return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
+
+
+def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dtype, *, precise: bool = False,
+                          config: GroupedConfig | None = None, interpret=False) -> jax.Array:
+    """Scaled grouped GEMM on a Hopper GPU (module docstring): out[r] = a[r] . b[group(r)]^T with a's row scale and
+    b's (group, column) scale; rows >= sum(group_sizes) are 0.
+
+    Args:
+      a: QTensor, data (M, K) int8 / float8, rows sorted by group; scale () or (M, 1) float32.
+      b: QTensor, data (G, N, K) of the same code family (K-major); scale () or (G, N, 1) float32.
+      group_sizes: (G,) int32, >= 0, summing to at most M (trusted: the caller checks them).
+      out_dtype: jnp.bfloat16 or jnp.float32.
+      precise: fp8 only: sum each tile_k of K in a fresh wgmma accumulator and add it to a float32 sum in
+        registers (Hopper's fp8 wgmma accumulates with reduced precision; the reference then uses
+        Precision.HIGHEST). Slower: each step waits for its wgmma. int8 sums are exact either way.
+      config: `GroupedConfig`; None takes its defaults.
+      interpret: False compiles for the GPU; True runs the Mosaic GPU interpreter (any machine).
+
+    Returns:
+      (M, N) array of out_dtype; equal to `qjax.ragged_dot._grouped_gemm` up to float32 summation order (int8:
+      exactly, before the output cast).
+
+    Raises:
+      ValueError: operands the kernel does not handle (the message says why; see `supports`).
+    """
+    reason = supports(a, b, group_sizes, out_dtype)
+    if reason is not None:
+        raise ValueError(f"grouped_matmul_kernel: {reason}")
+    (m, _), (groups, n, _) = a.data.shape, b.data.shape
+    a_scale = jnp.broadcast_to(a.scale.reshape(-1), (m,))
+    b_scale = jnp.broadcast_to(b.scale.reshape(-1) if b.scale.ndim else b.scale, (groups * n,)).reshape(groups, n)
+    return _launch(a.data, b.data, a_scale, b_scale, group_sizes.astype(jnp.int32), out_dtype=jnp.dtype(out_dtype),
+                   config=config or GroupedConfig(), promote=precise and a.data.dtype != jnp.int8,
+                   interpret=resolve_interpret(interpret))
+
+
+def supports_contract(a, b, out_dtype) -> str | None:
+    """None if `grouped_contract_kernel(a, b, group_sizes, out_dtype)` handles these operands, else why not."""
+    return _check_operands(a, b, out_dtype, "(K, M)", "(N, M)", 2)
+
+
+def group_runs(group_sizes: jax.Array, m: int, tile_k: int) -> tuple[jax.Array, jax.Array]:
+    """Each group's tokens moved to a run starting at a multiple of tile_k: (source token of each padded position,
+    -1 for padding (round_up(m, tile_k) + G * tile_k,) int32; (2, G) int32 each group's first tile_k block and
+    block count)."""
+    groups = group_sizes.shape[0]
+    blocks = -(-group_sizes // tile_k)
+    block_ends = jnp.cumsum(blocks)
+    run_starts, starts = (block_ends - blocks) * tile_k, jnp.cumsum(group_sizes) - group_sizes
+    position = jnp.arange(_round_up(m, tile_k) + groups * tile_k, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(block_ends * tile_k, position, side="right"), groups - 1)
+    offset = position - run_starts[group]
+    source = jnp.where(offset < group_sizes[group], starts[group] + offset, -1)
+    return source.astype(jnp.int32), jnp.stack([block_ends - blocks, blocks]).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "promote", "interpret"))
+def _launch_contract(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dtype, config, promote, interpret):
+    (k, m), n, groups = a_codes.shape, b_codes.shape[0], group_sizes.shape[0]
+    kp, np_ = _round_up(k, config.tile_m), _round_up(n, config.tile_n)
+    source, steps = group_runs(group_sizes, m, config.tile_k)
+    # tokens gathered into tile_k-aligned runs per group, zeros between them: no block mixes two groups
+    runs = lambda codes: jnp.where(source >= 0, jnp.take(codes, jnp.maximum(source, 0), axis=1),
+                                   jnp.zeros((), codes.dtype))
+    tiles = groups * (kp // config.tile_m) * (np_ // config.tile_n)
+    num_ctas = config.num_ctas or (2 if interpret else jax.devices()[0].core_count)
+    kernel = plgpu.kernel(functools.partial(_contract_kernel, config, promote),
+                          out_type=jax.ShapeDtypeStruct((groups, kp, np_), out_dtype),
+                          grid=(min(num_ctas, tiles),), grid_names=("sm",), interpret=interpret)
+    out = kernel(steps, _pad(runs(a_codes), (kp, source.shape[0]), 0), _pad(runs(b_codes), (np_, source.shape[0]), 0),
+                 _pad(a_scale, (kp,), 1), _pad(b_scale, (np_,), 1))[:, :k, :n]
+    # an empty group's tiles are never written
+    return jnp.where(group_sizes[:, None, None] > 0, out, jnp.zeros((), out.dtype))
+
+
+def grouped_contract_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dtype, *, precise: bool = False,
+                            config: GroupedConfig | None = None, interpret=False) -> jax.Array:
+    """Grouped GEMM contracting over each group's rows (the wgrad), on a Hopper GPU: out[e] = a[:, rows of e] .
+    b[:, rows of e]^T with a's and b's row scales; rows >= sum(group_sizes) and empty groups give 0.
+
+    The tokens are gathered into tile_k-aligned runs per group (zeros between them) so that every K block of the
+    kernel belongs to one group; then (group, m-tile, n-tile) items, each a pipeline over its group's blocks.
+
+    Args:
+      a: QTensor, data (K, M) int8 / float8 (the tokens last), scale () or (K, 1) float32.
+      b: QTensor, data (N, M) of the same code family, scale () or (N, 1) float32.
+      group_sizes: (G,) int32, >= 0, summing to at most M (trusted).
+      out_dtype: jnp.bfloat16 or jnp.float32.
+      precise, config, interpret: as in `grouped_matmul_kernel` (config.tile_m tiles K, tile_k the tokens).
+
+    Returns:
+      (G, K, N) array of out_dtype; equal to `qjax.ragged_dot._grouped_gemm` with the tokens as the ragged
+      contracting dimension up to float32 summation order.
+    """
+    reason = supports_contract(a, b, out_dtype)
+    if reason is not None:
+        raise ValueError(f"grouped_contract_kernel: {reason}")
+    row_scale = lambda q: jnp.broadcast_to(q.scale.reshape(-1), (q.data.shape[0],))
+    return _launch_contract(a.data, b.data, row_scale(a), row_scale(b), group_sizes.astype(jnp.int32),
+                            out_dtype=jnp.dtype(out_dtype), config=config or GroupedConfig(),
+                            promote=precise and a.data.dtype != jnp.int8,
+                            interpret=resolve_interpret(interpret))
+
+
+def bf16_supports(lhs, rhs, out_dtype, interpret: bool) -> str | None:
+    """None if `bf16_rows` and `bf16_contract` run all three GEMMs of lhs (M, K) x rhs (G, K, N) -> out_dtype
+    (forward, dgrad, wgrad), else why not."""
+    if interpret:
+        return "JAX's bf16 grouped kernels have no interpreted mode"
+    dtypes = {jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), jnp.dtype(out_dtype)}
+    if dtypes != {jnp.dtype(jnp.bfloat16)}:
+        return f"JAX's grouped kernels run here for bfloat16 operands and output only, got {sorted(map(str, dtypes))}"
+    (m, k), n = lhs.shape, rhs.shape[2]
+    tile = BF16_BLOCKS["block_m"]
+    if m % tile or k % tile or n % tile:
+        return f"M, K and N must be multiples of {tile} (no padding), got M={m}, K={k}, N={n}"
+    return None
+
+
+def bf16_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False) -> jax.Array:
+    """JAX's grouped kernel: lhs (M, K) bf16 x rhs (G, K, N) (or (G, N, K) with transpose_rhs) -> (M, N) bf16,
+    f32 accumulation; rows >= sum(group_sizes) are 0 (the kernel leaves them unwritten)."""
+    out = ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes, transpose_rhs=transpose_rhs, **BF16_BLOCKS)
+    valid = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
+
+
+def bf16_contract(x: jax.Array, g: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """JAX's transposed grouped kernel: x (M, K) bf16, g (M, N) bf16 -> (G, K, N) bf16, out[e] = x[rows of e]^T .
+    g[rows of e] with f32 accumulation. It masks the rows of neighbouring groups by multiplying them with 0, so rows
+    after sum(group_sizes) must be finite (callers zero them), and an Inf in one group's rows of x makes the
+    neighbouring groups' sums NaN where lax.ragged_dot_general keeps them finite."""
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(x, g, group_sizes=group_sizes, **BF16_BLOCKS)

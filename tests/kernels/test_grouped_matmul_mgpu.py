@@ -1,0 +1,313 @@
+"""The Mosaic GPU grouped scaled GEMMs (rows ragged: forward and dgrad; contracting over each group's rows: wgrad)
+against their reference (`qjax.ragged_dot._grouped_gemm`, XLA's ragged_dot on the codes with the scales after it),
+and `qjax.ragged_dot`'s use of them and of JAX's bf16 grouped kernels.
+
+Off a Hopper GPU the kernel runs under the Mosaic GPU interpreter (slow: few, small cases, each covering several
+ragged properties: an empty group, a group straddling tiles, rows past sum(group_sizes), M, N and K that pad);
+`test_lowers_for_cuda` lowers the default config at the MoE benchmark's size for the GPU from any machine. Tests
+marked gpu run compiled at size, and JAX's bf16 kernels (which have no interpreted mode), only on the device.
+
+Tolerances: int8 sums are exact in both, and the scales are multiplied in the reference's order, so float32
+outputs are equal; fp8 sums differ in float32 summation order only (interpreted) or by Hopper's reduced-precision
+fp8 accumulation (compiled, unpromoted).
+"""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import qjax
+from qjax.dispatch import on_hopper_gpu
+from qjax.kernels import grouped_matmul_mgpu as grouped
+from qjax.quantize import QuantSpec, quantize
+
+ragged_dot_lib = importlib.import_module("qjax.ragged_dot")  # the module (qjax.ragged_dot is the function)
+INTERPRET = not on_hopper_gpu()
+# Small tiles: several work items per group and several n-tiles per CTA at small sizes, short interpreter compiles.
+SMALL = grouped.GroupedConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2)
+F32_RTOL = 1e-5  # relative to |a| |b|^T: float32 summation order over K <= 4096
+FP8_RTOL = F32_RTOL if INTERPRET else 2e-3  # compiled, unpromoted: Hopper's fp8 wgmma accumulation
+PROMOTED_FP8_RTOL = F32_RTOL if INTERPRET else 5e-4  # compiled, promoted every tile_k (as the dense kernel's)
+
+
+def _operands(m, n, k, groups, code, seed=0):
+    """Row-quantized a (M, K) with per-row magnitudes over decades, b (G, N, K) per-(group, n) scales."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k), np.float32) * 10.0 ** rng.uniform(-2, 2, (m, 1)).astype(np.float32)
+    w = rng.standard_normal((groups, n, k), np.float32) * 10.0 ** rng.uniform(-1, 1, (groups, 1, 1)).astype(
+        np.float32)
+    spec = QuantSpec(code, "row")
+    return quantize(jnp.asarray(x), spec), quantize(jnp.asarray(w), spec)
+
+
+def _contract_operands(m, n, k, code, seed=0):
+    """Row-quantized a (K, M) and b (N, M): the tokens last, per-feature magnitudes over decades."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((k, m), np.float32) * 10.0 ** rng.uniform(-2, 2, (k, 1)).astype(np.float32)
+    g = rng.standard_normal((n, m), np.float32) * 10.0 ** rng.uniform(-1, 1, (n, 1)).astype(np.float32)
+    spec = QuantSpec(code, "row")
+    return quantize(jnp.asarray(x), spec), quantize(jnp.asarray(g), spec)
+
+
+def _contract_reference(a, b, sizes, out_dtype, precise):
+    out = ragged_dot_lib._grouped_gemm(a, b, sizes, ragged_dot_lib._RAGGED_CONTRACT, None, out_dtype, precise)
+    return np.where(np.asarray(sizes)[:, None, None] > 0, np.asarray(out.astype(jnp.float32), np.float64), 0)
+
+
+def _contract_magnitude(a, b, sizes):
+    """|a[:, rows of e]| |b[:, rows of e]|^T per group e."""
+    dims = ragged_dot_lib._RAGGED_CONTRACT
+    ab = lax.ragged_dot_general(jnp.abs(a.dequantize()), jnp.abs(b.dequantize()), sizes, dims,
+                                precision=lax.Precision.HIGHEST)
+    return np.asarray(ab, np.float64)
+
+
+def _reference(a, b, sizes, out_dtype, precise=False):
+    valid, group_ids = ragged_dot_lib._rows_and_groups(a.data.shape[0], sizes)
+    out = ragged_dot_lib._grouped_gemm(a, b, sizes, ragged_dot_lib._RAGGED_ROWS, group_ids, out_dtype, precise)
+    return np.where(np.asarray(valid)[:, None], np.asarray(out.astype(jnp.float32), np.float64), 0)
+
+
+def _magnitude(a, b, sizes):
+    """|a| |b[group(r)]|^T per row: the scale of each output's summation-order error."""
+    ab = lax.ragged_dot(jnp.abs(a.dequantize()), jnp.swapaxes(jnp.abs(b.dequantize()), 1, 2), sizes,
+                        precision=lax.Precision.HIGHEST)
+    return np.asarray(ab, np.float64)
+
+
+def _kernel(a, b, sizes, out_dtype, config=SMALL, precise=False):
+    # jitted: interpreted kernels run eagerly can deadlock with the next eager op
+    fn = jax.jit(lambda a, b, s: grouped.grouped_matmul_kernel(a, b, s, out_dtype, precise=precise, config=config,
+                                                               interpret=INTERPRET))
+    out = fn(a, b, sizes)
+    assert out.shape == (a.data.shape[0], b.data.shape[1]) and out.dtype == jnp.dtype(out_dtype)
+    return np.asarray(out.astype(jnp.float32), np.float64)
+
+
+def _assert_close(out, ref, mag, out_dtype, rtol):
+    bound = rtol * mag + (2.0**-8 * np.abs(ref) if out_dtype == jnp.bfloat16 else 0)
+    assert np.all(np.isfinite(out))
+    excess = np.abs(out - ref) - bound
+    assert excess.max() <= 0, f"worst excess {excess.max():.3g} at {np.unravel_index(excess.argmax(), out.shape)}"
+
+
+def test_work_items_cover_each_row_once():
+    """Every row of every group is in exactly one item of its group; items past the groups have no rows."""
+    sizes = jnp.array([0, 70, 0, 1, 64, 100, 0], jnp.int32)
+    m, tile = 300, 64  # sum 235 < M: the rows after it are in no item
+    table = np.asarray(grouped.work_items(sizes, m, tile))
+    assert table.shape == (4, -(-m // tile) + sizes.shape[0] - 1)
+    owner = np.full(m, -1)
+    for group, tile_idx, first, count in table.T:
+        assert 0 <= first and first + count <= tile
+        rows = np.arange(tile_idx * tile + first, tile_idx * tile + first + count)
+        assert (owner[rows] == -1).all(), "a row in two items"
+        owner[rows] = group
+    expected = np.concatenate([np.full(s, g) for g, s in enumerate(np.asarray(sizes))] + [np.full(m - 235, -1)])
+    np.testing.assert_array_equal(owner, expected)
+
+
+@pytest.mark.parametrize("code, out_dtype, sizes, m", [
+    # empty first and middle groups, a group straddling tiles, 30 rows past the sum; M, N, K all pad
+    ("int8", jnp.float32, (0, 70, 0, 100), 200),
+    # one group of all the rows
+    ("e4m3", jnp.bfloat16, (0, 192, 0, 0), 192),
+])
+def test_kernel_equals_reference(code, out_dtype, sizes, m):
+    n, k = 160, 192  # pad to 192 = 3 n-tiles; K = 3 steps
+    sizes = jnp.array(sizes, jnp.int32)
+    a, b = _operands(m, n, k, sizes.shape[0], code)
+    out, ref = _kernel(a, b, sizes, out_dtype), _reference(a, b, sizes, out_dtype)
+    if code == "int8" and out_dtype == jnp.float32:
+        np.testing.assert_array_equal(out, ref)  # exact int32 sums, the reference's scale order
+    _assert_close(out, ref, _magnitude(a, b, sizes), out_dtype, FP8_RTOL if code == "e4m3" else 0.0)
+    assert (out[int(sizes.sum()):] == 0).all()
+
+
+def test_precise_fp8_promotes():
+    """fp8 with precise accumulation (the dgrad) against the reference at Precision.HIGHEST."""
+    sizes = jnp.array([100, 28], jnp.int32)
+    a, b = _operands(128, 64, 256, 2, "e4m3", seed=1)
+    out = _kernel(a, b, sizes, jnp.float32, precise=True)
+    _assert_close(out, _reference(a, b, sizes, jnp.float32, precise=True), _magnitude(a, b, sizes), jnp.float32,
+                  PROMOTED_FP8_RTOL)
+
+
+def test_group_runs_align_each_group():
+    """Each group's tokens, in order, start a run at a multiple of tile_k; the rest of the buffer is padding."""
+    sizes = jnp.array([0, 70, 0, 1, 64, 100], jnp.int32)
+    source, steps = (np.asarray(v) for v in grouped.group_runs(sizes, 300, 64))
+    start = 0
+    for size, (first, blocks) in zip(np.asarray(sizes), steps.T):
+        assert blocks == -(-size // 64)
+        run = source[first * 64:(first + blocks) * 64]
+        np.testing.assert_array_equal(run[:size], np.arange(start, start + size))
+        assert (run[size:] == -1).all()
+        start += size
+    assert (source >= 0).sum() == start
+
+
+@pytest.mark.parametrize("code, out_dtype, precise, sizes", [
+    # an empty group, a 3-row group, 27 rows past the sum; K and N pad, several token blocks per group
+    ("int8", jnp.float32, True, (70, 0, 100, 3)),
+    # one group of all the rows, promoted fp8 (the wgrad's precise accumulation)
+    ("e4m3", jnp.bfloat16, True, (0, 200, 0, 0)),
+])
+def test_contract_kernel_equals_reference(code, out_dtype, precise, sizes):
+    m, n, k = 200, 160, 96
+    sizes = jnp.array(sizes, jnp.int32)
+    a, b = _contract_operands(m, n, k, code)
+    fn = jax.jit(lambda a, b, s: grouped.grouped_contract_kernel(a, b, s, out_dtype, precise=precise, config=SMALL,
+                                                                 interpret=INTERPRET))
+    out = np.asarray(fn(a, b, sizes).astype(jnp.float32), np.float64)
+    assert out.shape == (4, k, n)
+    ref = _contract_reference(a, b, sizes, out_dtype, precise)
+    if code == "int8" and out_dtype == jnp.float32:
+        np.testing.assert_array_equal(out, ref)
+    _assert_close(out, ref, _contract_magnitude(a, b, sizes), out_dtype, PROMOTED_FP8_RTOL if code == "e4m3" else 0.0)
+    assert (out[np.asarray(sizes) == 0] == 0).all()
+
+
+def test_ragged_dot_runs_kernel_and_matches_reference(monkeypatch):
+    """qjax.ragged_dot int8_rowwise with the kernels (forward, dgrad, wgrad) equals it without (XLA), value and
+    grads."""
+    calls = []
+    for name in ("grouped_matmul_kernel", "grouped_contract_kernel"):
+        kernel = getattr(grouped, name)
+        monkeypatch.setattr(grouped, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    m, k, n = 192, 128, 128
+    sizes = jnp.array([50, 0, 90], jnp.int32)
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x, w, g = jax.random.normal(kx, (m, k)), jax.random.normal(kw, (3, k, n)) * 0.1, jax.random.normal(kg, (m, n))
+
+    def run(mode):
+        with qjax.dispatch.force(mode):
+            fn = jax.jit(lambda x, w: jax.vjp(lambda x, w: qjax.ragged_dot(x, w, sizes, recipe="int8_rowwise"),
+                                              x, w))
+            out, vjp = fn(x, w)
+            return [np.asarray(v) for v in (out, *vjp(g))]
+
+    kernel = run("interpret" if INTERPRET else "kernel")
+    assert sorted(calls) == ["grouped_contract_kernel"] + ["grouped_matmul_kernel"] * 2  # wgrad; forward, dgrad
+    for ours, ref in zip(kernel, run("reference")):
+        np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+def test_bad_operands():
+    a, b = _operands(64, 64, 64, 2, "int8")
+    sizes = jnp.array([32, 32], jnp.int32)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        grouped.grouped_matmul_kernel(a, b, sizes, jnp.float16, interpret=True)
+    with pytest.raises(ValueError, match=r"group_sizes must have shape \(2,\)"):
+        grouped.grouped_matmul_kernel(a, b, sizes[:1], jnp.float32, interpret=True)
+    fp8_b = quantize(b.dequantize(), QuantSpec("e4m3", "row"))
+    with pytest.raises(ValueError, match="int8 x int8 or float8"):
+        grouped.grouped_matmul_kernel(a, fp8_b, sizes, jnp.float32, interpret=True)
+    with pytest.raises(ValueError, match="tile_n must be"):
+        grouped.GroupedConfig(tile_n=96)
+    with pytest.raises(ValueError, match=r"a \(K, M\) and b \(N, M\)"):
+        grouped.grouped_contract_kernel(a, b, sizes, jnp.float32, interpret=True)
+
+
+def test_bf16_kernels_only_where_they_tile():
+    """JAX's bf16 kernels take bf16 in and out, M, K, N multiples of 128, compiled; the rest stays on XLA."""
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    assert grouped.bf16_supports(bf16(256, 128), bf16(4, 128, 384), jnp.bfloat16, interpret=False) is None
+    assert "interpreted" in grouped.bf16_supports(bf16(256, 128), bf16(4, 128, 384), jnp.bfloat16, interpret=True)
+    assert "multiples of 128" in grouped.bf16_supports(bf16(200, 128), bf16(4, 128, 384), jnp.bfloat16, False)
+    assert "bfloat16" in grouped.bf16_supports(bf16(256, 128), bf16(4, 128, 384), jnp.float32, False)
+
+
+def test_lowers_for_cuda():
+    """The default config at the MoE benchmark's gate_up shape lowers to a Mosaic GPU module (layouts, wgmma
+    operands, shared memory), accumulating and promoting."""
+    m, k, n, groups = 131072, 2048, 2816, 64
+    for code, promote in ((jnp.int8, False), (jnp.float8_e4m3fn, False), (jnp.float8_e4m3fn, True)):
+        args = (jax.ShapeDtypeStruct((m, k), code), jax.ShapeDtypeStruct((groups, n, k), code),
+                jax.ShapeDtypeStruct((m,), jnp.float32), jax.ShapeDtypeStruct((groups, n), jnp.float32),
+                jax.ShapeDtypeStruct((groups,), jnp.int32))
+        config = grouped.GroupedConfig(num_ctas=132)
+        lowered = jax.jit(lambda *xs: grouped._launch(*xs, out_dtype=jnp.dtype(jnp.bfloat16), config=config,
+                                                      promote=promote, interpret=False)).trace(*args).lower(
+                                                          lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
+        contract_args = (jax.ShapeDtypeStruct((k, m), code), jax.ShapeDtypeStruct((n, m), code),
+                         jax.ShapeDtypeStruct((k,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32),
+                         jax.ShapeDtypeStruct((groups,), jnp.int32))
+        lowered = jax.jit(lambda *xs: grouped._launch_contract(
+            *xs, out_dtype=jnp.dtype(jnp.float32), config=config, promote=promote, interpret=False)).trace(
+                *contract_args).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_bf16_rows_lower_for_cuda():
+    """JAX's bf16 grouped kernel with our block sizes, forward and dgrad (transposed rhs), lowers at the MoE
+    benchmark's size. (Its wgrad kernel asks the device for its SM count, so it lowers on the GPU only.)"""
+    m, k, n, groups = 131072, 2048, 2816, 64
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    for transpose_rhs, rhs in ((False, bf16(groups, k, n)), (True, bf16(groups, n, k))):
+        fn = jax.jit(lambda x, w, s: grouped.bf16_rows(x, w, s, transpose_rhs=transpose_rhs))
+        lowered = fn.trace(bf16(m, k), rhs, jax.ShapeDtypeStruct((groups,), jnp.int32)).lower(
+            lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text()
+
+
+# ---- compiled, real sizes (device only) ----
+
+def _routed_sizes(rows, groups, seed=0):
+    counts = np.bincount(np.random.default_rng(seed).integers(0, groups, rows), minlength=groups)
+    counts[3] = 0  # an empty expert
+    return jnp.asarray(counts, jnp.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("code, precise", [("int8", False), ("e4m3", False), ("e4m3", True)])
+def test_kernel_at_size(code, precise):
+    m, k, n, groups = 8192, 2048, 1408, 16
+    sizes = _routed_sizes(m - 100, groups)  # 100 rows past the sum
+    a, b = _operands(m, n, k, groups, code)
+    out = _kernel(a, b, sizes, jnp.float32, config=grouped.GroupedConfig(), precise=precise)
+    rtol = 0.0 if code == "int8" else (PROMOTED_FP8_RTOL if precise else FP8_RTOL)
+    _assert_close(out, _reference(a, b, sizes, jnp.float32, precise), _magnitude(a, b, sizes), jnp.float32, rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("code", ["int8", "e4m3"])
+def test_contract_kernel_at_size(code):
+    m, k, n, groups = 8192, 2048, 1408, 16
+    sizes = _routed_sizes(m - 100, groups)
+    a, b = _contract_operands(m, n, k, code)
+    out = jax.jit(lambda a, b, s: grouped.grouped_contract_kernel(a, b, s, jnp.float32, precise=True))(a, b, sizes)
+    out = np.asarray(out, np.float64)
+    _assert_close(out, _contract_reference(a, b, sizes, jnp.float32, True), _contract_magnitude(a, b, sizes),
+                  jnp.float32, 0.0 if code == "int8" else PROMOTED_FP8_RTOL)
+
+
+@pytest.mark.gpu
+def test_bf16_ragged_dot_on_jax_kernels():
+    """recipe "bf16" on JAX's grouped kernels: value and both gradients within bf16 rounding of lax.ragged_dot at
+    Precision.HIGHEST in float32 (rows past the sum 0, an empty group)."""
+    m, k, n, groups = 4096, 1024, 768, 8
+    sizes = _routed_sizes(m - 256, groups)
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (groups, k, n)) * k**-0.5).astype(jnp.bfloat16)
+    g = jax.random.normal(kg, (m, n), jnp.bfloat16)
+    assert ragged_dot_lib._use_bf16_kernels(importlib.import_module("qjax.recipes").recipe("bf16"), x, w, None)
+
+    def value_and_grads(fn, *args):
+        out, vjp = jax.vjp(fn, *args)
+        return (out, *vjp(g.astype(out.dtype)))
+
+    ours = jax.jit(lambda x, w: value_and_grads(lambda x, w: qjax.ragged_dot(x, w, sizes, recipe="bf16"), x, w))
+    exact = lambda x, w: lax.ragged_dot(x, w, sizes, precision=lax.Precision.HIGHEST)
+    refs = value_and_grads(exact, x.astype(jnp.float32), w.astype(jnp.float32))
+    for got, ref in zip(ours(x, w), refs):
+        assert got.dtype == jnp.bfloat16
+        got, ref = np.asarray(got.astype(jnp.float32), np.float64), np.asarray(ref, np.float64)
+        assert np.all(np.isfinite(got))
+        np.testing.assert_allclose(got, ref, rtol=2.0**-7, atol=2.0**-7 * np.abs(ref).max())
