@@ -142,7 +142,8 @@ step_command() {
                            "fp8_dataflow --steps 5 --warmup 2 --no-peer" ;;
         dataflow-b16) echo "python3 benchmarks/train.py --rows bf16 int8_dataflow+adamw_fp8 --batch 16 --steps 5" \
                            "--warmup 2 --no-peer" ;;
-        dataflow-ab) echo "python3 benchmarks/train.py --rows int8_rowwise int8_dataflow --steps 5 --warmup 2 --no-peer" ;;
+        dataflow-ab) echo "python3 benchmarks/train.py --rows int8_rowwise int8_dataflow --steps 5 --warmup 2" \
+                           "--no-peer" ;;
         dataflow-peer) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_dataflow --steps 5 --warmup 2" ;;
         peak-memory) echo "python3 benchmarks/peak_memory.py --layers 22 --recipes bf16 int8_dataflow fp8_dataflow" \
                           "--memory-report $OUT/peak-memory" ;;
