@@ -60,7 +60,7 @@
 # the same for adamw_4bit with float32 params; optim-dre: the same for adamw_fp8 with range expansion (COAT), and
 # optim-dre-sr with bf16 params + SR;
 # tests-optim-dre: the fused AdamW GPU tests of range-expanded states alone, with their mismatch counts printed.
-# tests-rmsnorm: the fused RMSNorm kernels' tests, compiled; rmsnorm-kernels: kernels.py rmsnorm (their table).
+# tests-rmsnorm: the fused RMSNorm kernel's tests, compiled; rmsnorm-kernels: kernels.py rmsnorm (its table).
 # Several GPUs (nvidia-h100-x2 and up): tests-mesh-gpu (the mesh / FSDP tests on every GPU), tests-adam-mesh (the fused
 # AdamW step per device against one GPU's, e4m3 / 8-bit / 4-bit), optim-mesh (benchmarks/optim_mesh.py: the bf16 + SR
 # adamw_8bit step under FSDP over all GPUs, per-device kernel vs jnp vs optax.adamw, 4 Llama-3-8B layers),

@@ -2,8 +2,8 @@
 
   op                  kernel                                       reference
   quantize_pair       kernels.quantize_mgpu.quantize_pair_kernel   quantize.quantize_pair_reference
-  RMSNorm + saved copy  kernels.rmsnorm_mgpu                        models.ops.rms_norm_prologue's composition
-                                                                   (passed in)
+  RMSNorm + saved copy  kernels.rmsnorm_mgpu (forward; the backward  models.ops.rms_norm_prologue's composition
+                      is XLA's, which measured faster)             (passed in)
   quantized_matmul    kernels.scaled_matmul_mgpu.scaled_matmul_kernel  kernels.scaled_matmul.scaled_matmul
   fused AdamW step    kernels.adam_step_mgpu (via optim.fused_adam)   optim.fused_adam.fused_step_reference
   SwiGLU + saved copy kernels.swiglu_mgpu                          models.ops.SWIGLU's composition (passed in)
@@ -160,21 +160,6 @@ def rms_norm_forward_saving(x: jax.Array, scale: jax.Array, spec: QuantSpec, gro
                                                interpret=interpret)
         _unsupported(backend, "fused RMSNorm", reason)
     return reference(x, scale, spec, group)
-
-
-def rms_norm_backward_saved(saved: QTensor, x_like, scale: jax.Array, dy: jax.Array, reference, *, eps: float,
-                            backend: str = "auto"):
-    """(dx (x_like's shape and dtype), dscale (D,)) from the norm input's saved 8-bit copy and dy (..., D): the fused
-    kernel (`kernels.rmsnorm_mgpu.backward_saved`, one read of the codes and dy) where `backend` selects it and it
-    supports the case, else `reference(saved, x_like, scale, dy)` (`qjax.prologue.restore`, then the norm's
-    backward with its statistics recomputed from the restored x)."""
-    run_kernel, interpret = kernel_mode(backend)
-    if run_kernel:
-        reason = rmsnorm_mgpu.supports_backward(saved, x_like, scale, dy)
-        if reason is None:
-            return rmsnorm_mgpu.backward_saved(saved, x_like.dtype, scale, dy, eps=eps, interpret=interpret)
-        _unsupported(backend, "fused RMSNorm backward", reason)
-    return reference(saved, x_like, scale, dy)
 
 
 def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation: bool = False,

@@ -174,20 +174,20 @@ def rms_norm(x32, scale32, eps: float, mean_rows=_mean_last, broadcast_rows=_bro
     rsqrt(mean(x^2) + eps) (f32 (...,), one per row). scale32: the f32 norm scale, broadcastable against x32.
     mean_rows(v) -> v's per-row mean; broadcast_rows(values, shape) -> per-row values broadcast along the rows
     (kernels pass forms that set their register layouts). The formula of `qjax.models.ops.rms_norm` and of the
-    fused kernels in `qjax.kernels.rmsnorm_mgpu`."""
+    fused kernel in `qjax.kernels.rmsnorm_mgpu`."""
     inv_rms = lax.rsqrt(mean_rows(x32 * x32) + eps)
     return (x32 * broadcast_rows(inv_rms, x32.shape)) * scale32, inv_rms
 
 
-def rms_norm_backward(x32, inv_rms, scale32, dy32, mean_rows=_mean_last, broadcast_rows=_broadcast_last):
+def rms_norm_backward(x32, inv_rms, scale32, dy32):
     """RMSNorm's backward on f32 arrays -> (dx, dy * n), both of x32's shape: dx = inv_rms * (dn - n * mean(dn * n))
     with n = x * inv_rms and dn = dy * scale (the second term: the rms's own dependence on x), and the terms whose
-    sum over rows is the scale's gradient. Arguments as in `rms_norm`; inv_rms its per-row output, dy32 the f32
-    gradient of y."""
-    inv = broadcast_rows(inv_rms, x32.shape)
+    sum over rows is the scale's gradient. x32 and scale32 as in `rms_norm`; inv_rms its per-row output, dy32 the
+    f32 gradient of y."""
+    inv = _broadcast_last(inv_rms, x32.shape)
     n = x32 * inv  # the normalized x, recomputed instead of saved in float32
     dn = dy32 * scale32
-    return inv * (dn - n * broadcast_rows(mean_rows(dn * n), x32.shape)), dy32 * n
+    return inv * (dn - n * _broadcast_last(_mean_last(dn * n), x32.shape)), dy32 * n
 
 
 def quantize_e4m3_blocks(blocks, broadcast_rows=_broadcast_last):

@@ -4,7 +4,7 @@
   scaled_matmul_mgpu.py   the Mosaic GPU GEMM kernel: int8 / fp8 wgmma, scales in the epilogue or per 128 of K
   gemm_config_mgpu.py     its tilings, kernel modes and their shared-memory / register checks
   quantize_mgpu.py        fused quantization (both GEMM layouts from one read); reference: qjax.quantize
-  rmsnorm_mgpu.py         RMSNorm with its saved 8-bit copy (data flow), and its backward; reference: models.ops
+  rmsnorm_mgpu.py         RMSNorm with its saved 8-bit copy (data flow; the backward is XLA's); reference: models.ops
   tile_pipeline_mgpu.py   the TMA pipeline over 128 x 128 tiles that the quantize kernels run on
   adam_step_mgpu.py       the fused AdamW step on e4m3 / 8-bit states; reference: qjax.optim.fused_adam
   swiglu_mgpu.py          SwiGLU with its saved 8-bit copy (data flow), and its backward; reference: models.ops

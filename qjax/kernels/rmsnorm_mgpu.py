@@ -1,21 +1,20 @@
-"""RMSNorm fused with the data-flow recipes' 8-bit save of its input: Pallas Mosaic GPU kernels, one read of each
-tensor (`qjax.models.ops.rms_norm_prologue`'s `forward_saving` and `backward_saved`).
+"""RMSNorm fused with the data-flow recipes' 8-bit save of its input: a Pallas Mosaic GPU kernel, one read of x
+(`qjax.models.ops.rms_norm_prologue`'s `forward_saving`).
 
 Under `int8_dataflow` / `fp8_dataflow` a norm + linear layer saves its input x (the residual stream) in 8 bits, one
 float32 scale per group of g consecutive features (`qjax.prologue.save`: int8 g = 32, e4m3 g = 16). The reference
-composes XLA passes: the norm, then an amax pass and a codes pass over x; in the backward a dequantize, the
-statistics recomputed from it and the norm's backward. Here:
+composes XLA passes: the norm, then an amax pass and a codes pass over x. Here:
 
   forward_saving   x (M, D) -> y = rms_norm(x) * scale (M, D) in the compute dtype, codes (M, D/g, g) and
                    scales (M, D/g, 1) of x: reads x once, writes y, codes and scales
-  backward_saved   codes, scales, the norm scale, dy (M, D) -> dx (M, D) in x's dtype, dscale (D,): reads the
-                   codes and dy once, writes dx; x' = restore(codes) = (codes * scale) in x's dtype, and the norm's
-                   statistics recomputed from x', as the reference path does
 
-Both call the reference's own formulas: `numerics.rms_norm` / `numerics.rms_norm_backward` (with per-row means and
-broadcasts in the kernel's register layout) and the quantizer's `numerics.amax`, `numerics.scale_from_amax`,
-`numerics.cast_codes` (as `kernels.quantize_mgpu` does), so codes and scales equal `prologue.save`'s bit for bit;
-y, dx and dscale equal the reference to float32 rounding (the row sums are taken in another order).
+The backward has no kernel: `qjax.prologue.prologue_dot` restores x from the codes and runs the norm's backward in
+XLA, whose fusion of the two measured faster than a kernel (benchmarks/NOTES.md).
+
+The kernel calls the reference's own formulas: `numerics.rms_norm` (with per-row means and broadcasts in the
+kernel's register layout) and the quantizer's `numerics.amax`, `numerics.scale_from_amax`, `numerics.cast_codes`
+(as `kernels.quantize_mgpu` does), so codes and scales equal `prologue.save`'s bit for bit; y equals the reference
+to float32 rounding (the row sums are taken in another order).
 
 Layout: x is viewed as (M, D/g, g) (a free reshape), so a group is the last axis and the group amax a reduction
 along it. A program's 4 warps own 4 rows (one each, no cross-warp traffic); a warp's 32 lanes cover 32 v
@@ -27,10 +26,7 @@ at a time, so row means are taken group by group, then over the groups. Activati
 array, so D is capped at MAX_FEATURES (longer rows would spill registers; `supports`).
 
 Each program takes ROWS_PER_PROGRAM rows (fewer where M is not a multiple), 4 at a time, and stages the norm scale
-in shared memory once. The backward's dscale is a sum over all M rows: each program keeps a per-warp running sum of
-dy * n in shared memory (4, D) f32 (each thread adds to the elements it owns: no synchronisation); at the end, after
-a warpgroup barrier, the 4 warps' sums are added into one (D,) row per program, and XLA adds the programs' rows:
-(M / ROWS_PER_PROGRAM, D) float32, 1/32 of the rows of a float32 dy.
+in shared memory once.
 """
 
 import functools
@@ -48,9 +44,9 @@ from qjax.qtensor import QTensor, QuantSpec
 
 WARPS = 4  # rows per block: one per warp of the program's warpgroup
 MAX_FEATURES = 4096  # D/32 elements per thread and array: longer rows would spill registers
-GROUPS = (16, 32)  # saved groups the kernels take: the data-flow recipes' (fp8: 16, int8: 32)
+GROUPS = (16, 32)  # saved groups the kernel takes: the data-flow recipes' (fp8: 16, int8: 32)
 FORMATS = ("int8", "e4m3")
-ROWS_PER_PROGRAM = 32  # rows per program (fewer where M is not a multiple); the backward sums them into one row
+ROWS_PER_PROGRAM = 32  # rows per program (fewer where M is not a multiple)
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -66,45 +62,28 @@ def _layout(group: int, vector: int):
                               lane_dims=(-3, -2), vector_dim=-1)
 
 
-def supports(x, scale, spec: QuantSpec, group: int, dy=None) -> str | None:
-    """None if the kernels can run the norm of x (..., D) with scale (D,), saving x per `spec` in groups of `group`
-    (and, for the backward, with gradient dy of x's shape), else the reason they cannot."""
+def supports(x, scale, spec: QuantSpec, group: int) -> str | None:
+    """None if the kernel can run the norm of x (..., D) with scale (D,), saving x per `spec` in groups of `group`,
+    else the reason it cannot."""
     if not isinstance(spec, QuantSpec):
         return f"spec must be a qjax.QuantSpec, got {type(spec).__name__}"
     if spec.dtype not in FORMATS or spec.granularity != "row" or spec.stochastic or spec.pow2_scale:
-        return f"the RMSNorm kernels save {FORMATS} per group with amax scales and nearest rounding, got {spec}"
+        return f"the RMSNorm kernel saves {FORMATS} per group with amax scales and nearest rounding, got {spec}"
     if group not in GROUPS:
-        return f"the RMSNorm kernels save groups of {GROUPS} features, got {group}"
+        return f"the RMSNorm kernel saves groups of {GROUPS} features, got {group}"
     shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
     if shape is None or dtype is None or len(shape) < 1 or jnp.dtype(dtype) not in _INPUT_DTYPES:
-        return f"the RMSNorm kernels take float32, bfloat16 or float16 x (..., D), got {dtype} {shape}"
-    if dy is not None and (dy.shape != tuple(shape) or jnp.dtype(dy.dtype) not in _INPUT_DTYPES):
-        return f"the RMSNorm backward kernel needs a float dy of x's shape {shape}, got {dy.dtype} {dy.shape}"
+        return f"the RMSNorm kernel takes float32, bfloat16 or float16 x (..., D), got {dtype} {shape}"
     d, m = shape[-1], int(np.prod(shape[:-1]))
-    lane_features = 32 * _vector(dtype if dy is None else dy.dtype)  # the stream the kernel loads
+    lane_features = 32 * _vector(dtype)  # the stream the kernel loads
     if d % lane_features or not 0 < d <= MAX_FEATURES:
-        return (f"the RMSNorm kernels need D a multiple of {lane_features} up to {MAX_FEATURES} (a row per warp in "
+        return (f"the RMSNorm kernel needs D a multiple of {lane_features} up to {MAX_FEATURES} (a row per warp in "
                 f"registers), got x of shape {shape}")
     if m == 0 or m % WARPS:
-        return f"the RMSNorm kernels need a multiple of {WARPS} rows (one per warp), got x of shape {shape}"
+        return f"the RMSNorm kernel needs a multiple of {WARPS} rows (one per warp), got x of shape {shape}"
     if getattr(scale, "shape", None) != (d,) or not jnp.issubdtype(scale.dtype, jnp.floating):
-        return f"the RMSNorm kernels need a float scale of shape ({d},), got {getattr(scale, 'shape', None)}"
+        return f"the RMSNorm kernel needs a float scale of shape ({d},), got {getattr(scale, 'shape', None)}"
     return None
-
-
-def supports_backward(saved, x_like, scale, dy) -> str | None:
-    """None if `backward_saved(saved, x_like.dtype, scale, dy)` can run for the norm input like x_like (shape,
-    dtype), else the reason."""
-    if not isinstance(saved, QTensor) or saved.granularity != "row" or saved.data.ndim < 2:
-        return "the RMSNorm backward kernel reads the saved QTensor of `prologue.save` (granularity 'row')"
-    *lead, n_groups, group = saved.data.shape
-    if ((*lead, n_groups * group) != tuple(x_like.shape)
-            or tuple(saved.scale.shape) != (*lead, n_groups, 1)):
-        return (f"saved codes {saved.data.shape} and scales {saved.scale.shape} are not the grouped view of x "
-                f"{x_like.shape} (codes (..., D / g, g), scales (..., D / g, 1))")
-    if saved.data.dtype not in (jnp.dtype(formats.get_format(name).dtype) for name in FORMATS):
-        return f"the RMSNorm backward kernel reads {FORMATS} codes, got {saved.data.dtype}"
-    return supports(x_like, scale, QuantSpec(formats.get_format(saved.data.dtype).name), group, dy)
 
 
 def _load(ref, layout):
@@ -143,14 +122,13 @@ def _rows_per_program(m: int, rows: int) -> int:
     return rows
 
 
-def _run(block_step, inputs, out_type, *, rows, per_program, scratch=(), start=None, finish=None, interpret):
+def _run(block_step, inputs, out_type, *, rows, per_program, interpret):
     """Runs block_step(scale (4, D/g, g) f32, block (a pl.ds of 4 rows), *refs) over the row blocks: programs of
-    `per_program` rows, 4 at a time (one per warp); start(*refs) before a program's first block and
-    finish(program, *refs) after its last, where given. refs: the inputs' but the scale's, the outputs', the extra
-    scratch's. inputs: (M, D/g, g) arrays and per-row arrays, the norm scale (D/g, g) last: each program stages it
-    in SMEM as f32 once (each warp writes the whole of it, the same values, and reads back what it wrote: no
-    synchronisation) and loads it per block, rather than holding D/32 more f32 per thread in registers or reading
-    it from L2 for every 4 rows. rows: the `_RowLayout` of the arrays."""
+    `per_program` rows, 4 at a time (one per warp). refs: the inputs' but the scale's, then the outputs'. inputs:
+    (M, D/g, g) arrays, the norm scale (D/g, g) last: each program stages it in SMEM as f32 once (each warp writes
+    the whole of it, the same values, and reads back what it wrote: no synchronisation) and loads it per block,
+    rather than holding D/32 more f32 per thread in registers or reading it from L2 for every 4 rows. rows: the
+    `_RowLayout` of the arrays."""
     m, n_groups, group = inputs[0].shape
     n_in, n_out = len(inputs), len(out_type)
     shape = (WARPS, n_groups, group)
@@ -159,21 +137,15 @@ def _run(block_step, inputs, out_type, *, rows, per_program, scratch=(), start=N
         program = lax.axis_index("program")
         scale_ref, scale_smem = refs[n_in - 1], refs[n_in + n_out]
         scale_smem[...] = _load(scale_ref, rows.layout.reduce(0)).astype(jnp.float32)
-        step_refs = (*refs[:n_in - 1], *refs[n_in:n_in + n_out], *refs[n_in + n_out + 1:])
-        if start is not None:
-            start(*step_refs)
+        step_refs = (*refs[:n_in - 1], *refs[n_in:n_in + n_out])
 
         @pl.loop(0, per_program // WARPS)
         def _(t):
             scale32 = rows.broadcast_features(_load(scale_smem, rows.layout.reduce(0)), shape)
             block_step(scale32, pl.ds(program * per_program + t * WARPS, WARPS), *step_refs)
 
-        if finish is not None:
-            finish(program, *step_refs)
-
-    scratch = (plgpu.SMEM((n_groups, group), jnp.float32), *scratch)
     return plgpu.kernel(body, out_type=out_type, grid=(m // per_program,), grid_names=("program",),
-                        scratch_types=scratch, interpret=interpret)(*inputs)
+                        scratch_types=(plgpu.SMEM((n_groups, group), jnp.float32),), interpret=interpret)(*inputs)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "dtype", "fmt", "per_program", "interpret"))
@@ -197,42 +169,6 @@ def _forward_call(x3, scale2, *, eps, dtype, fmt, per_program, interpret):
     out_type = (jax.ShapeDtypeStruct(x3.shape, dtype), jax.ShapeDtypeStruct(x3.shape, fmt.dtype),
                 jax.ShapeDtypeStruct((m, n_groups), jnp.float32))
     return _run(block_step, (x3, scale2), out_type, rows=rows, per_program=per_program, interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "x_dtype", "per_program", "interpret"))
-def _backward_call(codes3, scales, scale2, dy3, *, eps, x_dtype, per_program, interpret):
-    """codes3 (M, G, g), scales (M, G) f32, scale2 (G, g), dy3 (M, G, g) -> dx (M, G, g) x_dtype, dscale partial
-    sums (M / rows per program, G, g) f32."""
-    m, n_groups, group = codes3.shape
-    rows = _RowLayout(group, _vector(dy3.dtype))
-    shape = (WARPS, n_groups, group)
-
-    def start(*refs):
-        dscale_acc = refs[-1]
-        dscale_acc[...] = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), rows.layout)
-
-    def block_step(scale32, block, codes_ref, scales_ref, dy_ref, dx_ref, dscale_ref, dscale_acc):
-        codes = _load(codes_ref.at[block], rows.layout).astype(jnp.float32)
-        group_scale = _load(scales_ref.at[block], rows.layout.reduce(2))
-        # `prologue.restore`: qtensor.dequantize (codes * scale in f32), in x's dtype
-        x32 = (codes * rows.broadcast_groups(group_scale, shape)).astype(x_dtype).astype(jnp.float32)
-        _, inv_rms = numerics.rms_norm(x32, scale32, eps, rows.mean_rows, rows.broadcast_rows)
-        dy32 = _load(dy_ref.at[block], rows.layout).astype(jnp.float32)
-        dx, dscale_terms = numerics.rms_norm_backward(x32, inv_rms, scale32, dy32, rows.mean_rows,
-                                                      rows.broadcast_rows)
-        dx_ref[block] = dx.astype(x_dtype)
-        dscale_acc[...] = _load(dscale_acc, rows.layout) + dscale_terms  # each thread adds to its own elements
-
-    def finish(program, *refs):
-        dscale_ref, dscale_acc = refs[-2:]
-        plgpu.commit_smem()  # (a warpgroup barrier) every warp's sums are in SMEM: read below in another layout
-        # The sum across the 4 warps, in f32 vectors of 4: Mosaic GPU's cross-warp reduction takes 16 bytes a lane.
-        dscale_ref[program] = jnp.sum(_load(dscale_acc, _layout(group, 4)), axis=0)
-
-    out_type = (jax.ShapeDtypeStruct(codes3.shape, x_dtype),
-                jax.ShapeDtypeStruct((m // per_program, n_groups, group), jnp.float32))
-    return _run(block_step, (codes3, scales, dy3, scale2), out_type, rows=rows, per_program=per_program,
-                scratch=(plgpu.SMEM(shape, jnp.float32),), start=start, finish=finish, interpret=interpret)
 
 
 def forward_saving(x: jax.Array, scale: jax.Array, *, eps: float, dtype, spec: QuantSpec, group: int,
@@ -259,27 +195,3 @@ def forward_saving(x: jax.Array, scale: jax.Array, *, eps: float, dtype, spec: Q
                                      interpret=resolve_interpret(interpret))
     saved = QTensor(codes.reshape(*lead, d // group, group), scales.reshape(*lead, d // group, 1), "row")
     return y.reshape(x.shape), saved
-
-
-def backward_saved(saved: QTensor, x_dtype, scale: jax.Array, dy: jax.Array, *, eps: float, interpret=False,
-                   rows_per_program: int = ROWS_PER_PROGRAM) -> tuple[jax.Array, jax.Array]:
-    """RMSNorm's backward from the 8-bit copy of its input (one read of the codes and of dy).
-
-    Args:
-      saved: `forward_saving`'s QTensor (codes (..., D/g, g) int8 / float8_e4m3fn, scales f32 (..., D/g, 1)).
-      x_dtype: the norm input's dtype (x is restored in it); scale: float (D,); dy: float (..., D); eps as in
-        `forward_saving`; interpret and rows_per_program as there.
-    Returns:
-      (dx (..., D) in x_dtype, dscale (D,) in scale's dtype): `ops.rms_norm`'s backward at x = `prologue.restore(
-      saved, ...)` (to float32 rounding).
-    """
-    *lead, n_groups, group = saved.data.shape
-    reason = supports_backward(saved, jax.ShapeDtypeStruct((*lead, n_groups * group), x_dtype), scale, dy)
-    if reason is not None:
-        raise ValueError(reason)
-    dx, dscale_partial = _backward_call(saved.data.reshape(-1, n_groups, group), saved.scale.reshape(-1, n_groups),
-                                        scale.reshape(n_groups, group), dy.reshape(-1, n_groups, group),
-                                        eps=float(eps), x_dtype=jnp.dtype(x_dtype), per_program=_rows_per_program(
-                                            dy.size // dy.shape[-1], rows_per_program),
-                                        interpret=resolve_interpret(interpret))
-    return dx.reshape(dy.shape), jnp.sum(dscale_partial, axis=0).reshape(-1).astype(scale.dtype)

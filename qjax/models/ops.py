@@ -204,26 +204,19 @@ _rope.defvjp(_rope_fwd, _rope_bwd)
 
 
 def rms_norm_prologue(eps: float, dtype) -> Prologue:
-    # The data-flow hooks run the fused RMSNorm kernels where `qjax.dispatch` picks them, else the composition
-    # below, which the kernels equal.
+    # The data-flow forward hook runs the fused RMSNorm kernel where `qjax.dispatch` picks it, else the composition
+    # below, which the kernel equals. No backward hook: `prologue_dot` restores x and runs the norm's backward in
+    # XLA, which measured faster than a fused kernel (benchmarks/NOTES.md).
     return Prologue("rms_norm", apply=lambda x, scale: rms_norm(x, scale, eps, dtype),
                     forward=lambda x, scale: _rms_norm_fwd(x, scale, eps, dtype),
                     backward=functools.partial(_rms_norm_bwd, eps, dtype),
                     forward_saving=lambda x, scale, *, spec, group, backend: dispatch.rms_norm_forward_saving(
                         x, scale, spec, group, functools.partial(_rms_norm_saving_reference, eps, dtype), eps=eps,
-                        dtype=dtype, backend=backend),
-                    backward_saved=lambda saved, x_like, params, dy, *, backend: dispatch.rms_norm_backward_saved(
-                        saved, x_like, *params, dy, functools.partial(_rms_norm_backward_reference, eps, dtype),
-                        eps=eps, backend=backend))
+                        dtype=dtype, backend=backend))
 
 
 def _rms_norm_saving_reference(eps, dtype, x, scale, spec, group):
     return _rms_norm_forward(x, scale, eps, dtype)[0], save(x, spec, group)
-
-
-def _rms_norm_backward_reference(eps, dtype, saved, x_like, scale, dy):
-    x = restore(saved, x_like.shape, x_like.dtype)
-    return _rms_norm_bwd(eps, dtype, _rms_norm_fwd(x, scale, eps, dtype)[1], dy)
 
 
 def layer_norm_prologue(eps: float, dtype) -> Prologue:
