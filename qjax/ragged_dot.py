@@ -20,8 +20,10 @@ Block-scaled operands ("1x128", "128x128", "1x32") are dequantized for the GEMM
 (`qjax.kernels.scaled_matmul.dequantize_for_gemm`); a 128x128 weight block is 128 x 128 of one expert. Quantization
 runs through `qjax.dispatch.quantize_pair` (the fused kernel where it applies). Row/tensor-scaled GEMMs run on
 `qjax.kernels.grouped_matmul_mgpu`'s kernels where the recipe's backend selects them (a Hopper GPU), block-scaled
-ones on XLA (`_grouped_gemm` is the kernels' reference). Recipe "bf16" runs JAX's Mosaic GPU grouped kernels on a
-Hopper GPU where the shapes tile (`_bf16_kernel_ragged_dot`), `lax.ragged_dot` elsewhere.
+ones on XLA (`_grouped_gemm` is the kernels' reference), and so does the fp8 wgrad when compiled (it failed its GPU
+test). Recipe "bf16" runs JAX's Mosaic GPU grouped kernels on a Hopper GPU where the shapes tile
+(`_bf16_kernel_ragged_dot`), `lax.ragged_dot` elsewhere; their wgrad zeroes other groups' rows by multiplying, so
+there an Inf in one group's x makes the neighbouring groups' dw NaN where lax's stays finite.
 
 Rows after sum(group_sizes) (padding) are zeroed before quantization, so they neither produce output nor enter the
 scales of real tokens, as lax.ragged_dot ignores them.
@@ -211,11 +213,11 @@ _bf16_kernel_ragged_dot.defvjp(lambda x, w, group_sizes: (_bf16_kernel_ragged_do
 
 
 def _use_bf16_kernels(recipe: recipes_lib.Recipe, lhs, rhs, preferred_element_type) -> bool:
-    """Whether a high-precision ragged_dot runs on JAX's grouped kernels (compiled, Hopper, bf16, shapes tile)."""
+    """Whether a high-precision ragged_dot runs on JAX's grouped kernels (compiled, Hopper, bf16, shapes tile).
+    An optional fast path, so never an error: where they cannot run, `lax.ragged_dot` does, for any backend."""
     out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
-    return dispatch.kernel_if_supported(
-        recipe.backend, "bf16 grouped GEMM",
-        lambda interpret: grouped_matmul_mgpu.bf16_supports(lhs, rhs, out_dtype, interpret))[0]
+    run_kernel, interpret = dispatch.kernel_mode(recipe.backend)
+    return run_kernel and grouped_matmul_mgpu.bf16_supports(lhs, rhs, out_dtype, interpret) is None
 
 
 def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, *, recipe, key=None):

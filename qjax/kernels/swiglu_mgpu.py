@@ -105,7 +105,7 @@ def _forward_call(x3, *, fmt, pow2_scale, tile, interpret):
     m, two_c, group = x3.shape
     c = two_c // 2
     tm, tc = tile
-    layout, group_layout = _layouts(group)
+    layout, _ = _layouts(group)
     code_format = formats.get_format(fmt)
     broadcast = functools.partial(_broadcast_groups, layout=layout)
 

@@ -158,17 +158,18 @@ def prologue_dense(module: nn.Module, config, name: str, op: Prologue, x, params
                          jnp.dtype(config.param_dtype), name=name)(x, *params)
 
 
-def attention_implementation(config, head_dim: int, seq_len: int) -> str:
+def attention_implementation(config, head_dim: int, seq_len: int, is_causal: bool = True) -> str:
     """"xla" or "cudnn" for `jax.nn.dot_product_attention`.
 
     jax 0.11.2's implementation=None always means XLA, so "auto" picks cuDNN flash attention itself where cuDNN
-    takes the case: a GPU backend, bf16/f16 inputs, head_dim a multiple of 8 and at most 128, and an even sequence
-    length (cuDNN rejects an odd one under a causal mask in training: "Unsupported sequence length").
+    takes the case: a GPU backend, bf16/f16 inputs, head_dim a multiple of 8 and at most 128, and for causal
+    attention an even sequence length (a causal Llama step at length 63 raised "Unsupported sequence length" on an
+    H200).
     """
     if config.attention != "auto":
         return config.attention
     cudnn_ok = (jax.default_backend() == "gpu" and config.compute_dtype in ("bfloat16", "float16")
-                and head_dim % 8 == 0 and head_dim <= 128 and seq_len % 2 == 0)
+                and head_dim % 8 == 0 and head_dim <= 128 and (seq_len % 2 == 0 or not is_causal))
     return "cudnn" if cudnn_ok else "xla"
 
 
@@ -178,6 +179,6 @@ def attention(config, q, k, v, *, is_causal: bool):
     q: (B, T, n_heads, head_dim); k, v: (B, T, n_kv_heads, head_dim) with n_heads % n_kv_heads == 0 (query head h
     reads K/V head h // (n_heads // n_kv_heads)). Returns (B, T, n_heads * head_dim).
     """
-    impl = attention_implementation(config, q.shape[-1], q.shape[1])
+    impl = attention_implementation(config, q.shape[-1], q.shape[1], is_causal)
     out = jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation=impl)
     return out.reshape(*out.shape[:2], -1)

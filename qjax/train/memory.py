@@ -95,7 +95,8 @@ def activation_bytes(task, examples: int) -> int:
     # Llama's grouped k/v and SwiGLU width; GPT-2's and ViT's full-width k/v and GELU MLP.
     kv, ffn = (c.n_kv_heads * c.head_dim, c.ffn_dim) if hasattr(c, "ffn_dim") else (c.dim, c.mlp_dim)
     tokens = examples * seq
-    scores = 8 * c.n_heads * seq if attention_implementation(c, c.dim // c.n_heads, seq) == "xla" else 0
+    causal = task.kind == "lm"  # the language models' attention is causal, the ViT's is not
+    scores = 8 * c.n_heads * seq if attention_implementation(c, c.dim // c.n_heads, seq, causal) == "xla" else 0
     per_layer = elt * (6 * c.dim + 2 * kv + 3 * ffn) + scores
     if getattr(c, "remat", False):
         blocks = tokens * (c.n_layers * elt * c.dim + per_layer)

@@ -276,11 +276,12 @@ def test_bad_inputs():
 
 
 def test_attention_auto_picks_cudnn_only_where_it_takes_the_case(monkeypatch):
-    """On a GPU, "auto" attention is cuDNN's for even sequences and XLA's for odd ones (cuDNN rejects those in
-    training under a causal mask), and for head dims it cannot take."""
+    """On a GPU, "auto" attention is cuDNN's for even sequences and XLA's for odd causal ones (cuDNN rejected one),
+    and for head dims it cannot take."""
     from qjax.models import layers
     monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
     config = models.llama_config("tiny")
     assert layers.attention_implementation(config, 16, 64) == "cudnn"
     assert layers.attention_implementation(config, 16, 63) == "xla"
+    assert layers.attention_implementation(config, 16, 63, is_causal=False) == "cudnn"  # e.g. ViT's 197 tokens
     assert layers.attention_implementation(config, 12, 64) == "xla"
