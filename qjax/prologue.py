@@ -32,6 +32,7 @@ from qjax import recipes as recipes_lib
 from qjax.dot_general import _device_axes, _layout_from, _per_device, _seeds, linear_parts
 from qjax.qtensor import QTensor, QuantSpec
 from qjax.quantize import quantize_with_seed
+from qjax.weight_sharding import varying
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +130,9 @@ def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *
         dy, dkernel = gemm_backward((w_res, y_res, seeds), g)
         x_like = jax.ShapeDtypeStruct(g.shape[:-1] + (x.shape[-1],), x.dtype)  # x's local (per-device) shape
         if op.backward_saved is not None and isinstance(x_saved, QTensor):
-            return (*op.backward_saved(x_saved, x_like, params, dy, backend=recipe.backend), dkernel, None)
+            grads = op.backward_saved(x_saved, x_like, params, dy, backend=recipe.backend)
+            # a kernel's outputs carry no per-device type: give them their inputs' (varying over `axes`)
+            return (*[varying(d, axes) for d in grads], dkernel, None)
         x_restored = restore(x_saved, x_like.shape, x_like.dtype)
         _, op_residuals = op.forward(x_restored, *params)  # y itself is not needed: wgrad reads its saved codes
         return (*op.backward(op_residuals, dy), dkernel, None)
