@@ -19,7 +19,8 @@
 # 1.1B table with the torch peer), train-qjax (the 1.1B table without the peer), train-sr (bf16, int8_rowwise and
 # int8_rowwise with stochastic rounding of the gradients), hf (the Hugging Face Llama and generate tests, the
 # transformers parity among them), hf-generate (benchmarks/generate.py: prefill and decode of the 1b preset, bf16 /
-# int8 weight-only / fp8 rowwise, batch 1 and 8), hf-finetune (benchmarks/finetune.py: 300 int8_rowwise steps from
+# int8 weight-only / fp8 rowwise, batch 1 and 8; hf-generate-int8: bf16 and int8_rowwise), hf-finetune
+# (benchmarks/finetune.py: 300 int8_rowwise steps from
 # a random HF checkpoint on a JSONL task), linear-ab (int8_rowwise and fp8_tensorwise at two shapes, no peer, not
 # appended), optim-ab (the low-bit AdamW step rows against optax.adamw, float32 and bf16 + SR params),
 # memory-8b (the 8b preset's train step, bf16 and int8_rowwise, bf16 params + SR + adamw_8bit, remat: peak memory,
@@ -174,6 +175,7 @@ step_command() {
                  "tests/models/test_generate.py" ;;
         hf-vit) echo "python3 -m pytest -x -q -p no:cacheprovider tests/models/test_hf_vit.py" ;;
         hf-generate) echo "python3 benchmarks/generate.py" ;;
+        hf-generate-int8) echo "python3 benchmarks/generate.py --rows bf16 int8_rowwise" ;;
         hf-finetune) echo "python3 benchmarks/finetune.py --steps 300" ;;
         gpt2-conv) echo "python3 benchmarks/convergence.py --model gpt2 --size gpt2 --recipes bf16 int8_dataflow" \
                         "fp8_dataflow --seq-len 1024 --batch-size 32 --steps 600 --lr 6e-4" \
