@@ -152,13 +152,10 @@ def rms_norm_forward_saving(x: jax.Array, scale: jax.Array, spec: QuantSpec, gro
     (`kernels.rmsnorm_mgpu.forward_saving`, one read of x) where `backend` selects it and it supports the case, else
     `reference(x, scale, spec, group)`, the composition it equals (`qjax.models.ops.rms_norm`'s forward and
     `qjax.prologue.save`: the model layer owns it, so it is passed in)."""
-    run_kernel, interpret = kernel_mode(backend)
+    run_kernel, interpret = kernel_if_supported(backend, "fused RMSNorm",
+                                                lambda _: rmsnorm_mgpu.supports(x, scale, spec, group))
     if run_kernel:
-        reason = rmsnorm_mgpu.supports(x, scale, spec, group)
-        if reason is None:
-            return rmsnorm_mgpu.forward_saving(x, scale, eps=eps, dtype=dtype, spec=spec, group=group,
-                                               interpret=interpret)
-        _unsupported(backend, "fused RMSNorm", reason)
+        return rmsnorm_mgpu.forward_saving(x, scale, eps=eps, dtype=dtype, spec=spec, group=group, interpret=interpret)
     return reference(x, scale, spec, group)
 
 
@@ -183,12 +180,10 @@ def swiglu_forward_saving(gate_up: jax.Array, spec: QuantSpec, group: int, refer
     (`kernels.swiglu_mgpu.swiglu_quantize`, one read of gate_up) where `backend` selects it and it supports the
     case, else `reference(gate_up, spec, group)`, the composition it equals (`qjax.models.ops.SWIGLU`'s forward
     and `qjax.prologue.save`: the model layer owns it, so it is passed in)."""
-    run_kernel, interpret = kernel_mode(backend)
+    run_kernel, interpret = kernel_if_supported(backend, "fused SwiGLU",
+                                                lambda _: swiglu_mgpu.supports_forward(gate_up, spec, group))
     if run_kernel:
-        reason = swiglu_mgpu.supports_forward(gate_up, spec, group)
-        if reason is None:
-            return swiglu_mgpu.swiglu_quantize(gate_up, spec, group, interpret=interpret)
-        _unsupported(backend, "fused SwiGLU", reason)
+        return swiglu_mgpu.swiglu_quantize(gate_up, spec, group, interpret=interpret)
     return reference(gate_up, spec, group)
 
 
@@ -196,10 +191,8 @@ def swiglu_backward_saved(saved: QTensor, x_like, dh: jax.Array, reference, *, b
     """d(gate_up) (x_like's shape and dtype) from gate_up's saved 8-bit copy and dh (..., F): the fused kernel
     (`kernels.swiglu_mgpu.swiglu_backward`, one read of codes and dh) where `backend` selects it and it supports
     the case, else `reference(saved, x_like, dh)` (`qjax.prologue.restore`, then SwiGLU's backward)."""
-    run_kernel, interpret = kernel_mode(backend)
+    run_kernel, interpret = kernel_if_supported(backend, "fused SwiGLU backward",
+                                                lambda _: swiglu_mgpu.supports_backward(saved, dh, x_like))
     if run_kernel:
-        reason = swiglu_mgpu.supports_backward(saved, dh, x_like)
-        if reason is None:
-            return swiglu_mgpu.swiglu_backward(saved, dh, interpret=interpret)
-        _unsupported(backend, "fused SwiGLU backward", reason)
+        return swiglu_mgpu.swiglu_backward(saved, dh, interpret=interpret)
     return reference(saved, x_like, dh)
