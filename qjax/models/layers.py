@@ -163,8 +163,7 @@ def attention_implementation(config, head_dim: int, seq_len: int, is_causal: boo
 
     jax 0.11.2's implementation=None always means XLA, so "auto" picks cuDNN flash attention itself where cuDNN
     takes the case: a GPU backend, bf16/f16 inputs, head_dim a multiple of 8 and at most 128, and for causal
-    attention an even sequence length (a causal Llama step at length 63 raised "Unsupported sequence length" on an
-    H200).
+    attention an even sequence length (cuDNN raised "Unsupported sequence length" for a causal training step at 63).
     """
     if config.attention != "auto":
         return config.attention
