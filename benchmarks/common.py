@@ -39,6 +39,20 @@ def time_ms(fn, args, warmup, reps, inner=1):
     return statistics.median(times)
 
 
+def batched_seconds(fn, inputs, rounds: int, calls: int) -> float:
+    """Median seconds per call of fn over `inputs` (arrays, or tuples of arguments): one jit of fn on every input
+    (distinct inputs, so XLA cannot merge the calls), dispatched `calls` times back to back and timed to the last
+    result, median of `rounds`. Dispatching one short call at a time would time the host instead."""
+    batched = jax.jit(lambda inputs: [fn(*a) if isinstance(a, tuple) else fn(a) for a in inputs])
+    jax.block_until_ready(batched(inputs))  # compile + warm up
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        jax.block_until_ready([batched(inputs) for _ in range(calls)])
+        samples.append((time.perf_counter() - start) / calls / len(inputs))
+    return statistics.median(samples)
+
+
 def snr_db(ref, out) -> float:
     """20 log10(|ref| / |ref - out|) in float64 on the host; inf when equal, nan if either holds NaN/Inf."""
     ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)

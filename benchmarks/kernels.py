@@ -135,15 +135,8 @@ def quantize_table(argv):
         sys.exit("the benchmark needs a Hopper GPU (or --interpret with small --shapes, e.g. 256x256)")
     interpret = resolve_interpret(args.interpret)  # the private _tile_call takes it resolved
 
-    def seconds(fn, xs):
-        batched = jax.jit(lambda xs: [fn(x) for x in xs])
-        jax.block_until_ready(batched(xs))  # compile + warm up
-        samples = []
-        for _ in range(args.rounds):
-            start = time.perf_counter()
-            jax.block_until_ready([batched(xs) for _ in range(args.calls)])
-            samples.append((time.perf_counter() - start) / args.calls / len(xs))
-        return statistics.median(samples)
+    def seconds(fn, inputs):
+        return common.batched_seconds(fn, inputs, args.rounds, args.calls)
 
     int8_row, e4m3_block = QuantSpec("int8", "row"), QuantSpec("e4m3", "1x128")
     int8_row_sr = QuantSpec("int8", "row", stochastic=True)
@@ -229,15 +222,8 @@ def swiglu_table(argv):
     if jax.devices()[0].platform != "gpu" and not args.interpret:
         sys.exit("the benchmark needs a Hopper GPU (or --interpret with small --shapes, e.g. 8x256)")
 
-    def seconds(fn, xs):
-        batched = jax.jit(lambda xs: [fn(*x) for x in xs])
-        jax.block_until_ready(batched(xs))  # compile + warm up
-        samples = []
-        for _ in range(args.rounds):
-            start = time.perf_counter()
-            jax.block_until_ready([batched(xs) for _ in range(args.calls)])
-            samples.append((time.perf_counter() - start) / args.calls / len(xs))
-        return statistics.median(samples)
+    def seconds(fn, inputs):
+        return common.batched_seconds(fn, inputs, args.rounds, args.calls)
 
     def differ(a, b):
         return int(jnp.sum(lax.bitcast_convert_type(a, jnp.uint16) != lax.bitcast_convert_type(b, jnp.uint16)))
@@ -323,14 +309,7 @@ def rmsnorm_table(argv):
     eps, dtype = 1e-5, jnp.bfloat16
 
     def seconds(fn, inputs):
-        batched = jax.jit(lambda inputs: [fn(*a) for a in inputs])
-        jax.block_until_ready(batched(inputs))  # compile + warm up
-        samples = []
-        for _ in range(args.rounds):
-            start = time.perf_counter()
-            jax.block_until_ready([batched(inputs) for _ in range(args.calls)])
-            samples.append((time.perf_counter() - start) / args.calls / len(inputs))
-        return statistics.median(samples)
+        return common.batched_seconds(fn, inputs, args.rounds, args.calls)
 
     lines = [f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; one jit of {args.batch} calls on "
              f"distinct inputs, {args.calls} back to back, median of {args.rounds}", "",

@@ -68,7 +68,25 @@ def step_memory(tx, params, stochastic_rounding: bool = False) -> dict:
             "total": (state_bytes + analysis.temp_size_in_bytes) / n}
 
 
-class Prepared:
+class TimedLoop:
+    """A compiled `loop(params, state, grads)` of `iters` optimizer steps with its carried (params, state): set
+    loop, params, state, grads, iters and times (a list) before `run`."""
+
+    def run(self, timed: bool = False) -> None:
+        """`iters` optimizer steps (params and state donated and carried) in one dispatch, then one wait; with
+        `timed`, records their mean time."""
+        start = time.perf_counter()
+        self.params, self.state = self.loop(self.params, self.state, self.grads)
+        jax.block_until_ready((self.params, self.state))
+        if timed:
+            self.times.append((time.perf_counter() - start) / self.iters)
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.times) * 1e3
+
+
+class Prepared(TimedLoop):
     """One optimizer's compiled steps and its carried (params, state), warmed up.
 
     `step` (one optimizer step) gives the optimized HLO's statistics; `loop` runs `iters` steps in one `fori_loop`,
@@ -108,19 +126,6 @@ class Prepared:
         self.times = []
         self.grads = grads
         self.run()  # compiles and warms up
-
-    def run(self, timed: bool = False) -> None:
-        """`iters` optimizer steps (params and state donated and carried) in one dispatch, then one wait; with
-        `timed`, records their mean time."""
-        start = time.perf_counter()
-        self.params, self.state = self.loop(self.params, self.state, self.grads)
-        jax.block_until_ready((self.params, self.state))
-        if timed:
-            self.times.append((time.perf_counter() - start) / self.iters)
-
-    @property
-    def median_ms(self) -> float:
-        return statistics.median(self.times) * 1e3
 
 
 def main():

@@ -16,9 +16,7 @@ compiled temp_size_in_bytes of that loop (params and state carried in place).
 import argparse
 import math
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +30,7 @@ from qjax.dispatch import on_hopper_gpu  # noqa: E402
 from qjax.train import sharding as train_sharding  # noqa: E402
 from qjax.train.mesh import FSDP_AXIS  # noqa: E402
 from common import append_results  # noqa: E402
-from optim import llama_shapes  # noqa: E402
+from optim import TimedLoop, llama_shapes  # noqa: E402
 
 # benchmarks/optim.py's names -> the model's param paths, whose names the train step's sharding rules read
 _PATHS = {"q": "attn/qkv_proj/kernel", "k": "attn/qkv_proj/kernel", "v": "attn/qkv_proj/kernel",
@@ -45,7 +43,7 @@ def spec_of(name: str, shape, mesh):
     return train_sharding.param_spec(f"{layer}/{_PATHS.get(part, part)}", shape, mesh)
 
 
-class Prepared:
+class Prepared(TimedLoop):
     """One optimizer's compiled loop of `iters` steps over the mesh and its carried (params, state), warmed up."""
 
     def __init__(self, tx, params, grads, specs, mesh, iters: int):
@@ -67,17 +65,6 @@ class Prepared:
         self.loop = traced.lower().compile()
         self.temp_bytes = self.loop.memory_analysis().temp_size_in_bytes
         self.run()  # warms up
-
-    def run(self, timed: bool = False) -> None:
-        start = time.perf_counter()
-        self.params, self.state = self.loop(self.params, self.state, self.grads)
-        jax.block_until_ready((self.params, self.state))
-        if timed:
-            self.times.append((time.perf_counter() - start) / self.iters)
-
-    @property
-    def median_ms(self) -> float:
-        return statistics.median(self.times) * 1e3
 
 
 def main():

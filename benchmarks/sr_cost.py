@@ -10,9 +10,7 @@ is the library's numerics; the others exist to be timed.
 """
 
 import argparse
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -54,15 +52,8 @@ def main():
         sys.exit("the benchmark needs a Hopper GPU (or --interpret with small --shapes, e.g. 256x256)")
     interpret = resolve_interpret(args.interpret)
 
-    def seconds(fn, xs):
-        batched = jax.jit(lambda xs: [fn(x) for x in xs])
-        jax.block_until_ready(batched(xs))
-        samples = []
-        for _ in range(args.rounds):
-            start = time.perf_counter()
-            jax.block_until_ready([batched(xs) for _ in range(args.calls)])
-            samples.append((time.perf_counter() - start) / args.calls / len(xs))
-        return statistics.median(samples)
+    def seconds(fn, inputs):
+        return common.batched_seconds(fn, inputs, args.rounds, args.calls)
 
     seed = jnp.uint32(7)
     nearest, sr = QuantSpec("int8", "row"), QuantSpec("int8", "row", stochastic=True)
