@@ -168,7 +168,13 @@ STATE = _SETUP + textwrap.dedent("""
         np.testing.assert_allclose(float(new_metrics["loss"]), float(old_metrics["loss"]),
                                    rtol=1e-3 if ON_GPU else 1e-5)  # GPU: other per-device GEMM splits
         for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(old_state.params)):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-5)
+            a, b = np.asarray(a), np.asarray(b)
+            if ON_GPU:  # other GEMM splits round the gradients otherwise: an 8-bit moment's code or an Adam
+                # direction where g ~ 0 may flip, moving that param by up to one update (lr = c.optimizer.lr)
+                assert np.mean(~np.isclose(a, b, rtol=1e-3, atol=1e-5)) <= 1e-3, np.abs(a - b).max()
+                np.testing.assert_allclose(a, b, rtol=0, atol=c.optimizer.lr)
+            else:
+                np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
     print("checkpoint ok")
 """)
 
