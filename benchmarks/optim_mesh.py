@@ -8,9 +8,9 @@ The params get the train step's PartitionSpecs (`qjax.train.sharding.param_spec`
 split on dim 0, row-parallel o and down and the LM head on dim 1, the embedding on dim 0) and the states its
 `state_specs` (blocks split along dim 0); one step is `qjax.optim.apply_gradients(..., param_specs=)` traced with
 the mesh set, params and state donated. Rows: optax.adamw (the baseline; states in the params' bf16), adamw_8bit
-through jnp (use_kernel=False) and with the per-device kernel. Timed as benchmarks/optim.py times (`Prepared`: a `fori_loop` of
---iters steps per dispatch, rows alternating with the baseline over --rounds rounds); temp GB per device is XLA's
-compiled temp_size_in_bytes of that loop (params and state carried in place).
+through jnp (use_kernel=False) and with the per-device kernel. Timed as benchmarks/optim.py times (`Prepared`: a
+`fori_loop` of --iters steps per dispatch, rows alternating with the baseline over --rounds rounds); temp GB per
+device is XLA's compiled temp_size_in_bytes of that loop (params and state carried in place).
 """
 
 import argparse
