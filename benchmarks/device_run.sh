@@ -30,7 +30,9 @@
 # dataflow-conv (benchmarks/convergence.py at the default run's 125M settings for bf16, the data-flow recipes and
 # bitnet_b158: carry "data"; the new PNG comes back in $OUT), tests-moe (the ragged_dot, MXFP8 and MoE tests on the
 # GPU: XLA's grouped GEMMs on 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16 on
-# JAX's grouped kernels), moe-kernels (the grouped kernels' GPU tests; run "moe-kernels moe"), linear-mxfp8
+# JAX's grouped kernels), moe-kernels (the grouped kernels' GPU tests; run "moe-kernels moe"), moe-train /
+# moe-train-fp8 (a 4-layer MoE Llama, 1.1B widths, 8 of 64 experts of FFN 1408 per token, end to end: bf16 against
+# int8_rowwise / fp8_rowwise), linear-mxfp8
 # (linear.py's fp8_blockwise and mxfp8 rows, no peer), tests-bitnet (bitnet_b158's
 # kernels compiled), bitnet (linear int8_rowwise vs bitnet_b158, no peer), bitnet-train (the 1.1B bf16 /
 # int8_rowwise / bitnet_b158 rows), int8-params (the 1.1B int8_rowwise rows with int8 weight-only and with bf16 + SR
@@ -131,6 +133,10 @@ step_command() {
         tests-moe) echo "python3 -m pytest -x -q -p no:cacheprovider tests/test_ragged_dot.py tests/test_mxfp8.py" \
                         "tests/models/test_moe.py" ;;
         moe) echo "python3 benchmarks/ragged.py" ;;
+        moe-train) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise --layers 4 --moe 64,8,0,1408 --steps 5" \
+                        "--warmup 2 --no-peer" ;;
+        moe-train-fp8) echo "python3 benchmarks/train.py --rows bf16 fp8_rowwise --layers 4 --moe 64,8,0,1408" \
+                            "--steps 5 --warmup 2 --no-peer" ;;
         moe-kernels) echo "python3 -m pytest -x -q -p no:cacheprovider tests/kernels/test_grouped_matmul_mgpu.py" \
                           "tests/test_ragged_dot.py" ;;
         linear-mxfp8) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \

@@ -3,6 +3,7 @@
   python benchmarks/train.py                                # ~1.1B Llama (TinyLlama shape), batch 8 x 2048
   python benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --no-peer
   python benchmarks/train.py --small                        # tiny model; the default when no GPU is present
+  python benchmarks/train.py --rows bf16 int8_rowwise --layers 4 --moe 64,8,0,1408 --no-peer   # a MoE Llama
 
 One row = one jitted train step of `qjax.train.make_train_step` (forward, backward, grad clipping, AdamW; the LM
 head stays in bf16 as in every qjax config) on random tokens, timed as --steps steps queued back to back (the
@@ -13,7 +14,7 @@ compiled for one row stays resident during the next.
 Rows (--rows): bf16; int8 fwd only; int8 fwd+dgrad; int8_rowwise (all three GEMMs); the last two with stochastic
 rounding of the gradient operand (`qjax.with_stochastic_gradients`; forward-only int8 has no gradient operand to
 round); fp8_tensorwise; fp8_blockwise; the data-flow recipes fp8_dataflow and int8_dataflow; bitnet_b158 (ternary
-forward weights, int8_rowwise backward); int8_rowwise with int8 weight-only params (`model.param_dtype=int8`: int8
+forward weights, int8_rowwise backward); fp8_rowwise; int8_rowwise with int8 weight-only params (`model.param_dtype=int8`: int8
 kernels + per-channel scales, SR updates, the forward reading the stored codes) and with bf16 params + SR, the two
 ways without a float32 master copy (their peak memory beside the float32 rows'); and "<recipe>@xla" rows that
 force the XLA path (no Pallas kernels) to show what the kernels buy. A row may name an optimizer after "+"
@@ -36,7 +37,7 @@ import time  # noqa: E402
 
 ROWS = ("bf16", "int8_fwd", "int8_fwd_dgrad", "int8_rowwise", "int8_fwd_dgrad_sr", "int8_rowwise_sr",
         "fp8_tensorwise", "fp8_blockwise", "bitnet_b158", "int8_rowwise_int8_params", "int8_rowwise_bf16_params_sr",
-        "int8_rowwise@xla", "fp8_tensorwise@xla", "fp8_dataflow", "int8_dataflow")
+        "int8_rowwise@xla", "fp8_tensorwise@xla", "fp8_dataflow", "int8_dataflow", "fp8_rowwise")
 # Rows whose params are not float32: row -> (config.model.param_dtype, config.optimizer.stochastic_rounding); their
 # recipe is int8_rowwise.
 PARAM_ROWS = {"int8_rowwise_int8_params": ("int8", False), "int8_rowwise_bf16_params_sr": ("bfloat16", True)}
@@ -92,6 +93,12 @@ def build_row(row: str, args):
     config.model.size = args.size
     for field, value in (TINYLLAMA.items() if args.size == "1b" else ()):
         setattr(config.model, field, value)
+    if args.layers:
+        config.model.n_layers = args.layers
+    if args.moe:
+        n_experts, top_k, n_shared, expert_ffn_dim = args.moe
+        config.model.moe = dict(n_experts=n_experts, top_k=top_k, n_shared_experts=n_shared,
+                                expert_ffn_dim=expert_ffn_dim, aux_loss_weight=0.01)
     config.model.remat = args.remat
     config.min_features = args.min_features
     del config.recipe  # the config file's field is a recipe name; rows need Recipe objects (variants, backend)
@@ -153,6 +160,8 @@ def run_row_subprocess(row: str, args) -> dict:
             str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     argv += ["--remat"] if args.remat else []
     argv += ["--min-features", str(args.min_features)]
+    argv += ["--layers", str(args.layers)] if args.layers else []
+    argv += ["--moe", ",".join(map(str, args.moe))] if args.moe else []
     print(f"{row}: running...", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
@@ -185,7 +194,9 @@ def table(results: list[dict], peer: dict, args) -> str:
     about = {"adamw": "adamw: optax, fp32 states", "adamw_fp8": "adamw_fp8: e4m3 states, fused step kernel on one "
              "Hopper GPU", "adamw_8bit": "adamw_8bit: 8-bit states, fused step kernel on one Hopper GPU",
              "adamw_4bit": "adamw_4bit: 4-bit states"}
-    notes = [f"Llama {args.size} (batch {args.batch} x seq {args.seq}, remat={args.remat}, min_features="
+    shape = (f", {args.layers} layers" if args.layers else "") + (
+        ", MoE: {} experts, top {}, {} shared, expert FFN {}".format(*args.moe) if args.moe else "")
+    notes = [f"Llama {args.size}{shape} (batch {args.batch} x seq {args.seq}, remat={args.remat}, min_features="
              f"{args.min_features}), random tokens, AdamW ({'; '.join(about[o] for o in sorted(optimizers))}), "
              f"LM head in bf16; one subprocess per row. tokens/s and step ms: {args.steps} steps queued back to back "
              f"and one wait (as train.py's loop between log lines), median of {ROUNDS} rounds after {args.warmup} "
@@ -211,6 +222,16 @@ def table(results: list[dict], peer: dict, args) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
 
 
+def _moe_arg(text: str) -> tuple[int, int, int, int]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 4:
+        raise argparse.ArgumentTypeError(f"--moe {text!r}: give EXPERTS,TOP_K,SHARED,EXPERT_FFN, e.g. 64,8,0,1408")
+    return values
+
+
 def add_model_args(parser):
     """The flags that pick a row's model and batch (shared with benchmarks/profile_train.py)."""
     parser.add_argument("--size", default=None, help="model preset: 1b (default on GPU) or tiny (--small)")
@@ -220,6 +241,9 @@ def add_model_args(parser):
     parser.add_argument("--min-features", type=int, default=0,
                         help="keep projections with fewer features in or out than this in bf16")
     parser.add_argument("--small", action="store_true", help="tiny model, tiny batch (default without a GPU)")
+    parser.add_argument("--layers", type=int, help="blocks (default: the preset's)")
+    parser.add_argument("--moe", type=_moe_arg, metavar="EXPERTS,TOP_K,SHARED,EXPERT_FFN",
+                        help="every block's feed-forward a mixture of experts (qjax.models.MoEConfig), e.g. 64,8,0,1408")
 
 
 def resolve_model_args(args) -> bool:
