@@ -140,7 +140,8 @@ def run_child(row: str, argv: list[str]) -> dict:
     proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     result = json.loads(lines[-1]) if lines else {"error": f"exited {proc.returncode}, no result"}
-    outcome = result.get("error") or f"{result['tokens_per_s']:,.0f} tok/s"
+    peak = f", peak {result['peak_gb']:.1f} GB" if result.get("peak_gb") else ""
+    outcome = result.get("error") or f"{result['tokens_per_s']:,.0f} tok/s{peak}"
     print(f"{row} (batch {result.get('batch', '?')}): {outcome} ({time.perf_counter() - start:.0f} s with "
           "compilation)", flush=True)
     return {**result, "row": row}
