@@ -24,7 +24,8 @@
 # a random HF checkpoint on a JSONL task), linear-ab (int8_rowwise and fp8_tensorwise at two shapes, no peer, not
 # appended), optim-ab (the low-bit AdamW step rows against optax.adamw, float32 and bf16 + SR params),
 # memory-8b (the 8b preset's train step, bf16 and int8_rowwise, bf16 params + SR + adamw_8bit, remat: peak memory,
-# tokens/s, MFU beside the estimate), train-row (the 1.1B
+# tokens/s, MFU beside the estimate; then the torch peer, HF LlamaForCausalLM + torchao AdamW8bit; every row capped
+# at 80 GB as on an H100; memory-8b-peer: the torch row alone), train-row (the 1.1B
 # int8_rowwise row, not appended), default-run (the GPU default of `make
 # train` on the Shakespeare corpus: carry "data" prepared here), dataflow (the 1.1B rows of the data-flow recipes),
 # dataflow-conv (benchmarks/convergence.py at the default run's 125M settings for bf16, the data-flow recipes and
@@ -127,7 +128,9 @@ step_command() {
                         "--no-append" ;;
         optim-ab) echo "python3 benchmarks/optim.py --rows 8bit 8bit_kernel fp8 fp8_kernel 8bit_sr 8bit_sr_kernel" \
                        "--rounds 3" ;;
-        memory-8b) echo "python3 benchmarks/memory.py --rows 8b_bf16 8b_int8 --steps 3 --warmup 1" ;;
+        memory-8b) echo "python3 benchmarks/memory.py --rows 8b_bf16 8b_int8 8b_torch --steps 3 --warmup 1" \
+                        "--memory-limit-gb 80" ;;
+        memory-8b-peer) echo "python3 benchmarks/memory.py --rows 8b_torch --steps 3 --warmup 1 --memory-limit-gb 80" ;;
         default-run) echo "python3 train.py --config configs/llama_int8.py $(make -s train-args) --workdir" \
                           "/tmp/default_run" ;;
         tests-moe) echo "python3 -m pytest -x -q -p no:cacheprovider tests/test_ragged_dot.py tests/test_mxfp8.py" \
