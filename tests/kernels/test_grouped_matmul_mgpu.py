@@ -276,7 +276,7 @@ def _xla_gemms(fn, *args) -> list[str]:
     """The GEMM kinds XLA compiled fn to: custom-call targets and fusion kinds naming a GEMM (e.g. __triton_gemm,
     __cublas$lt$matmul$f8); empty off the GPU."""
     hlo = jax.jit(fn).lower(*args).compile().as_text()
-    names = set(re.findall(r'custom_call_target="([^"]+)"', hlo)) | set(re.findall(r'"kind":"(__[a-z_]+)"', hlo))
+    names = set(re.findall(r'custom_call_target="([^"]+)"', hlo)) | set(re.findall(r'"kind":\s*"(__[a-z_$]+)"', hlo))
     return sorted(n for n in names if any(w in n for w in ("gemm", "matmul", "cublas", "triton", "cudnn")))
 
 
