@@ -13,10 +13,11 @@ fp8 accumulation (compiled, unpromoted).
 
 The fp8 contracting kernel is checked against exact sums (float64 on the codes, `_exact_contract`), not against
 XLA's ragged_dot on the fp8 codes: XLA:GPU's Triton GEMM emitter compiles every fp8 dot without accumulator
-promotion (max_num_imprecise_acc at its maximum), whatever its precision config, so a GPU reference that lands there
-accumulates in Hopper's reduced precision. `test_fp8_contract_kernel` prints, per group and output tile, what explains an error (a missing or
-duplicated token block, shifted tokens, another group's tokens, or none: precision), the unpromoted kernel's and
-XLA's errors against the same sums, and which GEMM XLA compiled (run it with -s on the device).
+promotion (max_num_imprecise_acc at its maximum), whatever its precision config, so a GPU reference that lands
+there accumulates in Hopper's reduced precision. `test_fp8_contract_kernel` prints, per group and output tile,
+what explains an error (a missing or duplicated token block, shifted tokens, another group's tokens, or none:
+precision), the unpromoted kernel's and XLA's errors against the same sums, and which GEMM XLA compiled (run it
+with -s on the device).
 """
 
 import dataclasses
