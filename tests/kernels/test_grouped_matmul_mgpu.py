@@ -308,6 +308,13 @@ def test_fp8_contract_kernel(out_dtype, sizes):
                                                         True)
     print(f"XLA ragged_dot on the codes at HIGHEST: worst error / |a||b| "
           f"{_contract_error(xla, ref, mag, out_dtype).max():.3g}; GEMMs {_xla_gemms(gemm, a, b, sizes)}")
+    # the same on the codes cast to bf16 (exact for e4m3): what a precise XLA fallback could run instead
+    bf16 = lambda q: dataclasses.replace(q, data=q.data.astype(jnp.bfloat16))
+    xla_bf16 = np.asarray(jax.jit(gemm)(bf16(a), bf16(b), sizes).astype(jnp.float32), np.float64)
+    xla_bf16 = np.where(np.asarray(sizes)[:, None, None] > 0, xla_bf16, 0)
+    print(f"XLA ragged_dot on the codes as bf16: worst error / |a||b| "
+          f"{_contract_error(xla_bf16, ref, mag, out_dtype).max():.3g}; "
+          f"GEMMs {_xla_gemms(gemm, bf16(a), bf16(b), sizes)}")
     assert worst["promoted"] <= PROMOTED_FP8_RTOL and worst["promoted, 3 CTAs"] <= PROMOTED_FP8_RTOL, worst
     assert worst["unpromoted, 3 CTAs"] <= FP8_RTOL, worst
 
