@@ -290,8 +290,9 @@ def _xla_gemms(fn, *args) -> list[str]:
 ])
 def test_fp8_contract_kernel(out_dtype, sizes):
     """The fp8 contracting kernel, promoted (the wgrad's precise accumulation) and not, against exact sums, with a
-    diagnosis of any error; prints XLA's ragged_dot error (the fp8 reference `_grouped_gemm`) beside it. Compiled,
-    SMALL's grid gives each CTA one tile, 3 CTAs walk 8 tiles each (pipelines of 0 to 4 token blocks in a row)."""
+    diagnosis of any error; prints XLA's ragged_dot error (the fp8 reference `_grouped_gemm`) beside it, on the fp8
+    codes and on them cast to bf16. Compiled, SMALL's grid gives each CTA one tile, 3 CTAs walk 8 tiles each
+    (pipelines of 0 to 4 token blocks in a row)."""
     m, n, k = 200, 160, 96
     sizes = jnp.array(sizes, jnp.int32)
     a, b = _contract_operands(m, n, k, "e4m3")
