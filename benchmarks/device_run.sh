@@ -31,7 +31,8 @@
 # dataflow-conv (benchmarks/convergence.py at the default run's 125M settings for bf16, the data-flow recipes and
 # bitnet_b158: carry "data"; the new PNG comes back in $OUT), tests-moe (the ragged_dot, MXFP8 and MoE tests on the
 # GPU: XLA's grouped GEMMs on 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16 on
-# JAX's grouped kernels), moe-kernels (the grouped kernels' GPU tests; run "moe-kernels moe"), moe-train /
+# JAX's grouped kernels), moe-kernels (the grouped kernels' GPU tests; run "moe-kernels moe"), moe-fp8-diag (the fp8
+# contracting kernel against exact sums, per-tile diagnosis and XLA's fp8 reference error printed), moe-train /
 # moe-train-fp8 (a 4-layer MoE Llama, 1.1B widths, 8 of 64 experts of FFN 1408 per token, end to end: bf16 against
 # int8_rowwise / fp8_rowwise), linear-mxfp8
 # (linear.py's fp8_blockwise and mxfp8 rows, no peer), tests-bitnet (bitnet_b158's
@@ -142,6 +143,8 @@ step_command() {
                             "--steps 5 --warmup 2 --no-peer" ;;
         moe-kernels) echo "python3 -m pytest -x -q -p no:cacheprovider tests/kernels/test_grouped_matmul_mgpu.py" \
                           "tests/test_ragged_dot.py" ;;
+        moe-fp8-diag) t=tests/kernels/test_grouped_matmul_mgpu.py; echo "python3 -m pytest -q -s -rxX -p" \
+                           "no:cacheprovider $t::test_fp8_contract_kernel $t::test_contract_kernel_at_size" ;;
         linear-mxfp8) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
                            "fp8_blockwise mxfp8 --no-peer" ;;
         train-sr) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_rowwise_sr --steps 5 --warmup 2" \

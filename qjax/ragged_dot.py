@@ -109,8 +109,9 @@ def _grouped_gemm(a: QTensor, b: QTensor, group_sizes, dims, group_ids, out_dtyp
     supports = (functools.partial(grouped_matmul_mgpu.supports, a, b, group_sizes, out_dtype) if rows
                 else functools.partial(grouped_matmul_mgpu.supports_contract, a, b, out_dtype))
     run_kernel, interpret = dispatch.kernel_if_supported(backend, "grouped GEMM", lambda _: supports())
-    # Compiled on the GPU the fp8 contracting (wgrad) kernel missed its reference by far more than rounding
-    # (benchmarks/NOTES.md); XLA's path runs it there until that is fixed. The interpreter still runs the kernel.
+    # Compiled on the GPU the fp8 contracting (wgrad) kernel missed this function's XLA path (which may itself skip
+    # fp8 promotion there) by more than its test's tolerance (benchmarks/NOTES.md); XLA's path runs it there until
+    # the kernel's GPU test against exact sums passes. The interpreter still runs the kernel.
     fp8 = not jnp.issubdtype(a.data.dtype, jnp.integer)
     run_kernel = run_kernel and (rows or interpret or not fp8)
     if run_kernel:
