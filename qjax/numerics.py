@@ -244,13 +244,13 @@ def expansion_params(blocks):
 
     With max and min the block's largest and smallest non-zero |x| (int32 max and min over bit patterns, like
     `amax`): steps = 16 k = floor(16 log2(448**2 / 2) / log2(max / min)) clipped to [1, 255], log2(max / min) in
-    fixed point (`_log2_ratio_fixed`: ~0.3% of blocks get one step more than with an exact log2); centre =
-    2**floor((e_max + e_min) / 2), e the exponents of max and min: a power of two near COAT's sqrt(max min) (at
-    most a factor 2**1.5 below it; any centre works, decoding uses the stored one). Both come from the bit patterns by
-    integer arithmetic alone, so a kernel and its jnp reference agree bit for bit (a log or sqrt may round
-    differently in XLA and Mosaic GPU), and a power of two is exact in bfloat16 and makes |x| / c exact.
-    All-zero blocks: steps 16, centre 1. Blocks holding NaN: a NaN amax and centre; holding Inf (no NaN): an Inf
-    amax and centre (steps 16 for both), so the scale of either is NaN (`quantize_e4m3_expanded_blocks`)."""
+    fixed point (`_log2_ratio_fixed`: ~0.3% of blocks get one step more than with an exact log2); centre = COAT's
+    sqrt(max min) rounded to a power of two (log2 within 0.6 of it; any centre works, decoding uses the stored one).
+    Both come from the bit patterns by integer arithmetic alone, so a kernel and its jnp reference agree bit for bit
+    (a log or sqrt may round differently in XLA and Mosaic GPU); a power of two is exact in bfloat16 and makes
+    |x| / c exact. All-zero blocks: steps 16, centre 1. Blocks holding NaN: a NaN amax and centre; holding Inf (no
+    NaN): an Inf amax and centre (steps 16 for both), so the scale of either is NaN (`quantize_e4m3_expanded_blocks`).
+    """
     bits = lax.bitcast_convert_type(blocks, jnp.int32) & jnp.int32(0x7FFFFFFF)
     big = amax(blocks, axis=-1)
     big_bits = lax.bitcast_convert_type(big, jnp.int32)
@@ -258,8 +258,10 @@ def expansion_params(blocks):
     usual = is_finite(big) & (big != 0)  # else small_bits is Inf's (all zero) or unused
     steps = lax.div(jnp.int32(_EXPAND_NUMERATOR), jnp.maximum(_log2_ratio_fixed(big_bits, small_bits), jnp.int32(1)))
     steps = jnp.where(usual, jnp.clip(steps, 1, _EXPAND_STEPS_MAX), jnp.int32(EXPAND_STEPS))
-    exponents = jnp.maximum(big_bits >> 23, jnp.int32(1)) + jnp.maximum(small_bits >> 23, jnp.int32(1))
-    centre = lax.bitcast_convert_type((exponents >> 1) << 23, jnp.float32)
+    # The mean of the bit patterns is Mitchell's log2 sqrt(max min) (exponent + mantissa, at most 0.09 low); + 1/2
+    # and the mantissa cleared rounds it to the nearest exponent, kept a normal float.
+    mean = (big_bits >> 1) + (small_bits >> 1) + jnp.int32(1 << 22)
+    centre = lax.bitcast_convert_type(jnp.clip(mean & jnp.int32(_INF_BITS), 1 << 23, 254 << 23), jnp.float32)
     centre = jnp.where(usual, centre, jnp.where(big == 0, jnp.float32(1), big))
     return steps, centre, big
 
