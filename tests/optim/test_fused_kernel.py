@@ -808,7 +808,7 @@ def _expansion_in_kernel(x, interpret):
     """The step kernel's range-expanded state quantization (`adam_step_mgpu._quantize_rows`, "e4m3_dre") of float32
     blocks x (n, B), n % 4 == 0, in a Mosaic GPU kernel with the step kernel's layouts -> (codes float8_e4m3fn (n, B),
     scale f32, expand uint8, centre bf16, and `numerics.expansion_params`' steps int32, centre f32, amax f32 before
-    the stores' casts), each (n,) but the codes."""
+    the stores' casts, and the smallest non-zero |x| (f32, from its int32 min reduction)), each (n,) but the codes."""
     from jax import lax
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -817,13 +817,14 @@ def _expansion_in_kernel(x, interpret):
         tile = pl.ds(lax.axis_index("program") * 4, 4)
         blocks = adam_step_mgpu._load(x_ref.at[tile], adam_step_mgpu._LAYOUT)
         codes, rows = adam_step_mgpu._quantize_rows(blocks, "e4m3_dre", None)
-        for ref, value in zip(out_refs, (codes, *rows, *numerics.expansion_params(blocks)), strict=True):
+        for ref, value in zip(out_refs, (codes, *rows, *numerics.expansion_params(blocks), _smallest(blocks)),
+                              strict=True):
             ref.at[tile][...] = value
 
     n, block = x.shape
     out = (jax.ShapeDtypeStruct((n, block), jnp.float8_e4m3fn),
            *(jax.ShapeDtypeStruct((n,), dtype) for dtype in (jnp.float32, jnp.uint8, jnp.bfloat16, jnp.int32,
-                                                                 jnp.float32, jnp.float32)))
+                                                                 jnp.float32, jnp.float32, jnp.float32)))
     run = plgpu.kernel(body, out_type=out, grid=(n // 4,), grid_names=("program",),
                        interpret=resolve_interpret(interpret))
     return jax.jit(run)(x)
@@ -832,7 +833,14 @@ def _expansion_in_kernel(x, interpret):
 @jax.jit
 def _expansion_reference(x):
     """`_expansion_in_kernel`'s outputs computed by jnp (the reference's formula)."""
-    return (*numerics.quantize_e4m3_expanded_blocks(x), *numerics.expansion_params(x))
+    return (*numerics.quantize_e4m3_expanded_blocks(x), *numerics.expansion_params(x), _smallest(x))
+
+
+def _smallest(blocks):
+    """f32 (n, B) -> f32 (n,): the smallest non-zero |x| per block as `numerics.expansion_params` reduces it."""
+    bits = jax.lax.bitcast_convert_type(blocks, jnp.int32) & jnp.int32(0x7FFFFFFF)
+    return jax.lax.bitcast_convert_type(jnp.min(jnp.where(bits == 0, jnp.int32(0x7F800000), bits), axis=-1),
+                                        jnp.float32)
 
 
 def _expansion_cases(n, block, seed):
@@ -848,7 +856,7 @@ def _expansion_cases(n, block, seed):
     return jnp.asarray(x)
 
 
-_EXPANSION_NAMES = ("codes", "scale", "expand", "centre", "steps", "centre f32", "amax")
+_EXPANSION_NAMES = ("codes", "scale", "expand", "centre", "steps", "centre f32", "amax", "min")
 
 
 def _expansion_mismatch(got, want):
