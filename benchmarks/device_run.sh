@@ -64,7 +64,9 @@
 # (8-bit and e4m3 states), streamed jnp against the fused kernel, each against optax.adamw (float32); optim-4bit:
 # the same for adamw_4bit with float32 params; optim-dre: the same for adamw_fp8 with range expansion (COAT), and
 # optim-dre-sr with bf16 params + SR;
-# tests-optim-dre: the fused AdamW GPU tests of range-expanded states alone, with their mismatch counts printed.
+# tests-optim-dre: the fused AdamW GPU tests of range-expanded states alone, with their mismatch counts printed;
+# dre-diag: the range expansion's k and centre compiled vs jnp, on the same blocks and in the step, both sides'
+# values printed in float32 and hex with the blocks' max / min (test_gpu_dre_diagnosis).
 # tests-rmsnorm: the fused RMSNorm kernel's tests, compiled; rmsnorm-kernels: kernels.py rmsnorm (its table).
 # Several GPUs (nvidia-h100-x2 and up): tests-mesh-gpu (the mesh / FSDP tests on every GPU), tests-adam-mesh (the fused
 # AdamW step per device against one GPU's, e4m3 / 8-bit / 4-bit), optim-mesh (benchmarks/optim_mesh.py: the bf16 + SR
@@ -108,6 +110,8 @@ step_command() {
         optim-dre-sr) echo "python3 benchmarks/optim.py --rows fp8_dre_sr fp8_dre_sr_kernel --rounds 3" ;;
         tests-optim-dre) echo "python3 -m pytest -x -q -s -p no:cacheprovider -m gpu -k dre" \
                               "tests/optim/test_fused_kernel.py" ;;
+        dre-diag) echo "python3 -m pytest -q -s -p no:cacheprovider -m gpu -k dre_diagnosis" \
+                       "tests/optim/test_fused_kernel.py" ;;
         quantize) echo "python3 benchmarks/kernels.py quantize --shapes 16384x4096 16384x14336" ;;
         swiglu-tests) echo "python3 -m pytest -x -q -p no:cacheprovider tests/kernels/test_swiglu_mgpu.py" ;;
         swiglu-kernels) echo "python3 benchmarks/kernels.py swiglu --tiles 2048 4096 8192" ;;

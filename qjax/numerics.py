@@ -205,9 +205,11 @@ def quantize_e4m3_blocks(blocks, broadcast_rows=_broadcast_last):
 # COAT's dynamic range expansion (the optimizer states' "e4m3_dre" format): k is a multiple of 1 / EXPAND_STEPS.
 EXPAND_STEPS = 16
 _EXPAND_STEPS_MAX = 255  # 16 k is stored as a uint8
-# 16 ln(448**2 / 2): k = floor(that / ln(max / min)) / 16 fills e4m3's range (the float64 value, rounded once).
-_EXPAND_NUMERATOR = float(jnp.float32(EXPAND_STEPS * math.log(formats.E4M3.max_value ** 2 / 2)))
+_LOG2_BITS = 12  # fractional bits of the fixed-point log2(max / min) that k comes from
+# 16 log2(448**2 / 2) in that fixed point: 16 k = floor(this / log2(max / min)) fills e4m3's range.
+_EXPAND_NUMERATOR = round(EXPAND_STEPS * math.log2(formats.E4M3.max_value ** 2 / 2) * 2**_LOG2_BITS)
 _INF_BITS = 0x7F800000
+_MANTISSA_BITS = 0x7FFFFF
 
 
 def _power(magnitude, exponent):
@@ -217,25 +219,50 @@ def _power(magnitude, exponent):
     return jnp.exp(exponent * jnp.log(magnitude))
 
 
-def expansion_params(blocks):
-    """COAT's expansion parameters of f32 blocks (..., B) -> (steps, centre, amax), f32 (...) each.
+def _log2_ratio_fixed(big_bits, small_bits):
+    """log2(big / small) * 2**_LOG2_BITS, truncated (within ~2**-11 of the real log2), as int32 >= 0, from the int32
+    bit patterns of finite f32 big >= small > 0 (a subnormal counts as 2**-127 (1 + f)). Integer arithmetic only, so
+    XLA and Mosaic GPU give the same bits: the exponent difference, then the mantissa ratio q in [1, 2) in 1.15
+    fixed point and its log2 bit by bit (q squared: a bit is 1 where the square reaches 2, which is then halved)."""
+    one = jnp.int32(1 << 15)
+    mantissa = lambda b: ((b & jnp.int32(_MANTISSA_BITS)) | jnp.int32(0x800000)) >> 8  # 1.15 fixed point
+    q = lax.div(mantissa(big_bits) << 15, mantissa(small_bits))  # 1.15, in (1/2, 2)
+    borrow = q < one  # big's mantissa below small's: q doubled, the exponent difference one less
+    q = jnp.where(borrow, q << 1, q).astype(jnp.uint32)  # q < 2**16: its square fits in uint32
+    exponent = (big_bits >> 23) - (small_bits >> 23) - jnp.where(borrow, jnp.int32(1), jnp.int32(0))
+    fixed = exponent
+    for _ in range(_LOG2_BITS):
+        q = (q * q) >> 15
+        bit = q >> 16
+        q = q >> bit
+        fixed = (fixed << 1) | bit.astype(jnp.int32)
+    return fixed
 
-    steps = 16 k, an integer in [1, 255]: floor(16 ln(448**2 / 2) / ln(max / min)) clipped, with max and min the
-    block's largest and smallest non-zero |x| (min as an int32 min over bit patterns, like `amax`). centre =
-    sqrt(max) sqrt(min) (no overflow of max * min), rounded to bfloat16 before it is used. All-zero blocks: steps 16,
-    centre 1. Blocks holding NaN: a NaN amax and centre; holding Inf (no NaN): an Inf amax and centre, so the scale
-    of either is NaN (`quantize_e4m3_expanded_blocks`)."""
+
+def expansion_params(blocks):
+    """COAT's expansion parameters of f32 blocks (..., B) -> (steps int32, centre f32, amax f32), each (...).
+
+    With max and min the block's largest and smallest non-zero |x| (int32 max and min over bit patterns, like
+    `amax`): steps = 16 k = floor(16 log2(448**2 / 2) / log2(max / min)) clipped to [1, 255], log2(max / min) in
+    fixed point (`_log2_ratio_fixed`: ~0.3% of blocks get one step more than with an exact log2); centre = COAT's
+    sqrt(max min) rounded to a power of two (log2 within 0.6 of it; any centre works, decoding uses the stored one).
+    Both come from the bit patterns by integer arithmetic alone, so a kernel and its jnp reference agree bit for bit
+    (a log or sqrt may round differently in XLA and Mosaic GPU); a power of two is exact in bfloat16 and makes
+    |x| / c exact. All-zero blocks: steps 16, centre 1. Blocks holding NaN: a NaN amax and centre; holding Inf (no
+    NaN): an Inf amax and centre (steps 16 for both), so the scale of either is NaN (`quantize_e4m3_expanded_blocks`).
+    """
     bits = lax.bitcast_convert_type(blocks, jnp.int32) & jnp.int32(0x7FFFFFFF)
     big = amax(blocks, axis=-1)
-    small = lax.bitcast_convert_type(jnp.min(jnp.where(bits == 0, jnp.int32(_INF_BITS), bits), axis=-1),
-                                     jnp.float32)
-    all_zero = big == 0
-    big_safe, small_safe = jnp.where(all_zero, jnp.float32(1), big), jnp.where(all_zero, jnp.float32(1), small)
-    # Clipped before the floor (`floor` needs |v| <= 2**22): max / min == 1 gives +Inf, NaN stays NaN.
-    steps = floor(jnp.minimum(jnp.float32(_EXPAND_NUMERATOR) / jnp.log(big_safe / small_safe),
-                              jnp.float32(_EXPAND_STEPS_MAX)))
-    steps = jnp.where(all_zero | (steps != steps), jnp.float32(EXPAND_STEPS), jnp.maximum(steps, jnp.float32(1)))
-    centre = (jnp.sqrt(big_safe) * jnp.sqrt(small_safe)).astype(jnp.bfloat16).astype(jnp.float32)
+    big_bits = lax.bitcast_convert_type(big, jnp.int32)
+    small_bits = jnp.min(jnp.where(bits == 0, jnp.int32(_INF_BITS), bits), axis=-1)
+    usual = is_finite(big) & (big != 0)  # else small_bits is Inf's (all zero) or unused
+    steps = lax.div(jnp.int32(_EXPAND_NUMERATOR), jnp.maximum(_log2_ratio_fixed(big_bits, small_bits), jnp.int32(1)))
+    steps = jnp.where(usual, jnp.clip(steps, 1, _EXPAND_STEPS_MAX), jnp.int32(EXPAND_STEPS))
+    # The mean of the bit patterns is Mitchell's log2 sqrt(max min) (exponent + mantissa, at most 0.09 low); + 1/2
+    # and the mantissa cleared rounds it to the nearest exponent, kept a normal float.
+    mean = (big_bits >> 1) + (small_bits >> 1) + jnp.int32(1 << 22)
+    centre = lax.bitcast_convert_type(jnp.clip(mean & jnp.int32(_INF_BITS), 1 << 23, 254 << 23), jnp.float32)
+    centre = jnp.where(usual, centre, jnp.where(big == 0, jnp.float32(1), big))
     return steps, centre, big
 
 
@@ -247,12 +274,12 @@ def quantize_e4m3_expanded_blocks(blocks, broadcast_rows=_broadcast_last):
     448 (1 for all-zero blocks, NaN for blocks holding NaN or Inf), codes = e4m3(clamp(expanded / scale)).
     broadcast_rows as in `quantize_e4m3_blocks`."""
     steps, centre, big = expansion_params(blocks)
-    k = steps / jnp.float32(EXPAND_STEPS)  # exact: a multiple of 1/16
+    k = steps.astype(jnp.float32) / jnp.float32(EXPAND_STEPS)  # exact: a multiple of 1/16
     ratio = jnp.abs(blocks) / broadcast_rows(centre, blocks.shape)
     expanded = copysign(_power(ratio, broadcast_rows(k, blocks.shape)), blocks)
     scale = nonzero(_power(big / centre, k) / jnp.float32(formats.E4M3.max_value))
     codes = clamp(expanded / broadcast_rows(scale, blocks.shape), formats.E4M3.max_value).astype(formats.E4M3.dtype)
-    return codes, scale, round_half_even_to_int32(steps).astype(jnp.uint8), centre.astype(jnp.bfloat16)
+    return codes, scale, steps.astype(jnp.uint8), centre.astype(jnp.bfloat16)  # a power of two: exact
 
 
 def dequantize_e4m3_expanded_blocks(codes, scale, expand, centre, broadcast_rows=_broadcast_last):

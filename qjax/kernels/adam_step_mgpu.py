@@ -7,8 +7,8 @@ Reference: `qjax.optim.fused_adam.fused_step_reference`; the kernel calls the sa
 `numerics.amax`, `codebooks.encode_unit`). States:
   e4m3:  codes float8_e4m3fn (n, B), scale f32 (n,) = absmax / 448
   e4m3_dre: COAT's dynamic range expansion: codes float8_e4m3fn (n, B), scale f32, expand uint8 (16 k), centre
-         bf16 (n,); per row k and the centre from the row's largest and smallest non-zero |x| (two warp
-         reductions), powers as exp(k log |x|), per element (Mosaic GPU has no pow).
+         bf16 (n,); per row k and the centre from the bit patterns of the row's largest and smallest non-zero |x|
+         (two warp reductions) by integer arithmetic, powers as exp(k log |x|), per element (Mosaic GPU has no pow).
   8-bit: m on the signed, v on the unsigned dynamic map, codes uint8 (n, B), absmax f32 (n,); decoded with one
          lookup per code and encoded with `codebooks.encode_unit` (position arithmetic and one lookup) in the map's
          `codebooks.codec_table`, which each program copies to SMEM and reads per lane (`_lookup`: Mosaic GPU has no
@@ -38,7 +38,8 @@ register-only programs hide the memory latency through occupancy, faster than st
 Bit-exactness: under the CPU interpreter the kernel's XLA ops equal the jitted reference bit for bit. Compiled on a
 GPU, XLA and Mosaic GPU may contract a*b+c into FMAs differently, so values can differ by an ulp and, rarely, a code
 by one or two steps (e4m3, or neighbouring 8-bit codes; see tests/optim/test_fused_kernel.py); range expansion's
-exp and log may also differ by ulps if XLA and Mosaic GPU evaluate them differently. A bfloat16 param's
+exp and log may also differ by ulps if XLA and Mosaic GPU evaluate them differently, while its k and centre are
+integer functions of a row's max and min |x| (equal wherever those are). A bfloat16 param's
 stochastic rounding then lands on the other grid point where its random bits sit within that ulp of the carry
 (~2**-16 per float32 ulp): one bf16 ulp apart, or, where p + lr * u cancels to near zero, the few float32 ulps of p.
 """

@@ -14,11 +14,13 @@ A float32 tensor of shape `shape` is flattened row-major and cut into blocks of 
 
 COAT's dynamic range expansion (Xi et al. 2024, "COAT", sec. 4) maps a group to sign(x) * (|x| / c)**k before the
 e4m3 cast so that the group's max/min ratio R fills e4m3's range: with max and min the largest and smallest non-zero
-magnitudes, c = sqrt(max * min) centres the group in log space and k = floor(16 * log2(448**2 / 2) / log2(R)) / 16
+magnitudes, c ~ sqrt(max * min) centres the group in log space and k = floor(16 * log2(448**2 / 2) / log2(R)) / 16
 (a multiple of 1/16), clipped to [1/16, 255/16] (R near 1 would give an unbounded k). scale = (max / c)**k / 448.
-Powers are computed as exp(k log(.)) and logarithms are natural (`numerics.quantize_e4m3_expanded_blocks`, the
-formula the fused step kernel shares: Mosaic GPU has no pow).
-k is stored exactly as the uint8 16 k, and c rounded to bfloat16 *before* it is used (any centre works as long as
+k and c come from the bit patterns of max and min by integer arithmetic (log2(R) in fixed point, c rounded to a
+power of two: `numerics.expansion_params`), so the fused step kernel and XLA compute the same ones; powers are
+computed as exp(k log(.)) with natural logarithms (`numerics.quantize_e4m3_expanded_blocks`, the formula the kernel
+shares: Mosaic GPU has no pow).
+k is stored exactly as the uint8 16 k, and c, a power of two, exactly as bfloat16 (any centre works as long as
 decoding uses the same one), so a group costs 4 + 1 + 2 bytes of metadata: 2.11 bytes/element for m and v together
 (0.264x fp32 AdamW at group 128) instead of 2.19 with float32 k and c.
 

@@ -525,9 +525,11 @@ def _same(a, b):
 
 def _assert_close_gpu(out, ref, label):
     """Kernel vs XLA:GPU reference: FMA contraction may differ (module docstring), so allow ulp-level differences.
-    Range-expanded states (e4m3_dre) also take exp and log, which may differ by ulps between XLA:GPU and Mosaic GPU
-    (not yet measured): looser bounds for them, and a block whose k or centre differs (a log near a rounding
-    boundary of k) is counted apart."""
+    Range-expanded states (e4m3_dre) also take exp and log per element, which may differ by ulps between XLA:GPU
+    and Mosaic GPU: looser bounds for them. Their k and centre are integer functions of the block's max and min |x|
+    (`numerics.expansion_params`, bit for bit on the same blocks: `test_gpu_dre_diagnosis`), so they differ only
+    where FMA contraction moved that max or min (a CPU simulation of FMA vs none on these inputs: ~1e-4 of blocks);
+    such blocks are counted apart."""
     (p, mu, nu), (p_ref, mu_ref, nu_ref) = out, ref
     dre = isinstance(mu_ref, blockwise.Fp8ExpandedState)
     p, p_ref = np.asarray(p), np.asarray(p_ref)
@@ -543,14 +545,15 @@ def _assert_close_gpu(out, ref, label):
         scale, scale_ref = np.asarray(_scale(got)), np.asarray(_scale(want))
         np.testing.assert_array_equal(np.isnan(scale), np.isnan(scale_ref))
         same_params = np.ones(scale.shape, bool)
-        if dre:  # 16 k and the centre: exact functions of the block's max and min |x|, but for k's log
+        if dre:  # 16 k and the centre: exact functions of the block's max and min |x|
             same_params = _same(got.expand, want.expand) & _same(got.centre, want.centre)
             assert np.mean(~same_params) <= 1e-3, (name, np.mean(~same_params))
         finite = np.isfinite(scale_ref) & same_params
         ulps = _ulps(scale[finite], scale_ref[finite])
         # m and v = old + (1 - b) * (new - old) may each round differently under FMA contraction (an ulp or two),
         # and absmax / 448 can land in the binade below absmax's, where ulps are half as large (3 seen on an H100).
-        # With range expansion the scale is exp(k log(max / centre)) / 448, k log(.) <= ln(448): a few ulps more.
+        # With range expansion the scale is exp(k log(max / centre)) / 448, k log(.) <= ~12 (ulps of it are ulps of
+        # the scale, times up to 12) where exp and log differ between XLA:GPU and Mosaic GPU.
         assert ulps.max(initial=0) <= (32 if dre else 4), (name, ulps.max())
         codes, codes_ref = _code_steps(got), _code_steps(want)
         diff = (codes != codes_ref) & same_params[:, None]
@@ -691,15 +694,18 @@ def _intermediates_in_kernel(p, g, mu, nu, coef, fmt, interpret):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     formats, params = FORMATS[fmt], resolve_interpret(interpret)
+    m_arrays, v_arrays = fused_adam._state_arrays(mu), fused_adam._state_arrays(nu)  # (codes, *per-row arrays)
 
-    def body(coef_ref, m_table_ref, v_table_ref, p_ref, g_ref, mc_ref, ms_ref, vc_ref, vs_ref, *out_refs):
+    def body(coef_ref, m_table_ref, v_table_ref, p_ref, g_ref, *refs):
+        state_refs, out_refs = refs[:len(m_arrays) + len(v_arrays)], refs[len(m_arrays) + len(v_arrays):]
         tile = pl.ds(lax.axis_index("program") * 4, 4)
         load = lambda ref, layout=adam_step_mgpu._LAYOUT: adam_step_mgpu._load(ref.at[tile], layout)
         tables = [functools.partial(adam_step_mgpu._lookup, t, interpret=params is not None)
                   for t in (m_table_ref, v_table_ref)]
-        m_old, v_old = (adam_step_mgpu._dequantize_rows(load(c), (load(s, adam_step_mgpu._ROW_LAYOUT),), f, t)
-                        for c, s, f, t in ((mc_ref, ms_ref, formats[0], tables[0]),
-                                           (vc_ref, vs_ref, formats[1], tables[1])))
+        m_old, v_old = (adam_step_mgpu._dequantize_rows(load(codes), tuple(load(r, adam_step_mgpu._ROW_LAYOUT)
+                                                                             for r in rows), f, t)
+                        for (codes, *rows), f, t in ((state_refs[:len(m_arrays)], formats[0], tables[0]),
+                                                     (state_refs[len(m_arrays):], formats[1], tables[1])))
         direction, m, v = numerics.adam_math(load(g_ref).astype(jnp.float32), m_old, v_old, B1, B2, EPS,
                                              coef_ref[0], coef_ref[1])
         new_p = numerics.param_update(load(p_ref).astype(jnp.float32), direction, coef_ref[2], 0.01)
@@ -710,7 +716,7 @@ def _intermediates_in_kernel(p, g, mu, nu, coef, fmt, interpret):
     out = tuple(jax.ShapeDtypeStruct((n, block), jnp.float32) for _ in range(4))
     run = plgpu.kernel(body, out_type=out, grid=(n // 4,), grid_names=("program",), interpret=params)
     return jax.jit(run)(coef, *(adam_step_mgpu.code_table(f) for f in formats), p.reshape(n, block),
-                        g.reshape(n, block), mu.codes, _scale(mu), nu.codes, _scale(nu))
+                        g.reshape(n, block), *m_arrays, *v_arrays)
 
 
 @jax.jit
@@ -796,3 +802,136 @@ def test_gpu_bf16_sr_diagnosis(fmt):
               f"({_ulps(k_vals[3][i:i + 1], r_vals[3][i:i + 1])[0]}) | {bits[i]:#06x} | {p_k[i]:.9g} {p_r[i]:.9g}")
     np.testing.assert_array_equal(sr_step, p_k)  # the kernel rounds its float32 value exactly as the reference would
     assert beyond.size == 0
+
+
+def _expansion_in_kernel(x, interpret):
+    """The step kernel's range-expanded state quantization (`adam_step_mgpu._quantize_rows`, "e4m3_dre") of float32
+    blocks x (n, B), n % 4 == 0, in a Mosaic GPU kernel with the step kernel's layouts -> (codes float8_e4m3fn (n, B),
+    scale f32, expand uint8, centre bf16, and `numerics.expansion_params`' steps int32, centre f32, amax f32 before
+    the stores' casts, and the smallest non-zero |x| (f32, from its int32 min reduction)), each (n,) but the codes."""
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def body(x_ref, *out_refs):
+        tile = pl.ds(lax.axis_index("program") * 4, 4)
+        blocks = adam_step_mgpu._load(x_ref.at[tile], adam_step_mgpu._LAYOUT)
+        codes, rows = adam_step_mgpu._quantize_rows(blocks, "e4m3_dre", None)
+        for ref, value in zip(out_refs, (codes, *rows, *numerics.expansion_params(blocks), _smallest(blocks)),
+                              strict=True):
+            ref.at[tile][...] = value
+
+    n, block = x.shape
+    out = (jax.ShapeDtypeStruct((n, block), jnp.float8_e4m3fn),
+           *(jax.ShapeDtypeStruct((n,), dtype) for dtype in (jnp.float32, jnp.uint8, jnp.bfloat16, jnp.int32,
+                                                                 jnp.float32, jnp.float32, jnp.float32)))
+    run = plgpu.kernel(body, out_type=out, grid=(n // 4,), grid_names=("program",),
+                       interpret=resolve_interpret(interpret))
+    return jax.jit(run)(x)
+
+
+@jax.jit
+def _expansion_reference(x):
+    """`_expansion_in_kernel`'s outputs computed by jnp (the reference's formula)."""
+    return (*numerics.quantize_e4m3_expanded_blocks(x), *numerics.expansion_params(x), _smallest(x))
+
+
+def _smallest(blocks):
+    """f32 (n, B) -> f32 (n,): the smallest non-zero |x| per block as `numerics.expansion_params` reduces it."""
+    bits = jax.lax.bitcast_convert_type(blocks, jnp.int32) & jnp.int32(0x7FFFFFFF)
+    return jax.lax.bitcast_convert_type(jnp.min(jnp.where(bits == 0, jnp.int32(0x7F800000), bits), axis=-1),
+                                        jnp.float32)
+
+
+def _expansion_cases(n, block, seed):
+    """float32 (n, B) blocks spread over decades, with the edge cases in the first rows: an all-zero block, NaN, Inf,
+    a subnormal minimum, a block of one non-zero value, equal magnitudes (max / min = 1), a range wider than e4m3's."""
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    x = np.array(jax.random.normal(k1, (n, block)) * 10.0 ** jax.random.uniform(k2, (n, 1), minval=-12, maxval=2)
+                  * 10.0 ** jax.random.uniform(k3, (n, block), minval=-3, maxval=0), np.float32)
+    x[0] = 0
+    x[1, 5], x[2, 7], x[3, 3], x[4] = np.nan, np.inf, 1e-40, 0
+    x[4, 9], x[5], x[6] = -3e-5, 0.25, np.geomspace(1e-37, 1e37, block, dtype=np.float32)
+    x[5, ::2] = -0.25
+    return jnp.asarray(x)
+
+
+_EXPANSION_NAMES = ("codes", "scale", "expand", "centre", "steps", "centre f32", "amax", "min")
+
+
+def _expansion_mismatch(got, want):
+    """Per output of `_expansion_in_kernel`: a boolean array of where got and want differ bitwise (codes: per row)."""
+    return [np.any(_bits_rows(a) != _bits_rows(b), axis=-1) for a, b in zip(got, want, strict=True)]
+
+
+def _bits_rows(x):
+    """An array's bit patterns as unsigned integers, one row per block (codes (n, B)) or a column (n,) -> (n, 1)."""
+    x = np.asarray(x)
+    bits = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+    return bits.reshape(x.shape[0], -1)
+
+
+@interpreter_only
+def test_expansion_in_kernel():
+    """The kernel's range-expansion quantization (k, centre, scale, codes) equals the jnp formula bit for bit on the
+    same blocks, edge cases included (interpreter; `test_gpu_dre_diagnosis` runs it compiled)."""
+    x = _expansion_cases(16, 128, seed=0)
+    got, want = _expansion_in_kernel(x, interpret=True), _expansion_reference(x)
+    for name, differ in zip(_EXPANSION_NAMES, _expansion_mismatch(got, want)):
+        assert not differ.any(), (name, np.flatnonzero(differ))
+    steps, centre = np.asarray(want[4]), np.asarray(want[5])
+    assert steps[0] == 16 and centre[0] == 1  # all zero
+    assert np.isnan(centre[1]) and np.isinf(centre[2]) and np.isnan(np.asarray(want[1])[[1, 2]]).all()
+    assert steps[5] == 255 and steps[6] == 1  # max / min = 1: k clipped at 255 / 16; range 1e74: k = 1 / 16
+
+
+def _hex(values):
+    return " ".join(f"{int(b):0{2 * np.asarray(values).dtype.itemsize}x}" for b in _bits_rows(values)[:, 0])
+
+
+@pytest.mark.gpu
+def test_gpu_dre_diagnosis():
+    """Range-expanded (e4m3_dre) states compiled, in two parts (`device_run.sh dre-diag`, -s prints):
+    1. the kernel's expansion (`_expansion_in_kernel`) on the very blocks jnp gets: k and centre must be equal bit
+       for bit (integer arithmetic on the max / min bit patterns); printed per output: blocks differing and, for the
+       first few, both sides' values as float32 and hex, and the block's max / min |x|;
+    2. the fused step against its reference: blocks whose k or centre differ, and where the kernel's new m or v
+       (computed in a kernel as the step does) differ from the reference's in a block's max or min |x| (FMA
+       contraction), which is then the only cause left."""
+    assert on_hopper_gpu(), jax.devices()
+    x = _expansion_cases(8192, 128, seed=1)
+    got, want = _expansion_in_kernel(x, interpret=None), _expansion_reference(x)
+    a = np.abs(np.asarray(x))
+    big, small = a.max(axis=1), np.where(a == 0, np.inf, a).min(axis=1)
+    mismatch = _expansion_mismatch(got, want)
+    for name, differ, k_out, r_out in zip(_EXPANSION_NAMES, mismatch, got, want):
+        print(f"dre expansion, same input, {name}: {int(differ.sum())}/{differ.size} blocks differ")
+        for i in np.flatnonzero(differ)[:6]:
+            k_row, r_row = np.asarray(k_out)[i:i + 1], np.asarray(r_out)[i:i + 1]
+            shown = lambda v: f"{np.asarray(v, np.float32)[0]:.9g} ({_hex(v)})"
+            values = (f"{int(np.sum(_bits_rows(k_row) != _bits_rows(r_row)))} codes differ" if k_row.ndim > 1
+                      else f"kernel {shown(k_row)}, reference {shown(r_row)}")
+            print(f"  block {i}: {values}; max {big[i]:.9g} ({_hex(big[i:i + 1])}), min {small[i]:.9g} "
+                  f"({_hex(small[i:i + 1])})")
+    shape, step, block = (4096, 1024), 5, 128
+    p, g, mu, nu = _inputs(shape, seed=step, block_size=block, fmt="dre")
+    c = _coefficients(step)
+    (_, mu_k, nu_k), (_, mu_r, nu_r) = jax.jit(_kernel)(p, g, mu, nu, *c), _reference(
+        p, g, mu, nu, *c, config=_config("dre", block))
+    m_k, v_k = _intermediates_in_kernel(p, g, mu, nu, jnp.stack(c), "dre", None)[:2]
+    m_r, v_r = _reference_intermediates(p, g, mu, nu, *c)[:2]
+    for name, got_s, want_s, x_k, x_r in (("m", mu_k, mu_r, m_k, m_r), ("v", nu_k, nu_r, v_k, v_r)):
+        params_differ = ~(_same(got_s.expand, want_s.expand) & _same(got_s.centre, want_s.centre))
+        x_k, x_r = (np.abs(np.asarray(v).reshape(-1, block)) for v in (x_k, x_r))
+        extremes_differ = (x_k.max(1) != x_r.max(1)) | (np.where(x_k == 0, np.inf, x_k).min(1)
+                                                         != np.where(x_r == 0, np.inf, x_r).min(1))
+        print(f"dre step, {name}: k or centre differ in {int(params_differ.sum())}/{params_differ.size} blocks, "
+              f"{int((params_differ & ~extremes_differ).sum())} of them with the same max and min |{name}|; "
+              f"elements of {name} differ {np.mean(x_k != x_r):.2e}, blocks' max or min differ "
+              f"{np.mean(extremes_differ):.2e}")
+        for i in np.flatnonzero(params_differ)[:4]:
+            print(f"  block {i}: 16k {int(got_s.expand[i])} / {int(want_s.expand[i])}, centre "
+                  f"{float(got_s.centre[i]):.6g} / {float(want_s.centre[i]):.6g}; max {x_k[i].max():.9g} / "
+                  f"{x_r[i].max():.9g}, min {np.min(x_k[i][x_k[i] > 0]):.9g} / {np.min(x_r[i][x_r[i] > 0]):.9g}")
+    for name, differ in zip(_EXPANSION_NAMES[2:], mismatch[2:]):
+        assert not differ.any(), f"the kernel's {name} differs from jnp's on the same blocks"

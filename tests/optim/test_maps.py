@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qjax import codebooks
+from qjax import codebooks, numerics
 from qjax.optim import blockwise
 
 
@@ -201,9 +201,28 @@ def test_dre_parameters_follow_coat():
     big, small = 1e-2, 1e-6
     k = np.floor(np.log2(448.0**2 / 2) / np.log2(big / small) * 16) / 16
     assert q.expand.dtype == jnp.uint8 and int(q.expand[0]) == 16 * k  # k is stored exactly as 16 k
-    assert q.centre.dtype == jnp.bfloat16
-    np.testing.assert_allclose(q.centre.astype(jnp.float32), [np.sqrt(big * small)], rtol=2**-8)
+    assert q.centre.dtype == jnp.bfloat16  # sqrt(big * small) rounded to a power of two: 2**-13.29 -> 2**-13
+    assert float(q.centre[0]) == 2.0**-13
     assert float(blockwise.dequantize(q)[0, -1]) == 0.0
+
+
+def test_dre_parameters_from_bits_track_coat():
+    """k and the centre come from the bit patterns by integer arithmetic (`numerics.expansion_params`): on blocks of
+    every range (max / min from 1 to ~1e30), 16 k is COAT's floor(16 log2(448**2 / 2) / log2(max / min)) or one more
+    (the fixed-point log2 is up to ~2**-11 low), nearly always equal; the centre is a power of two whose log2 is
+    within 0.6 of log2 sqrt(max min)."""
+    rng = np.random.default_rng(0)
+    n = 4096
+    x = 10.0 ** (rng.uniform(-30, 0, (n, 1)) + rng.uniform(0, 3, (n, 1)) ** rng.uniform(0.3, 2.5, (n, 1))
+                 * rng.uniform(0, 1, (n, 128)))
+    x = (x * rng.choice([-1, 1], x.shape)).astype(np.float32)
+    steps, centre, _ = (np.asarray(a) for a in jax.jit(numerics.expansion_params)(jnp.asarray(x)))
+    a = np.abs(x).astype(np.float64)
+    big, small = a.max(axis=1), a.min(axis=1)
+    with np.errstate(divide="ignore"):
+        coat = np.clip(np.floor(16 * np.log2(448.0**2 / 2) / np.log2(big / small)), 1, 255)
+    assert np.isin(steps - coat, [0, 1]).all() and np.mean(steps == coat) > 0.99
+    assert (np.frexp(centre)[0] == 0.5).all() and (np.abs(np.log2(centre / np.sqrt(big * small))) <= 0.6).all()
 
 
 def _mean_rel_err(fmt, x):
