@@ -13,7 +13,8 @@
 # device copy's .git can be stale (benchmarks/NOTES.md, device-time lessons).
 #
 # Steps: tests-kernels (the GPU-relevant kernel tests, compiled), tests-optim (fused AdamW GPU tests, all run: no
-# -x), sr-cost (benchmarks/sr_cost.py: what stochastic rounding costs the quantize kernel), quantize (kernels.py
+# -x), sr-cost (benchmarks/sr_cost.py: what stochastic rounding costs the quantize kernel; sr-tests: the quantize
+# kernel's and stochastic rounding's tests, compiled), quantize (kernels.py
 # quantize), swiglu-tests / swiglu-kernels (the fused SwiGLU kernels' tests compiled; kernels.py swiglu), gemm
 # (kernels.py gemm), matmul (A.B^T at 8192), linear (with the torch peer), train (the
 # 1.1B table with the torch peer), train-qjax (the 1.1B table without the peer), train-sr (bf16, int8_rowwise and
@@ -101,6 +102,8 @@ step_command() {
         tests-kernels) echo "python3 -m pytest -x -q -p no:cacheprovider tests/kernels" ;;
         tests-optim) echo "python3 -m pytest -q -p no:cacheprovider -m gpu tests/optim/test_fused_kernel.py" ;;
         sr-cost) echo "python3 benchmarks/sr_cost.py" ;;
+        sr-tests) echo "python3 -m pytest -x -q -p no:cacheprovider tests/kernels/test_quantize_mgpu.py" \
+                       "tests/test_stochastic.py tests/test_quantize.py" ;;
         adam-sr-diag) echo "env MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp XLA_FLAGS=--xla_dump_to=/tmp/adam_xla" \
                           "python3 -m pytest -q -s -p no:cacheprovider -m gpu -k diagnosis" \
                           "tests/optim/test_fused_kernel.py" ;;

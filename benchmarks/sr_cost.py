@@ -3,10 +3,12 @@
     python benchmarks/sr_cost.py [--shapes 16384x2048 16384x5632]    # GPU; appends a table to RESULTS.md
     python benchmarks/sr_cost.py --interpret --shapes 256x256        # CPU smoke test (times meaningless)
 
-The int8 row pair (`quantize_mgpu.quantize_pair_kernel`, amax + tile kernels, both sides stochastic) is timed with
-`qjax.stochastic.hash_uint32` swapped at trace time for cheaper mixes, and with rounding to nearest, so the
-difference between rows attributes the cost: the hash, the element index, or the rounding. Only the first row
-is the library's numerics; the others exist to be timed.
+The int8 row pair (`quantize_mgpu.quantize_pair_kernel`, amax + tile kernels, both sides stochastic, as
+int8_dataflow quantizes the gradients) is timed with rounding to nearest, with the library's stochastic rounding
+(`stochastic.paired_bits`: one hash per two elements), and with the kernel's bits swapped at trace time for
+variants that exist only to be timed: one hash per element (the library's bits before issue 28), and paired bits
+with the hash replaced by index ^ seed (no mixing: what any cheaper hash could at most save). The differences
+between rows attribute SR's cost to the hash, the element index and the rounding.
 """
 
 import argparse
@@ -14,30 +16,39 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import common
 from qjax import stochastic
 from qjax.kernels import quantize_mgpu, resolve_interpret
 from qjax.qtensor import QuantSpec
 
-_LIBRARY_HASH = stochastic.hash_uint32
+_LIBRARY_BITS, _LIBRARY_HASH = quantize_mgpu._paired_bits, stochastic.hash_uint32
 
 
-def _one_multiply(seed, index):
-    v = (jnp.asarray(index, jnp.uint32) ^ jnp.asarray(seed, jnp.uint32)) * jnp.uint32(0x9E3779B1)
-    return v ^ (v >> 16)
+def _element_bits(seed, row0, col0, n_cols, shape):
+    """One hash per element, of its row-major index (the kernel's bits before issue 28)."""
+    n_rows, n_chunk_cols = shape
+    row_starts = (plgpu.broadcasted_iota(jnp.uint32, (n_rows,), 0, layout=quantize_mgpu._ROWS) + row0) * jnp.uint32(
+        n_cols)
+    cols = plgpu.broadcasted_iota(jnp.uint32, (n_chunk_cols,), 0, layout=quantize_mgpu._COLS) + col0
+    index = quantize_mgpu._broadcast_rows(row_starts, shape) + plgpu.layout_cast(
+        lax.broadcast_in_dim(cols, shape, (1,)), quantize_mgpu._LAYOUT)
+    return stochastic.hash_uint32(seed, index)
 
 
 def _no_mix(seed, index):
     return jnp.asarray(index, jnp.uint32) ^ jnp.asarray(seed, jnp.uint32)
 
 
-def _seed_only(seed, index):  # the index is dead code: the rounding alone
-    return jnp.broadcast_to(jnp.asarray(seed, jnp.uint32) * jnp.uint32(0x9E3779B1), jnp.shape(index))
-
-
-HASHES = {"library hash (lowbias32 x 2)": _LIBRARY_HASH, "one multiply + xorshift": _one_multiply,
-          "index ^ seed (no mixing)": _no_mix, "seed only (no index)": _seed_only}
+# name -> (row spec stochastic, col spec stochastic, the kernel's bits function, the hash it calls)
+CASES = {
+    "round to nearest": (False, False, _LIBRARY_BITS, _LIBRARY_HASH),
+    "SR, paired bits (library: 1 hash / 2 elements)": (True, True, _LIBRARY_BITS, _LIBRARY_HASH),
+    "SR, 1 hash / element (before issue 28)": (True, True, _element_bits, _LIBRARY_HASH),
+    "SR, paired bits, index ^ seed (no mixing)": (True, True, _LIBRARY_BITS, _no_mix),
+}
 
 
 def main():
@@ -52,37 +63,37 @@ def main():
         sys.exit("the benchmark needs a Hopper GPU (or --interpret with small --shapes, e.g. 256x256)")
     interpret = resolve_interpret(args.interpret)
 
-    def seconds(fn, inputs):
-        return common.batched_seconds(fn, inputs, args.rounds, args.calls)
-
     seed = jnp.uint32(7)
-    nearest, sr = QuantSpec("int8", "row"), QuantSpec("int8", "row", stochastic=True)
-    lines = ["| x | int8 row pair (amax + tile kernels) | us | vs nearest |", "|---|---|---:|---:|"]
+    lines = ["| x | int8 row pair (amax + tile kernels) | us | vs nearest | vs 1 hash / element |",
+             "|---|---|---:|---:|---:|"]
     for shape in args.shapes:
         m, k = (int(d) for d in shape.split("x"))
         x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
         xs = [x + jnp.bfloat16(i) for i in range(args.batch)]
-        cases = [("round to nearest", nearest, nearest, _LIBRARY_HASH)]
-        cases += [(f"SR both sides, {name}", sr, sr, fn) for name, fn in HASHES.items()]
-        cases += [("SR row side only, library hash", sr, nearest, _LIBRARY_HASH),
-                  ("SR column side only, library hash", nearest, sr, _LIBRARY_HASH)]
-        base = None
-        for name, row_spec, col_spec, hash_fn in cases:
-            stochastic.hash_uint32 = hash_fn  # read by the kernel's trace (quantize_mgpu._codes)
-            quantize_mgpu._tile_call.clear_cache()  # a jit of static args: drop the trace of the previous hash
+        times = {}
+        for name, (row_sr, col_sr, bits_fn, hash_fn) in CASES.items():
+            row_spec = QuantSpec("int8", "row", stochastic=row_sr)
+            col_spec = QuantSpec("int8", "row", stochastic=col_sr)
+            quantize_mgpu._paired_bits, stochastic.hash_uint32 = bits_fn, hash_fn  # read by the kernel's trace
+            quantize_mgpu._tile_call.clear_cache()  # a jit of static args: drop the previous variant's trace
             try:
                 fn = lambda x, r=row_spec, c=col_spec: quantize_mgpu.quantize_pair_kernel(
                     x, r, c, seed, seed, interpret=interpret)
-                t = seconds(fn, xs)
+                times[name] = common.batched_seconds(fn, xs, args.rounds, args.calls)
+            except Exception as e:  # one variant failing to lower must not cost the other rows
+                print(f"| {shape} | {name} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
             finally:
-                stochastic.hash_uint32 = _LIBRARY_HASH
-            base = base or t
-            lines.append(f"| {shape} | {name} | {t * 1e6:.1f} | {t / base:.2f}x |")
+                quantize_mgpu._paired_bits, stochastic.hash_uint32 = _LIBRARY_BITS, _LIBRARY_HASH
+                quantize_mgpu._tile_call.clear_cache()
+        nearest, before = times.get("round to nearest"), times.get("SR, 1 hash / element (before issue 28)")
+        for name, t in times.items():
+            ratio = lambda base: f"{t / base:.2f}x" if base else "n/a"
+            lines.append(f"| {shape} | {name} | {t * 1e6:.1f} | {ratio(nearest)} | {ratio(before)} |")
             print(lines[-1], flush=True)
     report = "\n".join(lines) + "\n\n" + (
         f"One jit of {args.batch} calls on distinct inputs, {args.calls} back to back, median of {args.rounds}, per "
-        "call. Rows other than the first two swap `stochastic.hash_uint32` for a cheaper mix (not the library's "
-        "numerics) to attribute the stochastic-rounding cost.")
+        "call; both sides of the SR rows round stochastically. Only the first two rows are the library's numerics; "
+        "the others swap the kernel's bits at trace time to attribute the cost (benchmarks/sr_cost.py).")
     if not args.interpret:
         common.append_results("Stochastic rounding cost in the quantize kernel", report + "\n")
 

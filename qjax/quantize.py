@@ -8,7 +8,7 @@ are quantized in the layout the GEMM reads them: shape (..., R, K) with K, the c
   scale = max(amax / fmt.max, f32 tiny); 1 where amax == 0; optionally rounded *up* to a power of two
           (MX "1x32": that rounded-up E8M0 scale, RCEIL; or in FLOOR mode 2^(floor(log2 amax) - emax),
           `numerics.e8m0_floor_scale_from_amax`)
-  code  = cast(round(x * (1 / scale)))           round = half-to-even, or stochastic (qjax.stochastic)
+  code  = cast(round(x * (1 / scale)))           round = half-to-even, or stochastic (`qjax.stochastic.paired_bits`)
 
 NaN or Inf in a block makes that block's scale NaN or Inf, so all its dequantized values (and any GEMM output that
 reads them) are non-finite: bad inputs stay visible. All-zero blocks get scale 1 and codes 0.
@@ -74,7 +74,7 @@ def quantize_with_seed(x: jax.Array, spec: QuantSpec, seed: jax.Array | None, op
     if spec.stochastic:
         if seed is None:
             raise ValueError("stochastic rounding needs a key (or seed)")
-        y = stochastic.round_to_grid(y, fmt, stochastic.element_bits(seed, y.shape))
+        y = stochastic.round_to_grid(y, fmt, stochastic.paired_bits(seed, y.shape))  # one hash per two elements
     elif fmt.is_integer:
         y = jnp.round(y)  # half to even
     return QTensor(formats.saturating_cast(y, fmt), scale, spec.granularity)

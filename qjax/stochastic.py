@@ -12,6 +12,18 @@ Rounding to a grid with spacing `ulp` at |y|: floor(|y| / ulp + uniform) * ulp, 
 within 2**-23 of a grid step: E[result] = y exactly where |y| / ulp has at most 23 fraction bits (every y of a
 coarser format), else within 2**-23 * ulp.
 
+Paired bits (`paired_bits`, the quantizers' gradients: `qjax.quantize`, `qjax.kernels.quantize_mgpu`): one hash
+per two elements, each taking 16 of its bits, which halves the hashing, most of a stochastic quantize kernel's
+extra time (benchmarks/NOTES.md). In every aligned run of 128 elements (row-major), elements c and c + 64 share the word
+hash_uint32(seed, 64 * run + c): c takes its low half, c + 64 its high half, each placed in the top 16 bits with the
+low 16 zero, so `uniform_from_bits` gives k * 2**-16, k uniform in [0, 2**16). Unbiased to within 2**-16 of a grid
+step (exact where |y| / ulp has at most 16 fraction bits): plenty for 8-bit grids. The two halves of a word are
+independent bits of a well-mixed hash. The runs of 128 match the kernels' 128-wide tiles, whose register layout
+gives elements c and c + 64 of a row to one thread (`pair_bits` joins the halves without moving data); word
+indices wrap above 2**33 elements. `stochastic_round` and the optimizer's bfloat16 parameters (`qjax.optim.sr_params`)
+keep one hash per element (`element_bits`): bfloat16's rounding reads the low 16 bits (`truncate_to_bf16_grid`),
+which paired bits leave zero, so paired bits are for 8-bit formats only.
+
 `round_to_grid` is the reference (plain jnp, which XLA fuses best); `stochastic_codes` is the same rounding and cast
 with kernel-safe ops (`qjax.numerics`), bit-identical, for kernels.
 """
@@ -58,6 +70,27 @@ def element_bits(seed: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:
     for d in shape:
         size *= d
     return hash_uint32(seed, lax.iota(jnp.uint32, size).reshape(shape))
+
+
+PAIR_RUN = 128  # elements per run of paired bits: element c and c + PAIR_RUN // 2 share one hash
+
+
+def pair_bits(words: jnp.ndarray) -> jnp.ndarray:
+    """uint32 hash words (..., 64) -> bits (..., 128) of the run they cover: word c's low half (shifted to the top)
+    for element c, its high half for element c + 64; the low 16 bits of each are zero (`paired_bits`)."""
+    return jnp.concatenate([words << jnp.uint32(16), words & jnp.uint32(0xFFFF0000)], axis=-1)
+
+
+def paired_bits(seed: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:
+    """Random bits for every element of an array of `shape` (row-major), one hash per two elements (module
+    docstring): uint32 with 16 random bits on top, for `round_to_grid` / `stochastic_codes` to 8-bit formats (not
+    bfloat16, which reads the low 16 bits)."""
+    size = 1
+    for d in shape:
+        size *= d
+    runs = -(-size // PAIR_RUN)
+    words = hash_uint32(seed, lax.iota(jnp.uint32, runs * (PAIR_RUN // 2)).reshape(runs, PAIR_RUN // 2))
+    return pair_bits(words).reshape(-1)[:size].reshape(shape)
 
 
 def truncate_to_bf16_grid(y: jnp.ndarray, bits: jnp.ndarray) -> jnp.ndarray:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import qjax
-from qjax import stochastic
+from qjax import formats, stochastic
 
 KEY = jax.random.key(0)
 
@@ -115,3 +115,51 @@ def test_bad_input():
         qjax.stochastic_round(jnp.ones(3, jnp.int32), jnp.bfloat16, KEY)
     with pytest.raises(ValueError, match="unsupported quantization format"):
         qjax.stochastic_round(jnp.ones(3), jnp.float16, KEY)
+
+
+def test_paired_bits_are_one_hash_per_two_elements():
+    """Element i of each run of 128 takes the low (i % 128 < 64) or high half of hash word 64 * (i // 128) + i % 64,
+    in its top 16 bits; a shape that is no multiple of 128 is the prefix of whole runs."""
+    seed = jnp.uint32(99)
+    bits = np.asarray(stochastic.paired_bits(seed, (3, 100))).reshape(-1)
+    i = np.arange(300)
+    words = np.asarray(stochastic.hash_uint32(seed, jnp.asarray((i // 128) * 64 + i % 64, jnp.uint32)))
+    halves = np.where((i // 64) % 2 == 0, words & 0xFFFF, words >> 16)
+    np.testing.assert_array_equal(bits, (halves << 16).astype(np.uint32))
+
+
+def _correlation(a, b):
+    return float(np.corrcoef(a.astype(np.float64), b.astype(np.float64))[0, 1])
+
+
+def test_paired_uniforms_are_uniform_and_independent():
+    """The 16-bit uniforms of paired bits: multiples of 2**-16 in [0, 1), uniform in their high and low bits, and
+    uncorrelated between neighbours, the two elements of one hash word (c, c + 64), rows and seeds."""
+    shape = (512, 256)
+    u = np.asarray(jax.jit(lambda s: stochastic.uniform_from_bits(stochastic.paired_bits(s, shape)))(jnp.uint32(5)))
+    k = u * 2.0**16
+    np.testing.assert_array_equal(k, np.floor(k))
+    assert u.min() >= 0 and u.max() < 1
+    k = k.astype(np.int64).reshape(-1)
+    for values in (k >> 12, k & 15):  # top and bottom 4 of the 16 bits: chi2 with 15 degrees of freedom
+        counts = np.bincount(values, minlength=16)
+        assert ((counts - counts.mean()) ** 2 / counts.mean()).sum() < 40  # p ~ 5e-4
+    bound = 5 / np.sqrt(u.size / 2)  # 5 standard errors of a correlation of independent uniforms
+    other_seed = np.asarray(stochastic.uniform_from_bits(stochastic.paired_bits(jnp.uint32(6), shape)))
+    for a, b in ((u[:, :-1], u[:, 1:]), (u[:, :64], u[:, 64:128]), (u[:-1], u[1:]), (u, other_seed)):
+        assert abs(_correlation(a.reshape(-1), b.reshape(-1))) < bound
+
+
+@pytest.mark.parametrize("dtype, y", [(jnp.int8, 100.3), (jnp.int8, -57.77), (jnp.int8, 3 + 2.0**-20),
+                                      (jnp.float8_e4m3fn, 1.0 + 2.0**-5), (jnp.float8_e4m3fn, 0.0031),
+                                      (jnp.float8_e5m2, -300.7)])
+def test_sixteen_random_bits_are_unbiased_to_2_pow_minus_16_of_a_step(dtype, y):
+    """The expectation over all 2**16 values a paired-bits element can take is within 2**-16 of a grid step of y
+    (exact, no sampling error), on y's two neighbouring grid points."""
+    bits = jnp.arange(1 << 16, dtype=jnp.uint32) << 16
+    y = float(np.float32(y))
+    rounded = np.asarray(stochastic.round_to_grid(jnp.full(bits.shape, y), formats.get_format(dtype), bits),
+                         np.float64)
+    low, high = _neighbours(y, dtype)
+    assert set(np.unique(rounded)) <= {low, high}
+    assert abs(rounded.mean() - y) <= 2.0**-16 * (high - low)

@@ -36,8 +36,10 @@ So row/tensor granularity reads x twice; block granularities once.
 Bit-exactness: the kernel calls the reference's own numerics (`numerics.amax`, `numerics.scale_from_amax`) and
 their kernel-safe forms of rounding and casting (`numerics.cast_codes`, `stochastic.stochastic_codes`), in the
 reference's order: amax, scale, y = x * (1 / scale), round, clamp, cast. Stochastic rounding draws
-`stochastic.hash_uint32(seed, index)` with the index of the element in the quantized layout's own row-major order:
-r * K + c for the (M, K) codes, c * M + r for the (K, M) codes.
+`stochastic.paired_bits` over the quantized layout's own row-major order ((M, K) codes, or (K, M) for the
+transpose): one hash per two elements, columns c and c + 64 of a tile row, computed on the chunk's (64, 64) word
+array and joined into its (64, 128) bits by `stochastic.pair_bits` (a concatenation of registers in the WGMMA
+layout, no data movement).
 
 Shapes: M and K must be multiples of 128 (`supports` says why not otherwise). Ragged shapes are rejected rather than
 padded: padding would cost a full extra pass over x (`qjax.dispatch` runs the jnp reference for them instead).
@@ -120,21 +122,32 @@ def _broadcast_rows(values, shape):
     return plgpu.layout_cast(lax.broadcast_in_dim(values, shape, (0,)), _LAYOUT)
 
 
+def _paired_bits(seed, row0, col0, n_cols, shape):
+    """`stochastic.paired_bits` of the chunk (rows, 128) at (row0, col0) (uint32; col0 a multiple of 128) of a
+    layout with rows of n_cols (a multiple of 128): one hash for columns c and c + 64, so a thread hashes half of
+    its elements. Word of (r, c): r * n_cols / 2 + col0 / 2 + c for c < 64, built from a per-row and a per-column
+    vector (2 + 16 registers a thread) rather than from full (rows, 64) iotas, which stayed live across the tile's
+    chunks and sides."""
+    assert shape[1] == stochastic.PAIR_RUN, shape  # a chunk row is one run of paired bits
+    n_rows, n_words = shape[0], shape[1] // 2
+    word_shape = (n_rows, n_words)
+    row_starts = ((plgpu.broadcasted_iota(jnp.uint32, (n_rows,), 0, layout=_ROWS) + row0) * jnp.uint32(n_cols // 2)
+                  + (col0 >> jnp.uint32(1)))
+    cols = plgpu.broadcasted_iota(jnp.uint32, (n_words,), 0, layout=_COLS)
+    words = _broadcast_rows(row_starts, word_shape) + plgpu.layout_cast(
+        lax.broadcast_in_dim(cols, word_shape, (1,)), _LAYOUT)
+    return stochastic.pair_bits(stochastic.hash_uint32(seed, words))
+
+
 def _codes(x32, inv_rows, side: _Side, seed, row0, col0, n_cols):
     """Quantizes f32 (rows, cols) with per-row inverse scales -> codes; row0/col0: the chunk's position (uint32) in
     the quantized layout, whose row length is n_cols (for the stochastic-rounding element index)."""
     fmt = formats.get_format(side.fmt)
     y = x32 * _broadcast_rows(inv_rows, x32.shape)
     if side.stochastic:
-        # The element index from a per-row and a per-column vector (2 + 32 registers a thread) rather than from two
-        # full (rows, cols) iotas (64 + 64), which stayed live across the tile's chunks and sides.
-        n_rows, n_chunk_cols = x32.shape
-        row_starts = (plgpu.broadcasted_iota(jnp.uint32, (n_rows,), 0, layout=_ROWS) + row0) * jnp.uint32(n_cols)
-        cols = plgpu.broadcasted_iota(jnp.uint32, (n_chunk_cols,), 0, layout=_COLS) + col0
-        index = _broadcast_rows(row_starts, x32.shape) + plgpu.layout_cast(
-            lax.broadcast_in_dim(cols, x32.shape, (1,)), _LAYOUT)
         # y is finite, or NaN in a NaN block (x * 1/NaN) or an Inf block (Inf * 1/Inf = Inf * 0): never +-Inf
-        return stochastic.stochastic_codes(y, fmt, stochastic.hash_uint32(seed, index), may_be_inf=False)
+        return stochastic.stochastic_codes(y, fmt, _paired_bits(seed, row0, col0, n_cols, x32.shape),
+                                           may_be_inf=False)
     return numerics.cast_codes(y, fmt, may_be_inf=False)  # int8 rounds half to even inside cast_codes
 
 
