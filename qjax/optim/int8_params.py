@@ -24,14 +24,16 @@ NaN: a NaN in w + u makes that channel's scale NaN, so the whole channel dequant
 """
 
 import dataclasses
+import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 from flax.linen import dtypes as flax_dtypes
 
 from qjax import recipes as recipes_lib
-from qjax.optim import sr_params
+from qjax.optim import sr_params, streaming
 from qjax.quantize import QTensor, QuantSpec, quantize_with_seed
 
 _INT8_ROW = QuantSpec("int8", "row")
@@ -119,6 +121,10 @@ def weight_operands(recipe, lhs: jax.Array, weight: "Int8Param", dimension_numbe
                         "cast it to bfloat16 / float32 first")
     check_recipe(recipe)
     recipe = recipes_lib.recipe(recipe)
+    # The weight's float view (and transposed codes) are made when the layer runs, not when its params exist: the
+    # barrier on lhs keeps XLA from computing every layer's at the start of the step, all alive at once.
+    (data, scale), _ = lax.optimization_barrier(((weight.data, weight.scale), lhs))
+    weight = dataclasses.replace(weight, data=data, scale=scale)
     (_, rhs_contract), (_, rhs_batch) = dimension_numbers
     stored = (recipe.fwd is not None and recipe.fwd.rhs == _INT8_ROW and weight.ndim == 2
               and tuple(rhs_contract) == (0,) and not tuple(rhs_batch))
@@ -147,17 +153,19 @@ def dequantize_params(params, dtype=jnp.float32):
     return jax.tree.map(lambda p: p.dequantize(dtype) if _is_int8(p) else p, params, is_leaf=_is_int8)
 
 
-def int8_value_and_grad(fun, has_aux: bool = False):
+def int8_value_and_grad(fun, has_aux: bool = False, grad_dtype=jnp.float32):
     """`jax.value_and_grad(fun)` for `fun(params, *args)` whose params hold Int8Param leaves.
 
-    Gradients of Int8Param leaves are float32 arrays of the weight's shape (gradient w.r.t. the dequantized
+    Gradients of Int8Param leaves are arrays of `grad_dtype` and the weight's shape (gradient w.r.t. the dequantized
     weight); other leaves get ordinary gradients. The model must read Int8Param weights via `.dequantize()` (as
-    `Int8Dense` does).
+    `Int8Dense` does). A model that multiplies the weight in its compute dtype (qjax's models: bfloat16 by default)
+    computes the weight's gradient in that dtype: `grad_dtype` = the compute dtype holds it exactly, in half the
+    bytes of float32 (torchao's int8 weight-only training does the same).
     """
 
     def wrapped(params, *args, **kwargs):
         int8_leaves = [p for p in jax.tree.leaves(params, is_leaf=_is_int8) if _is_int8(p)]
-        deltas = [jnp.zeros(p.shape, jnp.float32) for p in int8_leaves]
+        deltas = [jnp.zeros(p.shape, grad_dtype) for p in int8_leaves]
 
         def with_deltas(float_parts, deltas):
             it = iter(deltas)
@@ -180,12 +188,22 @@ def apply_updates_int8(params, updates, key: jax.Array):
 
     Other leaves: `apply_updates_sr` semantics (bf16 rounded stochastically, float32 plainly). One seed per leaf
     from `sr_params.leaf_seeds(key, n_leaves)`, leaves in tree-flatten order with Int8Param as one leaf.
+
+    The leaves are updated in groups of about 1/`streaming.GROUPS` of the tree's elements, one group after another
+    (`streaming.sequenced`): a requantization needs its tensor's float32 sum twice (the absmax, then the rounding),
+    and XLA left alone computes every tensor's sum at once, 4 bytes per weight of temporaries beside the 1-byte
+    codes. Each leaf's result does not depend on the grouping.
     """
     leaves, treedef = jax.tree.flatten(params, is_leaf=_is_int8)
     update_leaves = treedef.flatten_up_to(updates)
     seeds = sr_params.leaf_seeds(key, len(leaves))
-    new = [quantize_int8_param(p.dequantize() + u.astype(jnp.float32), s) if _is_int8(p) else sr_params.add_sr(p, u, s)
-           for p, u, s in zip(leaves, update_leaves, seeds)]
+
+    def update(p, u, s):
+        if _is_int8(p):
+            return quantize_int8_param(p.dequantize() + u.astype(jnp.float32), s)
+        return sr_params.add_sr(p, u, s)
+
+    new = streaming.sequenced(update, list(zip(leaves, update_leaves, seeds)), [math.prod(p.shape) for p in leaves])
     return treedef.unflatten(new)
 
 
