@@ -153,6 +153,20 @@ def dequantize_params(params, dtype=jnp.float32):
     return jax.tree.map(lambda p: p.dequantize(dtype) if _is_int8(p) else p, params, is_leaf=_is_int8)
 
 
+def dequantize_like(params, grads):
+    """Int8Param leaves -> their float view in their gradient's dtype (the params an optimizer's `update` sees, e.g.
+    for weight decay); other leaves unchanged. Each view is made only once its gradient exists (a barrier): XLA
+    would otherwise compute every view at the start of the train step and keep them all through the backward pass."""
+
+    def view(p, g):
+        if not _is_int8(p):
+            return p
+        (data, scale), _ = lax.optimization_barrier(((p.data, p.scale), g))
+        return Int8Param(data, scale).dequantize(g.dtype)
+
+    return jax.tree.map(view, params, grads, is_leaf=_is_int8)
+
+
 def int8_value_and_grad(fun, has_aux: bool = False, grad_dtype=jnp.float32):
     """`jax.value_and_grad(fun)` for `fun(params, *args)` whose params hold Int8Param leaves.
 

@@ -128,10 +128,7 @@ class Optimizer(NamedTuple):
             raise ValueError("stochastic rounding of bfloat16 or int8 params needs key= (a fresh jax.random.key per "
                              "step)")
         if int8:  # AdamW sees each int8 weight in its gradient's dtype, as `init` made its states
-            is_int8 = lambda x: isinstance(x, qoptim.Int8Param)
-            floats = jax.tree.map(lambda p, g: p.dequantize(g.dtype) if is_int8(p) else p, params, grads,
-                                  is_leaf=is_int8)
-            updates, opt_state = self.tx.update(grads, opt_state, floats)
+            updates, opt_state = self.tx.update(grads, opt_state, qoptim.int8_params.dequantize_like(params, grads))
             return qoptim.apply_updates_int8(params, updates, key), opt_state
         return qoptim.apply_gradients(self.tx, grads, opt_state, params, key, param_specs)
 

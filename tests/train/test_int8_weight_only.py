@@ -47,7 +47,9 @@ def test_int8_weight_only_run_falls_and_resumes_bit_identically(token_dir, tmp_p
     assert len(kernels) == 5  # qkv, o, gate_up, down, lm_head: no float copy of any of them
     for p in kernels.values():
         assert p.data.dtype == jnp.int8 and p.scale.dtype == jnp.float32 and p.scale.shape == (1, p.shape[1])
-    assert whole.state.params["embed"]["embedding"].dtype == jnp.float32  # embeddings and norms stay float32
+    # embeddings and norms in the compute dtype; the int8 weights' AdamW states too
+    assert whole.state.params["embed"]["embedding"].dtype == jnp.bfloat16
+    assert {x.dtype for x in jax.tree.leaves(whole.state.opt_state) if x.ndim} == {jnp.dtype(jnp.bfloat16)}
 
     rows = [json.loads(line) for line in (tmp_path / "whole/metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
@@ -106,7 +108,7 @@ def test_forward_reads_the_stored_codes(token_dir, weights_quantized):
     assert weights_quantized == [qjax.recipe("fp8_tensorwise").fwd.rhs]
 
 
-def test_memory_estimate_counts_int8_params_and_float32_gradients(token_dir):
+def test_memory_estimate_counts_int8_params_and_bf16_gradients(token_dir):
     config = _int8_config(token_dir, recipe="int8_rowwise")
     task = make_task(config)
     init_state, _ = make_train_step(config, task)
@@ -116,9 +118,9 @@ def test_memory_estimate_counts_int8_params_and_float32_gradients(token_dir):
     n_kernel = sum(int(np.prod(p.shape)) for p in kernels.values())
     n_scale = sum(int(np.prod(p.scale.shape)) for p in kernels.values())
     n_float = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params)) - n_kernel - n_scale
-    assert memory._tree_bytes(abstract.params) == n_kernel + 4 * n_scale + 4 * n_float  # 1 byte per weight
-    assert estimate.gradients == 4 * (n_kernel + n_float)  # gradients of the dequantized weights, float32
-    assert estimate.state >= n_kernel + 8 * (n_kernel + n_float)  # + AdamW's float32 moments
+    assert memory._tree_bytes(abstract.params) == n_kernel + 4 * n_scale + 2 * n_float  # 1 byte per weight
+    assert estimate.gradients == 2 * (n_kernel + n_float)  # gradients of the dequantized weights, bfloat16
+    assert estimate.state >= n_kernel + 4 * (n_kernel + n_float)  # + AdamW's bfloat16 moments
 
 
 def test_bad_inputs_raise(token_dir):
