@@ -58,6 +58,13 @@ class Int8Param:
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return (self.data.astype(jnp.float32) * self.scale).astype(dtype)
 
+    def after(self, x) -> "Int8Param":
+        """This weight, readable only once `x` (any array or pytree) exists: an optimization barrier. A float view
+        made from it is computed where x is, e.g. per layer, instead of at the start of a jitted step, where XLA
+        computes every weight's view (they depend on the params only) and keeps them all alive at once."""
+        (data, scale), _ = lax.optimization_barrier(((self.data, self.scale), x))
+        return dataclasses.replace(self, data=data, scale=scale)
+
     def forward_operand(self) -> QTensor:
         """A 2-D (in, out) weight as the forward GEMM of y = x . w reads it: (out, in) int8 codes with one scale per
         row (output channel), i.e. what `qjax.quantize(w.T, QuantSpec("int8", "row"))` computes, from the stored
@@ -121,10 +128,7 @@ def weight_operands(recipe, lhs: jax.Array, weight: "Int8Param", dimension_numbe
                         "cast it to bfloat16 / float32 first")
     check_recipe(recipe)
     recipe = recipes_lib.recipe(recipe)
-    # The weight's float view (and transposed codes) are made when the layer runs, not when its params exist: the
-    # barrier on lhs keeps XLA from computing every layer's at the start of the step, all alive at once.
-    (data, scale), _ = lax.optimization_barrier(((weight.data, weight.scale), lhs))
-    weight = dataclasses.replace(weight, data=data, scale=scale)
+    weight = weight.after(lhs)  # its float view (and transposed codes) made when the layer runs
     (_, rhs_contract), (_, rhs_batch) = dimension_numbers
     stored = (recipe.fwd is not None and recipe.fwd.rhs == _INT8_ROW and weight.ndim == 2
               and tuple(rhs_contract) == (0,) and not tuple(rhs_batch))
@@ -158,13 +162,8 @@ def dequantize_like(params, grads):
     for weight decay); other leaves unchanged. Each view is made only once its gradient exists (a barrier): XLA
     would otherwise compute every view at the start of the train step and keep them all through the backward pass."""
 
-    def view(p, g):
-        if not _is_int8(p):
-            return p
-        (data, scale), _ = lax.optimization_barrier(((p.data, p.scale), g))
-        return Int8Param(data, scale).dequantize(g.dtype)
-
-    return jax.tree.map(view, params, grads, is_leaf=_is_int8)
+    return jax.tree.map(lambda p, g: p.after(g).dequantize(g.dtype) if _is_int8(p) else p, params, grads,
+                        is_leaf=_is_int8)
 
 
 def int8_value_and_grad(fun, has_aux: bool = False, grad_dtype=jnp.float32):
