@@ -18,7 +18,12 @@ on the int8 GEMM (`Int8Param.forward_operand`), with no requantization; other re
 
 Gradients: int8 arrays are not differentiable, so `int8_value_and_grad` differentiates with respect to the
 dequantized weight (the straight-through view used by torchao / gau-nernst int8 weight-only training) and returns a
-float32 gradient of the weight's shape in place of each `Int8Param`.
+gradient of the weight's shape in place of each `Int8Param`, in `grad_dtype` (float32 by default; the train step
+uses the model's compute dtype, which holds the bf16 GEMM's gradient exactly).
+
+Memory: a float view made from the params alone (`dequantize`) is something XLA may compute at the start of a
+jitted step and keep until it is used; `Int8Param.after(x)` makes the view wait for the value that needs it, so
+the views of a model's layers (and the optimizer's, `dequantize_like`) exist one layer / group at a time.
 
 NaN: a NaN in w + u makes that channel's scale NaN, so the whole channel dequantizes to NaN (never finite again).
 """
@@ -235,7 +240,7 @@ class Int8Dense(nn.Module):
     def __call__(self, x):
         kernel = self.param("kernel", lambda key, shape: quantize_int8_param(self.kernel_init(key, shape)),
                             (x.shape[-1], self.features))
-        y = x @ kernel.dequantize(x.dtype)
+        y = x @ kernel.after(x).dequantize(x.dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(x.dtype)
         return y
