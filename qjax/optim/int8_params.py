@@ -34,8 +34,8 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 from flax.linen import dtypes as flax_dtypes
+from jax import lax
 
 from qjax import recipes as recipes_lib
 from qjax.optim import sr_params, streaming
@@ -166,7 +166,6 @@ def dequantize_like(params, grads):
     """Int8Param leaves -> their float view in their gradient's dtype (the params an optimizer's `update` sees, e.g.
     for weight decay); other leaves unchanged. Each view is made only once its gradient exists (a barrier): XLA
     would otherwise compute every view at the start of the train step and keep them all through the backward pass."""
-
     return jax.tree.map(lambda p, g: p.after(g).dequantize(g.dtype) if _is_int8(p) else p, params, grads,
                         is_leaf=_is_int8)
 
@@ -208,9 +207,9 @@ def apply_updates_int8(params, updates, key: jax.Array):
     from `sr_params.leaf_seeds(key, n_leaves)`, leaves in tree-flatten order with Int8Param as one leaf.
 
     The leaves are updated in groups of about 1/`streaming.GROUPS` of the tree's elements, one group after another
-    (`streaming.sequenced`): a requantization needs its tensor's float32 sum twice (the absmax, then the rounding),
-    and XLA left alone computes every tensor's sum at once, 4 bytes per weight of temporaries beside the 1-byte
-    codes. Each leaf's result does not depend on the grouping.
+    (`streaming.sequenced`), so that the float32 sums a requantization reads twice (the absmax, then the rounding)
+    exist for one group at a time rather than for every tensor together. Each leaf's result does not depend on the
+    grouping.
     """
     leaves, treedef = jax.tree.flatten(params, is_leaf=_is_int8)
     update_leaves = treedef.flatten_up_to(updates)

@@ -11,7 +11,8 @@ Per device, in bytes (P params; c = bytes of the compute dtype, 2 for bfloat16):
   state        params + optimizer states, exactly: the leaves of `jax.eval_shape(init_state)` (float32 params
                4 B/param; Adam states fp32 8 B/param, 8-bit ~2, 4-bit ~1, fp8 ~2, plus their block scales)
   gradients    P x the param dtype's bytes (the compute dtype's for int8 weight-only params: their gradient is
-               that of the dequantized weight, `qjax.train.step`), plus a float32 accumulator (4 B/param) when grad_accum_steps > 1
+               that of the dequantized weight, `qjax.train.step`), plus a float32 accumulator (4 B/param) when
+               grad_accum_steps > 1
   activations  what the backward pass keeps of one micro-batch on one device, T = its tokens (micro-batch x
                seq_len, or x patches for a ViT), L = n_layers, per token and layer:
                  c x (6 dim + 2 kv_dim + 3 ffn_dim)   what a block saves for its backward (tests/models/test_ops.py
