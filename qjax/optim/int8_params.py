@@ -18,20 +18,27 @@ on the int8 GEMM (`Int8Param.forward_operand`), with no requantization; other re
 
 Gradients: int8 arrays are not differentiable, so `int8_value_and_grad` differentiates with respect to the
 dequantized weight (the straight-through view used by torchao / gau-nernst int8 weight-only training) and returns a
-float32 gradient of the weight's shape in place of each `Int8Param`.
+gradient of the weight's shape in place of each `Int8Param`, in `grad_dtype` (float32 by default; the train step
+uses the model's compute dtype, which holds the bf16 GEMM's gradient exactly).
+
+Memory: a float view made from the params alone (`dequantize`) is something XLA may compute at the start of a
+jitted step and keep until it is used; `Int8Param.after(x)` makes the view wait for the value that needs it, so
+the views of a model's layers (and the optimizer's, `dequantize_like`) exist one layer / group at a time.
 
 NaN: a NaN in w + u makes that channel's scale NaN, so the whole channel dequantizes to NaN (never finite again).
 """
 
 import dataclasses
+import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax.linen import dtypes as flax_dtypes
+from jax import lax
 
 from qjax import recipes as recipes_lib
-from qjax.optim import sr_params
+from qjax.optim import sr_params, streaming
 from qjax.quantize import QTensor, QuantSpec, quantize_with_seed
 
 _INT8_ROW = QuantSpec("int8", "row")
@@ -55,6 +62,13 @@ class Int8Param:
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return (self.data.astype(jnp.float32) * self.scale).astype(dtype)
+
+    def after(self, x) -> "Int8Param":
+        """This weight, readable only once `x` (any array or pytree) exists: an optimization barrier. A float view
+        made from it is computed where x is, e.g. per layer, instead of at the start of a jitted step, where XLA
+        computes every weight's view (they depend on the params only) and keeps them all alive at once."""
+        (data, scale), _ = lax.optimization_barrier(((self.data, self.scale), x))
+        return dataclasses.replace(self, data=data, scale=scale)
 
     def forward_operand(self) -> QTensor:
         """A 2-D (in, out) weight as the forward GEMM of y = x . w reads it: (out, in) int8 codes with one scale per
@@ -119,6 +133,7 @@ def weight_operands(recipe, lhs: jax.Array, weight: "Int8Param", dimension_numbe
                         "cast it to bfloat16 / float32 first")
     check_recipe(recipe)
     recipe = recipes_lib.recipe(recipe)
+    weight = weight.after(lhs)  # its float view (and transposed codes) made when the layer runs
     (_, rhs_contract), (_, rhs_batch) = dimension_numbers
     stored = (recipe.fwd is not None and recipe.fwd.rhs == _INT8_ROW and weight.ndim == 2
               and tuple(rhs_contract) == (0,) and not tuple(rhs_batch))
@@ -147,17 +162,27 @@ def dequantize_params(params, dtype=jnp.float32):
     return jax.tree.map(lambda p: p.dequantize(dtype) if _is_int8(p) else p, params, is_leaf=_is_int8)
 
 
-def int8_value_and_grad(fun, has_aux: bool = False):
+def dequantize_like(params, grads):
+    """Int8Param leaves -> their float view in their gradient's dtype (the params an optimizer's `update` sees, e.g.
+    for weight decay); other leaves unchanged. Each view is made only once its gradient exists (a barrier): XLA
+    would otherwise compute every view at the start of the train step and keep them all through the backward pass."""
+    return jax.tree.map(lambda p, g: p.after(g).dequantize(g.dtype) if _is_int8(p) else p, params, grads,
+                        is_leaf=_is_int8)
+
+
+def int8_value_and_grad(fun, has_aux: bool = False, grad_dtype=jnp.float32):
     """`jax.value_and_grad(fun)` for `fun(params, *args)` whose params hold Int8Param leaves.
 
-    Gradients of Int8Param leaves are float32 arrays of the weight's shape (gradient w.r.t. the dequantized
+    Gradients of Int8Param leaves are arrays of `grad_dtype` and the weight's shape (gradient w.r.t. the dequantized
     weight); other leaves get ordinary gradients. The model must read Int8Param weights via `.dequantize()` (as
-    `Int8Dense` does).
+    `Int8Dense` does). A model that multiplies the weight in its compute dtype (qjax's models: bfloat16 by default)
+    computes the weight's gradient in that dtype: `grad_dtype` = the compute dtype holds it exactly, in half the
+    bytes of float32 (torchao's int8 weight-only training does the same).
     """
 
     def wrapped(params, *args, **kwargs):
         int8_leaves = [p for p in jax.tree.leaves(params, is_leaf=_is_int8) if _is_int8(p)]
-        deltas = [jnp.zeros(p.shape, jnp.float32) for p in int8_leaves]
+        deltas = [jnp.zeros(p.shape, grad_dtype) for p in int8_leaves]
 
         def with_deltas(float_parts, deltas):
             it = iter(deltas)
@@ -180,12 +205,22 @@ def apply_updates_int8(params, updates, key: jax.Array):
 
     Other leaves: `apply_updates_sr` semantics (bf16 rounded stochastically, float32 plainly). One seed per leaf
     from `sr_params.leaf_seeds(key, n_leaves)`, leaves in tree-flatten order with Int8Param as one leaf.
+
+    The leaves are updated in groups of about 1/`streaming.GROUPS` of the tree's elements, one group after another
+    (`streaming.sequenced`), so that the float32 sums a requantization reads twice (the absmax, then the rounding)
+    exist for one group at a time rather than for every tensor together. Each leaf's result does not depend on the
+    grouping.
     """
     leaves, treedef = jax.tree.flatten(params, is_leaf=_is_int8)
     update_leaves = treedef.flatten_up_to(updates)
     seeds = sr_params.leaf_seeds(key, len(leaves))
-    new = [quantize_int8_param(p.dequantize() + u.astype(jnp.float32), s) if _is_int8(p) else sr_params.add_sr(p, u, s)
-           for p, u, s in zip(leaves, update_leaves, seeds)]
+
+    def update(p, u, s):
+        if _is_int8(p):
+            return quantize_int8_param(p.dequantize() + u.astype(jnp.float32), s)
+        return sr_params.add_sr(p, u, s)
+
+    new = streaming.sequenced(update, list(zip(leaves, update_leaves, seeds)), [math.prod(p.shape) for p in leaves])
     return treedef.unflatten(new)
 
 
@@ -204,7 +239,7 @@ class Int8Dense(nn.Module):
     def __call__(self, x):
         kernel = self.param("kernel", lambda key, shape: quantize_int8_param(self.kernel_init(key, shape)),
                             (x.shape[-1], self.features))
-        y = x @ kernel.dequantize(x.dtype)
+        y = x @ kernel.after(x).dequantize(x.dtype)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(x.dtype)
         return y

@@ -88,6 +88,24 @@ def _chunked(fn, g, mu, nu, p, extra, in_place: bool, budget: int):
     return x2.reshape(g.shape), mu, nu
 
 
+def sequenced(fn: Callable, items: Sequence[tuple], sizes: Sequence[int], budget: int | None = None) -> list:
+    """[fn(*item) for item in items], the items in consecutive groups of at most `budget` elements (`sizes`: each
+    item's; default 1/GROUPS of their sum, at least MIN_GROUP_ELEMENTS) run one group after another, as `run`
+    orders its groups: a group's inputs pass an `optimization_barrier` with the previous group's outputs."""
+    if budget is None:
+        budget = max(MIN_GROUP_ELEMENTS, -(-sum(sizes) // GROUPS))
+    out: list = [None] * len(items)
+    previous = ()
+    for group in groups(sizes, budget):
+        inputs = [items[i] for i in group]
+        if previous:  # this group's inputs exist only after the previous group's outputs
+            inputs, _ = lax.optimization_barrier((inputs, previous))
+        for i, item in zip(group, inputs, strict=True):
+            out[i] = fn(*item)
+        previous = [out[i] for i in group]
+    return out
+
+
 def run(fn: Callable, tensors: Sequence[tuple], *, in_place: bool, whole: Sequence[bool] | None = None,
         budget: int | None = None) -> list[tuple]:
     """[fn(g, mu, nu, p, offset, *extra) for (g, mu, nu, p, *extra) in tensors], streamed (module docstring).

@@ -10,8 +10,9 @@ Per device, in bytes (P params; c = bytes of the compute dtype, 2 for bfloat16):
 
   state        params + optimizer states, exactly: the leaves of `jax.eval_shape(init_state)` (float32 params
                4 B/param; Adam states fp32 8 B/param, 8-bit ~2, 4-bit ~1, fp8 ~2, plus their block scales)
-  gradients    P x the param dtype's bytes (float32 for int8 weight-only params: their gradient is that of the
-               dequantized weight), plus a float32 accumulator (4 B/param) when grad_accum_steps > 1
+  gradients    P x the param dtype's bytes (the compute dtype's for int8 weight-only params: their gradient is
+               that of the dequantized weight, `qjax.train.step`), plus a float32 accumulator (4 B/param) when
+               grad_accum_steps > 1
   activations  what the backward pass keeps of one micro-batch on one device, T = its tokens (micro-batch x
                seq_len, or x patches for a ViT), L = n_layers, per token and layer:
                  c x (6 dim + 2 kv_dim + 3 ffn_dim)   what a block saves for its backward (tests/models/test_ops.py
@@ -134,10 +135,12 @@ def device_memory_bytes(device, devices_sharing: int = 1) -> int | None:
 def estimate(config, task, abstract_state, mesh) -> Estimate:
     """The per-device estimate of a train step (module docstring) for a checked config."""
     devices = mesh.devices.size
-    # Gradients are shaped and sharded like the params (`_shape`); an int8 weight-only param's like its codes, float32.
+    # Gradients are shaped and sharded like the params (`_shape`); an int8 weight-only param's like its codes, in the
+    # compute dtype.
     is_int8 = lambda x: isinstance(x, qoptim.Int8Param)
+    compute = jnp.dtype(task.model_config.compute_dtype)
     grad_shapes = jax.tree.map(
-        lambda p: jax.ShapeDtypeStruct(p.data.shape, jnp.float32, sharding=getattr(p.data, "sharding", None))
+        lambda p: jax.ShapeDtypeStruct(p.data.shape, compute, sharding=getattr(p.data, "sharding", None))
         if is_int8(p) else p, abstract_state.params, is_leaf=is_int8)
     n_params = sum(int(np.prod(_shape(x))) for x in jax.tree.leaves(grad_shapes))
     gradients = _tree_bytes(grad_shapes) + (4 * n_params if config.grad_accum_steps > 1 else 0)

@@ -18,8 +18,9 @@ the e4m3 states) and `stochastic_rounding` (params kept in bfloat16, `config.mod
 updated with stochastic rounding by `qjax.optim.apply_gradients(..., key)`: no float32 master copy; the low-bit
 AdamWs' streamed step computes each update in float32 and rounds it once with the bits `apply_updates_sr` draws).
 Int8 weight-only params (`qjax.optim.Int8Param` leaves, `config.model.param_dtype="int8"`) go through `tx.update`:
-AdamW sees their dequantized values (its states are shaped like the weights), and `qjax.optim.apply_updates_int8`
-requantizes each with a fresh absmax and stochastic rounding.
+AdamW sees their dequantized values in their gradients' dtype (its states are shaped like the weights, in that
+dtype: the train step's compute dtype), and `qjax.optim.apply_updates_int8` requantizes each with a fresh absmax and
+stochastic rounding.
 
 Weight decay applies to every parameter with ndim >= 2 (weight matrices, and also the token embedding and the ViT's
 position embedding and class token), not to norm scales and biases, as in nanoGPT.
@@ -32,6 +33,7 @@ optimizer update, the schedule's count equals the train step, and checkpoints ho
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from qjax import optim as qoptim
@@ -108,8 +110,10 @@ class Optimizer(NamedTuple):
     schedule: optax.Schedule
     stochastic_rounding: bool = False
 
-    def init(self, params):
-        return self.tx.init(qoptim.dequantize_params(params))
+    def init(self, params, int8_dtype=jnp.float32):
+        """The optimizer state of `params`; AdamW's states of Int8Param leaves are in `int8_dtype`, the dtype of
+        their gradients (`qjax.optim.int8_value_and_grad`'s grad_dtype)."""
+        return self.tx.init(qoptim.dequantize_params(params, int8_dtype))
 
     def step(self, grads, opt_state, params, key=None, param_specs=None):
         """(grads, opt_state, params) -> (new params, new opt_state): clip, then one AdamW step.
@@ -123,8 +127,8 @@ class Optimizer(NamedTuple):
         if key is None:
             raise ValueError("stochastic rounding of bfloat16 or int8 params needs key= (a fresh jax.random.key per "
                              "step)")
-        if int8:
-            updates, opt_state = self.tx.update(grads, opt_state, qoptim.dequantize_params(params))
+        if int8:  # AdamW sees each int8 weight in its gradient's dtype, as `init` made its states
+            updates, opt_state = self.tx.update(grads, opt_state, qoptim.int8_params.dequantize_like(params, grads))
             return qoptim.apply_updates_int8(params, updates, key), opt_state
         return qoptim.apply_gradients(self.tx, grads, opt_state, params, key, param_specs)
 

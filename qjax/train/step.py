@@ -63,10 +63,17 @@ def _split_micro_batches(batch: dict, accum: int) -> dict:
     return jax.tree.map(split, batch)
 
 
+def _int8_dtype(task: Task):
+    """The dtype of int8 weight-only params' gradients and AdamW states: the model's compute dtype."""
+    return jnp.dtype(task.model_config.compute_dtype)
+
+
 def _loss_and_grads(task: Task, params, batch: dict, key: jax.Array, accum: int, mesh):
-    """Mean loss, aux metrics and gradients (params' dtypes; float32 for int8 weight-only params, with respect to
-    their dequantized values) over `batch`, in `accum` micro-batches."""
-    grad_fn = qoptim.int8_value_and_grad(task.loss, has_aux=True)  # jax.value_and_grad where no param is int8
+    """Mean loss, aux metrics and gradients (params' dtypes; the compute dtype for int8 weight-only params, with
+    respect to their dequantized values) over `batch`, in `accum` micro-batches."""
+    # jax.value_and_grad where no param is int8; int8 weights' gradients in the compute dtype the model multiplies
+    # them in (exact, half float32's bytes)
+    grad_fn = qoptim.int8_value_and_grad(task.loss, has_aux=True, grad_dtype=_int8_dtype(task))
     if accum == 1:
         (loss, aux), grads = grad_fn(params, batch, jax.random.fold_in(key, 0))
         return loss, aux, grads
@@ -123,7 +130,7 @@ def _build_train_step(config: ml_collections.FrozenConfigDict, task: Task, mesh)
     def init_state() -> TrainState:
         init_key, run_key = jax.random.split(jax.random.key(config.seed))
         params = task.init(init_key)
-        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+        return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params, _int8_dtype(task)),
                           jax.random.key_data(run_key))
 
     abstract = jax.eval_shape(init_state)

@@ -11,9 +11,11 @@ number of classes, image shape; omitted -> the preset's, which is how benchmarks
 
 `config.model.param_dtype="int8"` is INT8 weight-only training: the model is built with float32 params and `init`
 turns every projection's kernel into a `qjax.optim.Int8Param` (int8 codes + one float32 scale per output channel,
-no float copy); norms and embeddings stay float32. The model's layers take the Int8Param as it is (a recipe whose
-forward reads the weight as int8 rows runs the stored codes on the int8 GEMM); the optimizer requantizes them with
-stochastic rounding every step (`qjax.train.optimizer`).
+no float copy); norms and embeddings are kept in the model's compute dtype (bfloat16 by default) and updated with
+stochastic rounding, as `param_dtype="bfloat16"` params are. The model's layers take the Int8Param as it is (a
+recipe whose forward reads the weight as int8 rows runs the stored codes on the int8 GEMM); the optimizer requantizes
+them with stochastic rounding every step (`qjax.train.optimizer`). Their gradients and AdamW states are in the
+compute dtype too, so an int8 weight costs 1 byte where a bfloat16 one costs 2, everything else equal.
 With `config.init_from` (a Hugging Face Llama directory for "lm", ViT for "image") the shape comes from its
 config.json instead, and the params are its weights (read by `init` through a host callback, so they never become
 constants of the program). A ViT's classifier head is the checkpoint's when it has the data's number of classes;
@@ -104,8 +106,10 @@ class Task:
             params = jax.pure_callback(load, jax.eval_shape(init))
         if not self.int8_params:
             return params
+        compute = jnp.dtype(self.model_config.compute_dtype)
         return jax.tree_util.tree_map_with_path(
-            lambda path, p: int8_params.quantize_int8_param(p) if path[-1].key == "kernel" else p, params)
+            lambda path, p: int8_params.quantize_int8_param(p) if path[-1].key == "kernel" else p.astype(compute),
+            params)
 
     def loss(self, params, batch: dict, key: jax.Array) -> tuple[jax.Array, dict]:
         """(mean loss float32 (), aux dict of float32 () metrics) of `params` on one batch; `key` feeds "quant".

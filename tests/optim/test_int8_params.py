@@ -86,3 +86,16 @@ def test_flax_int8_training_tracks_fp32():
     assert losses8[-1] < 0.5 * losses8[0]
     np.testing.assert_allclose(losses8, lossesf, rtol=0.1)
     assert isinstance(p8["Int8Dense_1"]["kernel"], optim.Int8Param) and p8["Int8Dense_1"]["kernel"].data.dtype == jnp.int8
+
+
+def test_gradients_in_the_compute_dtype_are_exact():
+    """grad_dtype=bfloat16 gives the float32 gradients' values: the bf16 GEMM's gradient is bf16 already."""
+    w = int8_params.quantize_int8_param(jax.random.normal(jax.random.key(0), (64, 32)))
+    x = jax.random.normal(jax.random.key(1), (16, 64), jnp.bfloat16)
+    loss = lambda p: jnp.sum(jnp.sin((x @ p["w"].dequantize(jnp.bfloat16)).astype(jnp.float32)))
+    (v32, g32), (v16, g16) = [jax.jit(optim.int8_value_and_grad(loss, grad_dtype=d))({"w": w})
+                              for d in (jnp.float32, jnp.bfloat16)]
+    assert g16["w"].dtype == jnp.bfloat16 and g32["w"].dtype == jnp.float32
+    assert float(jnp.max(jnp.abs(g32["w"]))) > 0
+    np.testing.assert_array_equal(np.asarray(g16["w"].astype(jnp.float32)), np.asarray(g32["w"]))
+    assert v16 == v32
