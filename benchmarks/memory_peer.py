@@ -114,7 +114,8 @@ def main():
     except ImportError as e:
         print(json.dumps(dict(out, error=f"{e}; the torch peer needs torch and torchao (0.17)", oom=False)))
         sys.exit(2)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # an indexed device: set_per_process_memory_fraction refused a bare "cuda" (torch 2.11)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     out.update(torch=torch.__version__, torchao=torchao.__version__,
                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     try:
