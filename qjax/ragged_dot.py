@@ -20,8 +20,7 @@ Block-scaled operands ("1x128", "128x128", "1x32") are dequantized for the GEMM
 (`qjax.kernels.scaled_matmul.dequantize_for_gemm`); a 128x128 weight block is 128 x 128 of one expert. Quantization
 runs through `qjax.dispatch.quantize_pair` (the fused kernel where it applies). Row/tensor-scaled GEMMs run on
 `qjax.kernels.grouped_matmul_mgpu`'s kernels where the recipe's backend selects them (a Hopper GPU), block-scaled
-ones on XLA (`_grouped_gemm` is the kernels' reference), and so does the fp8 wgrad when compiled (it failed its GPU
-test). Recipe "bf16" runs JAX's Mosaic GPU grouped kernels on a Hopper GPU where the shapes tile
+ones on XLA (`_grouped_gemm` is the kernels' reference). Recipe "bf16" runs JAX's Mosaic GPU grouped kernels on a Hopper GPU where the shapes tile
 (`_bf16_kernel_ragged_dot`), `lax.ragged_dot` elsewhere; their wgrad zeroes other groups' rows by multiplying, so
 there an Inf in one group's x makes the neighbouring groups' dw NaN where lax's stays finite.
 
@@ -109,11 +108,6 @@ def _grouped_gemm(a: QTensor, b: QTensor, group_sizes, dims, group_ids, out_dtyp
     supports = (functools.partial(grouped_matmul_mgpu.supports, a, b, group_sizes, out_dtype) if rows
                 else functools.partial(grouped_matmul_mgpu.supports_contract, a, b, out_dtype))
     run_kernel, interpret = dispatch.kernel_if_supported(backend, "grouped GEMM", lambda _: supports())
-    # Compiled on the GPU the fp8 contracting (wgrad) kernel missed this function's XLA path (which may itself skip
-    # fp8 promotion there) by more than its test's tolerance (benchmarks/NOTES.md); XLA's path runs it there until
-    # the kernel's GPU test against exact sums passes. The interpreter still runs the kernel.
-    fp8 = not jnp.issubdtype(a.data.dtype, jnp.integer)
-    run_kernel = run_kernel and (rows or interpret or not fp8)
     if run_kernel:
         kernel = grouped_matmul_mgpu.grouped_matmul_kernel if rows else grouped_matmul_mgpu.grouped_contract_kernel
         return kernel(a, b, group_sizes, out_dtype, precise=precise, interpret=interpret)

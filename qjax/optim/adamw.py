@@ -208,10 +208,6 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
         mesh = _sharded_mesh(param_specs)
         run_kernel, interpret = (dispatch.kernel_mode(per_device=mesh is not None) if use_kernel
                                  else (False, False))
-        # Compiled, the kernel's range-expanded states (e4m3_dre) did not match the reference (every block's k / centre
-        # differed, benchmarks/NOTES.md; k and centre are now integer functions of max / min |x|): jnp there until the
-        # GPU tests pass (device_run.sh dre-diag, tests-optim-dre); the interpreter runs it.
-        run_kernel = run_kernel and (interpret or "e4m3_dre" not in (config.mu_format, config.nu_format))
         seeds = None if key is None else sr_params.leaf_seeds(key, len(jax.tree.leaves(params)))
         g_leaves, treedef = jax.tree.flatten(grads)
         specs = [None] * len(g_leaves) if mesh is None else treedef.flatten_up_to(param_specs)

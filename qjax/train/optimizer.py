@@ -151,8 +151,7 @@ def make_optimizer(opt, total_steps: int) -> Optimizer:
         tx = optax.adamw(**kwargs)
     elif name == "adamw_fp8":  # the fused step where it can run (module docstring)
         expand = bool(_get(opt, "dynamic_range_expansion", False))
-        # Range expansion takes the kernel once its GPU tests have passed (device_run.sh tests-optim-dre).
-        tx = qoptim.adamw_fp8(**kwargs, use_kernel=not expand, dynamic_range_expansion=expand)
+        tx = qoptim.adamw_fp8(**kwargs, use_kernel=True, dynamic_range_expansion=expand)
     elif name == "adamw_8bit":
         tx = qoptim.adamw_8bit(**kwargs, use_kernel=True)
     else:

@@ -35,12 +35,6 @@ from qjax.dispatch import on_hopper_gpu
 from qjax.kernels import grouped_matmul_mgpu as grouped
 from qjax.quantize import QuantSpec, quantize
 
-# Compiled on an H200 the fp8 contracting kernel missed its reference (XLA's ragged_dot on the codes) by more than
-# the tolerance (worst excess 4.1; benchmarks/NOTES.md): qjax.ragged_dot keeps fp8 wgrad on XLA there. The tests
-# below now compare with exact sums; not strict: a kernel that meets them shows as XPASS.
-_FP8_CONTRACT_ON_GPU = pytest.mark.xfail(on_hopper_gpu(), reason="fp8 contracting kernel mismatch when compiled",
-                                         strict=False)
-
 ragged_dot_lib = importlib.import_module("qjax.ragged_dot")  # the module (qjax.ragged_dot is the function)
 INTERPRET = not on_hopper_gpu()
 # Small tiles: several work items per group and several n-tiles per CTA at small sizes, short interpreter compiles.
@@ -281,7 +275,6 @@ def _xla_gemms(fn, *args) -> list[str]:
     return sorted(n for n in names if any(w in n for w in ("gemm", "matmul", "cublas", "triton", "cudnn")))
 
 
-@_FP8_CONTRACT_ON_GPU
 @pytest.mark.parametrize("out_dtype, sizes", [
     # one group of all the rows (the GPU's failing case), bf16 out
     (jnp.bfloat16, (0, 200, 0, 0)),
@@ -424,7 +417,7 @@ def test_kernel_at_size(code, precise):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("code", ["int8", pytest.param("e4m3", marks=_FP8_CONTRACT_ON_GPU)])
+@pytest.mark.parametrize("code", ["int8", "e4m3"])
 def test_contract_kernel_at_size(code):
     m, k, n, groups = 8192, 2048, 1408, 16
     sizes = _routed_sizes(m - 100, groups)
