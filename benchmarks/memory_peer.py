@@ -24,7 +24,7 @@ import os
 import sys
 
 from memory import memory_fraction  # this folder's, imported before it leaves sys.path below
-from torch_peer import _log, _median_ms
+from torch_peer import _log, _median_ms, lm_step
 
 # This folder's scripts (kernels.py, memory.py, ...) must not shadow the packages transformers imports.
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -70,14 +70,7 @@ def train(args, torch, device) -> dict:
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), device=device,
                            generator=torch.Generator(device=device).manual_seed(0))
     losses = []
-
-    def step():
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-
+    step = lm_step(model, optimizer, tokens, losses)
     ms = _median_ms(step, torch, device, args.warmup, args.rounds, inner=args.steps)
     first, last = losses[0].item(), losses[-1].item()
     if not (first == first and last == last) or last > first + 1.0:  # NaN, or training diverged

@@ -27,6 +27,7 @@ import sys
 import time
 
 from gpus import NO_MULTICAST, visible_gpus
+from torch_peer import lm_step
 
 VARIANTS = ("bf16", "float8_tensorwise")
 SHAPE = dict(dim=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000)  # TinyLlama 1.1B, as torch_peer.py
@@ -101,15 +102,8 @@ def run_rank(args, variant):
     generator = torch.Generator(device=device).manual_seed(rank)  # each rank its own examples
     tokens = torch.randint(0, args.vocab, (args.batch // world, args.seq), device=device, generator=generator)
     losses = []
-
-    def step():
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if precompute is not None:
-            precompute(model)  # the next forward's fp8 weight scales, one all-reduce of every weight's amax
-        losses.append(loss.detach())
+    # after each step, precompute: the next forward's fp8 weight scales, one all-reduce of every weight's amax
+    step = lm_step(model, optimizer, tokens, losses, after=precompute)
 
     def sync():
         if device.type == "cuda":

@@ -135,6 +135,22 @@ def _sync(torch, device):
         torch.cuda.synchronize(device)
 
 
+def lm_step(model, optimizer, tokens, losses: list, after=None):
+    """One causal-LM training step of a Hugging Face model on `tokens` (labels = inputs) as a closure: forward,
+    backward, optimizer step, gradients freed, then `after(model)` if given; appends the loss tensor (no sync)."""
+
+    def step():
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if after is not None:
+            after(model)
+        losses.append(loss.detach())
+
+    return step
+
+
 def _median_ms(step, torch, device, warmup, reps, inner=1):
     """Median ms of one step over `reps` samples, each `inner` steps dispatched back to back and one wait (as
     `benchmarks/common.time_ms`)."""
@@ -237,14 +253,7 @@ def bench_llama(args, torch, device):
             compiled = torch.compile(model) if args.compile else model
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
             losses = []
-
-            def step():
-                loss = compiled(input_ids=tokens, labels=tokens).loss
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                losses.append(loss.detach())
-
+            step = lm_step(compiled, optimizer, tokens, losses)
             # Throughput as a training loop sees it (steps queued back to back, one wait), and with a wait after
             # every step (adds the host's dispatch latency; what this benchmark reported before 2026-11-23).
             ms = _median_ms(step, torch, device, args.warmup, ROUNDS, inner=args.steps)
