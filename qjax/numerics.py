@@ -161,6 +161,17 @@ def cast_codes(y, fmt: formats.Format, *, may_be_inf: bool):
     return jnp.where(y == y, half_bits >> jnp.uint16(8), nan_code).astype(jnp.uint8)
 
 
+def quantize_groups(x32, fmt: formats.Format, pow2_scale: bool, broadcast):
+    """f32 (..., g) -> (codes (..., g) of fmt, scale f32 (...)): `quantize_with_seed` with one nearest-rounded scale
+    per last-axis group (granularity "row" of a (..., groups, g) view), in `qjax.quantize`'s order: amax, scale,
+    x * (1 / scale), round and cast. broadcast(values, shape) broadcasts the per-group values back along g (kernels
+    pass one that sets their register layout)."""
+    scale = scale_from_amax(amax(x32, axis=-1), fmt, pow2_scale)
+    inverse = jnp.float32(1) / scale
+    # x * 1/scale is finite, or NaN in a NaN group (and Inf * 0 in an Inf group): never +-Inf
+    return cast_codes(x32 * broadcast(inverse, x32.shape), fmt, may_be_inf=False), scale
+
+
 def _broadcast_last(values, shape):
     return values[..., None]
 

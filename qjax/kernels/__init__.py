@@ -26,3 +26,10 @@ def resolve_interpret(interpret):
     if interpret is False:
         return None
     return interpret
+
+
+def load_from_gmem(ref, layout):
+    """A GMEM ref read straight into registers in `layout`. optimized=False: Mosaic GPU's "optimized"
+    (bank-conflict-free) transfers are for SMEM; from GMEM each register is one vector load, and a warp's loads are
+    contiguous."""
+    return plgpu.load(ref, layout=layout, optimized=False)

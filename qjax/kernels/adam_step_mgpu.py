@@ -57,7 +57,7 @@ from jaxlib.mlir.dialects import arith, memref, vector
 
 from qjax import codebooks, numerics, stochastic
 from qjax.formats import BF16, FP8_STATE_FORMATS  # e4m3 states: no code table
-from qjax.kernels import resolve_interpret
+from qjax.kernels import load_from_gmem, resolve_interpret
 
 # Elements per program: chosen by the tile-size sweep recorded in benchmarks/NOTES.md.
 _TILE_ELEMENTS = 2048
@@ -199,12 +199,6 @@ def _quantize_rows(x: jax.Array, fmt: str, table):
     return codebooks.encode_unit(x / _broadcast_rows(divisor, x.shape), codebooks.get_map(fmt), table), (absmax,)
 
 
-def _load(ref, layout):
-    # optimized=False: Mosaic GPU's "optimized" (bank-conflict-free) transfers are for SMEM only; from GMEM each
-    # register is one vector load, and a warp's loads are contiguous.
-    return plgpu.load(ref, layout=layout, optimized=False)
-
-
 def _round_param(p, seed, row0, offset, runs):
     """f32 (R, B) new param -> bfloat16 by stochastic rounding with bits hash_uint32(seed, element index in the
     whole param) (the tile's first row is row0 of the (n, B) param; `adam_step_kernel` says how offset and runs
@@ -234,8 +228,9 @@ def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_ref
 
     def load_state(refs, fmt, table):
         codes_ref, *row_refs = refs
-        codes = _unpack(_load(codes_ref, _PACKED_LAYOUT), interpret) if _is_packed(fmt) else _load(codes_ref, _LAYOUT)
-        return _dequantize_rows(codes, tuple(_load(ref, _ROW_LAYOUT) for ref in row_refs), fmt, table)
+        codes = (_unpack(load_from_gmem(codes_ref, _PACKED_LAYOUT), interpret) if _is_packed(fmt)
+                 else load_from_gmem(codes_ref, _LAYOUT))
+        return _dequantize_rows(codes, tuple(load_from_gmem(ref, _ROW_LAYOUT) for ref in row_refs), fmt, table)
 
     def store_state(x, refs, fmt, table):
         codes_ref, *row_refs = refs
@@ -244,8 +239,8 @@ def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_ref
         for ref, row in zip(row_refs, rows, strict=True):
             ref[...] = row
 
-    p = _load(p_ref, _LAYOUT).astype(jnp.float32)
-    g = _load(g_ref, _LAYOUT).astype(jnp.float32)
+    p = load_from_gmem(p_ref, _LAYOUT).astype(jnp.float32)
+    g = load_from_gmem(g_ref, _LAYOUT).astype(jnp.float32)
     bc1, bc2_sqrt, step_size = coef_ref[0], coef_ref[1], coef_ref[2]
     m_old = load_state(m_refs, m_format, m_table)
     v_old = load_state(v_refs, v_format, v_table)

@@ -12,8 +12,8 @@ The backward has no kernel: `qjax.prologue.prologue_dot` restores x from the cod
 XLA, whose fusion of the two measured faster than a kernel (benchmarks/NOTES.md).
 
 The kernel calls the reference's own formulas: `numerics.rms_norm` (with per-row means and broadcasts in the
-kernel's register layout) and the quantizer's `numerics.amax`, `numerics.scale_from_amax`, `numerics.cast_codes`
-(as `kernels.quantize_mgpu` does), so codes and scales equal `prologue.save`'s bit for bit; y equals the reference
+kernel's register layout) and `numerics.quantize_groups` (the quantizer's amax, scale and cast, as the fused
+SwiGLU kernel's copy), so codes and scales equal `prologue.save`'s bit for bit; y equals the reference
 to float32 rounding (the row sums are taken in another order).
 
 Layout: x is viewed as (M, D/g, g) (a free reshape), so a group is the last axis and the group amax a reduction
@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax import formats, numerics
-from qjax.kernels import resolve_interpret
+from qjax.kernels import load_from_gmem, resolve_interpret
 from qjax.qtensor import QTensor, QuantSpec
 
 WARPS = 4  # rows per block: one per warp of the program's warpgroup
@@ -84,11 +84,6 @@ def supports(x, scale, spec: QuantSpec, group: int) -> str | None:
     if getattr(scale, "shape", None) != (d,) or not jnp.issubdtype(scale.dtype, jnp.floating):
         return f"the RMSNorm kernel needs a float scale of shape ({d},), got {getattr(scale, 'shape', None)}"
     return None
-
-
-def _load(ref, layout):
-    # optimized=False: the "optimized" transfers are SMEM layouts; from GMEM each register is one vector load.
-    return plgpu.load(ref, layout=layout, optimized=False)
 
 
 class _RowLayout:
@@ -136,12 +131,12 @@ def _run(block_step, inputs, out_type, *, rows, per_program, interpret):
     def body(*refs):
         program = lax.axis_index("program")
         scale_ref, scale_smem = refs[n_in - 1], refs[n_in + n_out]
-        scale_smem[...] = _load(scale_ref, rows.layout.reduce(0)).astype(jnp.float32)
+        scale_smem[...] = load_from_gmem(scale_ref, rows.layout.reduce(0)).astype(jnp.float32)
         step_refs = (*refs[:n_in - 1], *refs[n_in:n_in + n_out])
 
         @pl.loop(0, per_program // WARPS)
         def _(t):
-            scale32 = rows.broadcast_features(_load(scale_smem, rows.layout.reduce(0)), shape)
+            scale32 = rows.broadcast_features(load_from_gmem(scale_smem, rows.layout.reduce(0)), shape)
             block_step(scale32, pl.ds(program * per_program + t * WARPS, WARPS), *step_refs)
 
     return plgpu.kernel(body, out_type=out_type, grid=(m // per_program,), grid_names=("program",),
@@ -156,15 +151,11 @@ def _forward_call(x3, scale2, *, eps, dtype, fmt, per_program, interpret):
     fmt = formats.get_format(fmt)
 
     def block_step(scale32, block, x_ref, y_ref, codes_ref, scales_ref):
-        x32 = _load(x_ref.at[block], rows.layout).astype(jnp.float32)
+        x32 = load_from_gmem(x_ref.at[block], rows.layout).astype(jnp.float32)
         y, _ = numerics.rms_norm(x32, scale32, eps, rows.mean_rows, rows.broadcast_rows)
         y_ref[block] = y.astype(dtype)
-        # `quantize.quantize_with_seed` of the (M, G, g) view, granularity "row": amax, scale, x * (1 / scale),
-        # round, clamp, cast (x * (1 / scale) is finite or NaN: an Inf makes its group's scale Inf)
-        group_scale = numerics.scale_from_amax(numerics.amax(x32, axis=2), fmt)
-        scales_ref[block] = group_scale
-        inverse = rows.broadcast_groups(jnp.float32(1) / group_scale, x32.shape)
-        codes_ref[block] = numerics.cast_codes(x32 * inverse, fmt, may_be_inf=False)
+        # `quantize.quantize_with_seed` of the (M, G, g) view, granularity "row"
+        codes_ref[block], scales_ref[block] = numerics.quantize_groups(x32, fmt, False, rows.broadcast_groups)
 
     out_type = (jax.ShapeDtypeStruct(x3.shape, dtype), jax.ShapeDtypeStruct(x3.shape, fmt.dtype),
                 jax.ShapeDtypeStruct((m, n_groups), jnp.float32))

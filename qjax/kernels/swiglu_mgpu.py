@@ -22,8 +22,8 @@ g / 8 lanes, never across warps.
 
 Bit-exactness: the kernels call the formulas the references call: `numerics.swiglu` (SwiGLU in float32 with each
 op rounded to bf16, as XLA evaluates `jax.nn.silu(gate) * up`) and `numerics.swiglu_backward`; the saved copy
-`numerics.amax`, `numerics.scale_from_amax` and `numerics.cast_codes` (round half to even, clamp, cast), in the
-order `qjax.quantize.quantize_with_seed` applies them; the restore is code * scale rounded to bf16, as
+`numerics.quantize_groups` (amax, scale, round half to even, clamp, cast, in the order
+`qjax.quantize.quantize_with_seed` applies them); the restore is code * scale rounded to bf16, as
 `QTensor.dequantize` then `astype`. Under the CPU interpreter the kernels equal the references bit for bit;
 compiled, codes and scales are exact, h and d(gate_up) agree to the ulps of exp (Mosaic GPU's and XLA's exp may
 differ by an ulp, and XLA:GPU may fuse the bf16 steps of the reference with excess precision).
@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax import formats, numerics
-from qjax.kernels import resolve_interpret
+from qjax.kernels import load_from_gmem, resolve_interpret
 from qjax.qtensor import QTensor, QuantSpec
 
 _VECTOR = 8  # bf16 elements per lane and register: 16-byte loads
@@ -73,22 +73,6 @@ def _broadcast_groups(values, shape, layout):
     return plgpu.layout_cast(lax.broadcast_in_dim(values, shape, (0, 1)), layout)
 
 
-def quantize_groups(x32, fmt: formats.Format, pow2_scale: bool, broadcast):
-    """f32 (..., g) -> (codes (..., g) of fmt, scale f32 (...)): `quantize_with_seed` with one nearest-rounded scale
-    per last-axis group (granularity "row" of a (..., groups, g) view), in the reference's order: amax, scale,
-    x * (1 / scale), round and cast. broadcast(values, shape) broadcasts the per-group values back along g (kernels
-    pass one that sets their register layout)."""
-    scale = numerics.scale_from_amax(numerics.amax(x32, axis=-1), fmt, pow2_scale)
-    inverse = jnp.float32(1) / scale
-    # x * 1/scale is finite, or NaN in a NaN group (and Inf * 0 in an Inf group): never +-Inf
-    return numerics.cast_codes(x32 * broadcast(inverse, x32.shape), fmt, may_be_inf=False), scale
-
-
-def _load(ref, layout):
-    # optimized=False: from GMEM each register is one vector load (the "optimized" transfers are for SMEM).
-    return plgpu.load(ref, layout=layout, optimized=False)
-
-
 def _tile(m: int, c: int, group: int, elements: int) -> tuple[int, int]:
     """(TM, TC): rows and groups of a program's block, the largest that divide (m, c), keep the layout's tiling and
     hold about `elements` gate elements (at least one layout tile)."""
@@ -112,10 +96,10 @@ def _forward_call(x3, *, fmt, pow2_scale, tile, interpret):
     def body(x_ref, h_ref, codes_ref, scale_ref):
         i, j = lax.axis_index("m"), lax.axis_index("c")
         rows, halves = pl.ds(i * tm, tm), (pl.ds(j * tc, tc), pl.ds(c + j * tc, tc))
-        gate, up = (_load(x_ref.at[rows, cols], layout) for cols in halves)
+        gate, up = (load_from_gmem(x_ref.at[rows, cols], layout) for cols in halves)
         h_ref.at[rows, halves[0]][...] = numerics.swiglu(gate, up)
         for x, cols in zip((gate, up), halves):
-            codes, scale = quantize_groups(x.astype(jnp.float32), code_format, pow2_scale, broadcast)
+            codes, scale = numerics.quantize_groups(x.astype(jnp.float32), code_format, pow2_scale, broadcast)
             codes_ref.at[rows, cols][...] = codes
             scale_ref.at[rows, cols][...] = scale
 
@@ -139,12 +123,12 @@ def _backward_call(codes, scale, dh3, *, tile, interpret):
         rows, halves = pl.ds(i * tm, tm), (pl.ds(j * tc, tc), pl.ds(c + j * tc, tc))
 
         def restore(cols):  # the saved half as prologue.restore gives it: code * scale rounded to the dtype
-            values = _load(codes_ref.at[rows, cols], layout).astype(jnp.float32)
-            scales = _load(scale_ref.at[rows, cols], group_layout)
+            values = load_from_gmem(codes_ref.at[rows, cols], layout).astype(jnp.float32)
+            scales = load_from_gmem(scale_ref.at[rows, cols], group_layout)
             restored = values * _broadcast_groups(scales, values.shape, layout)
             return restored.astype(dtype).astype(jnp.float32)
 
-        dh = _load(dh_ref.at[rows, halves[0]], layout).astype(jnp.float32)
+        dh = load_from_gmem(dh_ref.at[rows, halves[0]], layout).astype(jnp.float32)
         grads = numerics.swiglu_backward(restore(halves[0]), restore(halves[1]), dh)
         for grad, cols in zip(grads, halves):
             dx_ref.at[rows, cols][...] = grad.astype(dtype)

@@ -20,7 +20,7 @@ import pytest
 
 from qjax import codebooks, dispatch, numerics, optim, stochastic
 from qjax.dispatch import on_hopper_gpu
-from qjax.kernels import adam_step_mgpu, resolve_interpret
+from qjax.kernels import adam_step_mgpu, load_from_gmem, resolve_interpret
 from qjax.optim import adam, blockwise, fused_adam, sr_params
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
@@ -422,11 +422,11 @@ def _codec_in_kernel(codes, x, map_name, interpret):
     def body(table_ref, codes_ref, x_ref, values_ref, encoded_ref):
         tile = pl.ds(lax.axis_index("program") * 4, 4)
         table = functools.partial(adam_step_mgpu._lookup, table_ref, interpret=params is not None)
-        codes = adam_step_mgpu._load(codes_ref.at[tile], adam_step_mgpu._LAYOUT)
+        codes = load_from_gmem(codes_ref.at[tile], adam_step_mgpu._LAYOUT)
         values_ref.at[tile][...] = adam_step_mgpu._dequantize_rows(codes, (jnp.ones(4, jnp.float32),), map_name,
                                                                    table)
         encoded_ref.at[tile][...] = codebooks.encode_unit(
-            adam_step_mgpu._load(x_ref.at[tile], adam_step_mgpu._LAYOUT), qmap, table)
+            load_from_gmem(x_ref.at[tile], adam_step_mgpu._LAYOUT), qmap, table)
 
     out = (jax.ShapeDtypeStruct(codes.shape, jnp.float32), jax.ShapeDtypeStruct(x.shape, jnp.uint8))
     run = plgpu.kernel(body, out_type=out, grid=(codes.shape[0] // 4,), grid_names=("program",), interpret=params)
@@ -476,7 +476,7 @@ def _check_nibbles_in_kernel(block, interpret):
 
     def body(packed_ref, codes_ref, repacked_ref):
         tile = pl.ds(lax.axis_index("program") * 4, 4)
-        codes = adam_step_mgpu._unpack(adam_step_mgpu._load(packed_ref.at[tile], adam_step_mgpu._PACKED_LAYOUT),
+        codes = adam_step_mgpu._unpack(load_from_gmem(packed_ref.at[tile], adam_step_mgpu._PACKED_LAYOUT),
                                        params is not None)
         codes_ref.at[tile][...] = codes
         repacked_ref.at[tile][...] = adam_step_mgpu._pack(codes, params is not None)
@@ -696,7 +696,7 @@ def _intermediates_in_kernel(p, g, mu, nu, coef, fmt, interpret):
     def body(coef_ref, m_table_ref, v_table_ref, p_ref, g_ref, *refs):
         state_refs, out_refs = refs[:len(m_arrays) + len(v_arrays)], refs[len(m_arrays) + len(v_arrays):]
         tile = pl.ds(lax.axis_index("program") * 4, 4)
-        load = lambda ref, layout=adam_step_mgpu._LAYOUT: adam_step_mgpu._load(ref.at[tile], layout)
+        load = lambda ref, layout=adam_step_mgpu._LAYOUT: load_from_gmem(ref.at[tile], layout)
         tables = [functools.partial(adam_step_mgpu._lookup, t, interpret=params is not None)
                   for t in (m_table_ref, v_table_ref)]
         m_old, v_old = (adam_step_mgpu._dequantize_rows(load(codes), tuple(load(r, adam_step_mgpu._ROW_LAYOUT)
@@ -812,7 +812,7 @@ def _expansion_in_kernel(x, interpret):
 
     def body(x_ref, *out_refs):
         tile = pl.ds(lax.axis_index("program") * 4, 4)
-        blocks = adam_step_mgpu._load(x_ref.at[tile], adam_step_mgpu._LAYOUT)
+        blocks = load_from_gmem(x_ref.at[tile], adam_step_mgpu._LAYOUT)
         codes, rows = adam_step_mgpu._quantize_rows(blocks, "e4m3_dre", None)
         for ref, value in zip(out_refs, (codes, *rows, *numerics.expansion_params(blocks), _smallest(blocks)),
                               strict=True):
