@@ -20,8 +20,9 @@ Block-scaled operands ("1x128", "128x128", "1x32") are dequantized for the GEMM
 (`qjax.kernels.scaled_matmul.dequantize_for_gemm`); a 128x128 weight block is 128 x 128 of one expert. Quantization
 runs through `qjax.dispatch.quantize_pair` (the fused kernel where it applies). Row/tensor-scaled GEMMs run on
 `qjax.kernels.grouped_matmul_mgpu`'s kernels where the recipe's backend selects them (a Hopper GPU), block-scaled
-ones on XLA (`_grouped_gemm` is the kernels' reference). Recipe "bf16" runs JAX's Mosaic GPU grouped kernels on a Hopper GPU where the shapes tile
-(`_bf16_kernel_ragged_dot`), `lax.ragged_dot` elsewhere; their wgrad zeroes other groups' rows by multiplying, so
+ones on XLA (`_grouped_gemm` is the kernels' reference). Recipe "bf16" runs JAX's Mosaic GPU grouped kernels
+(`qjax.kernels.grouped_bf16_mgpu`) on a Hopper GPU where the shapes tile (`_bf16_kernel_ragged_dot`),
+`lax.ragged_dot` elsewhere; their wgrad zeroes other groups' rows by multiplying, so
 there an Inf in one group's x makes the neighbouring groups' dw NaN where lax's stays finite.
 
 Rows after sum(group_sizes) (padding) are zeroed before quantization, so they neither produce output nor enter the
@@ -38,7 +39,7 @@ from jax import lax
 from qjax import dispatch
 from qjax import recipes as recipes_lib
 from qjax.dot_general import _seeds
-from qjax.kernels import grouped_matmul_mgpu
+from qjax.kernels import grouped_bf16_mgpu, grouped_matmul_mgpu
 from qjax.kernels.scaled_matmul import dequantize_for_gemm
 from qjax.numerics import INT32_SAFE_K
 from qjax.qtensor import QTensor
@@ -190,16 +191,16 @@ def _quantized_ragged_dot(recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_
 @jax.custom_vjp
 def _bf16_kernel_ragged_dot(x, w, group_sizes):
     """lax.ragged_dot of bf16 x (M, K) and w (G, K, N) on JAX's Mosaic GPU grouped kernels (all three GEMMs)."""
-    return grouped_matmul_mgpu.bf16_rows(x, w, group_sizes)
+    return grouped_bf16_mgpu.bf16_rows(x, w, group_sizes)
 
 
 def _bf16_kernel_backward(residuals, g):
     x, w, group_sizes = residuals
     valid = _rows_and_groups(x.shape[0], group_sizes)[0][:, None]
     g = jnp.where(valid, g, jnp.zeros((), g.dtype))
-    dx = grouped_matmul_mgpu.bf16_rows(g, w, group_sizes, transpose_rhs=True)
+    dx = grouped_bf16_mgpu.bf16_rows(g, w, group_sizes, transpose_rhs=True)
     # the wgrad kernel masks rows outside a group by multiplying them with 0: the padding rows must be finite
-    dw = grouped_matmul_mgpu.bf16_contract(jnp.where(valid, x, jnp.zeros((), x.dtype)), g, group_sizes)
+    dw = grouped_bf16_mgpu.bf16_contract(jnp.where(valid, x, jnp.zeros((), x.dtype)), g, group_sizes)
     return dx, dw, None
 
 
@@ -212,7 +213,7 @@ def _use_bf16_kernels(recipe: recipes_lib.Recipe, lhs, rhs, preferred_element_ty
     An optional fast path, so never an error: where they cannot run, `lax.ragged_dot` does, for any backend."""
     out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
     run_kernel, interpret = dispatch.kernel_mode(recipe.backend)
-    return run_kernel and grouped_matmul_mgpu.bf16_supports(lhs, rhs, out_dtype, interpret) is None
+    return run_kernel and grouped_bf16_mgpu.bf16_supports(lhs, rhs, out_dtype, interpret) is None
 
 
 def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, *, recipe, key=None):

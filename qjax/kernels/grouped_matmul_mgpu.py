@@ -4,18 +4,14 @@
 
   dw (G, K, N) [e] = a (K, M) [:, rows of e] . b (N, M) [:, rows of e]^T              the wgrad: rows contracted
 
-Two families:
-
-  scaled 8-bit (ours): `grouped_matmul_kernel` (rows ragged): a int8 / fp8 codes (M, K) with per-row f32 scales, b
+The scaled 8-bit kernels: `grouped_matmul_kernel` (rows ragged): a int8 / fp8 codes (M, K) with per-row f32 scales, b
     codes (G, N, K) (K-major: Hopper's 8-bit wgmma wants both operands so) with per-(group, n) f32 scales;
     `grouped_contract_kernel` (rows contracted): a (K, M) and b (N, M) codes with per-row scales. int32 (int8) or
     f32 (fp8) accumulation, scales in the epilogue as the reference multiplies them:
     out[r, n] = ((acc[r, n] * sa[r]) * sb[group(r), n]).astype(out_dtype); fp8 with `precise` sums each tile_k of
     K in a fresh accumulator and adds it in float32 (Hopper's fp8 wgmma accumulates with reduced precision). Their
-    reference is `qjax.ragged_dot._grouped_gemm` (XLA's ragged_dot on the codes, scales after it).
-  bf16 (JAX's, `bf16_rows` / `bf16_contract`): `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` (the
-    forward and dgrad shape) and `transposed_ragged_dot_mgpu.transposed_ragged_dot` (the wgrad shape, contracting
-    over each group's rows), called with the block sizes below where the shapes tile (`bf16_supports`).
+    reference is `qjax.ragged_dot._grouped_gemm` (XLA's ragged_dot on the codes, scales after it). The bf16 grouped
+    GEMMs are JAX's own kernels (`qjax.kernels.grouped_bf16_mgpu`).
 
 Scaled kernel structure: the work items are (group, m-tile) pairs: group g covers m-tiles start_g // tile_m ..
 (end_g - 1) // tile_m, so a tile that straddles groups is computed once per group, at most cdiv(M, tile_m) + G - 1
@@ -42,7 +38,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
 from qjax.kernels import resolve_interpret
 from qjax.kernels.gemm_config_mgpu import FP8, SMEM_BYTES, SMEM_MARGIN
@@ -50,9 +45,6 @@ from qjax.numerics import INT32_SAFE_K
 from qjax.qtensor import QTensor
 
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-
-# JAX's bf16 kernels: 128 x 128 output tiles, 64 of K per step (128 bytes of bf16: one 128B swizzle row), 4 stages.
-BF16_BLOCKS = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,34 +381,3 @@ def grouped_contract_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_
                             out_dtype=jnp.dtype(out_dtype), config=config or GroupedConfig(),
                             promote=precise and a.data.dtype != jnp.int8,
                             interpret=resolve_interpret(interpret))
-
-
-def bf16_supports(lhs, rhs, out_dtype, interpret: bool) -> str | None:
-    """None if `bf16_rows` and `bf16_contract` run all three GEMMs of lhs (M, K) x rhs (G, K, N) -> out_dtype
-    (forward, dgrad, wgrad), else why not."""
-    if interpret:
-        return "JAX's bf16 grouped kernels have no interpreted mode"
-    dtypes = {jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), jnp.dtype(out_dtype)}
-    if dtypes != {jnp.dtype(jnp.bfloat16)}:
-        return f"JAX's grouped kernels run here for bfloat16 operands and output only, got {sorted(map(str, dtypes))}"
-    (m, k), n = lhs.shape, rhs.shape[2]
-    tile = BF16_BLOCKS["block_m"]
-    if m % tile or k % tile or n % tile:
-        return f"M, K and N must be multiples of {tile} (no padding), got M={m}, K={k}, N={n}"
-    return None
-
-
-def bf16_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = False) -> jax.Array:
-    """JAX's grouped kernel: lhs (M, K) bf16 x rhs (G, K, N) (or (G, N, K) with transpose_rhs) -> (M, N) bf16,
-    f32 accumulation; rows >= sum(group_sizes) are 0 (the kernel leaves them unwritten)."""
-    out = ragged_dot_mgpu.ragged_dot(lhs, rhs, group_sizes=group_sizes, transpose_rhs=transpose_rhs, **BF16_BLOCKS)
-    valid = jnp.arange(lhs.shape[0]) < jnp.sum(group_sizes)
-    return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
-
-
-def bf16_contract(x: jax.Array, g: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """JAX's transposed grouped kernel: x (M, K) bf16, g (M, N) bf16 -> (G, K, N) bf16, out[e] = x[rows of e]^T .
-    g[rows of e] with f32 accumulation. It masks the rows of neighbouring groups by multiplying them with 0, so rows
-    after sum(group_sizes) must be finite (callers zero them), and an Inf in one group's rows of x makes the
-    neighbouring groups' sums NaN where lax.ragged_dot_general keeps them finite."""
-    return transposed_ragged_dot_mgpu.transposed_ragged_dot(x, g, group_sizes=group_sizes, **BF16_BLOCKS)

@@ -32,6 +32,7 @@ from jax import lax
 
 import qjax
 from qjax.dispatch import on_hopper_gpu
+from qjax.kernels import grouped_bf16_mgpu
 from qjax.kernels import grouped_matmul_mgpu as grouped
 from qjax.quantize import QuantSpec, quantize
 
@@ -357,10 +358,10 @@ def test_bad_operands():
 def test_bf16_kernels_only_where_they_tile():
     """JAX's bf16 kernels take bf16 in and out, M, K, N multiples of 128, compiled; the rest stays on XLA."""
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-    assert grouped.bf16_supports(bf16(256, 128), bf16(4, 128, 384), jnp.bfloat16, interpret=False) is None
-    assert "interpreted" in grouped.bf16_supports(bf16(256, 128), bf16(4, 128, 384), jnp.bfloat16, interpret=True)
-    assert "multiples of 128" in grouped.bf16_supports(bf16(200, 128), bf16(4, 128, 384), jnp.bfloat16, False)
-    assert "bfloat16" in grouped.bf16_supports(bf16(256, 128), bf16(4, 128, 384), jnp.float32, False)
+    assert grouped_bf16_mgpu.bf16_supports(bf16(256, 128), bf16(4, 128, 384), jnp.bfloat16, interpret=False) is None
+    assert "interpreted" in grouped_bf16_mgpu.bf16_supports(bf16(256, 128), bf16(4, 128, 384), jnp.bfloat16, interpret=True)
+    assert "multiples of 128" in grouped_bf16_mgpu.bf16_supports(bf16(200, 128), bf16(4, 128, 384), jnp.bfloat16, False)
+    assert "bfloat16" in grouped_bf16_mgpu.bf16_supports(bf16(256, 128), bf16(4, 128, 384), jnp.float32, False)
 
 
 def test_lowers_for_cuda():
@@ -391,7 +392,7 @@ def test_bf16_rows_lower_for_cuda():
     m, k, n, groups = 131072, 2048, 2816, 64
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     for transpose_rhs, rhs in ((False, bf16(groups, k, n)), (True, bf16(groups, n, k))):
-        fn = jax.jit(lambda x, w, s: grouped.bf16_rows(x, w, s, transpose_rhs=transpose_rhs))
+        fn = jax.jit(lambda x, w, s: grouped_bf16_mgpu.bf16_rows(x, w, s, transpose_rhs=transpose_rhs))
         lowered = fn.trace(bf16(m, k), rhs, jax.ShapeDtypeStruct((groups,), jnp.int32)).lower(
             lowering_platforms=("cuda",))
         assert "mosaic_gpu" in lowered.as_text()
