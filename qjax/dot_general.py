@@ -143,7 +143,9 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
       forward(lhs, rhs, seeds, rhs_q, with_residuals) -> (out, (w_res, x_res))   the forward GEMM, and (with
                  residuals) what the backward GEMMs read, quantized in their layouts; rhs_q: None, or the forward
                  GEMM's rhs already quantized (`dot_general`'s rhs_quantized; not with an FSDP `sharding`)
-      backward((w_res, x_res, seeds), g) -> (dlhs, drhs)                  dgrad and wgrad
+      backward((w_res, x_res, seeds), g) -> (dlhs, drhs)                  dgrad and wgrad; x_res: forward's, or
+                 lhs itself where a caller recomputed it instead of saving its wgrad codes (`qjax.prologue`),
+                 which backward then quantizes for wgrad as forward does (same specs and seeds)
 
     token_axes: inside `_per_device`, the mesh axes the token rows (M) of x and g are split over (module docstring).
     sharding: inside `_per_device_sharded`, how rhs (then its 2-D local shard) is split; `layout` describes the
@@ -161,15 +163,19 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
     def rhs_nk(rhs):
         return layout.rhs_nk(rhs) if sharding.fsdp is None else (rhs if layout.rhs_contract == (1,) else rhs.T)
 
+    def quantize_lhs(x, seeds, x_spec_t):
+        """x as (M, K) -> (forward codes, wgrad codes as (K, M) per x_spec_t or None), from one read of x."""
+        return quantize_both(x, _spec(fwd, "lhs"), x_spec_t, seeds[_FWD_LHS], seeds[_WGRAD_RHS],
+                             operands=("forward lhs x as (M, K)", "wgrad rhs x as (K, M), M = tokens"),
+                             row_axes=token_axes, col_axes=x_k_axes)
+
     def forward_gemm(lhs, rhs, seeds, rhs_q, with_residuals):
         """out, and (with_residuals) what the backward GEMMs read of w and x: quantized in their layouts, or the
         originals for GEMMs in high precision. Each input is quantized once for both GEMMs that read it."""
         x, w = layout.lhs_mk(lhs), rhs_nk(rhs)
         x_spec_t = _spec(wgrad, "rhs") if with_residuals else None
         w_spec_t = _spec(dgrad, "rhs") if with_residuals else None
-        xq, x_res = quantize_both(x, _spec(fwd, "lhs"), x_spec_t, seeds[_FWD_LHS], seeds[_WGRAD_RHS],
-                                  operands=("forward lhs x as (M, K)", "wgrad rhs x as (K, M), M = tokens"),
-                                  row_axes=token_axes, col_axes=x_k_axes)
+        xq, x_res = quantize_lhs(x, seeds, x_spec_t)
         w_spec = _spec(fwd, "rhs") if rhs_q is None else None
         wq, w_res = quantize_both(w, w_spec, w_spec_t, seeds[_FWD_RHS], seeds[_DGRAD_RHS],
                                   operands=("forward rhs w as (N, K)", "dgrad rhs w as (K, N)"),
@@ -211,6 +217,10 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
         if wgrad is None:
             dw = _high_precision_matmul(layout.lhs_km(x_res), _swap_last(g_mn), rhs_dtype, precision)
         else:
+            if not isinstance(x_res, QTensor):  # lhs itself, recomputed by the caller: its wgrad codes now. Both
+                # layouts from one read, the forward's dropped: the fused kernel, where the transposed layout
+                # alone runs XLA's quantization (slower on the GPU: benchmarks/NOTES.md).
+                x_res = quantize_lhs(layout.lhs_mk(x_res), seeds, _spec(wgrad, "rhs"))[1]
             dw = gemm(x_res, gq_wgrad, rhs_dtype, precise_accumulation=True)
         dx = layout.lhs_from_mk(varying(dx, vma))
         if sharding.fsdp is None:

@@ -16,9 +16,13 @@ gate and up) is saved by the op, in the compute dtype. Here the op and the GEMM 
 
 so a norm + linear saves an 8-bit copy of the norm's input beside the GEMM's 8-bit copy of its output, and
 SwiGLU + linear an 8-bit copy of gate and up. The GEMMs are those of `qjax.dot_general`
-(`dot_general.linear_parts`): same quantization, kernels and mesh path. (Recomputing y in the backward instead of
-saving its codes, as DeepSeek-V3 does for SwiGLU, saves another 8 bits per element but moves its wgrad
-quantization out of the fused quantize kernel: benchmarks/NOTES.md.)
+(`dot_general.linear_parts`): same quantization, kernels and mesh path.
+
+`Recipe.recompute_prologue_output` (opt-in) drops the GEMM's 8-bit wgrad copy of y from what is saved: the backward
+recomputes y = op.forward(x') and hands it to the GEMM's backward, which quantizes it for wgrad with the recipe's
+wgrad spec and seed (DeepSeek-V3 recomputes SwiGLU's output so). The forward is unchanged (its quantize kernel
+still writes both layouts of y from one read; the wgrad layout is then a temporary); dy, dx and dparams are the
+flag-off ones bit for bit, and wgrad reads a second rounding of y (from x', not x).
 """
 
 import dataclasses
@@ -122,19 +126,23 @@ def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *
                                             backend=recipe.backend)
         else:
             y, x_saved = op.forward(x, *params)[0], save(x, recipe.saved, recipe.saved_group)
-        out, gemm_residuals = gemm_forward(y, kernel, seeds, None, with_residuals=True)
-        return out, (x_saved, tuple(params), gemm_residuals, seeds)
+        out, (w_res, y_res) = gemm_forward(y, kernel, seeds, None, with_residuals=True)
+        y_res = None if recipe.recompute_prologue_output else y_res  # recomputed in bwd instead
+        return out, (x_saved, tuple(params), (w_res, y_res), seeds)
 
     def bwd(residuals, g):
-        x_saved, params, (w_res, y_res), seeds = residuals
-        dy, dkernel = gemm_backward((w_res, y_res, seeds), g)
+        x_saved, params, (w_res, y_res), seeds = residuals  # y_res None: y is recomputed for wgrad
         x_like = jax.ShapeDtypeStruct(g.shape[:-1] + (x.shape[-1],), x.dtype)  # x's local (per-device) shape
+        restored = lambda: restore(x_saved, x_like.shape, x_like.dtype)
         if op.backward_saved is not None and isinstance(x_saved, QTensor):
+            if y_res is None:  # the kernel below reads the codes itself; y alone is recomputed here (XLA)
+                y_res = op.forward(restored(), *params)[0]
+            dy, dkernel = gemm_backward((w_res, y_res, seeds), g)
             grads = op.backward_saved(x_saved, x_like, params, dy, backend=recipe.backend)
             # a kernel's outputs carry no per-device type: give them their inputs' (varying over `axes`)
             return (*[varying(d, axes) for d in grads], dkernel, None)
-        x_restored = restore(x_saved, x_like.shape, x_like.dtype)
-        _, op_residuals = op.forward(x_restored, *params)  # y itself is not needed: wgrad reads its saved codes
+        y, op_residuals = op.forward(restored(), *params)
+        dy, dkernel = gemm_backward((w_res, y if y_res is None else y_res, seeds), g)
         return (*op.backward(op_residuals, dy), dkernel, None)
 
     @jax.custom_vjp

@@ -60,6 +60,12 @@ class Recipe:
     saves for its backward (the norm's input, SwiGLU's gate and up) are saved quantized per `saved` (a "row"
     QuantSpec), one float32 scale per `saved_group` consecutive features (0: per row), where the model fuses that
     op with the linear layer after it (`qjax.prologue`). None: saved in the compute dtype.
+
+    recompute_prologue_output: where such a fused layer runs (needs `saved`), its backward recomputes the op's output
+    y from the saved 8-bit input and quantizes it for wgrad (the recipe's wgrad spec and seed), instead of saving y's
+    8-bit wgrad copy from the forward (DeepSeek-V3 recomputes SwiGLU's output so): one 8-bit copy of each fused op's
+    output fewer per token, for an elementwise op (and a norm's statistics) rerun and a quantize pass in the backward,
+    and a wgrad that reads a second rounding of y. Off by default.
     """
 
     name: str
@@ -69,6 +75,7 @@ class Recipe:
     backend: str = "auto"
     saved: QuantSpec | None = None
     saved_group: int = 0
+    recompute_prologue_output: bool = False
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -79,6 +86,13 @@ class Recipe:
         if isinstance(self.saved_group, bool) or not isinstance(self.saved_group, int) or self.saved_group < 0:
             raise ValueError(f"Recipe.saved_group must be an int >= 0 (0: one scale per row), got "
                              f"{self.saved_group!r}")
+        if not isinstance(self.recompute_prologue_output, bool):
+            raise TypeError(f"Recipe.recompute_prologue_output must be a bool, got "
+                            f"{self.recompute_prologue_output!r}")
+        if self.recompute_prologue_output and self.saved is None:
+            raise ValueError("Recipe.recompute_prologue_output=True applies to the fused norm / activation layers, "
+                             "which run only where the recipe saves 8-bit activations: set Recipe.saved (e.g. "
+                             "replace int8_dataflow or fp8_dataflow) or leave it False")
 
     @property
     def is_high_precision(self) -> bool:

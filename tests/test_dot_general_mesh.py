@@ -100,22 +100,26 @@ SCRIPT = textwrap.dedent("""
             close(a, b, 1e-5, name)
         print(name, "ok")
 
-    # A norm fused with its linear layer (qjax.prologue, the data-flow recipes) runs per device the same way.
+    # A norm fused with its linear layer (qjax.prologue, the data-flow recipes) runs per device the same way, also
+    # where its backward recomputes the norm's output for wgrad.
+    import dataclasses
     from qjax.models import ops
     from qjax.prologue import prologue_dot
     norm = ops.rms_norm_prologue(1e-5, jnp.float32)
     scale = 1 + 0.1 * jax.random.normal(jax.random.key(5), (256,))
-    fused = lambda x, scale, w: jnp.sum(prologue_dot(norm, x, (scale,), w, recipe="fp8_dataflow") ** 2)
-    fused_grad = jax.value_and_grad(fused, argnums=(0, 1, 2))
+    fp8_flow = qjax.recipe("fp8_dataflow")
+    for recipe in (fp8_flow, dataclasses.replace(fp8_flow, recompute_prologue_output=True)):
+        fused = lambda x, scale, w: jnp.sum(prologue_dot(norm, x, (scale,), w, recipe=recipe) ** 2)
+        fused_grad = jax.value_and_grad(fused, argnums=(0, 1, 2))
 
-    def fused_on_mesh(x, scale, w):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return fused_grad(x, scale, w)
+        def fused_on_mesh(x, scale, w):
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return fused_grad(x, scale, w)
 
-    assert "shard_map" in str(jax.make_jaxpr(fused_on_mesh)(x, scale, w))
-    got = jax.jit(fused_on_mesh, in_shardings=(shardings[0], None, None))(x, scale, w)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(unsharded(fused_grad, x, scale, w))):
-        close(a, b, 1e-5, "prologue")
+        assert "shard_map" in str(jax.make_jaxpr(fused_on_mesh)(x, scale, w))
+        got = jax.jit(fused_on_mesh, in_shardings=(shardings[0], None, None))(x, scale, w)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(unsharded(fused_grad, x, scale, w))):
+            close(a, b, 1e-5, "prologue")
     print("prologue ok")
 
     # Left to XLA (no shard_map): a leading dim that does not split evenly over the N devices, and batch dims.

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import adamw_losses, snr_db
+from jax._src.ad_checkpoint import saved_residuals
 
+import qjax
 from qjax import models
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -25,14 +27,18 @@ TOKENS = jnp.asarray(TEXT[:16 * 64].reshape(16, 64).astype(np.int32))
 FLOORS = {"int8_dataflow": 18.0, "fp8_dataflow": 13.0}
 
 
-def _value_and_grad(config, tokens):
+def _loss(config, tokens):
     model = models.Llama(config)
 
     def loss(params, key):
         logits = model.apply({"params": params}, tokens, rngs={"quant": key})
         return models.lm_loss(logits[:, :-1], tokens[:, 1:])
 
-    return jax.jit(jax.value_and_grad(loss), compiler_options=FAST_COMPILE)
+    return loss
+
+
+def _value_and_grad(config, tokens):
+    return jax.jit(jax.value_and_grad(_loss(config, tokens)), compiler_options=FAST_COMPILE)
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +97,24 @@ def test_vit_layer_norm_and_gelu_flow(recipe):
     assert abs(float(loss) / float(ref_loss) - 1) < 0.01
     for (path, ref), got in zip(jax.tree_util.tree_leaves_with_path(ref_grads), jax.tree.leaves(grads)):
         assert snr_db(ref, got) > FLOORS[recipe], jax.tree_util.keystr(path)
+
+
+def test_recomputed_prologue_outputs(params):
+    """`Recipe.recompute_prologue_output`: the same loss, gradients within the 8-bit saved copies' rounding of the
+    saved-codes ones (under remat too), and per block three 8-bit activations fewer (both norms' outputs, SwiGLU's)."""
+    saving = dataclasses.replace(CONFIG, recipe="int8_dataflow")
+    recompute = dataclasses.replace(qjax.recipe("int8_dataflow"), recompute_prologue_output=True)
+    recomputing = dataclasses.replace(CONFIG, recipe=recompute, remat=True)
+    key = jax.random.key(5)
+    loss, grads = _value_and_grad(saving, TOKENS)(params, key)
+    got_loss, got_grads = _value_and_grad(recomputing, TOKENS)(params, key)
+    assert abs(float(got_loss) / float(loss) - 1) < 1e-6  # the forward is unchanged
+    for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(got_grads)):
+        assert snr_db(want, got) > 30, jax.tree_util.keystr(path)  # measured >= 41 dB (qkv_proj)
+
+    def eight_bit_bytes(config):
+        residuals = saved_residuals(_loss(dataclasses.replace(config, remat=False), TOKENS), params, key)
+        return sum(aval.size for aval, _ in residuals if aval.dtype.itemsize == 1)
+
+    per_block = TOKENS.size * (2 * CONFIG.dim + CONFIG.ffn_dim)
+    assert eight_bit_bytes(saving) - eight_bit_bytes(recomputing) == CONFIG.n_layers * per_block
