@@ -107,6 +107,11 @@ def _fitting_stages(cfg: GroupedConfig, warpgroups: int, out_dtype) -> int:
     return (SMEM_BYTES - SMEM_MARGIN - fixed) // stage
 
 
+# The config `grouped_matmul_kernel` takes when given none (as from `qjax.ragged_dot`); benchmarks/ragged.py swaps it
+# to time configs side by side.
+DEFAULT_CONFIG = GroupedConfig()
+
+
 def check_operands(a, b, out_dtype, a_shape: str, b_shape: str, b_ndim: int) -> str | None:
     """Checks shared by both kernels: QTensors a (rows, L) and b (..., rows', L), the contracting length L last,
     codes of one family, tensor scales or one scale per row (shape (..., rows, 1))."""
@@ -387,7 +392,7 @@ def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dt
       precise: fp8 only: sum each tile_k of K in a fresh wgmma accumulator and add it to a float32 sum in
         registers (Hopper's fp8 wgmma accumulates with reduced precision; the reference then uses
         Precision.HIGHEST). Slower: each step waits for its wgmma. int8 sums are exact either way.
-      config: `GroupedConfig`; None takes its defaults.
+      config: `GroupedConfig`; None takes DEFAULT_CONFIG (GroupedConfig's defaults).
       interpret: False compiles for the GPU; True runs the Mosaic GPU interpreter (any machine).
 
     Returns:
@@ -404,5 +409,5 @@ def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dt
     a_scale = jnp.broadcast_to(a.scale.reshape(-1), (m,))
     b_scale = jnp.broadcast_to(b.scale.reshape(-1) if b.scale.ndim else b.scale, (groups * n,)).reshape(groups, n)
     return _launch(a.data, b.data, a_scale, b_scale, group_sizes.astype(jnp.int32), out_dtype=jnp.dtype(out_dtype),
-                   config=config or GroupedConfig(), promote=precise and a.data.dtype != jnp.int8,
+                   config=config or DEFAULT_CONFIG, promote=precise and a.data.dtype != jnp.int8,
                    interpret=resolve_interpret(interpret))
