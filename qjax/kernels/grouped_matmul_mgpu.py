@@ -255,45 +255,82 @@ def _rows_kernel(cfg: GroupedConfig, promote: bool, items_table, a_gmem, b_gmem,
     pl.run_scoped(scoped, **epilogue_scratch(cfg, out_gmem.dtype))
 
 
+def two_warpgroup_pipeline(cfg: GroupedConfig, promote: bool, stages: int, acc_dtype, grid, first_step, active,
+                           epilogue):
+    """The pipeline of a (2 * tile_m, tile_n) tile: a memory warpgroup TMA-loads the K steps first_step ..<
+    first_step + grid[0] of a (2 * tile_m, K) and b (tile_n, K); compute warpgroup wg, where `active`, sums
+    a[wg's tile_m-row half] . b^T (f32 in the WGMMA layout) and calls epilogue(acc) on it; an inactive one does no
+    tensor-core work. Call the result with the two GMEM refs and allocations= (from its `get_allocations`)."""
+    tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
+    transforms = (plgpu.TilingTransform((8, tile_k)), plgpu.SwizzleTransform(tile_k))
+    # Each step waits for its wgmma before the stage is released: with one wgmma left in flight (delay_release) the
+    # next tile's first loads could overwrite the last step's stage while it still reads it (the dense kernel's
+    # finding); the two compute warpgroups keep the tensor cores busy in turn instead.
+    in_specs = [plgpu.BlockSpec(block, lambda k: (0, first_step + k), transforms=transforms)
+                for block in ((2 * tile_m, tile_k), (tile_n, tile_k))]
+
+    def product(acc_ref, a_smem, b_smem):
+        @pl.when(active)
+        def _():
+            plgpu.wgmma(acc_ref, a_smem.at[pl.ds(lax.axis_index("wg") * tile_m, tile_m)], b_smem.transpose((1, 0)))
+            plgpu.wgmma_wait(0)
+
+    def accumulate_step(_, a_smem, b_smem, acc_ref):
+        product(acc_ref, a_smem, b_smem)
+        return acc_ref
+
+    def promote_step(_, a_smem, b_smem, acc):  # a fresh (zero) accumulator per tile_k, added in float32
+        def part(part_ref):
+            product(part_ref, a_smem, b_smem)
+            return part_ref[...]
+
+        return acc + pl.run_scoped(part, plgpu.ACC((tile_m, tile_n), jnp.float32))
+
+    def compute_context(run_pipeline):
+        if promote:
+            acc = run_pipeline(plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA))
+        else:
+            def accumulate(acc_ref):
+                run_pipeline(acc_ref)
+                return acc_ref[...].astype(jnp.float32)  # waits for every wgmma
+
+            acc = pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), acc_dtype))
+        pl.when(active)(lambda: epilogue(acc))
+
+    return plgpu.emit_pipeline_warp_specialized(
+        promote_step if promote else accumulate_step, grid=grid, memory_registers=40, in_specs=in_specs,
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute_context)
+
+
+def two_warpgroup_scratch(cfg: GroupedConfig, pipeline, a_ref, b_ref, out_dtype):
+    """SMEM of a two-warpgroup kernel: the pipeline's buffers and per compute warpgroup an output tile, its row and
+    column scales and their two barriers."""
+    return dict(pipeline_allocs=pipeline.get_allocations(a_ref, b_ref),
+                out_smem=plgpu.SMEM((2, cfg.tile_m, cfg.tile_n), out_dtype),
+                rs_smem=plgpu.SMEM((2, cfg.tile_m), jnp.float32), cs_smem=plgpu.SMEM((2, cfg.tile_n), jnp.float32),
+                barriers=plgpu.Barrier(num_barriers=4))
+
+
 def _rows_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, items_table, a_gmem, b_gmem, sa_gmem, sb_gmem,
                      out_gmem):
     """`_rows_kernel` with a memory warpgroup and two compute warpgroups (module docstring); the same refs, items of
     2 * tile_m rows."""
-    tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
-    wgs, cta_m = 2, 2 * cfg.tile_m
-    items, n_tiles, k_steps = items_table.shape[1], out_gmem.shape[1] // tile_n, a_gmem.shape[1] // tile_k
-    acc_dtype = jnp.int32 if a_gmem.dtype == jnp.int8 else jnp.float32
-    transforms = (plgpu.TilingTransform((8, tile_k)), plgpu.SwizzleTransform(tile_k))
-    # Each step waits for its wgmma before the stage is released: with one wgmma left in flight (delay_release) the
-    # next pair's first loads could overwrite the last step's stage while it still reads it (the dense kernel's
-    # finding); the two compute warpgroups keep the tensor cores busy in turn instead.
-    in_specs = [plgpu.BlockSpec((cta_m, tile_k), lambda k: (0, k), transforms=transforms),
-                plgpu.BlockSpec((tile_n, tile_k), lambda k: (0, k), transforms=transforms)]
-
-    def pipeline(body, compute_context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(k_steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg", num_compute_wgs=wgs,
-            max_concurrent_steps=stages, compute_context=compute_context)
-
-    def gmem_refs(group, tile, n_idx):
-        return a_gmem.at[pl.ds(tile * cta_m, cta_m), :], b_gmem.at[group, pl.ds(n_idx * tile_n, tile_n), :]
-
-    ignore = lambda *_, **__: None
-    scratch = dict(pipeline_allocs=pipeline(ignore, ignore).get_allocations(*gmem_refs(0, 0, 0)),
-                   out_smem=plgpu.SMEM((wgs, tile_m, tile_n), out_gmem.dtype),
-                   rs_smem=plgpu.SMEM((wgs, tile_m), jnp.float32), cs_smem=plgpu.SMEM((wgs, tile_n), jnp.float32),
-                   barriers=plgpu.Barrier(num_barriers=2 * wgs))
+    tile_m, tile_n, cta_m = cfg.tile_m, cfg.tile_n, 2 * cfg.tile_m
+    items, n_tiles, k_steps = items_table.shape[1], out_gmem.shape[1] // tile_n, a_gmem.shape[1] // cfg.tile_k
+    pipeline = functools.partial(two_warpgroup_pipeline, cfg, promote, stages,
+                                 jnp.int32 if a_gmem.dtype == jnp.int8 else jnp.float32, (k_steps,), 0)
+    gmem_refs = lambda group, tile, n_idx: (a_gmem.at[pl.ds(tile * cta_m, cta_m), :],
+                                            b_gmem.at[group, pl.ds(n_idx * tile_n, tile_n), :])
 
     def scoped(pipeline_allocs, out_smem, rs_smem, cs_smem, barriers):
         wg = lax.axis_index("wg")
-        half = pl.ds(wg * tile_m, tile_m)
 
         @plgpu.nd_loop((items * n_tiles,), collective_axes="sm")
         def _(loop_info):
             (lin,) = loop_info.index
             item, n_idx = plgpu.planar_snake(lin, (items, n_tiles), 1, cfg.grid_tile_width)
             group, tile, first, count = (items_table[i, item] for i in range(4))
-            # this warpgroup's rows of the item: lo ..< hi of its half
+            # this warpgroup's rows of the item: lo ..< lo + mine of its half
             lo = jnp.clip(first - wg * tile_m, 0, tile_m)
             mine = jnp.clip(first + count - wg * tile_m, 0, tile_m) - lo
             rows, cols = pl.ds(tile * cta_m + wg * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
@@ -305,46 +342,19 @@ def _rows_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, items_table
                 plgpu.commit_smem()
                 _store_rows(out_smem.at[wg], out_gmem.at[rows, cols], lo, mine)
 
-            def compute_context(run_pipeline):
-                @pl.when(mine > 0)
+            @pl.when(count > 0)
+            def _():
+                @pl.when((mine > 0) & (wg < 2))
                 def _():  # the epilogue's scales arrive while the main loop runs
                     plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem.at[wg], barriers.at[2 * wg])
                     plgpu.copy_gmem_to_smem(sb_gmem.at[group, cols], cs_smem.at[wg], barriers.at[2 * wg + 1])
 
-                if promote:
-                    acc = run_pipeline(plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA))
-                else:
-                    def accumulate(acc_ref):
-                        run_pipeline(acc_ref)
-                        return acc_ref[...].astype(jnp.float32)  # waits for every wgmma
-
-                    acc = pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), acc_dtype))
-                pl.when(mine > 0)(lambda: epilogue(acc))
-
-            def product(acc_ref, a_smem, b_smem):
-                @pl.when(mine > 0)  # a half without the item's rows does no tensor-core work
-                def _():
-                    plgpu.wgmma(acc_ref, a_smem.at[half], b_smem.transpose((1, 0)))
-                    plgpu.wgmma_wait(0)
-
-            def accumulate_step(_, a_smem, b_smem, acc_ref):
-                product(acc_ref, a_smem, b_smem)
-                return acc_ref
-
-            def promote_step(_, a_smem, b_smem, acc):  # a fresh (zero) accumulator per tile_k, added in float32
-                def part(part_ref):
-                    product(part_ref, a_smem, b_smem)
-                    return part_ref[...]
-
-                return acc + pl.run_scoped(part, plgpu.ACC((tile_m, tile_n), jnp.float32))
-
-            @pl.when(count > 0)
-            def _():
-                pipeline(promote_step if promote else accumulate_step, compute_context)(
-                    *gmem_refs(group, tile, n_idx), allocations=pipeline_allocs)
+                pipeline(mine > 0, epilogue)(*gmem_refs(group, tile, n_idx), allocations=pipeline_allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    ignore = lambda *_, **__: None
+    scratch = two_warpgroup_scratch(cfg, pipeline(True, ignore), *gmem_refs(0, 0, 0), out_gmem.dtype)
     pl.run_scoped(scoped, **scratch, collective_axes="wg")
 
 
