@@ -19,8 +19,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax.kernels import resolve_interpret
+from qjax.kernels import grouped_matmul_mgpu
 from qjax.kernels.grouped_matmul_mgpu import (GroupedConfig, apply_scales, check_operands, epilogue_scratch, pad_to,
-                                              round_up, tile_sum)
+                                              round_up, tile_sum, two_warpgroup_pipeline, two_warpgroup_scratch)
 from qjax.qtensor import QTensor
 
 
@@ -75,19 +76,72 @@ def _contract_kernel(cfg: GroupedConfig, promote: bool, steps_table, a_gmem, b_g
     pl.run_scoped(scoped, **epilogue_scratch(cfg, out_gmem.dtype))
 
 
+def _contract_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, steps_table, a_gmem, b_gmem, sa_gmem,
+                         sb_gmem, out_gmem):
+    """`_contract_kernel` with a memory warpgroup and two compute warpgroups, each one tile_m-row half of a
+    (2 * tile_m, tile_n) tile (`grouped_matmul_mgpu.two_warpgroup_pipeline`); the same refs."""
+    tile_m, tile_n, cta_m = cfg.tile_m, cfg.tile_n, 2 * cfg.tile_m
+    groups, m_tiles, n_tiles = out_gmem.shape[0], out_gmem.shape[1] // cta_m, out_gmem.shape[2] // tile_n
+    acc_dtype = jnp.int32 if a_gmem.dtype == jnp.int8 else jnp.float32
+    pipeline = functools.partial(two_warpgroup_pipeline, cfg, promote, stages, acc_dtype)
+    gmem_refs = lambda m_idx, n_idx: (a_gmem.at[pl.ds(m_idx * cta_m, cta_m), :],
+                                      b_gmem.at[pl.ds(n_idx * tile_n, tile_n), :])
+
+    def scoped(pipeline_allocs, out_smem, rs_smem, cs_smem, barriers):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((groups * m_tiles * n_tiles,), collective_axes="sm")
+        def _(loop_info):
+            (lin,) = loop_info.index
+            group_m, n_idx = plgpu.planar_snake(lin, (groups * m_tiles, n_tiles), 1, cfg.grid_tile_width)
+            group, m_idx = lax.div(group_m, m_tiles), lax.rem(group_m, m_tiles)
+            first, steps = steps_table[0, group], steps_table[1, group]
+            rows, cols = pl.ds(m_idx * cta_m + wg * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
+
+            def epilogue(acc):
+                acc = apply_scales(acc, rs_smem.at[wg], cs_smem.at[wg], barriers.at[2 * wg], barriers.at[2 * wg + 1])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has left SMEM
+                out_smem[wg] = acc.astype(out_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[group, rows, cols])
+
+            @pl.when(steps > 0)  # an empty group's tiles are left to the wrapper
+            def _():
+                @pl.when(wg < 2)
+                def _():  # the compute warpgroups' epilogue scales arrive while the main loop runs
+                    plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem.at[wg], barriers.at[2 * wg])
+                    plgpu.copy_gmem_to_smem(sb_gmem.at[cols], cs_smem.at[wg], barriers.at[2 * wg + 1])
+
+                pipeline((steps,), first, True, epilogue)(*gmem_refs(m_idx, n_idx), allocations=pipeline_allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    ignore = lambda *_, **__: None
+    # allocated for a static grid of at least `stages` steps (a shorter one would allocate fewer stages)
+    allocation_grid = (max(stages, a_gmem.shape[1] // cfg.tile_k),)
+    scratch = two_warpgroup_scratch(cfg, pipeline(allocation_grid, 0, True, ignore), *gmem_refs(0, 0),
+                                    out_gmem.dtype)
+    pl.run_scoped(scoped, **scratch, collective_axes="wg")
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "promote", "interpret"))
 def _launch_contract(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dtype, config, promote, interpret):
     (k, m), n, groups = a_codes.shape, b_codes.shape[0], group_sizes.shape[0]
-    kp, np_ = round_up(k, config.tile_m), round_up(n, config.tile_n)
+    cta_m = config.compute_warpgroups * config.tile_m
+    kp, np_ = round_up(k, cta_m), round_up(n, config.tile_n)
     source, steps = group_runs(group_sizes, m, config.tile_k)
     # tokens gathered into tile_k-aligned runs per group, zeros between them: no block mixes two groups
     runs = lambda codes: jnp.where(source >= 0, jnp.take(codes, jnp.maximum(source, 0), axis=1),
                                    jnp.zeros((), codes.dtype))
-    tiles = groups * (kp // config.tile_m) * (np_ // config.tile_n)
+    tiles = groups * (kp // cta_m) * (np_ // config.tile_n)
     num_ctas = config.num_ctas or (2 if interpret else jax.devices()[0].core_count)
-    kernel = plgpu.kernel(functools.partial(_contract_kernel, config, promote),
-                          out_type=jax.ShapeDtypeStruct((groups, kp, np_), out_dtype),
-                          grid=(min(num_ctas, tiles),), grid_names=("sm",), interpret=interpret)
+    if config.compute_warpgroups == 1:
+        body, threads = functools.partial(_contract_kernel, config, promote), {}
+    else:  # a memory warpgroup beside the two compute warpgroups
+        body = functools.partial(_contract_kernel_2wg, config, promote, config.stages(out_dtype))
+        threads = dict(num_threads=3, thread_name="wg")
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((groups, kp, np_), out_dtype),
+                          grid=(min(num_ctas, tiles),), grid_names=("sm",), interpret=interpret, **threads)
     out = kernel(steps, pad_to(runs(a_codes), (kp, source.shape[0]), 0),
                  pad_to(runs(b_codes), (np_, source.shape[0]), 0), pad_to(a_scale, (kp,), 1),
                  pad_to(b_scale, (np_,), 1))[:, :k, :n]
@@ -119,6 +173,6 @@ def grouped_contract_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_
         raise ValueError(f"grouped_contract_kernel: {reason}")
     row_scale = lambda q: jnp.broadcast_to(q.scale.reshape(-1), (q.data.shape[0],))
     return _launch_contract(a.data, b.data, row_scale(a), row_scale(b), group_sizes.astype(jnp.int32),
-                            out_dtype=jnp.dtype(out_dtype), config=config or GroupedConfig(),
+                            out_dtype=jnp.dtype(out_dtype), config=config or grouped_matmul_mgpu.DEFAULT_CONFIG,
                             promote=precise and a.data.dtype != jnp.int8,
                             interpret=resolve_interpret(interpret))
