@@ -5,14 +5,14 @@ group_sizes), then dx and dw from an upstream gradient, at DeepSeek-V3-like expe
                                           # FFN 1408: gate_up 2048 -> 2816 and down 1408 -> 2048 per expert
   python benchmarks/ragged.py --with-xla  # also XLA's bf16 lax.ragged_dot (slow on GPUs: minutes at this size)
   python benchmarks/ragged.py --small     # CPU-sized (the default when no GPU is present)
-  python benchmarks/ragged.py --warpgroups 1 2   # also rows "<recipe> 2wg": the rows kernel (forward, dgrad) with
-                                          # two compute warpgroups (GroupedConfig.compute_warpgroups), side by side
+  python benchmarks/ragged.py --warpgroups 1 2   # also rows "<recipe> 2wg": the grouped kernels (forward, dgrad,
+                                          # wgrad) with two compute warpgroups (GroupedConfig.compute_warpgroups)
 
 The rows are the (token, expert) pairs of a random top-k routing, sorted by expert (group sizes: the routing's
 counts, uneven as real routing is). Rows: "dense bf16" (one lax.dot_general of the same rows and FLOPs: what a
 grouped GEMM at full efficiency would cost, the roofline), "bf16 (XLA)" (lax.ragged_dot, with --with-xla), "bf16"
 (qjax.ragged_dot recipe "bf16": JAX's Mosaic GPU grouped kernels on a Hopper GPU, the baseline; lax.ragged_dot
-elsewhere), and qjax.ragged_dot per recipe ("<recipe> 2wg": its rows kernel with two compute warpgroups). Prints milliseconds per step and the speedup over "bf16", and appends the
+elsewhere), and qjax.ragged_dot per recipe ("<recipe> 2wg": its grouped kernels with two compute warpgroups). Prints milliseconds per step and the speedup over "bf16", and appends the
 table to benchmarks/RESULTS.md (--no-append to skip). A step's time is the median over --reps samples after warm-up,
 each --inner steps queued back to back.
 """
@@ -71,7 +71,7 @@ def main():
     parser.add_argument("--recipes", nargs="*", default=RECIPES, help="quantized recipes (others: fp8_tensorwise, "
                         "fp8_blockwise, mxfp8)")
     parser.add_argument("--warpgroups", type=int, nargs="*", default=[1], choices=[1, 2],
-                        help="compute warpgroups of the rows kernel; each other than the default 1 adds rows "
+                        help="compute warpgroups of the grouped kernels; each other than the default 1 adds rows "
                              "'<recipe> <n>wg'")
     parser.add_argument("--with-xla", action="store_true", help="also time XLA's bf16 lax.ragged_dot (slow on GPUs)")
     parser.add_argument("--reps", type=int, default=10)
@@ -99,7 +99,7 @@ def main():
             recipe, _, wgs = name.partition(" ")
             recipe = {"dense bf16": "dense", "bf16 (XLA)": None}.get(name, recipe)
             warpgroups = int(wgs[:-2]) if wgs.endswith("wg") else 1
-            # the rows kernel's config is read when the step is traced (its first, warm-up call)
+            # the grouped kernels' config is read when the step is traced (its first, warm-up call)
             config = dataclasses.replace(grouped_matmul_mgpu.DEFAULT_CONFIG, compute_warpgroups=warpgroups)
             try:  # XLA may not lower an 8-bit ragged_dot on this GPU: record that and go on
                 with mock.patch.object(grouped_matmul_mgpu, "DEFAULT_CONFIG", config):

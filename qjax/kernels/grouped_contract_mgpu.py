@@ -6,7 +6,9 @@ Pallas Mosaic GPU kernel for Hopper:
 a and b are int8 / fp8 codes with per-row f32 scales; scales in the epilogue as the reference multiplies them, fp8
 with `precise` promoted every tile_k (`grouped_matmul_mgpu`'s tile sum and epilogue). The kernel first gathers each
 group's tokens into a tile_k-aligned run (zeros between runs: one copy of the codes), so that no K block mixes
-groups, then walks (group, m-tile, n-tile) tiles, each a pipeline over its group's blocks. Its reference is
+groups, then walks (group, m-tile, n-tile) tiles, each a pipeline over its group's blocks: one warpgroup, or with
+`GroupedConfig.compute_warpgroups=2` a memory warpgroup and two compute warpgroups on (2 * tile_m, tile_n) tiles
+(`grouped_matmul_mgpu.two_warpgroup_pipeline`). Its reference is
 `qjax.ragged_dot._grouped_gemm` with the tokens as the ragged contracting dimension.
 """
 
@@ -162,7 +164,8 @@ def grouped_contract_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_
       b: QTensor, data (N, M) of the same code family, scale () or (N, 1) float32.
       group_sizes: (G,) int32, >= 0, summing to at most M (trusted).
       out_dtype: jnp.bfloat16 or jnp.float32.
-      precise, config, interpret: as in `grouped_matmul_kernel` (config.tile_m tiles K, tile_k the tokens).
+      precise, config, interpret: as in `grouped_matmul_kernel` (config.tile_m tiles K, tile_k the tokens; None
+        takes `grouped_matmul_mgpu.DEFAULT_CONFIG`).
 
     Returns:
       (G, K, N) array of out_dtype; equal to `qjax.ragged_dot._grouped_gemm` with the tokens as the ragged

@@ -64,8 +64,8 @@ class GroupedConfig:
       grid_tile_width: (item, n-tile) pairs are visited in stripes this many n-tiles wide (`plgpu.planar_snake`), so
         CTAs in flight share rows of a in L2.
       num_ctas: persistent grid size; None = number of SMs on a GPU, 2 under the interpreter.
-      compute_warpgroups: 1, or 2 for the rows kernel with a memory warpgroup and two compute warpgroups (module
-        docstring); the contracting kernel runs one.
+      compute_warpgroups: 1, or 2 for kernels with a memory warpgroup and two compute warpgroups (module
+        docstring), each owning tile_m rows of a (2 * tile_m, tile_n) tile; the contracting kernel takes it too.
     """
 
     tile_m: int = 128
@@ -107,8 +107,8 @@ def _fitting_stages(cfg: GroupedConfig, warpgroups: int, out_dtype) -> int:
     return (SMEM_BYTES - SMEM_MARGIN - fixed) // stage
 
 
-# The config `grouped_matmul_kernel` takes when given none (as from `qjax.ragged_dot`); benchmarks/ragged.py swaps it
-# to time configs side by side.
+# The config both grouped kernels take when given none (as from `qjax.ragged_dot`); benchmarks/ragged.py swaps it to
+# time configs side by side.
 DEFAULT_CONFIG = GroupedConfig()
 
 
