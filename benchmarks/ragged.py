@@ -100,9 +100,14 @@ def main():
             recipe = {"dense bf16": "dense", "bf16 (XLA)": None}.get(name, recipe)
             warpgroups = int(wgs[:-2]) if wgs.endswith("wg") else 1
             # the grouped kernels' config is read when the step is traced (its first, warm-up call)
-            config = dataclasses.replace(grouped_matmul_mgpu.DEFAULT_CONFIG, compute_warpgroups=warpgroups)
+            # (promoting fp8 GEMMs, the dgrad and wgrad, on two warpgroups take 64-row halves: registers)
+            configs = dict(DEFAULT_CONFIG=dataclasses.replace(grouped_matmul_mgpu.DEFAULT_CONFIG,
+                                                              compute_warpgroups=warpgroups),
+                           PROMOTE_CONFIG=dataclasses.replace(grouped_matmul_mgpu.PROMOTE_CONFIG,
+                                                              compute_warpgroups=warpgroups,
+                                                              **({"tile_m": 64} if warpgroups == 2 else {})))
             try:  # XLA may not lower an 8-bit ragged_dot on this GPU: record that and go on
-                with mock.patch.object(grouped_matmul_mgpu, "DEFAULT_CONFIG", config):
+                with mock.patch.multiple(grouped_matmul_mgpu, **configs):
                     ms = time_ms(make_step(recipe), data, args.warmup, reps, inner)
             except Exception as e:  # noqa: BLE001
                 ms, failures[name] = float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"

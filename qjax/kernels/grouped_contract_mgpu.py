@@ -21,9 +21,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax.kernels import resolve_interpret
-from qjax.kernels import grouped_matmul_mgpu
 from qjax.kernels.grouped_matmul_mgpu import (GroupedConfig, apply_scales, check_operands, epilogue_scratch, pad_to,
-                                              round_up, tile_sum, two_warpgroup_pipeline, two_warpgroup_scratch)
+                                              resolve_config, round_up, tile_sum, two_warpgroup_pipeline,
+                                              two_warpgroup_scratch)
 from qjax.qtensor import QTensor
 
 
@@ -164,8 +164,7 @@ def grouped_contract_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_
       b: QTensor, data (N, M) of the same code family, scale () or (N, 1) float32.
       group_sizes: (G,) int32, >= 0, summing to at most M (trusted).
       out_dtype: jnp.bfloat16 or jnp.float32.
-      precise, config, interpret: as in `grouped_matmul_kernel` (config.tile_m tiles K, tile_k the tokens; None
-        takes `grouped_matmul_mgpu.DEFAULT_CONFIG`).
+      precise, config, interpret: as in `grouped_matmul_kernel` (config.tile_m tiles K, tile_k the tokens).
 
     Returns:
       (G, K, N) array of out_dtype; equal to `qjax.ragged_dot._grouped_gemm` with the tokens as the ragged
@@ -175,7 +174,7 @@ def grouped_contract_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_
     if reason is not None:
         raise ValueError(f"grouped_contract_kernel: {reason}")
     row_scale = lambda q: jnp.broadcast_to(q.scale.reshape(-1), (q.data.shape[0],))
+    promote = precise and a.data.dtype != jnp.int8
     return _launch_contract(a.data, b.data, row_scale(a), row_scale(b), group_sizes.astype(jnp.int32),
-                            out_dtype=jnp.dtype(out_dtype), config=config or grouped_matmul_mgpu.DEFAULT_CONFIG,
-                            promote=precise and a.data.dtype != jnp.int8,
+                            out_dtype=jnp.dtype(out_dtype), config=resolve_config(config, promote), promote=promote,
                             interpret=resolve_interpret(interpret))

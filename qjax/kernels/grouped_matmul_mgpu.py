@@ -107,9 +107,21 @@ def _fitting_stages(cfg: GroupedConfig, warpgroups: int, out_dtype) -> int:
     return (SMEM_BYTES - SMEM_MARGIN - fixed) // stage
 
 
-# The config both grouped kernels take when given none (as from `qjax.ragged_dot`); benchmarks/ragged.py swaps it to
-# time configs side by side.
+# The configs both grouped kernels take when given none (as from `qjax.ragged_dot`), accumulating and promoting (fp8
+# with precise); benchmarks/ragged.py swaps them to time configs side by side.
 DEFAULT_CONFIG = GroupedConfig()
+PROMOTE_CONFIG = GroupedConfig()
+
+
+def resolve_config(config: GroupedConfig | None, promote: bool) -> GroupedConfig:
+    """config, or the default for the mode; ValueError where two promoting compute warpgroups would run out of
+    registers: each holds the f32 sum and a tile_k partial sum, 2 * tile_m * tile_n / 128 per thread, which must
+    stay <= 192 of the 232 the warp-specialized pipeline gives it (the dense kernel's bound)."""
+    config = config or (PROMOTE_CONFIG if promote else DEFAULT_CONFIG)
+    if promote and config.compute_warpgroups == 2 and 2 * config.tile_m * config.tile_n > 192 * 128:
+        raise ValueError(f"promoting (fp8, precise) with two compute warpgroups keeps two ({config.tile_m}, "
+                         f"{config.tile_n}) f32 tiles in registers, more than 192 per thread: use tile_m=64")
+    return config
 
 
 def check_operands(a, b, out_dtype, a_shape: str, b_shape: str, b_ndim: int) -> str | None:
@@ -402,7 +414,8 @@ def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dt
       precise: fp8 only: sum each tile_k of K in a fresh wgmma accumulator and add it to a float32 sum in
         registers (Hopper's fp8 wgmma accumulates with reduced precision; the reference then uses
         Precision.HIGHEST). Slower: each step waits for its wgmma. int8 sums are exact either way.
-      config: `GroupedConfig`; None takes DEFAULT_CONFIG (GroupedConfig's defaults).
+      config: `GroupedConfig`; None takes DEFAULT_CONFIG, or PROMOTE_CONFIG where fp8 is promoted (both
+        GroupedConfig's defaults).
       interpret: False compiles for the GPU; True runs the Mosaic GPU interpreter (any machine).
 
     Returns:
@@ -410,7 +423,8 @@ def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dt
       exactly, before the output cast).
 
     Raises:
-      ValueError: operands the kernel does not handle (the message says why; see `supports`).
+      ValueError: operands the kernel does not handle (the message says why; see `supports`), or a config whose
+        promoting warpgroups would run out of registers (`resolve_config`).
     """
     reason = supports(a, b, group_sizes, out_dtype)
     if reason is not None:
@@ -418,6 +432,6 @@ def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dt
     (m, _), (groups, n, _) = a.data.shape, b.data.shape
     a_scale = jnp.broadcast_to(a.scale.reshape(-1), (m,))
     b_scale = jnp.broadcast_to(b.scale.reshape(-1) if b.scale.ndim else b.scale, (groups * n,)).reshape(groups, n)
+    promote = precise and a.data.dtype != jnp.int8
     return _launch(a.data, b.data, a_scale, b_scale, group_sizes.astype(jnp.int32), out_dtype=jnp.dtype(out_dtype),
-                   config=config or DEFAULT_CONFIG, promote=precise and a.data.dtype != jnp.int8,
-                   interpret=resolve_interpret(interpret))
+                   config=resolve_config(config, promote), promote=promote, interpret=resolve_interpret(interpret))

@@ -145,9 +145,9 @@ def test_precise_fp8_promotes(config):
                   PROMOTED_FP8_RTOL)
 
 
-def test_two_warpgroup_stages_fit_shared_memory():
+def test_two_warpgroup_configs_fit():
     """Two compute warpgroups keep two output tiles in SMEM: fewer pipeline stages, fewer for float32 outputs; a
-    config without room for two stages is refused."""
+    config without room for two stages is refused, and so is one whose promoting warpgroups lack registers."""
     two = grouped.GroupedConfig(compute_warpgroups=2)
     assert grouped.GroupedConfig().stages(jnp.float32) == 4
     assert (two.stages(jnp.bfloat16), two.stages(jnp.float32)) == (3, 2)
@@ -155,6 +155,12 @@ def test_two_warpgroup_stages_fit_shared_memory():
         grouped.GroupedConfig(tile_n=256, max_concurrent_steps=2, compute_warpgroups=2)
     with pytest.raises(ValueError, match="compute_warpgroups must be 1 or 2"):
         grouped.GroupedConfig(compute_warpgroups=3)
+    # promoting warpgroups hold two f32 tiles each: 128 x 128 would need 256 registers per thread
+    assert grouped.resolve_config(None, promote=True) is grouped.PROMOTE_CONFIG
+    assert grouped.resolve_config(dataclasses.replace(two, tile_m=64), promote=True).tile_m == 64
+    assert grouped.resolve_config(two, promote=False) is two
+    with pytest.raises(ValueError, match="use tile_m=64"):
+        grouped.resolve_config(two, promote=True)
 
 
 def test_group_runs_align_each_group():
@@ -389,15 +395,15 @@ def test_lowers_for_cuda():
     """The default config and two compute warpgroups at the MoE benchmark's gate_up shape lower to a Mosaic GPU
     module (layouts, wgmma operands, shared memory), accumulating and promoting, both kernels."""
     m, k, n, groups = 131072, 2048, 2816, 64
-    config = grouped.GroupedConfig(num_ctas=132)
     for code, promote in ((jnp.int8, False), (jnp.float8_e4m3fn, False), (jnp.float8_e4m3fn, True)):
+        config = grouped.GroupedConfig(num_ctas=132)
+        two = grouped.resolve_config(dataclasses.replace(config, compute_warpgroups=2, tile_m=64 if promote else 128),
+                                     promote)
         args = (jax.ShapeDtypeStruct((m, k), code), jax.ShapeDtypeStruct((groups, n, k), code),
                 jax.ShapeDtypeStruct((m,), jnp.float32), jax.ShapeDtypeStruct((groups, n), jnp.float32),
                 jax.ShapeDtypeStruct((groups,), jnp.int32))
         # two compute warpgroups with float32 outputs too: two pipeline stages beside two f32 output tiles
-        for rows_config, out_dtype in ((config, jnp.bfloat16), (dataclasses.replace(config, compute_warpgroups=2),
-                                                                 jnp.bfloat16),
-                                       (dataclasses.replace(config, compute_warpgroups=2), jnp.float32)):
+        for rows_config, out_dtype in ((config, jnp.bfloat16), (two, jnp.bfloat16), (two, jnp.float32)):
             lowered = jax.jit(lambda *xs: grouped._launch(*xs, out_dtype=jnp.dtype(out_dtype), config=rows_config,
                                                           promote=promote, interpret=False)).trace(*args).lower(
                                                               lowering_platforms=("cuda",))
@@ -405,7 +411,7 @@ def test_lowers_for_cuda():
         contract_args = (jax.ShapeDtypeStruct((k, m), code), jax.ShapeDtypeStruct((n, m), code),
                          jax.ShapeDtypeStruct((k,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32),
                          jax.ShapeDtypeStruct((groups,), jnp.int32))
-        for contract_config in (config, dataclasses.replace(config, compute_warpgroups=2)):
+        for contract_config in (config, two):
             lowered = jax.jit(lambda *xs: contract._launch_contract(
                 *xs, out_dtype=jnp.dtype(jnp.float32), config=contract_config, promote=promote,
                 interpret=False)).trace(*contract_args).lower(lowering_platforms=("cuda",))
@@ -439,7 +445,7 @@ def test_kernel_at_size(code, precise, warpgroups):
     m, k, n, groups = 8192, 2048, 1408, 16
     sizes = _routed_sizes(m - 100, groups)  # 100 rows past the sum
     a, b = _operands(m, n, k, groups, code)
-    config = grouped.GroupedConfig(compute_warpgroups=warpgroups)
+    config = grouped.GroupedConfig(compute_warpgroups=warpgroups, tile_m=64 if precise and warpgroups == 2 else 128)
     out = _kernel(a, b, sizes, jnp.float32, config=config, precise=precise)
     rtol = 0.0 if code == "int8" else (PROMOTED_FP8_RTOL if precise else FP8_RTOL)
     _assert_close(out, _reference(a, b, sizes, jnp.float32, precise), _magnitude(a, b, sizes), jnp.float32, rtol)
@@ -452,7 +458,8 @@ def test_contract_kernel_at_size(code, warpgroups):
     m, k, n, groups = 8192, 2048, 1408, 16
     sizes = _routed_sizes(m - 100, groups)
     a, b = _contract_operands(m, n, k, code)
-    config = grouped.GroupedConfig(compute_warpgroups=warpgroups)
+    promoted = code == "e4m3" and warpgroups == 2  # registers: 64-row halves (grouped.resolve_config)
+    config = grouped.GroupedConfig(compute_warpgroups=warpgroups, tile_m=64 if promoted else 128)
     out = jax.jit(lambda a, b, s: contract.grouped_contract_kernel(a, b, s, jnp.float32, precise=True,
                                                                    config=config))(a, b, sizes)
     out = np.asarray(out, np.float64)
