@@ -12,9 +12,10 @@ The rows are the (token, expert) pairs of a random top-k routing, sorted by expe
 counts, uneven as real routing is). Rows: "dense bf16" (one lax.dot_general of the same rows and FLOPs: what a
 grouped GEMM at full efficiency would cost, the roofline), "bf16 (XLA)" (lax.ragged_dot, with --with-xla), "bf16"
 (qjax.ragged_dot recipe "bf16": JAX's Mosaic GPU grouped kernels on a Hopper GPU, the baseline; lax.ragged_dot
-elsewhere), and qjax.ragged_dot per recipe ("<recipe> 2wg": its grouped kernels with two compute warpgroups). Prints milliseconds per step and the speedup over "bf16", and appends the
-table to benchmarks/RESULTS.md (--no-append to skip). A step's time is the median over --reps samples after warm-up,
-each --inner steps queued back to back.
+elsewhere), and qjax.ragged_dot per recipe ("<recipe> 2wg": its grouped kernels with two compute warpgroups).
+Prints milliseconds per step and the speedup over "bf16", and appends the table to benchmarks/RESULTS.md
+(--no-append to skip). A step's time is the median over --reps samples after warm-up, each --inner steps queued
+back to back.
 """
 
 import argparse

@@ -8,7 +8,7 @@ with `precise` promoted every tile_k (`grouped_matmul_mgpu`'s tile sum and epilo
 group's tokens into a tile_k-aligned run (zeros between runs: one copy of the codes), so that no K block mixes
 groups, then walks (group, m-tile, n-tile) tiles, each a pipeline over its group's blocks: one warpgroup, or with
 `GroupedConfig.compute_warpgroups=2` a memory warpgroup and two compute warpgroups on (2 * tile_m, tile_n) tiles
-(`grouped_matmul_mgpu.two_warpgroup_pipeline`). Its reference is
+(`grouped_pipeline_mgpu.two_warpgroup_pipeline`). Its reference is
 `qjax.ragged_dot._grouped_gemm` with the tokens as the ragged contracting dimension.
 """
 
@@ -22,8 +22,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax.kernels import resolve_interpret
 from qjax.kernels.grouped_matmul_mgpu import (GroupedConfig, apply_scales, check_operands, epilogue_scratch, pad_to,
-                                              resolve_config, round_up, tile_sum, two_warpgroup_pipeline,
-                                              two_warpgroup_scratch)
+                                              resolve_config, round_up, tile_sum)
+from qjax.kernels.grouped_pipeline_mgpu import two_warpgroup_pipeline, two_warpgroup_scratch
 from qjax.qtensor import QTensor
 
 
@@ -81,7 +81,7 @@ def _contract_kernel(cfg: GroupedConfig, promote: bool, steps_table, a_gmem, b_g
 def _contract_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, steps_table, a_gmem, b_gmem, sa_gmem,
                          sb_gmem, out_gmem):
     """`_contract_kernel` with a memory warpgroup and two compute warpgroups, each one tile_m-row half of a
-    (2 * tile_m, tile_n) tile (`grouped_matmul_mgpu.two_warpgroup_pipeline`); the same refs."""
+    (2 * tile_m, tile_n) tile (`grouped_pipeline_mgpu.two_warpgroup_pipeline`); the same refs."""
     tile_m, tile_n, cta_m = cfg.tile_m, cfg.tile_n, 2 * cfg.tile_m
     groups, m_tiles, n_tiles = out_gmem.shape[0], out_gmem.shape[1] // cta_m, out_gmem.shape[2] // tile_n
     acc_dtype = jnp.int32 if a_gmem.dtype == jnp.int8 else jnp.float32

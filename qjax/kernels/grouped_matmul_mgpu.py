@@ -19,12 +19,12 @@ CTAs walk (item, n-tile) pairs; per pair a TMA pipeline over K (wgmma with b's (
 transposed), the scales fetched by TMA meanwhile, then the epilogue writes the item's rows only: the tile goes to
 SMEM and TMA stores it in power-of-two row pieces (one per set bit of the row count; TMA stores need static shapes).
   compute_warpgroups=1: one warpgroup issues the loads (`plgpu.emit_pipeline`) and the wgmma, then the epilogue.
-  compute_warpgroups=2 (the dense kernel's structure): a memory warpgroup runs the TMA pipeline
-    (`plgpu.emit_pipeline_warp_specialized`) and two compute warpgroups each own one tile_m-row half of the
+  compute_warpgroups=2 (the dense kernel's structure, `grouped_pipeline_mgpu`): a memory warpgroup runs the TMA
+    pipeline (`plgpu.emit_pipeline_warp_specialized`) and two compute warpgroups each own one tile_m-row half of the
     (2 * tile_m, tile_n) tile, sharing the b tile in SMEM; the memory warpgroup loads the next pair's first steps
     while the compute warpgroups run the epilogue. A half with none of the item's rows (a group boundary elsewhere
     in the tile) skips its wgmma and its epilogue, so the tensor-core work per boundary is that of tile_m-row items,
-    while every item shares one b tile between 2 * tile_m rows (half the b traffic).
+    while every item shares one b tile between 2 * tile_m rows.
 Rows past sum(group_sizes) are written by no item: the wrapper zeroes them. Rows never mix: a NaN in one group's
 rows reaches only that group's outputs, as in lax.ragged_dot.
 
@@ -44,6 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax.kernels import resolve_interpret
 from qjax.kernels.gemm_config_mgpu import FP8, SMEM_BYTES, SMEM_MARGIN
+from qjax.kernels.grouped_pipeline_mgpu import two_warpgroup_pipeline, two_warpgroup_scratch
 from qjax.numerics import INT32_SAFE_K
 from qjax.qtensor import QTensor
 
@@ -265,62 +266,6 @@ def _rows_kernel(cfg: GroupedConfig, promote: bool, items_table, a_gmem, b_gmem,
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     pl.run_scoped(scoped, **epilogue_scratch(cfg, out_gmem.dtype))
-
-
-def two_warpgroup_pipeline(cfg: GroupedConfig, promote: bool, stages: int, acc_dtype, grid, first_step, active,
-                           epilogue):
-    """The pipeline of a (2 * tile_m, tile_n) tile: a memory warpgroup TMA-loads the K steps first_step ..<
-    first_step + grid[0] of a (2 * tile_m, K) and b (tile_n, K); compute warpgroup wg, where `active`, sums
-    a[wg's tile_m-row half] . b^T (f32 in the WGMMA layout) and calls epilogue(acc) on it; an inactive one does no
-    tensor-core work. Call the result with the two GMEM refs and allocations= (from its `get_allocations`)."""
-    tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
-    transforms = (plgpu.TilingTransform((8, tile_k)), plgpu.SwizzleTransform(tile_k))
-    # Each step waits for its wgmma before the stage is released: with one wgmma left in flight (delay_release) the
-    # next tile's first loads could overwrite the last step's stage while it still reads it (the dense kernel's
-    # finding); the two compute warpgroups keep the tensor cores busy in turn instead.
-    in_specs = [plgpu.BlockSpec(block, lambda k: (0, first_step + k), transforms=transforms)
-                for block in ((2 * tile_m, tile_k), (tile_n, tile_k))]
-
-    def product(acc_ref, a_smem, b_smem):
-        @pl.when(active)
-        def _():
-            plgpu.wgmma(acc_ref, a_smem.at[pl.ds(lax.axis_index("wg") * tile_m, tile_m)], b_smem.transpose((1, 0)))
-            plgpu.wgmma_wait(0)
-
-    def accumulate_step(_, a_smem, b_smem, acc_ref):
-        product(acc_ref, a_smem, b_smem)
-        return acc_ref
-
-    def promote_step(_, a_smem, b_smem, acc):  # a fresh (zero) accumulator per tile_k, added in float32
-        def part(part_ref):
-            product(part_ref, a_smem, b_smem)
-            return part_ref[...]
-
-        return acc + pl.run_scoped(part, plgpu.ACC((tile_m, tile_n), jnp.float32))
-
-    def compute_context(run_pipeline):
-        if promote:
-            acc = run_pipeline(plgpu.layout_cast(jnp.zeros((tile_m, tile_n), jnp.float32), plgpu.Layout.WGMMA))
-        else:
-            def accumulate(acc_ref):
-                run_pipeline(acc_ref)
-                return acc_ref[...].astype(jnp.float32)  # waits for every wgmma
-
-            acc = pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), acc_dtype))
-        pl.when(active)(lambda: epilogue(acc))
-
-    return plgpu.emit_pipeline_warp_specialized(
-        promote_step if promote else accumulate_step, grid=grid, memory_registers=40, in_specs=in_specs,
-        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages, compute_context=compute_context)
-
-
-def two_warpgroup_scratch(cfg: GroupedConfig, pipeline, a_ref, b_ref, out_dtype):
-    """SMEM of a two-warpgroup kernel: the pipeline's buffers and per compute warpgroup an output tile, its row and
-    column scales and their two barriers."""
-    return dict(pipeline_allocs=pipeline.get_allocations(a_ref, b_ref),
-                out_smem=plgpu.SMEM((2, cfg.tile_m, cfg.tile_n), out_dtype),
-                rs_smem=plgpu.SMEM((2, cfg.tile_m), jnp.float32), cs_smem=plgpu.SMEM((2, cfg.tile_n), jnp.float32),
-                barriers=plgpu.Barrier(num_barriers=4))
 
 
 def _rows_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, items_table, a_gmem, b_gmem, sa_gmem, sb_gmem,
