@@ -7,7 +7,8 @@
   quantized_matmul    kernels.scaled_matmul_mgpu.scaled_matmul_kernel  kernels.scaled_matmul.scaled_matmul
   fused AdamW step    kernels.adam_step_mgpu (via optim.fused_adam)   optim.fused_adam.fused_step_reference
   SwiGLU + saved copy kernels.swiglu_mgpu                          models.ops.SWIGLU's composition (passed in)
-  grouped GEMMs       kernels.grouped_matmul_mgpu (via ragged_dot,     ragged_dot._grouped_gemm / lax.ragged_dot
+  grouped GEMMs       kernels.grouped_matmul_mgpu and               ragged_dot._grouped_gemm / lax.ragged_dot
+                      grouped_contract_mgpu (via ragged_dot,
                       `kernel_if_supported`)
 
 `kernel_mode(backend)` answers (run the kernel?, interpret it?) for a recipe backend ("auto", "xla", "pallas"; the

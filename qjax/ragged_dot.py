@@ -39,7 +39,7 @@ from jax import lax
 from qjax import dispatch
 from qjax import recipes as recipes_lib
 from qjax.dot_general import _seeds
-from qjax.kernels import grouped_bf16_mgpu, grouped_matmul_mgpu
+from qjax.kernels import grouped_bf16_mgpu, grouped_contract_mgpu, grouped_matmul_mgpu
 from qjax.kernels.scaled_matmul import dequantize_for_gemm
 from qjax.numerics import INT32_SAFE_K
 from qjax.qtensor import QTensor
@@ -103,14 +103,14 @@ def _rows_and_groups(m: int, group_sizes):
 def _grouped_gemm(a: QTensor, b: QTensor, group_sizes, dims, group_ids, out_dtype, precise: bool,
                   backend: str = "xla"):
     """Quantized grouped GEMM -> out_dtype: on the codes with scales after it, or dequantized (block scales).
-    `grouped_matmul_mgpu`'s kernels (rows ragged: forward and dgrad; contracting over each group's rows: wgrad) run
+    `grouped_matmul_mgpu`'s (rows ragged: forward and dgrad) and `grouped_contract_mgpu`'s (wgrad) kernels run
     where `backend` selects them and they support the operands; the rest of this function is their reference."""
     rows = dims is _RAGGED_ROWS
     supports = (functools.partial(grouped_matmul_mgpu.supports, a, b, group_sizes, out_dtype) if rows
-                else functools.partial(grouped_matmul_mgpu.supports_contract, a, b, out_dtype))
+                else functools.partial(grouped_contract_mgpu.supports_contract, a, b, out_dtype))
     run_kernel, interpret = dispatch.kernel_if_supported(backend, "grouped GEMM", lambda _: supports())
     if run_kernel:
-        kernel = grouped_matmul_mgpu.grouped_matmul_kernel if rows else grouped_matmul_mgpu.grouped_contract_kernel
+        kernel = grouped_matmul_mgpu.grouped_matmul_kernel if rows else grouped_contract_mgpu.grouped_contract_kernel
         return kernel(a, b, group_sizes, out_dtype, precise=precise, interpret=interpret)
     if a.is_block_scaled or b.is_block_scaled:
         a_values, b_values, precision = dequantize_for_gemm(a, b)

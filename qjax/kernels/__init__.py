@@ -8,7 +8,9 @@
   tile_pipeline_mgpu.py   the TMA pipeline over 128 x 128 tiles that the quantize kernels run on
   adam_step_mgpu.py       the fused AdamW step on e4m3 / 8-bit states; reference: qjax.optim.fused_adam
   swiglu_mgpu.py          SwiGLU with its saved 8-bit copy (data flow), and its backward; reference: models.ops
-  grouped_matmul_mgpu.py  grouped (MoE ragged_dot) scaled GEMMs; reference: qjax.ragged_dot._grouped_gemm
+  grouped_matmul_mgpu.py  grouped (MoE ragged_dot) scaled GEMMs, rows ragged; reference: qjax.ragged_dot._grouped_gemm
+  grouped_contract_mgpu.py  the grouped scaled GEMM contracting over each group's rows (the wgrad); same reference
+  grouped_pipeline_mgpu.py  the grouped kernels' TMA pipeline with two compute warpgroups
   grouped_bf16_mgpu.py    JAX's own bf16 grouped kernels, wrapped for qjax.ragged_dot; reference: lax.ragged_dot
 
 Kernel files are leaves: they import the numerics layer (`qjax.numerics`, `qjax.stochastic`, `qjax.formats`,

@@ -1,29 +1,32 @@
-"""Grouped GEMMs (mixture-of-experts `ragged_dot`) as Pallas Mosaic GPU kernels for Hopper.
+"""Grouped GEMMs (mixture-of-experts `ragged_dot`) as Pallas Mosaic GPU kernels for Hopper, rows ragged (the
+forward and the dgrad):
 
   out (M, N) [r] = a (M, K) [r] . b (G, N, K) [group(r)]^T      rows r sorted by group; rows >= sum(sizes) are 0
 
-  dw (G, K, N) [e] = a (K, M) [:, rows of e] . b (N, M) [:, rows of e]^T              the wgrad: rows contracted
+`grouped_matmul_kernel`: a int8 / fp8 codes (M, K) with per-row f32 scales, b codes (G, N, K) (K-major: Hopper's
+8-bit wgmma wants both operands so) with per-(group, n) f32 scales. int32 (int8) or f32 (fp8) accumulation, scales
+in the epilogue as the reference multiplies them: out[r, n] = ((acc[r, n] * sa[r]) * sb[group(r), n]).astype(
+out_dtype); fp8 with `precise` sums each tile_k of K in a fresh accumulator and adds it in float32 (Hopper's fp8
+wgmma accumulates with reduced precision). The reference is `qjax.ragged_dot._grouped_gemm` (XLA's ragged_dot on the
+codes, scales after it). The wgrad (rows contracted) is `qjax.kernels.grouped_contract_mgpu`, built from this
+module's tile sum and epilogue; the bf16 grouped GEMMs are JAX's own kernels (`qjax.kernels.grouped_bf16_mgpu`).
 
-The scaled 8-bit kernels: `grouped_matmul_kernel` (rows ragged): a int8 / fp8 codes (M, K) with per-row f32 scales, b
-    codes (G, N, K) (K-major: Hopper's 8-bit wgmma wants both operands so) with per-(group, n) f32 scales;
-    `grouped_contract_kernel` (rows contracted): a (K, M) and b (N, M) codes with per-row scales. int32 (int8) or
-    f32 (fp8) accumulation, scales in the epilogue as the reference multiplies them:
-    out[r, n] = ((acc[r, n] * sa[r]) * sb[group(r), n]).astype(out_dtype); fp8 with `precise` sums each tile_k of
-    K in a fresh accumulator and adds it in float32 (Hopper's fp8 wgmma accumulates with reduced precision). Their
-    reference is `qjax.ragged_dot._grouped_gemm` (XLA's ragged_dot on the codes, scales after it). The bf16 grouped
-    GEMMs are JAX's own kernels (`qjax.kernels.grouped_bf16_mgpu`).
-
-Scaled kernel structure: the work items are (group, m-tile) pairs: group g covers m-tiles start_g // tile_m ..
-(end_g - 1) // tile_m, so a tile that straddles groups is computed once per group, at most cdiv(M, tile_m) + G - 1
-items. The wrapper computes each item's (group, tile, first row in the tile, rows) with jnp and passes them as an
-int32 (4, items) table; items past the last group have 0 rows and are skipped. Persistent CTAs (one warpgroup)
-walk (item, n-tile) pairs; per pair a TMA pipeline over K (`plgpu.emit_pipeline`, wgmma with b's (tile_n, tile_k)
-SMEM tile transposed), the scales fetched by TMA meanwhile, then the epilogue writes the item's rows only: the tile
-goes to SMEM and TMA stores it in power-of-two row pieces (one per set bit of the row count; TMA stores need static
-shapes). Rows past sum(group_sizes) are written by no item: the wrapper zeroes them. The contracting kernel first
-gathers each group's tokens into a tile_k-aligned run (zeros between runs: one copy of the codes), so that no K block
-mixes groups, then walks (group, m-tile, n-tile) tiles, each a pipeline over its group's blocks. Rows never mix:
-a NaN in one group's rows reaches only that group's outputs, as in lax.ragged_dot.
+Structure: the work items are (group, m-tile) pairs of cta_m = compute_warpgroups * tile_m rows: group g covers
+m-tiles start_g // cta_m .. (end_g - 1) // cta_m, so a tile that straddles groups is computed once per group, at
+most cdiv(M, cta_m) + G - 1 items. The wrapper computes each item's (group, tile, first row in the tile, rows) with
+jnp and passes them as an int32 (4, items) table; items past the last group have 0 rows and are skipped. Persistent
+CTAs walk (item, n-tile) pairs; per pair a TMA pipeline over K (wgmma with b's (tile_n, tile_k) SMEM tile
+transposed), the scales fetched by TMA meanwhile, then the epilogue writes the item's rows only: the tile goes to
+SMEM and TMA stores it in power-of-two row pieces (one per set bit of the row count; TMA stores need static shapes).
+  compute_warpgroups=1: one warpgroup issues the loads (`plgpu.emit_pipeline`) and the wgmma, then the epilogue.
+  compute_warpgroups=2 (the dense kernel's structure, `grouped_pipeline_mgpu`): a memory warpgroup runs the TMA
+    pipeline (`plgpu.emit_pipeline_warp_specialized`) and two compute warpgroups each own one tile_m-row half of the
+    (2 * tile_m, tile_n) tile, sharing the b tile in SMEM; the memory warpgroup loads the next pair's first steps
+    while the compute warpgroups run the epilogue. A half with none of the item's rows (a group boundary elsewhere
+    in the tile) skips its wgmma and its epilogue, so the tensor-core work per boundary is that of tile_m-row items,
+    while every item shares one b tile between 2 * tile_m rows.
+Rows past sum(group_sizes) are written by no item: the wrapper zeroes them. Rows never mix: a NaN in one group's
+rows reaches only that group's outputs, as in lax.ragged_dot.
 
 Shapes that do not tile are padded with zero codes (scale 1) and sliced. Off the GPU the kernel runs under the
 Mosaic GPU interpreter (`interpret=True`); JAX's bf16 kernels have no interpreted mode and run only compiled.
@@ -41,6 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax.kernels import resolve_interpret
 from qjax.kernels.gemm_config_mgpu import FP8, SMEM_BYTES, SMEM_MARGIN
+from qjax.kernels.grouped_pipeline_mgpu import two_warpgroup_pipeline, two_warpgroup_scratch
 from qjax.numerics import INT32_SAFE_K
 from qjax.qtensor import QTensor
 
@@ -49,17 +53,20 @@ _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 @dataclasses.dataclass(frozen=True)
 class GroupedConfig:
-    """Tiling of the scaled grouped kernel: one warpgroup computes a (tile_m, tile_n) tile.
+    """Tiling of the scaled grouped kernels: a CTA computes a (compute_warpgroups * tile_m, tile_n) tile.
 
     Attributes:
-      tile_m: rows per work item (wgrad: of K), a multiple of 64 (wgmma M) <= 256; smaller tiles waste fewer rows
-        at group boundaries.
+      tile_m: rows per compute warpgroup (wgrad: of K), a multiple of 64 (wgmma M) <= 256; smaller tiles waste
+        fewer rows at group boundaries.
       tile_n: columns per tile, a multiple of 64 and <= 256 (wgmma N).
       tile_k: K per pipeline step (wgrad: tokens), 64 or 128 (128 bytes of 8-bit codes = one 128B swizzle row).
-      max_concurrent_steps: pipeline stages (> 1: a step's wgmma may run while the next step's TMA lands).
+      max_concurrent_steps: pipeline stages (> 1: a step's wgmma may run while the next step's TMA lands); with two
+        compute warpgroups at most as many as fit beside the two output tiles of the call's out_dtype.
       grid_tile_width: (item, n-tile) pairs are visited in stripes this many n-tiles wide (`plgpu.planar_snake`), so
         CTAs in flight share rows of a in L2.
       num_ctas: persistent grid size; None = number of SMs on a GPU, 2 under the interpreter.
+      compute_warpgroups: 1, or 2 for kernels with a memory warpgroup and two compute warpgroups (module
+        docstring), each owning tile_m rows of a (2 * tile_m, tile_n) tile; the contracting kernel takes it too.
     """
 
     tile_m: int = 128
@@ -68,6 +75,7 @@ class GroupedConfig:
     max_concurrent_steps: int = 4
     grid_tile_width: int = 8
     num_ctas: int | None = None
+    compute_warpgroups: int = 1
 
     def __post_init__(self):
         if self.tile_m <= 0 or self.tile_m % 64 or self.tile_m > 256:
@@ -79,13 +87,45 @@ class GroupedConfig:
             raise ValueError(f"tile_k must be 64 or 128, got {self.tile_k}")
         if self.max_concurrent_steps < 2:
             raise ValueError(f"max_concurrent_steps must be >= 2, got {self.max_concurrent_steps}")
-        stage = (self.tile_m + self.tile_n) * self.tile_k
-        out_tile = self.tile_m * self.tile_n * 4  # f32 outputs at most
-        if self.max_concurrent_steps * stage + out_tile + SMEM_MARGIN > SMEM_BYTES:
+        if self.compute_warpgroups not in (1, 2):
+            raise ValueError(f"compute_warpgroups must be 1 or 2, got {self.compute_warpgroups}")
+        if _fitting_stages(self, 1, jnp.float32) < self.max_concurrent_steps:
             raise ValueError(f"{self} needs more shared memory than a Hopper block has; lower max_concurrent_steps")
+        if _fitting_stages(self, self.compute_warpgroups, jnp.float32) < 2:
+            raise ValueError(f"{self} needs more shared memory than a Hopper block has for two pipeline stages and "
+                             f"two float32 output tiles; use smaller tiles")
+
+    def stages(self, out_dtype) -> int:
+        """Pipeline stages of the rows kernel for outputs of out_dtype: max_concurrent_steps, or with two compute
+        warpgroups as many as fit in shared memory beside their (tile_m, tile_n) output tiles and scales."""
+        return min(self.max_concurrent_steps, _fitting_stages(self, self.compute_warpgroups, out_dtype))
 
 
-def _check_operands(a, b, out_dtype, a_shape: str, b_shape: str, b_ndim: int) -> str | None:
+def _fitting_stages(cfg: GroupedConfig, warpgroups: int, out_dtype) -> int:
+    """How many pipeline stages fit in shared memory beside `warpgroups` output tiles of out_dtype and scales."""
+    stage = (warpgroups * cfg.tile_m + cfg.tile_n) * cfg.tile_k
+    fixed = warpgroups * (cfg.tile_m * cfg.tile_n * jnp.dtype(out_dtype).itemsize + (cfg.tile_m + cfg.tile_n) * 4)
+    return (SMEM_BYTES - SMEM_MARGIN - fixed) // stage
+
+
+# The configs both grouped kernels take when given none (as from `qjax.ragged_dot`), accumulating and promoting (fp8
+# with precise); benchmarks/ragged.py swaps them to time configs side by side.
+DEFAULT_CONFIG = GroupedConfig()
+PROMOTE_CONFIG = GroupedConfig()
+
+
+def resolve_config(config: GroupedConfig | None, promote: bool) -> GroupedConfig:
+    """config, or the default for the mode; ValueError where two promoting compute warpgroups would run out of
+    registers: each holds the f32 sum and a tile_k partial sum, 2 * tile_m * tile_n / 128 per thread, which must
+    stay <= 192 of the 232 the warp-specialized pipeline gives it (the dense kernel's bound)."""
+    config = config or (PROMOTE_CONFIG if promote else DEFAULT_CONFIG)
+    if promote and config.compute_warpgroups == 2 and 2 * config.tile_m * config.tile_n > 192 * 128:
+        raise ValueError(f"promoting (fp8, precise) with two compute warpgroups keeps two ({config.tile_m}, "
+                         f"{config.tile_n}) f32 tiles in registers, more than 192 per thread: use tile_m=64")
+    return config
+
+
+def check_operands(a, b, out_dtype, a_shape: str, b_shape: str, b_ndim: int) -> str | None:
     """Checks shared by both kernels: QTensors a (rows, L) and b (..., rows', L), the contracting length L last,
     codes of one family, tensor scales or one scale per row (shape (..., rows, 1))."""
     if not isinstance(a, QTensor) or not isinstance(b, QTensor):
@@ -112,7 +152,7 @@ def _check_operands(a, b, out_dtype, a_shape: str, b_shape: str, b_ndim: int) ->
 
 def supports(a, b, group_sizes, out_dtype) -> str | None:
     """None if `grouped_matmul_kernel(a, b, group_sizes, out_dtype)` handles these operands, else why not."""
-    reason = _check_operands(a, b, out_dtype, "(M, K)", "(G, N, K)", 3)
+    reason = check_operands(a, b, out_dtype, "(M, K)", "(G, N, K)", 3)
     if reason is None and group_sizes.shape != (b.data.shape[0],):
         return f"group_sizes must have shape ({b.data.shape[0]},), got {group_sizes.shape}"
     return reason
@@ -136,7 +176,7 @@ def work_items(group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
     return jnp.stack([group, tile, row0 - tile * tile_m, rows]).astype(jnp.int32)
 
 
-def _tile_sum(cfg: GroupedConfig, promote: bool, a_ref, b_ref, first_step, steps):
+def tile_sum(cfg: GroupedConfig, promote: bool, a_ref, b_ref, first_step, steps):
     """(tile_m, tile_n) f32 sum in the WGMMA layout of a_ref (tile_m, K) . b_ref (tile_n, K)^T over the K steps
     first_step ..< first_step + steps (each tile_k wide), through a TMA pipeline."""
     shape = (cfg.tile_m, cfg.tile_n)
@@ -171,19 +211,31 @@ def _tile_sum(cfg: GroupedConfig, promote: bool, a_ref, b_ref, first_step, steps
     return pl.run_scoped(accumulate, plgpu.ACC(shape, acc_dtype)).astype(jnp.float32)
 
 
-def _scaled(acc, rs_smem, cs_smem, barriers):
-    """acc (tile_m, tile_n) f32 * the row and column scales TMA brought to SMEM: (acc * a_scale) * b_scale, the
-    reference's order (two roundings)."""
-    plgpu.barrier_wait(barriers.at[0])
-    plgpu.barrier_wait(barriers.at[1])
+def apply_scales(acc, rs_smem, cs_smem, rs_barrier, cs_barrier):
+    """acc (tile_m, tile_n) f32 * the row and column scales TMA brought to SMEM (once their barriers say so):
+    (acc * a_scale) * b_scale, the reference's order (two roundings)."""
+    plgpu.barrier_wait(rs_barrier)
+    plgpu.barrier_wait(cs_barrier)
     acc = acc * lax.broadcast_in_dim(plgpu.load(rs_smem, layout=plgpu.Layout.WGMMA.reduce(1)), acc.shape, [0])
     return acc * lax.broadcast_in_dim(plgpu.load(cs_smem, layout=plgpu.Layout.WGMMA.reduce(0)), acc.shape, [1])
 
 
-def _scratch(cfg: GroupedConfig, out_dtype):
+def epilogue_scratch(cfg: GroupedConfig, out_dtype):
     return dict(out_smem=plgpu.SMEM((cfg.tile_m, cfg.tile_n), out_dtype),
                 rs_smem=plgpu.SMEM((cfg.tile_m,), jnp.float32), cs_smem=plgpu.SMEM((cfg.tile_n,), jnp.float32),
                 barriers=plgpu.Barrier(num_barriers=2))
+
+
+def _store_rows(tile_smem, out_gmem, first, count):
+    """TMA-stores rows first ..< first + count of tile_smem (rows, cols) to the same rows of out_gmem (rows, cols):
+    one store per set bit of count (TMA stores need static shapes), largest first."""
+    offset, size = first, 1 << (tile_smem.shape[0].bit_length() - 1)
+    while size:
+        @pl.when(count & size != 0)
+        def _():
+            plgpu.copy_smem_to_gmem(tile_smem.at[pl.ds(offset, size)], out_gmem.at[pl.ds(offset, size)])
+        offset = offset + (count & size)
+        size //= 2
 
 
 def _rows_kernel(cfg: GroupedConfig, promote: bool, items_table, a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem):
@@ -204,62 +256,70 @@ def _rows_kernel(cfg: GroupedConfig, promote: bool, items_table, a_gmem, b_gmem,
                 # the epilogue's scales arrive while the main loop runs
                 plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem, barriers.at[0])
                 plgpu.copy_gmem_to_smem(sb_gmem.at[group, cols], cs_smem, barriers.at[1])
-                acc = _tile_sum(cfg, promote, a_gmem.at[rows, :], b_gmem.at[group, cols, :], 0, k_steps)
-                acc = _scaled(acc, rs_smem, cs_smem, barriers)
+                acc = tile_sum(cfg, promote, a_gmem.at[rows, :], b_gmem.at[group, cols, :], 0, k_steps)
+                acc = apply_scales(acc, rs_smem, cs_smem, barriers.at[0], barriers.at[1])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have left SMEM
                 out_smem[...] = acc.astype(out_smem.dtype)
                 plgpu.commit_smem()
-                # The item's `count` rows from row `first` of the tile: one TMA store per set bit of count.
-                offset, size = first, tile_m
-                while size:
-                    @pl.when(count & size != 0)
-                    def _():
-                        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(offset, size)],
-                                                out_gmem.at[pl.ds(tile * tile_m + offset, size), cols])
-                    offset = offset + (count & size)
-                    size //= 2
+                _store_rows(out_smem, out_gmem.at[rows, cols], first, count)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    pl.run_scoped(scoped, **_scratch(cfg, out_gmem.dtype))
+    pl.run_scoped(scoped, **epilogue_scratch(cfg, out_gmem.dtype))
 
 
-def _contract_kernel(cfg: GroupedConfig, promote: bool, steps_table, a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem):
-    """refs: steps (2, G) int32 (each group's first token block and block count), a codes (Kp, Tp), b codes (Np, Tp),
-    sa (Kp,) f32, sb (Np,) f32, out (G, Kp, Np); tokens grouped in tile_k-aligned, zero-padded runs."""
-    tile_m, tile_n = cfg.tile_m, cfg.tile_n
-    groups, m_tiles, n_tiles = out_gmem.shape[0], out_gmem.shape[1] // tile_m, out_gmem.shape[2] // tile_n
+def _rows_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, items_table, a_gmem, b_gmem, sa_gmem, sb_gmem,
+                     out_gmem):
+    """`_rows_kernel` with a memory warpgroup and two compute warpgroups (module docstring); the same refs, items of
+    2 * tile_m rows."""
+    tile_m, tile_n, cta_m = cfg.tile_m, cfg.tile_n, 2 * cfg.tile_m
+    items, n_tiles, k_steps = items_table.shape[1], out_gmem.shape[1] // tile_n, a_gmem.shape[1] // cfg.tile_k
+    pipeline = functools.partial(two_warpgroup_pipeline, cfg, promote, stages,
+                                 jnp.int32 if a_gmem.dtype == jnp.int8 else jnp.float32, (k_steps,), 0)
+    gmem_refs = lambda group, tile, n_idx: (a_gmem.at[pl.ds(tile * cta_m, cta_m), :],
+                                            b_gmem.at[group, pl.ds(n_idx * tile_n, tile_n), :])
 
-    def scoped(out_smem, rs_smem, cs_smem, barriers):
-        @plgpu.nd_loop((groups * m_tiles * n_tiles,), collective_axes="sm")
+    def scoped(pipeline_allocs, out_smem, rs_smem, cs_smem, barriers):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((items * n_tiles,), collective_axes="sm")
         def _(loop_info):
             (lin,) = loop_info.index
-            group_m, n_idx = plgpu.planar_snake(lin, (groups * m_tiles, n_tiles), 1, cfg.grid_tile_width)
-            group, m_idx = lax.div(group_m, m_tiles), lax.rem(group_m, m_tiles)
-            first, steps = steps_table[0, group], steps_table[1, group]
+            item, n_idx = plgpu.planar_snake(lin, (items, n_tiles), 1, cfg.grid_tile_width)
+            group, tile, first, count = (items_table[i, item] for i in range(4))
+            # this warpgroup's rows of the item: lo ..< lo + mine of its half
+            lo = jnp.clip(first - wg * tile_m, 0, tile_m)
+            mine = jnp.clip(first + count - wg * tile_m, 0, tile_m) - lo
+            rows, cols = pl.ds(tile * cta_m + wg * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
 
-            @pl.when(steps > 0)  # an empty group's tiles are left to the wrapper
-            def _():
-                rows, cols = pl.ds(m_idx * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
-                plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem, barriers.at[0])
-                plgpu.copy_gmem_to_smem(sb_gmem.at[cols], cs_smem, barriers.at[1])
-                acc = _tile_sum(cfg, promote, a_gmem.at[rows, :], b_gmem.at[cols, :], first, steps)
-                acc = _scaled(acc, rs_smem, cs_smem, barriers)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has left SMEM
-                out_smem[...] = acc.astype(out_smem.dtype)
+            def epilogue(acc):
+                acc = apply_scales(acc, rs_smem.at[wg], cs_smem.at[wg], barriers.at[2 * wg], barriers.at[2 * wg + 1])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous stores have left SMEM
+                out_smem[wg] = acc.astype(out_smem.dtype)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[group, rows, cols])
+                _store_rows(out_smem.at[wg], out_gmem.at[rows, cols], lo, mine)
+
+            @pl.when(count > 0)
+            def _():
+                @pl.when((mine > 0) & (wg < 2))
+                def _():  # the epilogue's scales arrive while the main loop runs
+                    plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem.at[wg], barriers.at[2 * wg])
+                    plgpu.copy_gmem_to_smem(sb_gmem.at[group, cols], cs_smem.at[wg], barriers.at[2 * wg + 1])
+
+                pipeline(mine > 0, epilogue)(*gmem_refs(group, tile, n_idx), allocations=pipeline_allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    pl.run_scoped(scoped, **_scratch(cfg, out_gmem.dtype))
+    ignore = lambda *_, **__: None
+    scratch = two_warpgroup_scratch(cfg, pipeline(True, ignore), *gmem_refs(0, 0, 0), out_gmem.dtype)
+    pl.run_scoped(scoped, **scratch, collective_axes="wg")
 
 
-def _round_up(x: int, multiple: int) -> int:
+def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def _pad(x, shape, value):
+def pad_to(x, shape, value):
     pad = [(0, size - dim) for dim, size in zip(x.shape, shape)]
     return jnp.pad(x, pad, constant_values=value) if any(p[1] for p in pad) else x
 
@@ -267,15 +327,20 @@ def _pad(x, shape, value):
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "promote", "interpret"))
 def _launch(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dtype, config, promote, interpret):
     (m, k), (groups, n, _) = a_codes.shape, b_codes.shape
-    mp, np_, kp = _round_up(m, config.tile_m), _round_up(n, config.tile_n), _round_up(k, config.tile_k)
-    items = work_items(group_sizes, m, config.tile_m)
+    cta_m = config.compute_warpgroups * config.tile_m
+    mp, np_, kp = round_up(m, cta_m), round_up(n, config.tile_n), round_up(k, config.tile_k)
+    items = work_items(group_sizes, m, cta_m)
     tiles = items.shape[1] * (np_ // config.tile_n)
     num_ctas = config.num_ctas or (2 if interpret else jax.devices()[0].core_count)
-    kernel = plgpu.kernel(functools.partial(_rows_kernel, config, promote),
-                          out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
-                          grid=(min(num_ctas, tiles),), grid_names=("sm",), interpret=interpret)
-    out = kernel(items, _pad(a_codes, (mp, kp), 0), _pad(b_codes, (groups, np_, kp), 0), _pad(a_scale, (mp,), 1),
-                 _pad(b_scale, (groups, np_), 1))[:m, :n]
+    if config.compute_warpgroups == 1:
+        body, threads = functools.partial(_rows_kernel, config, promote), {}
+    else:  # a memory warpgroup beside the two compute warpgroups
+        body = functools.partial(_rows_kernel_2wg, config, promote, config.stages(out_dtype))
+        threads = dict(num_threads=3, thread_name="wg")
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype), grid=(min(num_ctas, tiles),),
+                          grid_names=("sm",), interpret=interpret, **threads)
+    out = kernel(items, pad_to(a_codes, (mp, kp), 0), pad_to(b_codes, (groups, np_, kp), 0),
+                 pad_to(a_scale, (mp,), 1), pad_to(b_scale, (groups, np_), 1))[:m, :n]
     # rows past sum(group_sizes) belong to no work item and are never written
     valid = jnp.arange(m) < jnp.sum(group_sizes)
     return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
@@ -294,7 +359,8 @@ def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dt
       precise: fp8 only: sum each tile_k of K in a fresh wgmma accumulator and add it to a float32 sum in
         registers (Hopper's fp8 wgmma accumulates with reduced precision; the reference then uses
         Precision.HIGHEST). Slower: each step waits for its wgmma. int8 sums are exact either way.
-      config: `GroupedConfig`; None takes its defaults.
+      config: `GroupedConfig`; None takes DEFAULT_CONFIG, or PROMOTE_CONFIG where fp8 is promoted (both
+        GroupedConfig's defaults).
       interpret: False compiles for the GPU; True runs the Mosaic GPU interpreter (any machine).
 
     Returns:
@@ -302,7 +368,8 @@ def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dt
       exactly, before the output cast).
 
     Raises:
-      ValueError: operands the kernel does not handle (the message says why; see `supports`).
+      ValueError: operands the kernel does not handle (the message says why; see `supports`), or a config whose
+        promoting warpgroups would run out of registers (`resolve_config`).
     """
     reason = supports(a, b, group_sizes, out_dtype)
     if reason is not None:
@@ -310,74 +377,6 @@ def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dt
     (m, _), (groups, n, _) = a.data.shape, b.data.shape
     a_scale = jnp.broadcast_to(a.scale.reshape(-1), (m,))
     b_scale = jnp.broadcast_to(b.scale.reshape(-1) if b.scale.ndim else b.scale, (groups * n,)).reshape(groups, n)
+    promote = precise and a.data.dtype != jnp.int8
     return _launch(a.data, b.data, a_scale, b_scale, group_sizes.astype(jnp.int32), out_dtype=jnp.dtype(out_dtype),
-                   config=config or GroupedConfig(), promote=precise and a.data.dtype != jnp.int8,
-                   interpret=resolve_interpret(interpret))
-
-
-def supports_contract(a, b, out_dtype) -> str | None:
-    """None if `grouped_contract_kernel(a, b, group_sizes, out_dtype)` handles these operands, else why not."""
-    return _check_operands(a, b, out_dtype, "(K, M)", "(N, M)", 2)
-
-
-def group_runs(group_sizes: jax.Array, m: int, tile_k: int) -> tuple[jax.Array, jax.Array]:
-    """Each group's tokens moved to a run starting at a multiple of tile_k: (source token of each padded position,
-    -1 for padding (round_up(m, tile_k) + G * tile_k,) int32; (2, G) int32 each group's first tile_k block and
-    block count)."""
-    groups = group_sizes.shape[0]
-    blocks = -(-group_sizes // tile_k)
-    block_ends = jnp.cumsum(blocks)
-    run_starts, starts = (block_ends - blocks) * tile_k, jnp.cumsum(group_sizes) - group_sizes
-    position = jnp.arange(_round_up(m, tile_k) + groups * tile_k, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(block_ends * tile_k, position, side="right"), groups - 1)
-    offset = position - run_starts[group]
-    source = jnp.where(offset < group_sizes[group], starts[group] + offset, -1)
-    return source.astype(jnp.int32), jnp.stack([block_ends - blocks, blocks]).astype(jnp.int32)
-
-
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "promote", "interpret"))
-def _launch_contract(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dtype, config, promote, interpret):
-    (k, m), n, groups = a_codes.shape, b_codes.shape[0], group_sizes.shape[0]
-    kp, np_ = _round_up(k, config.tile_m), _round_up(n, config.tile_n)
-    source, steps = group_runs(group_sizes, m, config.tile_k)
-    # tokens gathered into tile_k-aligned runs per group, zeros between them: no block mixes two groups
-    runs = lambda codes: jnp.where(source >= 0, jnp.take(codes, jnp.maximum(source, 0), axis=1),
-                                   jnp.zeros((), codes.dtype))
-    tiles = groups * (kp // config.tile_m) * (np_ // config.tile_n)
-    num_ctas = config.num_ctas or (2 if interpret else jax.devices()[0].core_count)
-    kernel = plgpu.kernel(functools.partial(_contract_kernel, config, promote),
-                          out_type=jax.ShapeDtypeStruct((groups, kp, np_), out_dtype),
-                          grid=(min(num_ctas, tiles),), grid_names=("sm",), interpret=interpret)
-    out = kernel(steps, _pad(runs(a_codes), (kp, source.shape[0]), 0), _pad(runs(b_codes), (np_, source.shape[0]), 0),
-                 _pad(a_scale, (kp,), 1), _pad(b_scale, (np_,), 1))[:, :k, :n]
-    # an empty group's tiles are never written
-    return jnp.where(group_sizes[:, None, None] > 0, out, jnp.zeros((), out.dtype))
-
-
-def grouped_contract_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dtype, *, precise: bool = False,
-                            config: GroupedConfig | None = None, interpret=False) -> jax.Array:
-    """Grouped GEMM contracting over each group's rows (the wgrad), on a Hopper GPU: out[e] = a[:, rows of e] .
-    b[:, rows of e]^T with a's and b's row scales; rows >= sum(group_sizes) and empty groups give 0.
-
-    The tokens are gathered into tile_k-aligned runs per group (zeros between them) so that every K block of the
-    kernel belongs to one group; then (group, m-tile, n-tile) items, each a pipeline over its group's blocks.
-
-    Args:
-      a: QTensor, data (K, M) int8 / float8 (the tokens last), scale () or (K, 1) float32.
-      b: QTensor, data (N, M) of the same code family, scale () or (N, 1) float32.
-      group_sizes: (G,) int32, >= 0, summing to at most M (trusted).
-      out_dtype: jnp.bfloat16 or jnp.float32.
-      precise, config, interpret: as in `grouped_matmul_kernel` (config.tile_m tiles K, tile_k the tokens).
-
-    Returns:
-      (G, K, N) array of out_dtype; equal to `qjax.ragged_dot._grouped_gemm` with the tokens as the ragged
-      contracting dimension up to float32 summation order.
-    """
-    reason = supports_contract(a, b, out_dtype)
-    if reason is not None:
-        raise ValueError(f"grouped_contract_kernel: {reason}")
-    row_scale = lambda q: jnp.broadcast_to(q.scale.reshape(-1), (q.data.shape[0],))
-    return _launch_contract(a.data, b.data, row_scale(a), row_scale(b), group_sizes.astype(jnp.int32),
-                            out_dtype=jnp.dtype(out_dtype), config=config or GroupedConfig(),
-                            promote=precise and a.data.dtype != jnp.int8,
-                            interpret=resolve_interpret(interpret))
+                   config=resolve_config(config, promote), promote=promote, interpret=resolve_interpret(interpret))

@@ -33,6 +33,7 @@ from jax import lax
 import qjax
 from qjax.dispatch import on_hopper_gpu
 from qjax.kernels import grouped_bf16_mgpu
+from qjax.kernels import grouped_contract_mgpu as contract
 from qjax.kernels import grouped_matmul_mgpu as grouped
 from qjax.quantize import QuantSpec, quantize
 
@@ -40,6 +41,8 @@ ragged_dot_lib = importlib.import_module("qjax.ragged_dot")  # the module (qjax.
 INTERPRET = not on_hopper_gpu()
 # Small tiles: several work items per group and several n-tiles per CTA at small sizes, short interpreter compiles.
 SMALL = grouped.GroupedConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2)
+# Two compute warpgroups: 128-row items, so at these sizes some halves hold none of an item's rows (skipped).
+SMALL_2WG = dataclasses.replace(SMALL, compute_warpgroups=2)
 F32_RTOL = 1e-5  # relative to |a| |b|^T: float32 summation order over K <= 4096
 FP8_RTOL = F32_RTOL if INTERPRET else 2e-3  # compiled, unpromoted: Hopper's fp8 wgmma accumulation
 PROMOTED_FP8_RTOL = F32_RTOL if INTERPRET else 5e-4  # compiled, promoted every tile_k (as the dense kernel's)
@@ -114,36 +117,56 @@ def test_work_items_cover_each_row_once():
     np.testing.assert_array_equal(owner, expected)
 
 
+@pytest.mark.parametrize("config", [SMALL, SMALL_2WG], ids=["1wg", "2wg"])
 @pytest.mark.parametrize("code, out_dtype, sizes, m", [
     # empty first and middle groups, a group straddling tiles, 30 rows past the sum; M, N, K all pad
     ("int8", jnp.float32, (0, 70, 0, 100), 200),
     # one group of all the rows
     ("e4m3", jnp.bfloat16, (0, 192, 0, 0), 192),
 ])
-def test_kernel_equals_reference(code, out_dtype, sizes, m):
+def test_kernel_equals_reference(code, out_dtype, sizes, m, config):
     n, k = 160, 192  # pad to 192 = 3 n-tiles; K = 3 steps
     sizes = jnp.array(sizes, jnp.int32)
     a, b = _operands(m, n, k, sizes.shape[0], code)
-    out, ref = _kernel(a, b, sizes, out_dtype), _reference(a, b, sizes, out_dtype)
+    out, ref = _kernel(a, b, sizes, out_dtype, config), _reference(a, b, sizes, out_dtype)
     if code == "int8" and out_dtype == jnp.float32:
         np.testing.assert_array_equal(out, ref)  # exact int32 sums, the reference's scale order
     _assert_close(out, ref, _magnitude(a, b, sizes), out_dtype, FP8_RTOL if code == "e4m3" else 0.0)
     assert (out[int(sizes.sum()):] == 0).all()
 
 
-def test_precise_fp8_promotes():
+@pytest.mark.parametrize("config", [SMALL, SMALL_2WG], ids=["1wg", "2wg"])
+def test_precise_fp8_promotes(config):
     """fp8 with precise accumulation (the dgrad) against the reference at Precision.HIGHEST."""
     sizes = jnp.array([100, 28], jnp.int32)
     a, b = _operands(128, 64, 256, 2, "e4m3", seed=1)
-    out = _kernel(a, b, sizes, jnp.float32, precise=True)
+    out = _kernel(a, b, sizes, jnp.float32, config, precise=True)
     _assert_close(out, _reference(a, b, sizes, jnp.float32, precise=True), _magnitude(a, b, sizes), jnp.float32,
                   PROMOTED_FP8_RTOL)
+
+
+def test_two_warpgroup_configs_fit():
+    """Two compute warpgroups keep two output tiles in SMEM: fewer pipeline stages, fewer for float32 outputs; a
+    config without room for two stages is refused, and so is one whose promoting warpgroups lack registers."""
+    two = grouped.GroupedConfig(compute_warpgroups=2)
+    assert grouped.GroupedConfig().stages(jnp.float32) == 4
+    assert (two.stages(jnp.bfloat16), two.stages(jnp.float32)) == (3, 2)
+    with pytest.raises(ValueError, match="two pipeline stages"):
+        grouped.GroupedConfig(tile_n=256, max_concurrent_steps=2, compute_warpgroups=2)
+    with pytest.raises(ValueError, match="compute_warpgroups must be 1 or 2"):
+        grouped.GroupedConfig(compute_warpgroups=3)
+    # promoting warpgroups hold two f32 tiles each: 128 x 128 would need 256 registers per thread
+    assert grouped.resolve_config(None, promote=True) is grouped.PROMOTE_CONFIG
+    assert grouped.resolve_config(dataclasses.replace(two, tile_m=64), promote=True).tile_m == 64
+    assert grouped.resolve_config(two, promote=False) is two
+    with pytest.raises(ValueError, match="use tile_m=64"):
+        grouped.resolve_config(two, promote=True)
 
 
 def test_group_runs_align_each_group():
     """Each group's tokens, in order, start a run at a multiple of tile_k; the rest of the buffer is padding."""
     sizes = jnp.array([0, 70, 0, 1, 64, 100], jnp.int32)
-    source, steps = (np.asarray(v) for v in grouped.group_runs(sizes, 300, 64))
+    source, steps = (np.asarray(v) for v in contract.group_runs(sizes, 300, 64))
     start = 0
     for size, (first, blocks) in zip(np.asarray(sizes), steps.T):
         assert blocks == -(-size // 64)
@@ -155,19 +178,21 @@ def test_group_runs_align_each_group():
 
 
 def _contract_kernel(a, b, sizes, out_dtype, precise, config=SMALL):
-    fn = jax.jit(lambda a, b, s: grouped.grouped_contract_kernel(a, b, s, out_dtype, precise=precise, config=config,
+    fn = jax.jit(lambda a, b, s: contract.grouped_contract_kernel(a, b, s, out_dtype, precise=precise, config=config,
                                                                  interpret=INTERPRET))
     out = fn(a, b, sizes)
     assert out.shape == (sizes.shape[0], a.data.shape[0], b.data.shape[0]) and out.dtype == jnp.dtype(out_dtype)
     return np.asarray(out.astype(jnp.float32), np.float64)
 
 
-def test_contract_kernel_equals_reference():
-    """int8: an empty group, a 3-row group, 27 rows past the sum; K and N pad, several token blocks per group."""
+@pytest.mark.parametrize("config", [SMALL, dataclasses.replace(SMALL_2WG, num_ctas=3)], ids=["1wg", "2wg-3ctas"])
+def test_contract_kernel_equals_reference(config):
+    """int8: an empty group, a 3-row group, 27 rows past the sum; K and N pad, several token blocks per group (with
+    3 CTAs each walks 4 tiles of 0 to 2 blocks: pipelines of different lengths in a row)."""
     m, n, k = 200, 160, 96
     sizes = jnp.array((70, 0, 100, 3), jnp.int32)
     a, b = _contract_operands(m, n, k, "int8")
-    out = _contract_kernel(a, b, sizes, jnp.float32, precise=True)
+    out = _contract_kernel(a, b, sizes, jnp.float32, precise=True, config=config)
     np.testing.assert_array_equal(out, _contract_reference(a, b, sizes, jnp.float32, True))
     assert (out[np.asarray(sizes) == 0] == 0).all()
 
@@ -294,7 +319,9 @@ def test_fp8_contract_kernel(out_dtype, sizes):
     worst = {}
     for label, precise, config, rtol in (("promoted", True, SMALL, PROMOTED_FP8_RTOL),
                                          ("promoted, 3 CTAs", True, three_ctas, PROMOTED_FP8_RTOL),
-                                         ("unpromoted, 3 CTAs", False, three_ctas, FP8_RTOL)):
+                                         ("unpromoted, 3 CTAs", False, three_ctas, FP8_RTOL),
+                                         ("promoted, 2 warpgroups, 3 CTAs", True,
+                                          dataclasses.replace(three_ctas, compute_warpgroups=2), PROMOTED_FP8_RTOL)):
         out = _contract_kernel(a, b, sizes, out_dtype, precise, config)
         worst[label], _ = _diagnose_contract(label, out, a, b, sizes, out_dtype, config, rtol)
     ref, mag = _exact_contract(a, b, sizes)
@@ -310,7 +337,7 @@ def test_fp8_contract_kernel(out_dtype, sizes):
     print(f"XLA ragged_dot on the codes as bf16: worst error / |a||b| "
           f"{_contract_error(xla_bf16, ref, mag, out_dtype).max():.3g}; "
           f"GEMMs {_xla_gemms(gemm, bf16(a), bf16(b), sizes)}")
-    assert worst["promoted"] <= PROMOTED_FP8_RTOL and worst["promoted, 3 CTAs"] <= PROMOTED_FP8_RTOL, worst
+    assert all(worst[label] <= PROMOTED_FP8_RTOL for label in worst if label.startswith("promoted")), worst
     assert worst["unpromoted, 3 CTAs"] <= FP8_RTOL, worst
 
 
@@ -318,9 +345,9 @@ def test_ragged_dot_runs_kernel_and_matches_reference(monkeypatch):
     """qjax.ragged_dot int8_rowwise with the kernels (forward, dgrad, wgrad) equals it without (XLA), value and
     grads."""
     calls = []
-    for name in ("grouped_matmul_kernel", "grouped_contract_kernel"):
-        kernel = getattr(grouped, name)
-        monkeypatch.setattr(grouped, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    for module, name in ((grouped, "grouped_matmul_kernel"), (contract, "grouped_contract_kernel")):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
     m, k, n = 192, 128, 128
     sizes = jnp.array([50, 0, 90], jnp.int32)
     kx, kw, kg = jax.random.split(jax.random.key(0), 3)
@@ -352,7 +379,7 @@ def test_bad_operands():
     with pytest.raises(ValueError, match="tile_n must be"):
         grouped.GroupedConfig(tile_n=96)
     with pytest.raises(ValueError, match=r"a \(K, M\) and b \(N, M\)"):
-        grouped.grouped_contract_kernel(a, b, sizes, jnp.float32, interpret=True)
+        contract.grouped_contract_kernel(a, b, sizes, jnp.float32, interpret=True)
 
 
 def test_bf16_kernels_only_where_they_tile():
@@ -365,25 +392,30 @@ def test_bf16_kernels_only_where_they_tile():
 
 
 def test_lowers_for_cuda():
-    """The default config at the MoE benchmark's gate_up shape lowers to a Mosaic GPU module (layouts, wgmma
-    operands, shared memory), accumulating and promoting."""
+    """The default config and two compute warpgroups at the MoE benchmark's gate_up shape lower to a Mosaic GPU
+    module (layouts, wgmma operands, shared memory), accumulating and promoting, both kernels."""
     m, k, n, groups = 131072, 2048, 2816, 64
     for code, promote in ((jnp.int8, False), (jnp.float8_e4m3fn, False), (jnp.float8_e4m3fn, True)):
+        config = grouped.GroupedConfig(num_ctas=132)
+        two = grouped.resolve_config(dataclasses.replace(config, compute_warpgroups=2, tile_m=64 if promote else 128),
+                                     promote)
         args = (jax.ShapeDtypeStruct((m, k), code), jax.ShapeDtypeStruct((groups, n, k), code),
                 jax.ShapeDtypeStruct((m,), jnp.float32), jax.ShapeDtypeStruct((groups, n), jnp.float32),
                 jax.ShapeDtypeStruct((groups,), jnp.int32))
-        config = grouped.GroupedConfig(num_ctas=132)
-        lowered = jax.jit(lambda *xs: grouped._launch(*xs, out_dtype=jnp.dtype(jnp.bfloat16), config=config,
-                                                      promote=promote, interpret=False)).trace(*args).lower(
-                                                          lowering_platforms=("cuda",))
-        assert "mosaic_gpu" in lowered.as_text()
+        # two compute warpgroups with float32 outputs too: two pipeline stages beside two f32 output tiles
+        for rows_config, out_dtype in ((config, jnp.bfloat16), (two, jnp.bfloat16), (two, jnp.float32)):
+            lowered = jax.jit(lambda *xs: grouped._launch(*xs, out_dtype=jnp.dtype(out_dtype), config=rows_config,
+                                                          promote=promote, interpret=False)).trace(*args).lower(
+                                                              lowering_platforms=("cuda",))
+            assert "mosaic_gpu" in lowered.as_text()
         contract_args = (jax.ShapeDtypeStruct((k, m), code), jax.ShapeDtypeStruct((n, m), code),
                          jax.ShapeDtypeStruct((k,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32),
                          jax.ShapeDtypeStruct((groups,), jnp.int32))
-        lowered = jax.jit(lambda *xs: grouped._launch_contract(
-            *xs, out_dtype=jnp.dtype(jnp.float32), config=config, promote=promote, interpret=False)).trace(
-                *contract_args).lower(lowering_platforms=("cuda",))
-        assert "mosaic_gpu" in lowered.as_text()
+        for contract_config in (config, two):
+            lowered = jax.jit(lambda *xs: contract._launch_contract(
+                *xs, out_dtype=jnp.dtype(jnp.float32), config=contract_config, promote=promote,
+                interpret=False)).trace(*contract_args).lower(lowering_platforms=("cuda",))
+            assert "mosaic_gpu" in lowered.as_text()
 
 
 def test_bf16_rows_lower_for_cuda():
@@ -407,23 +439,29 @@ def _routed_sizes(rows, groups, seed=0):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("warpgroups", [1, 2])
 @pytest.mark.parametrize("code, precise", [("int8", False), ("e4m3", False), ("e4m3", True)])
-def test_kernel_at_size(code, precise):
+def test_kernel_at_size(code, precise, warpgroups):
     m, k, n, groups = 8192, 2048, 1408, 16
     sizes = _routed_sizes(m - 100, groups)  # 100 rows past the sum
     a, b = _operands(m, n, k, groups, code)
-    out = _kernel(a, b, sizes, jnp.float32, config=grouped.GroupedConfig(), precise=precise)
+    config = grouped.GroupedConfig(compute_warpgroups=warpgroups, tile_m=64 if precise and warpgroups == 2 else 128)
+    out = _kernel(a, b, sizes, jnp.float32, config=config, precise=precise)
     rtol = 0.0 if code == "int8" else (PROMOTED_FP8_RTOL if precise else FP8_RTOL)
     _assert_close(out, _reference(a, b, sizes, jnp.float32, precise), _magnitude(a, b, sizes), jnp.float32, rtol)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("warpgroups", [1, 2])
 @pytest.mark.parametrize("code", ["int8", "e4m3"])
-def test_contract_kernel_at_size(code):
+def test_contract_kernel_at_size(code, warpgroups):
     m, k, n, groups = 8192, 2048, 1408, 16
     sizes = _routed_sizes(m - 100, groups)
     a, b = _contract_operands(m, n, k, code)
-    out = jax.jit(lambda a, b, s: grouped.grouped_contract_kernel(a, b, s, jnp.float32, precise=True))(a, b, sizes)
+    promoted = code == "e4m3" and warpgroups == 2  # registers: 64-row halves (grouped.resolve_config)
+    config = grouped.GroupedConfig(compute_warpgroups=warpgroups, tile_m=64 if promoted else 128)
+    out = jax.jit(lambda a, b, s: contract.grouped_contract_kernel(a, b, s, jnp.float32, precise=True,
+                                                                   config=config))(a, b, sizes)
     out = np.asarray(out, np.float64)
     if code == "int8":
         np.testing.assert_array_equal(out, _contract_reference(a, b, sizes, jnp.float32, True))

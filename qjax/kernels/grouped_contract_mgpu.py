@@ -1,0 +1,180 @@
+"""The scaled grouped GEMM contracting over each group's rows (the wgrad of a mixture-of-experts `ragged_dot`), a
+Pallas Mosaic GPU kernel for Hopper:
+
+  dw (G, K, N) [e] = a (K, M) [:, rows of e] . b (N, M) [:, rows of e]^T
+
+a and b are int8 / fp8 codes with per-row f32 scales; scales in the epilogue as the reference multiplies them, fp8
+with `precise` promoted every tile_k (`grouped_matmul_mgpu`'s tile sum and epilogue). The kernel first gathers each
+group's tokens into a tile_k-aligned run (zeros between runs: one copy of the codes), so that no K block mixes
+groups, then walks (group, m-tile, n-tile) tiles, each a pipeline over its group's blocks: one warpgroup, or with
+`GroupedConfig.compute_warpgroups=2` a memory warpgroup and two compute warpgroups on (2 * tile_m, tile_n) tiles
+(`grouped_pipeline_mgpu.two_warpgroup_pipeline`). Its reference is
+`qjax.ragged_dot._grouped_gemm` with the tokens as the ragged contracting dimension.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from qjax.kernels import resolve_interpret
+from qjax.kernels.grouped_matmul_mgpu import (GroupedConfig, apply_scales, check_operands, epilogue_scratch, pad_to,
+                                              resolve_config, round_up, tile_sum)
+from qjax.kernels.grouped_pipeline_mgpu import two_warpgroup_pipeline, two_warpgroup_scratch
+from qjax.qtensor import QTensor
+
+
+def supports_contract(a, b, out_dtype) -> str | None:
+    """None if `grouped_contract_kernel(a, b, group_sizes, out_dtype)` handles these operands, else why not."""
+    return check_operands(a, b, out_dtype, "(K, M)", "(N, M)", 2)
+
+
+def group_runs(group_sizes: jax.Array, m: int, tile_k: int) -> tuple[jax.Array, jax.Array]:
+    """Each group's tokens moved to a run starting at a multiple of tile_k: (source token of each padded position,
+    -1 for padding (round_up(m, tile_k) + G * tile_k,) int32; (2, G) int32 each group's first tile_k block and
+    block count)."""
+    groups = group_sizes.shape[0]
+    blocks = -(-group_sizes // tile_k)
+    block_ends = jnp.cumsum(blocks)
+    run_starts, starts = (block_ends - blocks) * tile_k, jnp.cumsum(group_sizes) - group_sizes
+    position = jnp.arange(round_up(m, tile_k) + groups * tile_k, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(block_ends * tile_k, position, side="right"), groups - 1)
+    offset = position - run_starts[group]
+    source = jnp.where(offset < group_sizes[group], starts[group] + offset, -1)
+    return source.astype(jnp.int32), jnp.stack([block_ends - blocks, blocks]).astype(jnp.int32)
+
+
+def _contract_kernel(cfg: GroupedConfig, promote: bool, steps_table, a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem):
+    """refs: steps (2, G) int32 (each group's first token block and block count), a codes (Kp, Tp), b codes (Np, Tp),
+    sa (Kp,) f32, sb (Np,) f32, out (G, Kp, Np); tokens grouped in tile_k-aligned, zero-padded runs."""
+    tile_m, tile_n = cfg.tile_m, cfg.tile_n
+    groups, m_tiles, n_tiles = out_gmem.shape[0], out_gmem.shape[1] // tile_m, out_gmem.shape[2] // tile_n
+
+    def scoped(out_smem, rs_smem, cs_smem, barriers):
+        @plgpu.nd_loop((groups * m_tiles * n_tiles,), collective_axes="sm")
+        def _(loop_info):
+            (lin,) = loop_info.index
+            group_m, n_idx = plgpu.planar_snake(lin, (groups * m_tiles, n_tiles), 1, cfg.grid_tile_width)
+            group, m_idx = lax.div(group_m, m_tiles), lax.rem(group_m, m_tiles)
+            first, steps = steps_table[0, group], steps_table[1, group]
+
+            @pl.when(steps > 0)  # an empty group's tiles are left to the wrapper
+            def _():
+                rows, cols = pl.ds(m_idx * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
+                plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem, barriers.at[0])
+                plgpu.copy_gmem_to_smem(sb_gmem.at[cols], cs_smem, barriers.at[1])
+                acc = tile_sum(cfg, promote, a_gmem.at[rows, :], b_gmem.at[cols, :], first, steps)
+                acc = apply_scales(acc, rs_smem, cs_smem, barriers.at[0], barriers.at[1])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has left SMEM
+                out_smem[...] = acc.astype(out_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[group, rows, cols])
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    pl.run_scoped(scoped, **epilogue_scratch(cfg, out_gmem.dtype))
+
+
+def _contract_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, steps_table, a_gmem, b_gmem, sa_gmem,
+                         sb_gmem, out_gmem):
+    """`_contract_kernel` with a memory warpgroup and two compute warpgroups, each one tile_m-row half of a
+    (2 * tile_m, tile_n) tile (`grouped_pipeline_mgpu.two_warpgroup_pipeline`); the same refs."""
+    tile_m, tile_n, cta_m = cfg.tile_m, cfg.tile_n, 2 * cfg.tile_m
+    groups, m_tiles, n_tiles = out_gmem.shape[0], out_gmem.shape[1] // cta_m, out_gmem.shape[2] // tile_n
+    acc_dtype = jnp.int32 if a_gmem.dtype == jnp.int8 else jnp.float32
+    pipeline = functools.partial(two_warpgroup_pipeline, cfg, promote, stages, acc_dtype)
+    gmem_refs = lambda m_idx, n_idx: (a_gmem.at[pl.ds(m_idx * cta_m, cta_m), :],
+                                      b_gmem.at[pl.ds(n_idx * tile_n, tile_n), :])
+
+    def scoped(pipeline_allocs, out_smem, rs_smem, cs_smem, barriers):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((groups * m_tiles * n_tiles,), collective_axes="sm")
+        def _(loop_info):
+            (lin,) = loop_info.index
+            group_m, n_idx = plgpu.planar_snake(lin, (groups * m_tiles, n_tiles), 1, cfg.grid_tile_width)
+            group, m_idx = lax.div(group_m, m_tiles), lax.rem(group_m, m_tiles)
+            first, steps = steps_table[0, group], steps_table[1, group]
+            rows, cols = pl.ds(m_idx * cta_m + wg * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
+
+            def epilogue(acc):
+                acc = apply_scales(acc, rs_smem.at[wg], cs_smem.at[wg], barriers.at[2 * wg], barriers.at[2 * wg + 1])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has left SMEM
+                out_smem[wg] = acc.astype(out_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[group, rows, cols])
+
+            @pl.when(steps > 0)  # an empty group's tiles are left to the wrapper
+            def _():
+                @pl.when(wg < 2)
+                def _():  # the compute warpgroups' epilogue scales arrive while the main loop runs
+                    plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem.at[wg], barriers.at[2 * wg])
+                    plgpu.copy_gmem_to_smem(sb_gmem.at[cols], cs_smem.at[wg], barriers.at[2 * wg + 1])
+
+                pipeline((steps,), first, True, epilogue)(*gmem_refs(m_idx, n_idx), allocations=pipeline_allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    ignore = lambda *_, **__: None
+    # allocated for a static grid of at least `stages` steps (a shorter one would allocate fewer stages)
+    allocation_grid = (max(stages, a_gmem.shape[1] // cfg.tile_k),)
+    scratch = two_warpgroup_scratch(cfg, pipeline(allocation_grid, 0, True, ignore), *gmem_refs(0, 0),
+                                    out_gmem.dtype)
+    pl.run_scoped(scoped, **scratch, collective_axes="wg")
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "promote", "interpret"))
+def _launch_contract(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dtype, config, promote, interpret):
+    (k, m), n, groups = a_codes.shape, b_codes.shape[0], group_sizes.shape[0]
+    cta_m = config.compute_warpgroups * config.tile_m
+    kp, np_ = round_up(k, cta_m), round_up(n, config.tile_n)
+    source, steps = group_runs(group_sizes, m, config.tile_k)
+    # tokens gathered into tile_k-aligned runs per group, zeros between them: no block mixes two groups
+    runs = lambda codes: jnp.where(source >= 0, jnp.take(codes, jnp.maximum(source, 0), axis=1),
+                                   jnp.zeros((), codes.dtype))
+    tiles = groups * (kp // cta_m) * (np_ // config.tile_n)
+    num_ctas = config.num_ctas or (2 if interpret else jax.devices()[0].core_count)
+    if config.compute_warpgroups == 1:
+        body, threads = functools.partial(_contract_kernel, config, promote), {}
+    else:  # a memory warpgroup beside the two compute warpgroups
+        body = functools.partial(_contract_kernel_2wg, config, promote, config.stages(out_dtype))
+        threads = dict(num_threads=3, thread_name="wg")
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((groups, kp, np_), out_dtype),
+                          grid=(min(num_ctas, tiles),), grid_names=("sm",), interpret=interpret, **threads)
+    out = kernel(steps, pad_to(runs(a_codes), (kp, source.shape[0]), 0),
+                 pad_to(runs(b_codes), (np_, source.shape[0]), 0), pad_to(a_scale, (kp,), 1),
+                 pad_to(b_scale, (np_,), 1))[:, :k, :n]
+    # an empty group's tiles are never written
+    return jnp.where(group_sizes[:, None, None] > 0, out, jnp.zeros((), out.dtype))
+
+
+def grouped_contract_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dtype, *, precise: bool = False,
+                            config: GroupedConfig | None = None, interpret=False) -> jax.Array:
+    """Grouped GEMM contracting over each group's rows (the wgrad), on a Hopper GPU: out[e] = a[:, rows of e] .
+    b[:, rows of e]^T with a's and b's row scales; rows >= sum(group_sizes) and empty groups give 0.
+
+    The tokens are gathered into tile_k-aligned runs per group (zeros between them) so that every K block of the
+    kernel belongs to one group; then (group, m-tile, n-tile) items, each a pipeline over its group's blocks.
+
+    Args:
+      a: QTensor, data (K, M) int8 / float8 (the tokens last), scale () or (K, 1) float32.
+      b: QTensor, data (N, M) of the same code family, scale () or (N, 1) float32.
+      group_sizes: (G,) int32, >= 0, summing to at most M (trusted).
+      out_dtype: jnp.bfloat16 or jnp.float32.
+      precise, config, interpret: as in `grouped_matmul_kernel` (config.tile_m tiles K, tile_k the tokens).
+
+    Returns:
+      (G, K, N) array of out_dtype; equal to `qjax.ragged_dot._grouped_gemm` with the tokens as the ragged
+      contracting dimension up to float32 summation order.
+    """
+    reason = supports_contract(a, b, out_dtype)
+    if reason is not None:
+        raise ValueError(f"grouped_contract_kernel: {reason}")
+    row_scale = lambda q: jnp.broadcast_to(q.scale.reshape(-1), (q.data.shape[0],))
+    promote = precise and a.data.dtype != jnp.int8
+    return _launch_contract(a.data, b.data, row_scale(a), row_scale(b), group_sizes.astype(jnp.int32),
+                            out_dtype=jnp.dtype(out_dtype), config=resolve_config(config, promote), promote=promote,
+                            interpret=resolve_interpret(interpret))
