@@ -15,8 +15,8 @@ Rows (--rows): bf16; int8 fwd only; int8 fwd+dgrad; int8_rowwise (all three GEMM
 rounding of the gradient operand (`qjax.with_stochastic_gradients`; forward-only int8 has no gradient operand to
 round); fp8_tensorwise; fp8_blockwise; the data-flow recipes fp8_dataflow and int8_dataflow, and
 int8_dataflow_recompute (int8_dataflow with `Recipe.recompute_prologue_output`); bitnet_b158 (ternary
-forward weights, int8_rowwise backward); fp8_rowwise; int8_rowwise with int8 weight-only params (`model.param_dtype=int8`: int8
-kernels + per-channel scales, SR updates, the forward reading the stored codes) and with bf16 params + SR, the two
+forward weights, int8_rowwise backward); fp8_rowwise; int8_rowwise with int8 weight-only params
+(`model.param_dtype=int8`: int8 kernels + per-channel scales, SR updates, the forward reading the stored codes) and with bf16 params + SR, the two
 ways without a float32 master copy (their peak memory beside the float32 rows'); and "<recipe>@xla" rows that
 force the XLA path (no Pallas kernels) to show what the kernels buy. A row may name an optimizer after "+"
 ("int8_rowwise+adamw_fp8": e4m3 AdamW states through the
@@ -247,7 +247,8 @@ def add_model_args(parser):
     parser.add_argument("--small", action="store_true", help="tiny model, tiny batch (default without a GPU)")
     parser.add_argument("--layers", type=int, help="blocks (default: the preset's)")
     parser.add_argument("--moe", type=_moe_arg, metavar="EXPERTS,TOP_K,SHARED,EXPERT_FFN",
-                        help="every block's feed-forward a mixture of experts (qjax.models.MoEConfig), e.g. 64,8,0,1408")
+                        help="every block's feed-forward a mixture of experts (qjax.models.MoEConfig), e.g. "
+                             "64,8,0,1408")
 
 
 def resolve_model_args(args) -> bool:

@@ -386,7 +386,8 @@ def test_bf16_kernels_only_where_they_tile():
     """JAX's bf16 kernels take bf16 in and out, M, K, N multiples of 128, compiled; the rest stays on XLA."""
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     assert grouped_bf16_mgpu.bf16_supports(bf16(256, 128), bf16(4, 128, 384), jnp.bfloat16, interpret=False) is None
-    assert "interpreted" in grouped_bf16_mgpu.bf16_supports(bf16(256, 128), bf16(4, 128, 384), jnp.bfloat16, interpret=True)
+    assert "interpreted" in grouped_bf16_mgpu.bf16_supports(bf16(256, 128), bf16(4, 128, 384), jnp.bfloat16,
+                                                            interpret=True)
     assert "multiples of 128" in grouped_bf16_mgpu.bf16_supports(bf16(200, 128), bf16(4, 128, 384), jnp.bfloat16, False)
     assert "bfloat16" in grouped_bf16_mgpu.bf16_supports(bf16(256, 128), bf16(4, 128, 384), jnp.float32, False)
 
