@@ -21,8 +21,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax.kernels import resolve_interpret
-from qjax.kernels.grouped_matmul_mgpu import (GroupedConfig, apply_scales, check_operands, epilogue_scratch, pad_to,
-                                              resolve_config, round_up, tile_sum)
+from qjax.kernels.grouped_matmul_mgpu import (GroupedConfig, check_operands, epilogue_scratch, pad_to,
+                                              resolve_config, round_up, stage_scaled, tile_sum)
 from qjax.kernels.grouped_pipeline_mgpu import two_warpgroup_pipeline, two_warpgroup_scratch
 from qjax.qtensor import QTensor
 
@@ -67,10 +67,7 @@ def _contract_kernel(cfg: GroupedConfig, promote: bool, steps_table, a_gmem, b_g
                 plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem, barriers.at[0])
                 plgpu.copy_gmem_to_smem(sb_gmem.at[cols], cs_smem, barriers.at[1])
                 acc = tile_sum(cfg, promote, a_gmem.at[rows, :], b_gmem.at[cols, :], first, steps)
-                acc = apply_scales(acc, rs_smem, cs_smem, barriers.at[0], barriers.at[1])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has left SMEM
-                out_smem[...] = acc.astype(out_smem.dtype)
-                plgpu.commit_smem()
+                stage_scaled(acc, out_smem, rs_smem, cs_smem, barriers.at[0], barriers.at[1])
                 plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[group, rows, cols])
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -101,10 +98,8 @@ def _contract_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, steps_t
             rows, cols = pl.ds(m_idx * cta_m + wg * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
 
             def epilogue(acc):
-                acc = apply_scales(acc, rs_smem.at[wg], cs_smem.at[wg], barriers.at[2 * wg], barriers.at[2 * wg + 1])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store has left SMEM
-                out_smem[wg] = acc.astype(out_smem.dtype)
-                plgpu.commit_smem()
+                stage_scaled(acc, out_smem.at[wg], rs_smem.at[wg], cs_smem.at[wg], barriers.at[2 * wg],
+                             barriers.at[2 * wg + 1])
                 plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[group, rows, cols])
 
             @pl.when(steps > 0)  # an empty group's tiles are left to the wrapper

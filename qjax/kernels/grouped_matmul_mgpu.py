@@ -211,13 +211,17 @@ def tile_sum(cfg: GroupedConfig, promote: bool, a_ref, b_ref, first_step, steps)
     return pl.run_scoped(accumulate, plgpu.ACC(shape, acc_dtype)).astype(jnp.float32)
 
 
-def apply_scales(acc, rs_smem, cs_smem, rs_barrier, cs_barrier):
-    """acc (tile_m, tile_n) f32 * the row and column scales TMA brought to SMEM (once their barriers say so):
-    (acc * a_scale) * b_scale, the reference's order (two roundings)."""
+def stage_scaled(acc, out_smem, rs_smem, cs_smem, rs_barrier, cs_barrier):
+    """The epilogue up to the store: acc (tile_m, tile_n) f32 * the row and column scales TMA brought to SMEM (once
+    their barriers say so), (acc * a_scale) * b_scale in the reference's order (two roundings), cast into out_smem
+    once this thread's previous TMA store has read it out; committed, ready for the caller's store."""
     plgpu.barrier_wait(rs_barrier)
     plgpu.barrier_wait(cs_barrier)
     acc = acc * lax.broadcast_in_dim(plgpu.load(rs_smem, layout=plgpu.Layout.WGMMA.reduce(1)), acc.shape, [0])
-    return acc * lax.broadcast_in_dim(plgpu.load(cs_smem, layout=plgpu.Layout.WGMMA.reduce(0)), acc.shape, [1])
+    acc = acc * lax.broadcast_in_dim(plgpu.load(cs_smem, layout=plgpu.Layout.WGMMA.reduce(0)), acc.shape, [1])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    out_smem[...] = acc.astype(out_smem.dtype)
+    plgpu.commit_smem()
 
 
 def epilogue_scratch(cfg: GroupedConfig, out_dtype):
@@ -257,10 +261,7 @@ def _rows_kernel(cfg: GroupedConfig, promote: bool, items_table, a_gmem, b_gmem,
                 plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem, barriers.at[0])
                 plgpu.copy_gmem_to_smem(sb_gmem.at[group, cols], cs_smem, barriers.at[1])
                 acc = tile_sum(cfg, promote, a_gmem.at[rows, :], b_gmem.at[group, cols, :], 0, k_steps)
-                acc = apply_scales(acc, rs_smem, cs_smem, barriers.at[0], barriers.at[1])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have left SMEM
-                out_smem[...] = acc.astype(out_smem.dtype)
-                plgpu.commit_smem()
+                stage_scaled(acc, out_smem, rs_smem, cs_smem, barriers.at[0], barriers.at[1])
                 _store_rows(out_smem, out_gmem.at[rows, cols], first, count)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -293,10 +294,8 @@ def _rows_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, items_table
             rows, cols = pl.ds(tile * cta_m + wg * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
 
             def epilogue(acc):
-                acc = apply_scales(acc, rs_smem.at[wg], cs_smem.at[wg], barriers.at[2 * wg], barriers.at[2 * wg + 1])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous stores have left SMEM
-                out_smem[wg] = acc.astype(out_smem.dtype)
-                plgpu.commit_smem()
+                stage_scaled(acc, out_smem.at[wg], rs_smem.at[wg], cs_smem.at[wg], barriers.at[2 * wg],
+                             barriers.at[2 * wg + 1])
                 _store_rows(out_smem.at[wg], out_gmem.at[rows, cols], lo, mine)
 
             @pl.when(count > 0)
