@@ -15,6 +15,7 @@ pieces.
 import pathlib
 import re
 import sys
+import threading
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -73,8 +74,17 @@ def main(argv):
     except ConfigError as e:
         # A config mistake is the user's to fix: one line saying what and how, no traceback.
         print(f"error: {e}", file=sys.stderr)
+        _join_background_threads()
         return 2
     return 0
+
+
+def _join_background_threads(timeout: float = 30.0) -> None:
+    """Waits for non-daemon threads (checkpoint I/O of failed restores) before the interpreter shuts down: a thread
+    that starts another during shutdown prints a traceback after the one error line (seen once in CI)."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join(timeout)
 
 
 if __name__ == "__main__":
