@@ -24,19 +24,20 @@ _SETUP = textwrap.dedent("""
     assert N >= 2 and N % 2 == 0 and 8 % N == 0, jax.devices()
     ON_GPU = jax.default_backend() == "gpu"
     # On a GPU the kernels need multiples of 128 (features, and tokens per device): 256 tokens per device.
-    DIM, FFN, SEQ = (128, 256, 32 * N) if ON_GPU else (64, 128, 16)
+    # The vocabulary differs from every layer width, so no float gather of the head has an int8 layer's shape.
+    DIM, FFN, SEQ, VOCAB = (128, 256, 32 * N, 384) if ON_GPU else (64, 128, 16, 256)
 
     def config(recipe, optimizer="adamw"):
         c = llama_base.get_config()
-        c.model.update(size="tiny", n_layers=1, dim=DIM, n_heads=4, n_kv_heads=2, ffn_dim=FFN, vocab_size=256,
+        c.model.update(size="tiny", n_layers=1, dim=DIM, n_heads=4, n_kv_heads=2, ffn_dim=FFN, vocab_size=VOCAB,
                        compute_dtype="float32")
         c.batch_size, c.seq_len, c.steps, c.recipe = 8, SEQ, 4, recipe
         c.optimizer.name, c.optimizer.warmup_steps = optimizer, 1
         return c
 
     rng = np.random.RandomState(0)
-    batch = {"inputs": rng.randint(0, 256, (8, SEQ)).astype(np.int32),
-             "targets": rng.randint(0, 256, (8, SEQ)).astype(np.int32)}
+    batch = {"inputs": rng.randint(0, VOCAB, (8, SEQ)).astype(np.int32),
+             "targets": rng.randint(0, VOCAB, (8, SEQ)).astype(np.int32)}
     MESHES = {"fsdp": dict(data=1, fsdp=N), "fsdp_tensor2": dict(data=1, fsdp=N // 2, tensor=2),
               "data2_fsdp": dict(data=2, fsdp=N // 2)}
 """)
@@ -60,7 +61,7 @@ GRADS = _SETUP + textwrap.dedent("""
 
     cases = {"bf16": list(MESHES), "int8_rowwise": ["fsdp_tensor2", "data2_fsdp"], "fp8_tensorwise": ["fsdp"]}
     for recipe, meshes in cases.items():
-        task = make_task(config(recipe), vocab_size=256)
+        task = make_task(config(recipe), vocab_size=VOCAB)
         params = task.init(jax.random.key(0))
         # GPU: the kernels on one device, as each device runs them ("auto" keeps them off while several GPUs are
         # visible and the arrays are global)
@@ -96,7 +97,7 @@ STATE = _SETUP + textwrap.dedent("""
     # fsdp=2 and tensor=2.
     FIRST, OTHER = ("fsdp_tensor2", "data2_fsdp") if N >= 4 else ("fsdp", "fsdp_tensor2")
     c = config("int8_rowwise", optimizer="adamw_8bit")
-    task = make_task(c, vocab_size=256)
+    task = make_task(c, vocab_size=VOCAB)
     mesh = make_mesh(**MESHES[FIRST])
     F = mesh.shape["fsdp"]
     init, step = make_train_step(c, task, mesh)
@@ -123,7 +124,7 @@ STATE = _SETUP + textwrap.dedent("""
     # The result types of the all-gathers: synchronous on the CPU, async start / done pairs on a GPU, several
     # gathers possibly combined into a tuple.
     c32 = config("int8_rowwise")
-    init32, step32 = make_train_step(c32, make_task(c32, vocab_size=256), mesh)
+    init32, step32 = make_train_step(c32, make_task(c32, vocab_size=VOCAB), mesh)
     gathers = []
     for line in step32.lower(jax.eval_shape(init32), batch).compile().as_text().splitlines():
         result = re.search(r"= (.*?) all-gather(-done)?\\(", line)
@@ -137,7 +138,7 @@ STATE = _SETUP + textwrap.dedent("""
     # fp8: the gathers carry e4m3 codes (read before XLA:CPU's passes, which widen float8 collectives to f16, a
     # CPU-only rewrite: the CPU has no float8 collectives).
     c8 = config("fp8_tensorwise")
-    task8 = make_task(c8, vocab_size=256)
+    task8 = make_task(c8, vocab_size=VOCAB)
     mesh8 = make_mesh(**MESHES["fsdp"])
     init8, step8 = make_train_step(c8, task8, mesh8)
     text = step8.lower(jax.eval_shape(init8), batch).as_text()
