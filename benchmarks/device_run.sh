@@ -65,7 +65,8 @@
 # load_hf_vit / save_hf_vit, transformers parity included).
 # adam-sr-diag: bf16 params + SR in the fused AdamW kernel vs its reference, both sides' float32 intermediates
 # where params differ and the PTX's float32 op counts (Mosaic GPU and XLA dumps); optim-sr: the bf16 + SR AdamW step
-# (8-bit and e4m3 states), streamed jnp against the fused kernel, each against optax.adamw (float32); optim-4bit:
+# (8-bit and e4m3 states), streamed jnp against the fused kernel, each against optax.adamw (float32); optim-8bit:
+# the 8-bit kernel rows alone, float32 and bf16 + SR params ("optim-8bit optim-8bit@base": an A/B); optim-4bit:
 # the same for adamw_4bit with float32 params; optim-dre: the same for adamw_fp8 with range expansion (COAT), and
 # optim-dre-sr with bf16 params + SR;
 # tests-optim-dre: the fused AdamW GPU tests of range-expanded states alone, with their mismatch counts printed;
@@ -113,6 +114,7 @@ step_command() {
                           "tests/optim/test_fused_kernel.py" ;;
         optim-sr) echo "python3 benchmarks/optim.py --rows 8bit_sr 8bit_sr_kernel fp8_sr fp8_sr_kernel --rounds 3" ;;
         optim-4bit) echo "python3 benchmarks/optim.py --rows 4bit 4bit_kernel --rounds 3" ;;
+        optim-8bit) echo "python3 benchmarks/optim.py --rows 8bit_kernel 8bit_sr_kernel --rounds 3" ;;
         optim-dre) echo "python3 benchmarks/optim.py --rows fp8_dre fp8_dre_kernel --rounds 3" ;;
         optim-dre-sr) echo "python3 benchmarks/optim.py --rows fp8_dre_sr fp8_dre_sr_kernel --rounds 3" ;;
         tests-optim-dre) echo "python3 -m pytest -x -q -s -p no:cacheprovider -m gpu -k dre" \

@@ -80,9 +80,9 @@ GRADS = _SETUP + textwrap.dedent("""
                 g, r = np.asarray(g), np.asarray(r)
                 where = f"{recipe} {name} {sharding_lib.path_name(path[0])}"
                 np.testing.assert_allclose(g, r, rtol=rtol, atol=rtol * np.abs(r).max(), err_msg=where)
-                if ON_GPU:
+                if ON_GPU:  # fp8: rounding flips of up to 1% of the elements, one e4m3 step (2**-4) each
                     err = np.linalg.norm(g - r) / np.linalg.norm(r)
-                    assert err < 2e-3, f"{where}: relative error {err:.2e}"
+                    assert err < (6e-3 if recipe.startswith("fp8") else 2e-3), f"{where}: relative error {err:.2e}"
             print(recipe, name, "ok")
 """)
 
@@ -168,13 +168,15 @@ STATE = _SETUP + textwrap.dedent("""
         old_state, old_metrics = step(state, next_batch)
         np.testing.assert_allclose(float(new_metrics["loss"]), float(old_metrics["loss"]),
                                    rtol=1e-3 if ON_GPU else 1e-5)  # GPU: other per-device GEMM splits
-        for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(old_state.params)):
-            a, b = np.asarray(a), np.asarray(b)
-            if ON_GPU:  # other GEMM splits round the gradients otherwise: an 8-bit moment's code or an Adam
-                # direction where g ~ 0 may flip, moving that param by up to one update (lr = c.optimizer.lr)
-                assert np.mean(~np.isclose(a, b, rtol=1e-3, atol=1e-5)) <= 1e-3, np.abs(a - b).max()
-                np.testing.assert_allclose(a, b, rtol=0, atol=c.optimizer.lr)
-            else:
+        leaves = lambda tree: [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree.params)]
+        if ON_GPU:  # other GEMM splits round the gradients otherwise: an 8-bit moment's code or an Adam direction
+            # where g ~ 0 may flip, moving that param the other way (by up to 2 lr); the updates as a whole agree
+            new, old, start = (np.concatenate(leaves(t)) for t in (new_state, old_state, saved))
+            assert np.abs(new - old).max() <= 2 * c.optimizer.lr, np.abs(new - old).max()
+            error = np.linalg.norm(new - old) / np.linalg.norm(old - start)
+            assert error <= 0.1, f"the updates under the two meshes differ by {error:.3f} of their norm"
+        else:
+            for a, b in zip(leaves(new_state), leaves(old_state)):
                 np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
     print("checkpoint ok")
 """)
