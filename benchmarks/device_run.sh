@@ -159,7 +159,7 @@ step_command() {
         moe-wg-tests) t=tests/kernels/test_grouped_matmul_mgpu.py; echo "python3 -m pytest -q -p no:cacheprovider" \
                            "$t::test_kernel_at_size $t::test_contract_kernel_at_size $t::test_kernel_equals_reference" \
                            "$t::test_precise_fp8_promotes $t::test_contract_kernel_equals_reference" ;;
-        moe-wg) echo "python3 benchmarks/ragged.py --warpgroups 1 2" ;;
+        moe-wg) echo "python3 benchmarks/ragged.py --warpgroups 2 1" ;;
         moe-fp8-diag) t=tests/kernels/test_grouped_matmul_mgpu.py; echo "python3 -m pytest -q -s -rxX -p" \
                            "no:cacheprovider $t::test_fp8_contract_kernel $t::test_contract_kernel_at_size" ;;
         linear-mxfp8) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \

@@ -5,14 +5,15 @@ group_sizes), then dx and dw from an upstream gradient, at DeepSeek-V3-like expe
                                           # FFN 1408: gate_up 2048 -> 2816 and down 1408 -> 2048 per expert
   python benchmarks/ragged.py --with-xla  # also XLA's bf16 lax.ragged_dot (slow on GPUs: minutes at this size)
   python benchmarks/ragged.py --small     # CPU-sized (the default when no GPU is present)
-  python benchmarks/ragged.py --warpgroups 1 2   # also rows "<recipe> 2wg": the grouped kernels (forward, dgrad,
-                                          # wgrad) with two compute warpgroups (GroupedConfig.compute_warpgroups)
+  python benchmarks/ragged.py --warpgroups 2 1   # also rows "<recipe> 1wg": the grouped kernels (forward, dgrad,
+                                          # wgrad) with one compute warpgroup (GroupedConfig.compute_warpgroups)
 
 The rows are the (token, expert) pairs of a random top-k routing, sorted by expert (group sizes: the routing's
 counts, uneven as real routing is). Rows: "dense bf16" (one lax.dot_general of the same rows and FLOPs: what a
 grouped GEMM at full efficiency would cost, the roofline), "bf16 (XLA)" (lax.ragged_dot, with --with-xla), "bf16"
 (qjax.ragged_dot recipe "bf16": JAX's Mosaic GPU grouped kernels on a Hopper GPU, the baseline; lax.ragged_dot
-elsewhere), and qjax.ragged_dot per recipe ("<recipe> 2wg": its grouped kernels with two compute warpgroups).
+elsewhere), and qjax.ragged_dot per recipe ("<recipe> 1wg": its grouped kernels with one compute warpgroup, not the
+default two).
 Prints milliseconds per step and the speedup over "bf16", and appends the table to benchmarks/RESULTS.md
 (--no-append to skip). A step's time is the median over --reps samples after warm-up, each --inner steps queued
 back to back.
@@ -71,8 +72,8 @@ def main():
     parser.add_argument("--shapes", nargs="*", help="K x N per expert (default 2048x2816 1408x2048)")
     parser.add_argument("--recipes", nargs="*", default=RECIPES, help="quantized recipes (others: fp8_tensorwise, "
                         "fp8_blockwise, mxfp8)")
-    parser.add_argument("--warpgroups", type=int, nargs="*", default=[1], choices=[1, 2],
-                        help="compute warpgroups of the grouped kernels; each other than the default 1 adds rows "
+    parser.add_argument("--warpgroups", type=int, nargs="*", default=[2], choices=[1, 2],
+                        help="compute warpgroups of the grouped kernels; each other than the default 2 adds rows "
                              "'<recipe> <n>wg'")
     parser.add_argument("--with-xla", action="store_true", help="also time XLA's bf16 lax.ragged_dot (slow on GPUs)")
     parser.add_argument("--reps", type=int, default=10)
@@ -90,7 +91,7 @@ def main():
     print(f"ragged fwd+bwd on {device_kind()} ({jax.default_backend()}), jax {jax.__version__}: {tokens} tokens x "
           f"top-{top_k} of {experts} experts = {rows} rows", flush=True)
     names = ["dense bf16"] + ["bf16 (XLA)"] * (args.with_xla or small) + ["bf16"]
-    names += [f"{r} {w}wg" if w != 1 else r for r in args.recipes if r != "bf16" for w in args.warpgroups]
+    names += [f"{r} {w}wg" if w != 2 else r for r in args.recipes if r != "bf16" for w in args.warpgroups]
     ragged_dot_lib = importlib.import_module("qjax.ragged_dot")  # the module (qjax.ragged_dot is the function)
     times, failures = {}, {}
     for k, n in shapes:
@@ -99,14 +100,14 @@ def main():
         for name in names:
             recipe, _, wgs = name.partition(" ")
             recipe = {"dense bf16": "dense", "bf16 (XLA)": None}.get(name, recipe)
-            warpgroups = int(wgs[:-2]) if wgs.endswith("wg") else 1
+            warpgroups = int(wgs[:-2]) if wgs.endswith("wg") else 2
             # the grouped kernels' config is read when the step is traced (its first, warm-up call)
             # (promoting fp8 GEMMs, the dgrad and wgrad, on two warpgroups take 64-row halves: registers)
             configs = dict(DEFAULT_CONFIG=dataclasses.replace(grouped_matmul_mgpu.DEFAULT_CONFIG,
                                                               compute_warpgroups=warpgroups),
                            PROMOTE_CONFIG=dataclasses.replace(grouped_matmul_mgpu.PROMOTE_CONFIG,
                                                               compute_warpgroups=warpgroups,
-                                                              **({"tile_m": 64} if warpgroups == 2 else {})))
+                                                              tile_m=64 if warpgroups == 2 else 128))
             try:  # XLA may not lower an 8-bit ragged_dot on this GPU: record that and go on
                 with mock.patch.multiple(grouped_matmul_mgpu, **configs):
                     ms = time_ms(make_step(recipe), data, args.warmup, reps, inner)

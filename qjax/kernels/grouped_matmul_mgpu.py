@@ -109,9 +109,11 @@ def _fitting_stages(cfg: GroupedConfig, warpgroups: int, out_dtype) -> int:
 
 
 # The configs both grouped kernels take when given none (as from `qjax.ragged_dot`), accumulating and promoting (fp8
-# with precise); benchmarks/ragged.py swaps them to time configs side by side.
-DEFAULT_CONFIG = GroupedConfig()
-PROMOTE_CONFIG = GroupedConfig()
+# with precise): two compute warpgroups, faster than one for every recipe and shape benchmarks/ragged.py times
+# (benchmarks/NOTES.md), promoting ones on 64-row halves (registers: `resolve_config`). ragged.py swaps them to time
+# configs side by side.
+DEFAULT_CONFIG = GroupedConfig(compute_warpgroups=2)
+PROMOTE_CONFIG = GroupedConfig(compute_warpgroups=2, tile_m=64)
 
 
 def resolve_config(config: GroupedConfig | None, promote: bool) -> GroupedConfig:
