@@ -7,6 +7,7 @@ loss vs bf16 and a PNG.
   python benchmarks/convergence.py --model gpt2 --size gpt2 --recipes bf16 int8_dataflow fp8_dataflow \
       --seq-len 1024 --batch-size 32 --steps 600 --lr 6e-4      # GPT-2 small, Jetfire's setting; on a GPU
   python benchmarks/convergence.py --lr 6e-4 --recipes bf16 bitnet_b158@1.2e-3 bitnet_b158@2.4e-3   # own peak LRs
+  python benchmarks/convergence.py --seeds 0 1 2 ...     # each recipe under seeds 0, 1, 2: mean and standard error
 
 Each recipe trains from the same seed, data order and schedule (`qjax.train.train`, workdir
 runs/convergence/<model-size-steps-batch-seq-lr>/<recipe>; a finished run with the same settings is reused). A
@@ -14,12 +15,19 @@ recipe written RECIPE@LR (its workdir named so) trains at peak learning rate LR 
 shape unchanged (BitNet b1.58 trains at a higher LR than its full-precision baseline: configs/llama_bitnet.py).
 Prints the final eval loss per recipe and its relative difference to bf16 (target: within 1%), appends the table to
 RESULTS.md, and plots the train and eval loss curves to benchmarks/convergence.png (GPT-2:
-benchmarks/convergence_gpt2.png).
+benchmarks/convergence_gpt2.png). With several --seeds each recipe runs under each seed (init, data order,
+stochastic rounding; seed s > 0 in the workdir <recipe>-seed<s>) and the difference to bf16 is taken per seed,
+against bf16's run of the same seed, then averaged: mean and standard error over seeds (one run per recipe cannot
+resolve 1% where bf16's own final eval loss moves by about that much between runs). The PNG shows the first seed's
+runs. Runs of different seeds can train in separate processes (one GPU each) and a last call with all the seeds
+reuses them to write the table.
 Needs the corpus: `make data` (or python -m qjax.data.prepare shakespeare --out data/shakespeare).
 """
 
 import argparse
+import math
 import pathlib
+import statistics
 import sys
 
 from common import REPO, append_results
@@ -42,6 +50,7 @@ def main():
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--lr", type=float)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per recipe and seed")
     parser.add_argument("--workdir", default=str(REPO / "runs" / "convergence"))
     parser.add_argument("--no-append", action="store_true")
     parser.add_argument("--png", help="where the curves go (default: benchmarks/convergence.png, GPT-2's "
@@ -57,41 +66,46 @@ def main():
         except ValueError:
             parser.error(f"--recipes {entry}: the learning rate after '@' must be a number, e.g. {recipe}@1.5e-3")
 
-    workdirs, finals = [], {}
+    if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds):
+        parser.error(f"--seeds must be distinct non-negative integers, got {args.seeds}")
+    workdirs, finals = [], {}  # finals: entry -> [(final step, final eval loss) per seed]
     for entry, (recipe, recipe_lr) in entries.items():
-        config = base_config.get_config()
-        config.recipe = recipe
-        config.data.path = str(REPO / "data" / "shakespeare")
-        for field, value in (("steps", args.steps), ("seq_len", args.seq_len), ("batch_size", args.batch_size)):
-            if value is not None:
-                setattr(config, field, value)
-        if args.size:
-            config.model.size = args.size
-        if args.lr:
-            config.optimizer.lr = args.lr
-        if recipe_lr is not None:
-            config.optimizer.lr = recipe_lr
-        config.eval_every = max(config.steps // 6, 1)
-        # One workdir per recipe and run shape: a finished run with the same settings is reused, never a different one.
-        tag = (f"{args.model}-{config.model.size}-steps{config.steps}-b{config.batch_size}-t{config.seq_len}"
-               f"-lr{config.optimizer.lr:g}")
-        workdir = pathlib.Path(args.workdir) / tag / entry  # the entry names its curves in the PNG
-        print(f"== {entry} -> {workdir}", flush=True)
-        train(config, str(workdir))
-        workdirs.append(str(workdir))
-        finals[entry] = read_curves(str(workdir))[1][-1]
+        for seed in args.seeds:
+            config = base_config.get_config()
+            config.recipe, config.seed = recipe, seed
+            config.data.path = str(REPO / "data" / "shakespeare")
+            for field, value in (("steps", args.steps), ("seq_len", args.seq_len), ("batch_size", args.batch_size)):
+                if value is not None:
+                    setattr(config, field, value)
+            if args.size:
+                config.model.size = args.size
+            if args.lr:
+                config.optimizer.lr = args.lr
+            if recipe_lr is not None:
+                config.optimizer.lr = recipe_lr
+            config.eval_every = max(config.steps // 6, 1)
+            # One workdir per recipe, seed and run shape: a finished run with the same settings is reused, never a
+            # different one.
+            tag = (f"{args.model}-{config.model.size}-steps{config.steps}-b{config.batch_size}-t{config.seq_len}"
+                   f"-lr{config.optimizer.lr:g}")
+            name = entry if seed == 0 else f"{entry}-seed{seed}"  # the name labels its curves in the PNG
+            workdir = pathlib.Path(args.workdir) / tag / name
+            print(f"== {name} -> {workdir}", flush=True)
+            train(config, str(workdir))
+            if seed == args.seeds[0]:
+                workdirs.append(str(workdir))
+            finals.setdefault(entry, []).append(read_curves(str(workdir))[1][-1])
 
-    base = finals.get("bf16")
-    lines = ["| recipe | final step | final eval loss | vs bf16 |", "|---|---:|---:|---:|"]
-    for recipe, (step, loss) in finals.items():
-        rel = f"{(loss - base[1]) / base[1] * 100:+.2f}%" if base else "–"
-        lines.append(f"| {recipe} | {step} | {loss:.4f} | {rel} |")
+    lines = table(finals)
     config = base_config.get_config()
     size = args.size or config.model.size
+    seeds = (f"seed {args.seeds[0]}, the same data order per recipe" if len(args.seeds) == 1 else
+             f"seeds {', '.join(map(str, args.seeds))} per recipe, each seed's init and data order shared by the "
+             "recipes")
     note = (f"{label} {size}, Shakespeare bytes, steps {args.steps or config.steps}, batch "
             f"{args.batch_size or config.batch_size} x seq {args.seq_len or config.seq_len}, peak lr "
-            f"{args.lr or config.optimizer.lr:g} (RECIPE@LR: LR), same seed and data order per recipe; eval loss = "
-            "mean over the config's eval batches.")
+            f"{args.lr or config.optimizer.lr:g} (RECIPE@LR: LR), {seeds}; eval loss = mean over the config's eval "
+            "batches.")
     report = "\n".join(lines) + "\n\n" + note + "\n"
     print("\n" + report)
     png = pathlib.Path(args.png or REPO / "benchmarks" / png_name)
@@ -99,6 +113,31 @@ def main():
     report += f"\nLoss curves: benchmarks/{png.name}\n"
     if not args.no_append:
         append_results("convergence" if args.model == "llama" else f"convergence, {label}", report)
+
+
+def table(finals: dict) -> list[str]:
+    """Markdown rows of the final eval losses, finals: entry -> [(step, loss) per seed, in one order]. One seed: the
+    loss and its relative difference to bf16's. Several: the mean loss, each seed's difference to bf16's run of the
+    same seed, and their mean ± standard error (s.e. = sample standard deviation / sqrt(seeds))."""
+    base = finals.get("bf16")
+    n_seeds = len(next(iter(finals.values())))
+    if n_seeds == 1:
+        lines = ["| recipe | final step | final eval loss | vs bf16 |", "|---|---:|---:|---:|"]
+        for entry, [(step, loss)] in finals.items():
+            rel = f"{(loss - base[0][1]) / base[0][1] * 100:+.2f}%" if base else "–"
+            lines.append(f"| {entry} | {step} | {loss:.4f} | {rel} |")
+        return lines
+    lines = ["| recipe | final step | final eval loss, mean | vs bf16 per seed | vs bf16, mean ± s.e. |",
+             "|---|---:|---:|---|---:|"]
+    for entry, runs in finals.items():
+        losses = [loss for _, loss in runs]
+        per_seed, summary = "–", "–"
+        if base:
+            rel = [(loss - b) / b * 100 for loss, (_, b) in zip(losses, base, strict=True)]
+            per_seed = ", ".join(f"{r:+.2f}%" for r in rel)
+            summary = f"{statistics.mean(rel):+.2f}% ± {statistics.stdev(rel) / math.sqrt(len(rel)):.2f}%"
+        lines.append(f"| {entry} | {runs[-1][0]} | {statistics.mean(losses):.4f} | {per_seed} | {summary} |")
+    return lines
 
 
 if __name__ == "__main__":
