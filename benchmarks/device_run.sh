@@ -36,7 +36,8 @@
 # GPU: XLA's grouped GEMMs on 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16 on
 # JAX's grouped kernels), moe-kernels (the grouped kernels' GPU tests; run "moe-kernels moe"), moe-wg-tests / moe-wg
 # (the grouped kernels with one and with two compute warpgroups: their tests compiled, then ragged.py's rows side by
-# side; run "moe-wg-tests moe-wg"), moe-fp8-diag (the fp8
+# side; run "moe-wg-tests moe-wg"), moe-profile (ragged.py's rows, each with its device time by category and 25
+# largest ops; not appended), moe-fp8-diag (the fp8
 # contracting kernel against exact sums, per-tile diagnosis and XLA's fp8 reference error printed), moe-train /
 # moe-train-fp8 (a 4-layer MoE Llama, 1.1B widths, 8 of 64 experts of FFN 1408 per token, end to end: bf16 against
 # int8_rowwise / fp8_rowwise), linear-mxfp8
@@ -162,6 +163,7 @@ step_command() {
                            "$t::test_kernel_at_size $t::test_contract_kernel_at_size $t::test_kernel_equals_reference" \
                            "$t::test_precise_fp8_promotes $t::test_contract_kernel_equals_reference" ;;
         moe-wg) echo "python3 benchmarks/ragged.py --warpgroups 2 1" ;;
+        moe-profile) echo "python3 benchmarks/ragged.py --no-append --profile 25" ;;
         moe-fp8-diag) t=tests/kernels/test_grouped_matmul_mgpu.py; echo "python3 -m pytest -q -s -rxX -p" \
                            "no:cacheprovider $t::test_fp8_contract_kernel $t::test_contract_kernel_at_size" ;;
         linear-mxfp8) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \

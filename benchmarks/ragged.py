@@ -7,6 +7,7 @@ group_sizes), then dx and dw from an upstream gradient, at DeepSeek-V3-like expe
   python benchmarks/ragged.py --small     # CPU-sized (the default when no GPU is present)
   python benchmarks/ragged.py --warpgroups 2 1   # also rows "<recipe> 1wg": the grouped kernels (forward, dgrad,
                                           # wgrad) with one compute warpgroup (GroupedConfig.compute_warpgroups)
+  python benchmarks/ragged.py --profile 15   # also each GPU row's device time by category and its 15 largest ops
 
 The rows are the (token, expert) pairs of a random top-k routing, sorted by expert (group sizes: the routing's
 counts, uneven as real routing is). Rows: "dense bf16" (one lax.dot_general of the same rows and FLOPs: what a
@@ -22,6 +23,8 @@ back to back.
 import argparse
 import dataclasses
 import importlib
+import pathlib
+import tempfile
 from unittest import mock
 
 import jax
@@ -30,6 +33,7 @@ from jax import lax
 
 import qjax
 from common import append_results, device_kind, time_ms
+from profile_train import device_events, print_report
 from qjax.kernels import grouped_matmul_mgpu
 
 RECIPES = ["int8_rowwise", "fp8_rowwise"]
@@ -51,6 +55,15 @@ def make_step(recipe):
         return (y, *vjp(g))
 
     return jax.jit(step)
+
+
+def profile(step, data, steps: int, top: int, label: str) -> None:
+    """Prints the device time per step of `steps` calls of the (compiled) step by category and its `top` ops."""
+    trace_dir = tempfile.mkdtemp(prefix="qjax_ragged_profile_")
+    with jax.profiler.trace(trace_dir):
+        jax.block_until_ready([step(*data) for _ in range(steps)])
+    print(f"\nprofile of {label}, per step:")
+    print_report(device_events(pathlib.Path(trace_dir)), steps, top)
 
 
 def operands(rows, tokens, experts, top_k, k, n):
@@ -80,6 +93,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--inner", type=int, default=2, help="steps queued back to back per timed sample")
     parser.add_argument("--no-append", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="also profile --inner steps of each row on a GPU: time by category and the TOP ops")
     args = parser.parse_args()
     small = args.small or jax.default_backend() != "gpu"
     tokens, experts, top_k = (256, 8, 2) if small else (args.tokens, args.experts, args.top_k)
@@ -110,7 +125,10 @@ def main():
                                                               tile_m=64 if warpgroups == 2 else 128))
             try:  # XLA may not lower an 8-bit ragged_dot on this GPU: record that and go on
                 with mock.patch.multiple(grouped_matmul_mgpu, **configs):
-                    ms = time_ms(make_step(recipe), data, args.warmup, reps, inner)
+                    step = make_step(recipe)
+                    ms = time_ms(step, data, args.warmup, reps, inner)
+                if args.profile and not small:
+                    profile(step, data, inner, args.profile, f"{name} K={k} N={n}")
             except Exception as e:  # noqa: BLE001
                 ms, failures[name] = float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             times.setdefault(name, {})[(k, n)] = ms
