@@ -81,7 +81,8 @@
 # adamw_8bit step under FSDP over all GPUs, per-device kernel vs jnp vs optax.adamw, 4 Llama-3-8B layers),
 # scaling-1b, scaling-1b-more, scaling-8b
 # (benchmarks/scaling.py; scaling-8b-int8 its int8_rowwise row alone; scaling-8b-b8-bf16 / scaling-8b-b8-int8 one
-# row at global batch 8 with GPU 0's profile; scaling-8b-b16: the three 8B rows at global batch 16),
+# row at global batch 8 with GPU 0's profile; scaling-8b-b8-int8-overlap: the int8 one with XLA's pipelined
+# all-gather / reduce-scatter flags; scaling-8b-b16: the three 8B rows at global batch 16),
 # torch-fsdp (benchmarks/torch_fsdp_peer.py: torchrun, FSDP2, bf16 vs
 # torchao float8).
 set -o pipefail
@@ -241,6 +242,12 @@ step_command() {
         scaling-8b-b16)  # global batch 16 (4 sequences per GPU on 4): bf16, then int8_rowwise with 8-bit and bf16 gathers
             echo "python3 benchmarks/scaling.py --size 8b --batch 16 --remat --param-dtype bfloat16 --sr" \
                  "--optimizer adamw_8bit --rows bf16 int8_rowwise int8_rowwise:bf16 --steps 3 --warmup 1" ;;
+        scaling-8b-b8-int8-overlap)  # the int8_rowwise row at global batch 8 with XLA's collective overlap flags
+            echo "python3 benchmarks/scaling.py --size 8b --batch 8 --remat --param-dtype bfloat16 --sr" \
+                 "--optimizer adamw_8bit --rows int8_rowwise --steps 3 --warmup 1 --profile 25" \
+                 "--xla-flags=--xla_gpu_enable_pipelined_all_gather=true" \
+                 "--xla-flags=--xla_gpu_enable_pipelined_reduce_scatter=true" \
+                 "--xla-flags=--xla_gpu_enable_highest_priority_async_stream=true" ;;
         torch-fsdp) echo "python3 benchmarks/torch_fsdp_peer.py" ;;
         bitnet-fsdp) echo "python3 benchmarks/scaling.py --size 1b --rows int8_rowwise bitnet_b158 bitnet_b158:bf16" \
                           "--steps 3 --warmup 1" ;;

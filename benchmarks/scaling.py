@@ -9,6 +9,7 @@ against one device.
       --rows bf16 int8_rowwise --steps 3 --warmup 1                               # 8B on 2 x 80 GB
   python benchmarks/scaling.py --size tiny --cpu-devices 2 --baselines bf16       # CPU check, toy size
   python benchmarks/scaling.py --size 1b --rows int8_rowwise --steps 3 --warmup 1 --profile 30   # + GPU 0's time
+  python benchmarks/scaling.py --size 1b --xla-flags=--xla_gpu_enable_pipelined_all_gather=true   # with XLA flags
 
 A row (`--rows`, recipe[:gather]) runs `qjax.train.make_train_step` on random tokens over each mesh of `--meshes`
 (default fsdp over all `--devices`), in its own subprocess (its peak memory is its own). Gather "8bit" (the default;
@@ -132,6 +133,8 @@ def start_row(args, mesh: dict, recipe: str, gather: str, batch: int, devices: l
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={len(devices)}")
     else:
         env.update(CUDA_VISIBLE_DEVICES=",".join(devices))
+    if args.xla_flags:
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *args.xla_flags]).strip()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env,
                             cwd=os.path.dirname(os.path.abspath(__file__)))
     return proc, dict(mesh=mesh, recipe=recipe, gather=gather, start=time.perf_counter())
@@ -181,7 +184,7 @@ def table(results: list[dict], args) -> str:
             "steps; one subprocess per row. vs 1 device: tokens/s per device over the one-device row of the same "
             "recipe at the same batch per device; one-device rows ran side by side, one per GPU"
             + (f"; {args.cpu_devices} CPU host devices (a check that it runs, not a speed)" if args.cpu_devices
-               else "") + ".")
+               else "") + (f"; XLA_FLAGS += {' '.join(args.xla_flags)}" if args.xla_flags else "") + ".")
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
@@ -230,6 +233,9 @@ def main():
     parser.add_argument("--cpu-devices", type=int, default=0, help="run on this many CPU host devices (toy check)")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
                         help="also profile 2 steps of each mesh row: GPU 0's time by category and its TOP ops")
+    parser.add_argument("--xla-flags", action="append", default=[], help="a flag added to every row's XLA_FLAGS "
+                        "(written --xla-flags=..., once per flag), e.g. --xla-flags=--xla_gpu_enable_pipelined_all_"
+                        "gather=true")
     parser.add_argument("--no-append", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
