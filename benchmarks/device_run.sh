@@ -32,7 +32,8 @@
 # dataflow-conv (benchmarks/convergence.py at the default run's 125M settings for bf16, the data-flow recipes and
 # bitnet_b158: carry "data"; the new PNG comes back in $OUT), dataflow-conv-seed0 .. -seed3 (bf16 and the data-flow
 # recipes under one seed, not appended: one lane each) then dataflow-conv-seeds (reuses them: the table over seeds
-# 0-3, mean ± s.e. of each seed's difference to bf16; run as a second device_run.sh after the lanes), tests-moe (the ragged_dot, MXFP8 and MoE tests on the
+# 0-3, mean ± s.e. of each seed's difference to bf16; run as a second device_run.sh after the lanes),
+# tests-moe (the ragged_dot, MXFP8 and MoE tests on the
 # GPU: XLA's grouped GEMMs on 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16 on
 # JAX's grouped kernels), moe-kernels (the grouped kernels' GPU tests; run "moe-kernels moe"), moe-wg-tests / moe-wg
 # (the grouped kernels with one and with two compute warpgroups: their tests compiled, then ragged.py's rows side by
@@ -239,7 +240,7 @@ step_command() {
             echo "python3 benchmarks/scaling.py --size 8b --batch 8 --remat --param-dtype bfloat16 --sr" \
                  "--optimizer adamw_8bit --rows $([ "$1" = scaling-8b-b8-bf16 ] && echo bf16 || echo int8_rowwise)" \
                  "--steps 3 --warmup 1 --profile 40" ;;
-        scaling-8b-b16)  # global batch 16 (4 sequences per GPU on 4): bf16, then int8_rowwise with 8-bit and bf16 gathers
+        scaling-8b-b16)  # global batch 16 (4 per GPU on 4): bf16, then int8_rowwise with 8-bit and bf16 gathers
             echo "python3 benchmarks/scaling.py --size 8b --batch 16 --remat --param-dtype bfloat16 --sr" \
                  "--optimizer adamw_8bit --rows bf16 int8_rowwise int8_rowwise:bf16 --steps 3 --warmup 1" ;;
         scaling-8b-b8-int8-overlap)  # the int8_rowwise row at global batch 8 with XLA's collective overlap flags
