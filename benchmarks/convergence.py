@@ -66,6 +66,8 @@ def main():
         except ValueError:
             parser.error(f"--recipes {entry}: the learning rate after '@' must be a number, e.g. {recipe}@1.5e-3")
 
+    if not args.recipes:
+        parser.error("--recipes needs at least one recipe, e.g. --recipes bf16 int8_dataflow")
     if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds):
         parser.error(f"--seeds must be distinct non-negative integers, got {args.seeds}")
     workdirs, finals = [], {}  # finals: entry -> [(final step, final eval loss) per seed]

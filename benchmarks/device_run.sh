@@ -196,7 +196,7 @@ step_command() {
             seeds=${1#dataflow-conv-seed}; [ "$seeds" = s ] && seeds="0 1 2 3"
             echo "python3 benchmarks/convergence.py --recipes bf16 int8_dataflow fp8_dataflow --size 125m" \
                  "--seq-len 1024 --batch-size 32 --steps 750 --lr 6e-4 --workdir /tmp/convergence --seeds $seeds" \
-                 "$([ "${#seeds}" = 1 ] && echo --no-append)" ;;
+                 "$([ "${#seeds}" = 1 ] && echo --no-append --png /tmp/convergence_seed$seeds.png)" ;;
         tests-bitnet) echo "python3 -m pytest -x -q -p no:cacheprovider -m gpu tests/test_bitnet.py" ;;
         bitnet) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
                      "int8_rowwise bitnet_b158 --no-peer" ;;

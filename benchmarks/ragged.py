@@ -127,10 +127,13 @@ def main():
                 with mock.patch.multiple(grouped_matmul_mgpu, **configs):
                     step = make_step(recipe)
                     ms = time_ms(step, data, args.warmup, reps, inner)
-                if args.profile and not small:
-                    profile(step, data, inner, args.profile, f"{name} K={k} N={n}")
             except Exception as e:  # noqa: BLE001
                 ms, failures[name] = float("nan"), f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            if args.profile and not small and name not in failures:
+                try:  # the profile is extra: its failure leaves the timing standing
+                    profile(step, data, inner, args.profile, f"{name} K={k} N={n}")
+                except Exception as e:  # noqa: BLE001
+                    print(f"  profile of {name} failed: {type(e).__name__}: {e}", flush=True)
             times.setdefault(name, {})[(k, n)] = ms
             print(f"  {name:16s} K={k:5d} N={n:5d} {ms:9.3f} ms", flush=True)
 

@@ -18,8 +18,9 @@ Reference: `qjax.optim.fused_adam.fused_step_reference`; the kernel calls the sa
          their 4 columns, split into codes and joined back in registers (`_unpack`, `_pack`); coded as 8-bit.
 
 The tensor is viewed as n blocks of B elements, an (n, B) array, cut into tiles of R = T // B rows (fewer when n
-is not a multiple); one program per tile (the code book formats: per 4 tiles, updated in turn, so that a program's
-copy of the tables, which overlaps its first tile's loads, serves several), with no shared memory but the tables:
+is not a multiple); one program per tile, except that a code book format's program updates up to 4 tiles in turn
+where the tensor still gives `_MIN_PROGRAMS` programs (its copy of the tables, which overlaps the first tile's loads,
+then serves several); no shared memory but the tables:
 
   GMEM -> registers (vector loads): p (R, B) f32, g (R, B) f32, m codes (R, B), m scale (R,) (and the other
                                      per-row arrays), v codes, v scale
@@ -34,7 +35,7 @@ Register layout: one TILED layout for every (R, B) array: each of the 4 warps ow
 consecutive columns each (128 columns per register sweep), so a warp's loads and stores are contiguous runs
 (coalesced) and the per-row amax is a warp shuffle reduction, never cross-warp. No TMA pipeline: many small
 register-only programs hide the memory latency through occupancy, faster than staging tiles through SMEM
-(benchmarks/NOTES.md).
+(benchmarks/NOTES.md); hence several tiles per program only where enough programs remain to fill the GPU.
 
 Bit-exactness: under the CPU interpreter the kernel's XLA ops equal the jitted reference bit for bit. Compiled on a
 GPU, XLA and Mosaic GPU may contract a*b+c into FMAs differently, so values can differ by an ulp and, rarely, a code
@@ -60,12 +61,13 @@ from qjax import codebooks, numerics, stochastic
 from qjax.formats import BF16, FP8_STATE_FORMATS  # e4m3 states: no code table
 from qjax.kernels import load_from_gmem, resolve_interpret
 
-# Elements per program: chosen by the tile-size sweep recorded in benchmarks/NOTES.md.
+# Elements per tile: chosen by the tile-size sweep recorded in benchmarks/NOTES.md.
 _TILE_ELEMENTS = 2048
 _LANE_COLUMNS = 128  # a warp sweeps 32 lanes x 4 columns per register
 ROW_MULTIPLE = 4  # the warps: a tensor's block count must be a multiple (no padding pass)
 _MAX_BLOCK = 256  # a tile holds at least a row per warp (4 x 256 <= _TILE_ELEMENTS)
 _CODE_TABLE_TILES = 4  # tiles per program for the code book formats: their tables are copied once per program
+_MIN_PROGRAMS = 1024  # ... where at least this many programs remain (~8 per SM of a 132-SM Hopper GPU)
 
 # (R, B) arrays: tiles of 4 rows x 128 columns; warps split the 4 rows, lanes the 128 columns in vectors of 4.
 _LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((ROW_MULTIPLE, _LANE_COLUMNS), (4,))), warp_dims=(-3,), lane_dims=(-2,),
@@ -265,16 +267,19 @@ def _tile_rows(n_rows: int, block_size: int) -> int:
     return rows
 
 
-def _tiles_per_program(n_tiles: int, code_tables: bool) -> int:
-    """Tiles one program updates in turn: several where it copies code tables first (the copy paid once), else 1."""
+def _tiles_per_program(n_tiles: int, code_tables: bool, min_programs: int) -> int:
+    """Tiles one program updates in turn: up to _CODE_TABLE_TILES where it copies code tables first (the copy paid
+    once) and at least min_programs programs remain (occupancy hides the memory latency), else 1."""
     tiles = _CODE_TABLE_TILES if code_tables else 1
-    while n_tiles % tiles:
+    while tiles > 1 and (n_tiles % tiles or n_tiles // tiles < min_programs):
         tiles //= 2
     return tiles
 
 
-@functools.partial(jax.jit, static_argnames=("formats", "b1", "b2", "eps", "weight_decay", "runs", "interpret"))
-def _step_call(p2, g2, m_state, v_state, coef, seed, *, formats, b1, b2, eps, weight_decay, runs, interpret):
+@functools.partial(jax.jit, static_argnames=("formats", "b1", "b2", "eps", "weight_decay", "runs", "interpret",
+                                             "min_programs"))
+def _step_call(p2, g2, m_state, v_state, coef, seed, *, formats, b1, b2, eps, weight_decay, runs, interpret,
+               min_programs):
     n_rows, block = p2.shape
     rows = _tile_rows(n_rows, block)
     inputs = (p2, g2, *m_state, *v_state)
@@ -282,7 +287,7 @@ def _step_call(p2, g2, m_state, v_state, coef, seed, *, formats, b1, b2, eps, we
     n_m = len(m_state)
 
     code_tables = formats[0] not in FP8_STATE_FORMATS
-    tiles = _tiles_per_program(n_rows // rows, code_tables)
+    tiles = _tiles_per_program(n_rows // rows, code_tables, min_programs)
 
     def body(coef_ref, seed_ref, m_table_ref, v_table_ref, *refs):
         wait_tables = None
@@ -354,5 +359,5 @@ def adam_step_kernel(p2, g2, m_state, v_state, coef, *, formats, b1, b2, eps, we
                       jnp.asarray(offset, jnp.uint32).reshape(())])
     p2, *state = _step_call(p2, g2, tuple(m_state), tuple(v_state), coef, seed, formats=formats, b1=b1, b2=b2,
                             eps=eps, weight_decay=weight_decay, runs=None if runs is None else tuple(map(int, runs)),
-                            interpret=resolve_interpret(interpret))
+                            interpret=resolve_interpret(interpret), min_programs=_MIN_PROGRAMS)
     return p2, tuple(state[:len(m_state)]), tuple(state[len(m_state):])

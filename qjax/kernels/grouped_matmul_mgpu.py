@@ -67,6 +67,7 @@ class GroupedConfig:
       num_ctas: persistent grid size; None = number of SMs on a GPU, 2 under the interpreter.
       compute_warpgroups: 1, or 2 for kernels with a memory warpgroup and two compute warpgroups (module
         docstring), each owning tile_m rows of a (2 * tile_m, tile_n) tile; the contracting kernel takes it too.
+        The field defaults to 1; the kernels' own defaults (`DEFAULT_CONFIG`, `PROMOTE_CONFIG`) take 2.
     """
 
     tile_m: int = 128

@@ -111,6 +111,16 @@ def test_kernel_matches_reference(fmt, shape, step, weight_decay):
                       _reference(p, g, mu, nu, *c, config=_config(fmt), weight_decay=weight_decay))
 
 
+def test_tiles_per_program():
+    """Code book formats: up to 4 tiles per program, a divisor of the tile count, while enough programs remain;
+    e4m3 formats: one."""
+    tiles = adam_step_mgpu._tiles_per_program
+    assert tiles(8192, True, 1024) == 4 and tiles(4096, True, 1024) == 4
+    assert tiles(4094, True, 1024) == 2  # 4094 = 2 x 2047: 2 tiles per program, 2047 programs
+    assert tiles(2048, True, 1024) == 2 and tiles(2047, True, 1024) == 1 and tiles(1024, True, 1024) == 1
+    assert tiles(8192, False, 1024) == 1 and tiles(12, True, 1) == 4 and tiles(6, True, 1) == 2
+
+
 @interpreter_only
 @pytest.mark.parametrize("fmt", EIGHT_BIT)
 @pytest.mark.parametrize("shape", [(40, 128), (44, 128)])  # 8-row tiles; 44 blocks: 4-row tiles (44 % 8 != 0)
@@ -151,11 +161,12 @@ def test_nan_and_inf_gradients(fmt):
 
 
 @interpreter_only
-def test_4bit_states():
+@pytest.mark.parametrize("rows", [44, 64])  # 11 tiles of 4 rows; 4 tiles of 16 rows, all in one program
+def test_4bit_states(rows):
     """adamw_4bit's states (two codes per byte, unpacked and packed in registers): bit for bit the reference, with
-    4-row tiles of 128-element blocks and NaN / Inf gradients."""
-    p, g, mu, nu = _inputs((44, 128), seed=8, block_size=128, fmt="4bit")
-    assert mu.codes.shape == (44, 64) and fused_adam.kernel_eligible(p, g, mu, nu)
+    tiles of 128-element blocks and NaN / Inf gradients."""
+    p, g, mu, nu = _inputs((rows, 128), seed=8, block_size=128, fmt="4bit")
+    assert mu.codes.shape == (rows, 64) and fused_adam.kernel_eligible(p, g, mu, nu)
     g = g.at[1, 7].set(jnp.nan).at[5, 0].set(jnp.inf)
     c = _coefficients(4)
     out = _kernel(p, g, mu, nu, *c)

@@ -80,7 +80,7 @@ GRADS = _SETUP + textwrap.dedent("""
                 g, r = np.asarray(g), np.asarray(r)
                 where = f"{recipe} {name} {sharding_lib.path_name(path[0])}"
                 np.testing.assert_allclose(g, r, rtol=rtol, atol=rtol * np.abs(r).max(), err_msg=where)
-                if ON_GPU:  # fp8: rounding flips of up to 1% of the elements, one e4m3 step (2**-4) each
+                if ON_GPU:  # fp8: 3.87e-3 measured on 4 GPUs (rounding flips, one e4m3 step each, of ~0.5-1%)
                     err = np.linalg.norm(g - r) / np.linalg.norm(r)
                     assert err < (6e-3 if recipe.startswith("fp8") else 2e-3), f"{where}: relative error {err:.2e}"
             print(recipe, name, "ok")
@@ -170,11 +170,14 @@ STATE = _SETUP + textwrap.dedent("""
                                    rtol=1e-3 if ON_GPU else 1e-5)  # GPU: other per-device GEMM splits
         leaves = lambda tree: [np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree.params)]
         if ON_GPU:  # other GEMM splits round the gradients otherwise: an 8-bit moment's code or an Adam direction
-            # where g ~ 0 may flip, moving that param the other way (by up to 2 lr); the updates as a whole agree
-            new, old, start = (np.concatenate(leaves(t)) for t in (new_state, old_state, saved))
-            assert np.abs(new - old).max() <= 2 * c.optimizer.lr, np.abs(new - old).max()
-            error = np.linalg.norm(new - old) / np.linalg.norm(old - start)
-            assert error <= 0.1, f"the updates under the two meshes differ by {error:.3f} of their norm"
+            # where g ~ 0 may flip, moving that param the other way (by up to 2 lr); the updates agree as a whole
+            # (10% of their norm) and per param (30%: a flip weighs more in a small norm scale)
+            parts = list(zip(*(leaves(t) for t in (new_state, old_state, saved))))
+            for name, part in (("all params", [np.concatenate(x) for x in zip(*parts)]), *enumerate(parts)):
+                new, old, start = part
+                assert np.abs(new - old).max() <= 2 * c.optimizer.lr, (name, np.abs(new - old).max())
+                error = np.linalg.norm(new - old) / np.linalg.norm(old - start)
+                assert error <= (0.1 if name == "all params" else 0.3), f"{name}: updates {error:.3f} apart"
         else:
             for a, b in zip(leaves(new_state), leaves(old_state)):
                 np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
