@@ -82,7 +82,8 @@
 # adamw_8bit step under FSDP over all GPUs, per-device kernel vs jnp vs optax.adamw, 4 Llama-3-8B layers),
 # scaling-1b, scaling-1b-more, scaling-8b
 # (benchmarks/scaling.py; scaling-8b-int8 its int8_rowwise row alone; scaling-8b-b8-bf16 / scaling-8b-b8-int8 one
-# row at global batch 8 with GPU 0's profile; scaling-8b-b8-int8-overlap: the int8 one with XLA's pipelined
+# row at global batch 8 with GPU 0's profile, scaling-8b-b8-int8-bf16gather the int8 row gathering bf16 weights
+# (issue 24's 8-bit against bf16 gather); scaling-8b-b8-int8-overlap: the int8 one with XLA's pipelined
 # all-gather / reduce-scatter flags; scaling-8b-b16: the three 8B rows at global batch 16),
 # torch-fsdp (benchmarks/torch_fsdp_peer.py: torchrun, FSDP2, bf16 vs
 # torchao float8).
@@ -236,10 +237,11 @@ step_command() {
                          "--warmup 1" ;;
         scaling-8b-int8) echo "python3 benchmarks/scaling.py --size 8b --batch 4 --remat --param-dtype bfloat16 --sr" \
                               "--optimizer adamw_8bit --rows int8_rowwise --steps 3 --warmup 1" ;;
-        scaling-8b-b8-bf16|scaling-8b-b8-int8)  # one 8B row per call: each compiles for 5-7 minutes
+        scaling-8b-b8-bf16|scaling-8b-b8-int8|scaling-8b-b8-int8-bf16gather)  # one 8B row each: 2-4 min
+            row=bf16; [ "$1" = scaling-8b-b8-int8 ] && row=int8_rowwise
+            [ "$1" = scaling-8b-b8-int8-bf16gather ] && row=int8_rowwise:bf16
             echo "python3 benchmarks/scaling.py --size 8b --batch 8 --remat --param-dtype bfloat16 --sr" \
-                 "--optimizer adamw_8bit --rows $([ "$1" = scaling-8b-b8-bf16 ] && echo bf16 || echo int8_rowwise)" \
-                 "--steps 3 --warmup 1 --profile 40" ;;
+                 "--optimizer adamw_8bit --rows $row --steps 3 --warmup 1 --profile 40" ;;
         scaling-8b-b16)  # global batch 16 (4 per GPU on 4): bf16, then int8_rowwise with 8-bit and bf16 gathers
             echo "python3 benchmarks/scaling.py --size 8b --batch 16 --remat --param-dtype bfloat16 --sr" \
                  "--optimizer adamw_8bit --rows bf16 int8_rowwise int8_rowwise:bf16 --steps 3 --warmup 1" ;;
