@@ -101,7 +101,7 @@ def _assert_identical(out, ref):
 @pytest.mark.parametrize("fmt", EIGHT_BIT)
 @pytest.mark.parametrize("shape,step,weight_decay", [
     ((64, 256), 1, 0.01),       # 64 blocks: 8 tiles of 8; e4m3 8 programs, the code books 2 of 4 tiles each
-    ((24, 256), 7, 0.0),        # 24 blocks: 6 programs; no weight decay (optax skips the add)
+    ((24, 256), 7, 0.0),        # 24 blocks: 3 tiles, 3 programs; no weight decay (optax skips the add)
     ((20, 16, 16), 100, 0.1),   # 20 blocks of a 3-d param: 5 programs
 ])
 def test_kernel_matches_reference(fmt, shape, step, weight_decay):
