@@ -88,7 +88,7 @@
 # (issue 24's 8-bit against bf16 gather); scaling-8b-b8-int8-overlap: the int8 one with XLA's pipelined
 # all-gather / reduce-scatter flags; scaling-8b-b16: the three 8B rows at global batch 16),
 # torch-fsdp (benchmarks/torch_fsdp_peer.py: torchrun, FSDP2, bf16 vs
-# torchao float8).
+# torchao float8; torch-fsdp-8b: the 8b preset's shape at global batch 8, the qjax 8B rows' peer).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # NVLink multicast stays off
@@ -256,6 +256,8 @@ step_command() {
                  "--xla-flags=--xla_gpu_enable_pipelined_reduce_scatter=true" \
                  "--xla-flags=--xla_gpu_enable_highest_priority_async_stream=true" ;;
         torch-fsdp) echo "python3 benchmarks/torch_fsdp_peer.py" ;;
+        torch-fsdp-8b) echo "python3 benchmarks/torch_fsdp_peer.py --dim 4096 --layers 32 --heads 32 --kv-heads 8" \
+                            "--ffn 14336 --vocab 128256 --batch 8 --steps 3 --warmup 1 --timeout 420" ;;
         bitnet-fsdp) echo "python3 benchmarks/scaling.py --size 1b --rows int8_rowwise bitnet_b158 bitnet_b158:bf16" \
                           "--steps 3 --warmup 1" ;;
         bitnet-bf16-bwd) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
