@@ -18,6 +18,7 @@ Kernel files are leaves: they import the numerics layer (`qjax.numerics`, `qjax.
 reference runs is decided in `qjax.dispatch` (docs/design.md, "Layers").
 """
 
+import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
@@ -29,6 +30,11 @@ def resolve_interpret(interpret):
     if interpret is False:
         return None
     return interpret
+
+
+def persistent_ctas(requested: int | None, interpret) -> int:
+    """A persistent kernel's grid size: `requested`, else 2 under the interpreter, else one CTA per SM."""
+    return requested or (2 if interpret else jax.devices()[0].core_count)
 
 
 def load_from_gmem(ref, layout):

@@ -22,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax.kernels import resolve_interpret
 from qjax.kernels.grouped_matmul_mgpu import (GroupedConfig, check_operands, epilogue_scratch, pad_to,
-                                              resolve_config, round_up, stage_scaled, tile_sum)
+                                              persistent_kernel, resolve_config, round_up, stage_scaled, tile_sum)
 from qjax.kernels.grouped_pipeline_mgpu import two_warpgroup_pipeline, two_warpgroup_scratch
 from qjax.qtensor import QTensor
 
@@ -47,6 +47,15 @@ def group_runs(group_sizes: jax.Array, m: int, tile_k: int) -> tuple[jax.Array, 
     return source.astype(jnp.int32), jnp.stack([block_ends - blocks, blocks]).astype(jnp.int32)
 
 
+def _tile_of(loop_info, cfg: GroupedConfig, steps_table, groups: int, m_tiles: int, n_tiles: int):
+    """The (group, m tile, n tile) a persistent CTA's loop step computes, in `plgpu.planar_snake` order, and that
+    group's first token block and block count: (group, m_idx, n_idx, first, steps)."""
+    (lin,) = loop_info.index
+    group_m, n_idx = plgpu.planar_snake(lin, (groups * m_tiles, n_tiles), 1, cfg.grid_tile_width)
+    group = lax.div(group_m, m_tiles)
+    return group, lax.rem(group_m, m_tiles), n_idx, steps_table[0, group], steps_table[1, group]
+
+
 def _contract_kernel(cfg: GroupedConfig, promote: bool, steps_table, a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem):
     """refs: steps (2, G) int32 (each group's first token block and block count), a codes (Kp, Tp), b codes (Np, Tp),
     sa (Kp,) f32, sb (Np,) f32, out (G, Kp, Np); tokens grouped in tile_k-aligned, zero-padded runs."""
@@ -56,10 +65,7 @@ def _contract_kernel(cfg: GroupedConfig, promote: bool, steps_table, a_gmem, b_g
     def scoped(out_smem, rs_smem, cs_smem, barriers):
         @plgpu.nd_loop((groups * m_tiles * n_tiles,), collective_axes="sm")
         def _(loop_info):
-            (lin,) = loop_info.index
-            group_m, n_idx = plgpu.planar_snake(lin, (groups * m_tiles, n_tiles), 1, cfg.grid_tile_width)
-            group, m_idx = lax.div(group_m, m_tiles), lax.rem(group_m, m_tiles)
-            first, steps = steps_table[0, group], steps_table[1, group]
+            group, m_idx, n_idx, first, steps = _tile_of(loop_info, cfg, steps_table, groups, m_tiles, n_tiles)
 
             @pl.when(steps > 0)  # an empty group's tiles are left to the wrapper
             def _():
@@ -91,10 +97,7 @@ def _contract_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, steps_t
 
         @plgpu.nd_loop((groups * m_tiles * n_tiles,), collective_axes="sm")
         def _(loop_info):
-            (lin,) = loop_info.index
-            group_m, n_idx = plgpu.planar_snake(lin, (groups * m_tiles, n_tiles), 1, cfg.grid_tile_width)
-            group, m_idx = lax.div(group_m, m_tiles), lax.rem(group_m, m_tiles)
-            first, steps = steps_table[0, group], steps_table[1, group]
+            group, m_idx, n_idx, first, steps = _tile_of(loop_info, cfg, steps_table, groups, m_tiles, n_tiles)
             rows, cols = pl.ds(m_idx * cta_m + wg * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
 
             def epilogue(acc):
@@ -131,14 +134,8 @@ def _launch_contract(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dty
     runs = lambda codes: jnp.where(source >= 0, jnp.take(codes, jnp.maximum(source, 0), axis=1),
                                    jnp.zeros((), codes.dtype))
     tiles = groups * (kp // cta_m) * (np_ // config.tile_n)
-    num_ctas = config.num_ctas or (2 if interpret else jax.devices()[0].core_count)
-    if config.compute_warpgroups == 1:
-        body, threads = functools.partial(_contract_kernel, config, promote), {}
-    else:  # a memory warpgroup beside the two compute warpgroups
-        body = functools.partial(_contract_kernel_2wg, config, promote, config.stages(out_dtype))
-        threads = dict(num_threads=3, thread_name="wg")
-    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((groups, kp, np_), out_dtype),
-                          grid=(min(num_ctas, tiles),), grid_names=("sm",), interpret=interpret, **threads)
+    kernel = persistent_kernel(config, promote, (_contract_kernel, _contract_kernel_2wg), (groups, kp, np_),
+                               out_dtype, tiles, interpret)
     out = kernel(steps, pad_to(runs(a_codes), (kp, source.shape[0]), 0),
                  pad_to(runs(b_codes), (np_, source.shape[0]), 0), pad_to(a_scale, (kp,), 1),
                  pad_to(b_scale, (np_,), 1))[:, :k, :n]

@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from qjax.kernels import resolve_interpret
+from qjax.kernels import persistent_ctas, resolve_interpret
 from qjax.kernels.gemm_config_mgpu import FP8, SMEM_BYTES, SMEM_MARGIN
 from qjax.kernels.grouped_pipeline_mgpu import two_warpgroup_pipeline, two_warpgroup_scratch
 from qjax.numerics import INT32_SAFE_K
@@ -326,6 +326,21 @@ def pad_to(x, shape, value):
     return jnp.pad(x, pad, constant_values=value) if any(p[1] for p in pad) else x
 
 
+def persistent_kernel(config: GroupedConfig, promote: bool, bodies, out_shape, out_dtype, tiles: int, interpret):
+    """The grouped kernel of `config.compute_warpgroups` over a persistent grid of at most `tiles` CTAs: bodies =
+    (one compute warpgroup's body(config, promote, *refs), two's body(config, promote, stages, *refs)), the latter
+    beside a memory warpgroup (threads "wg"); one output of out_shape and out_dtype."""
+    one, two = bodies
+    if config.compute_warpgroups == 1:
+        body, threads = functools.partial(one, config, promote), {}
+    else:
+        body = functools.partial(two, config, promote, config.stages(out_dtype))
+        threads = dict(num_threads=3, thread_name="wg")
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+                        grid=(min(persistent_ctas(config.num_ctas, interpret), tiles),), grid_names=("sm",),
+                        interpret=interpret, **threads)
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "promote", "interpret"))
 def _launch(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dtype, config, promote, interpret):
     (m, k), (groups, n, _) = a_codes.shape, b_codes.shape
@@ -333,14 +348,8 @@ def _launch(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dtype, confi
     mp, np_, kp = round_up(m, cta_m), round_up(n, config.tile_n), round_up(k, config.tile_k)
     items = work_items(group_sizes, m, cta_m)
     tiles = items.shape[1] * (np_ // config.tile_n)
-    num_ctas = config.num_ctas or (2 if interpret else jax.devices()[0].core_count)
-    if config.compute_warpgroups == 1:
-        body, threads = functools.partial(_rows_kernel, config, promote), {}
-    else:  # a memory warpgroup beside the two compute warpgroups
-        body = functools.partial(_rows_kernel_2wg, config, promote, config.stages(out_dtype))
-        threads = dict(num_threads=3, thread_name="wg")
-    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype), grid=(min(num_ctas, tiles),),
-                          grid_names=("sm",), interpret=interpret, **threads)
+    kernel = persistent_kernel(config, promote, (_rows_kernel, _rows_kernel_2wg), (mp, np_), out_dtype, tiles,
+                               interpret)
     out = kernel(items, pad_to(a_codes, (mp, kp), 0), pad_to(b_codes, (groups, np_, kp), 0),
                  pad_to(a_scale, (mp,), 1), pad_to(b_scale, (groups, np_), 1))[:m, :n]
     # rows past sum(group_sizes) belong to no work item and are never written

@@ -52,6 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from qjax.kernels import persistent_ctas
 from qjax.kernels.gemm_config_mgpu import (BLOCK_K, COMPUTE_WGS, EPI_ROW_BYTES, EPI_TILE_M, FP8, TuningConfig,
                                            check_config, default_config, epilogue_slot_count, kernel_mode)
 from qjax.qtensor import BLOCK_SHAPES, GRANULARITIES, QTensor
@@ -136,10 +137,6 @@ def _block_scales(q: QTensor, k_blocks: int, padded_blocks: int, padded_rows: in
     else:  # 128x128: every row of a 128-row block shares its scales
         per_row = jnp.repeat(q.scale, 128, axis=0)
     return _pad2(per_row.T, padded_blocks, padded_rows, 1)
-
-
-def _num_sms() -> int:
-    return jax.devices()[0].core_count
 
 
 def _kernel(plan: _Plan, *refs):
@@ -358,7 +355,7 @@ def scaled_matmul_kernel(a: QTensor, b: QTensor, out_dtype, *, precise_accumulat
     else:
         a_scale, b_scale = _row_vector(a, m, mp), _row_vector(b, n, np_)
     tiles = (mp // cta_m) * (np_ // config.tile_n)
-    num_ctas = config.num_ctas or (2 if interpret else _num_sms())
+    num_ctas = persistent_ctas(config.num_ctas, interpret)
     num_ctas -= num_ctas % config.cluster_m
     if num_ctas < config.cluster_m:
         raise ValueError(f"num_ctas={config.num_ctas} is smaller than the cluster ({config.cluster_m} CTAs)")
