@@ -44,7 +44,7 @@ KERNELS = textwrap.dedent("""
     if not ON_GPU:  # emulate Hopper: dispatch's one question, and the SM count the GEMM kernel's grid reads
         from qjax.kernels import scaled_matmul_mgpu
         dispatch.on_hopper_gpu = lambda: True
-        scaled_matmul_mgpu._num_sms = lambda: 132
+        scaled_matmul_mgpu.persistent_ctas = lambda requested, interpret: requested or (2 if interpret else 132)
     N = len(jax.devices())
     SEQ = 32 * N  # 256 tokens per device: the kernels take multiples of 128 (features too)
     rng = np.random.RandomState(0)
