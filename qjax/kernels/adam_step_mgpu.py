@@ -18,9 +18,7 @@ Reference: `qjax.optim.fused_adam.fused_step_reference`; the kernel calls the sa
          their 4 columns, split into codes and joined back in registers (`_unpack`, `_pack`); coded as 8-bit.
 
 The tensor is viewed as n blocks of B elements, an (n, B) array, cut into tiles of R = T // B rows (fewer when n
-is not a multiple); one program per tile, except that a code book format's program updates up to 4 tiles in turn
-where the tensor still gives `_MIN_PROGRAMS` programs (its copy of the tables, which overlaps the first tile's loads,
-then serves several); no shared memory but the tables:
+is not a multiple); one program per tile, with no shared memory but the code tables:
 
   GMEM -> registers (vector loads): p (R, B) f32, g (R, B) f32, m codes (R, B), m scale (R,) (and the other
                                      per-row arrays), v codes, v scale
@@ -35,7 +33,7 @@ Register layout: one TILED layout for every (R, B) array: each of the 4 warps ow
 consecutive columns each (128 columns per register sweep), so a warp's loads and stores are contiguous runs
 (coalesced) and the per-row amax is a warp shuffle reduction, never cross-warp. No TMA pipeline: many small
 register-only programs hide the memory latency through occupancy, faster than staging tiles through SMEM
-(benchmarks/NOTES.md); hence several tiles per program only where enough programs remain to fill the GPU.
+(benchmarks/NOTES.md).
 
 Bit-exactness: under the CPU interpreter the kernel's XLA ops equal the jitted reference bit for bit. Compiled on a
 GPU, XLA and Mosaic GPU may contract a*b+c into FMAs differently, so values can differ by an ulp and, rarely, a code
@@ -61,13 +59,11 @@ from qjax import codebooks, numerics, stochastic
 from qjax.formats import BF16, FP8_STATE_FORMATS  # e4m3 states: no code table
 from qjax.kernels import load_from_gmem, resolve_interpret
 
-# Elements per tile: chosen by the tile-size sweep recorded in benchmarks/NOTES.md.
+# Elements per program: chosen by the tile-size sweep recorded in benchmarks/NOTES.md.
 _TILE_ELEMENTS = 2048
 _LANE_COLUMNS = 128  # a warp sweeps 32 lanes x 4 columns per register
 ROW_MULTIPLE = 4  # the warps: a tensor's block count must be a multiple (no padding pass)
 _MAX_BLOCK = 256  # a tile holds at least a row per warp (4 x 256 <= _TILE_ELEMENTS)
-_CODE_TABLE_TILES = 4  # tiles per program for the code book formats: their tables are copied once per program
-_MIN_PROGRAMS = 1024  # ... where at least this many programs remain (~8 per SM of a 132-SM Hopper GPU)
 
 # (R, B) arrays: tiles of 4 rows x 128 columns; warps split the 4 rows, lanes the 128 columns in vectors of 4.
 _LAYOUT = plgpu.Layout.TILED(plgpu.Tiling(((ROW_MULTIPLE, _LANE_COLUMNS), (4,))), warp_dims=(-3,), lane_dims=(-2,),
@@ -220,22 +216,21 @@ def _round_param(p, seed, row0, offset, runs):
 
 
 def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_refs, v_refs, *, row0, formats, b1, b2,
-               eps, weight_decay, runs, interpret, wait_tables=None):
+               eps, weight_decay, runs, interpret):
     """One tile in GMEM, updated in place: the fused step of `fused_step_reference` on (R, B) arrays.
     m_refs, v_refs: each moment's codes (R, B) (or (R, B / 2) packed) and per-row arrays (R,) (`adam_step_kernel`).
     m_table_ref, v_table_ref: the code book formats' `codebooks.codec_table` (unused for e4m3). A bfloat16 param is
     read as float32 and written back with stochastic rounding (seed_ref: seed and element offset, runs as in
-    `adam_step_kernel`; the tile's first row row0). wait_tables: called once the tile's loads are issued, before
-    the first table lookup (the tables' copies into SMEM overlap the loads)."""
+    `adam_step_kernel`; the tile's first row row0)."""
     m_format, v_format = formats
     m_table = functools.partial(_lookup, m_table_ref, interpret=interpret)
     v_table = functools.partial(_lookup, v_table_ref, interpret=interpret)
 
-    def load_state(refs, fmt):
+    def load_state(refs, fmt, table):
         codes_ref, *row_refs = refs
         codes = (_unpack(load_from_gmem(codes_ref, _PACKED_LAYOUT), interpret) if _is_packed(fmt)
                  else load_from_gmem(codes_ref, _LAYOUT))
-        return codes, tuple(load_from_gmem(ref, _ROW_LAYOUT) for ref in row_refs)
+        return _dequantize_rows(codes, tuple(load_from_gmem(ref, _ROW_LAYOUT) for ref in row_refs), fmt, table)
 
     def store_state(x, refs, fmt, table):
         codes_ref, *row_refs = refs
@@ -247,12 +242,8 @@ def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_ref
     p = load_from_gmem(p_ref, _LAYOUT).astype(jnp.float32)
     g = load_from_gmem(g_ref, _LAYOUT).astype(jnp.float32)
     bc1, bc2_sqrt, step_size = coef_ref[0], coef_ref[1], coef_ref[2]
-    m_codes, m_rows = load_state(m_refs, m_format)
-    v_codes, v_rows = load_state(v_refs, v_format)
-    if wait_tables is not None:
-        wait_tables()
-    m_old = _dequantize_rows(m_codes, m_rows, m_format, m_table)
-    v_old = _dequantize_rows(v_codes, v_rows, v_format, v_table)
+    m_old = load_state(m_refs, m_format, m_table)
+    v_old = load_state(v_refs, v_format, v_table)
     direction, m, v = numerics.adam_math(g, m_old, v_old, b1, b2, eps, bc1, bc2_sqrt)
     new_p = numerics.param_update(p, direction, step_size, weight_decay)
     p_ref[...] = new_p if p_ref.dtype == jnp.float32 else _round_param(new_p, seed_ref[0], row0, seed_ref[1], runs)
@@ -267,19 +258,8 @@ def _tile_rows(n_rows: int, block_size: int) -> int:
     return rows
 
 
-def _tiles_per_program(n_tiles: int, code_tables: bool, min_programs: int) -> int:
-    """Tiles one program updates in turn: up to _CODE_TABLE_TILES where it copies code tables first (the copy paid
-    once) and at least min_programs programs remain (occupancy hides the memory latency), else 1."""
-    tiles = _CODE_TABLE_TILES if code_tables else 1
-    while tiles > 1 and (n_tiles % tiles or n_tiles // tiles < min_programs):
-        tiles //= 2
-    return tiles
-
-
-@functools.partial(jax.jit, static_argnames=("formats", "b1", "b2", "eps", "weight_decay", "runs", "interpret",
-                                             "min_programs"))
-def _step_call(p2, g2, m_state, v_state, coef, seed, *, formats, b1, b2, eps, weight_decay, runs, interpret,
-               min_programs):
+@functools.partial(jax.jit, static_argnames=("formats", "b1", "b2", "eps", "weight_decay", "runs", "interpret"))
+def _step_call(p2, g2, m_state, v_state, coef, seed, *, formats, b1, b2, eps, weight_decay, runs, interpret):
     n_rows, block = p2.shape
     rows = _tile_rows(n_rows, block)
     inputs = (p2, g2, *m_state, *v_state)
@@ -287,31 +267,20 @@ def _step_call(p2, g2, m_state, v_state, coef, seed, *, formats, b1, b2, eps, we
     n_m = len(m_state)
 
     code_tables = formats[0] not in FP8_STATE_FORMATS
-    tiles = _tiles_per_program(n_rows // rows, code_tables, min_programs)
 
     def body(coef_ref, seed_ref, m_table_ref, v_table_ref, *refs):
-        wait_tables = None
         if code_tables:  # each program copies the two 2 KB tables to SMEM (lookups: ld.shared)
             *refs, m_table_smem, v_table_smem, barrier = refs
             plgpu.copy_gmem_to_smem(m_table_ref, m_table_smem, barrier.at[0])
             plgpu.copy_gmem_to_smem(v_table_ref, v_table_smem, barrier.at[1])
-
-            def wait_tables():
-                plgpu.barrier_wait(barrier.at[0])
-                plgpu.barrier_wait(barrier.at[1])
-
+            plgpu.barrier_wait(barrier.at[0])
+            plgpu.barrier_wait(barrier.at[1])
             m_table_ref, v_table_ref = m_table_smem, v_table_smem
-
-        def tile(t, wait):
-            row0 = (lax.axis_index("program") * tiles + t) * rows
-            p_ref, g_ref, *state_refs = (ref.at[pl.ds(row0, rows)] for ref in refs)
-            _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, state_refs[:n_m],
-                       state_refs[n_m:], row0=row0.astype(jnp.uint32), formats=formats, b1=b1, b2=b2, eps=eps,
-                       weight_decay=weight_decay, runs=runs, interpret=interpret is not None, wait_tables=wait)
-
-        tile(0, wait_tables)  # the tables' barriers are waited on once, in the first tile
-        if tiles > 1:
-            pl.loop(1, tiles)(lambda t: tile(t, None))
+        row0 = lax.axis_index("program") * rows
+        p_ref, g_ref, *state_refs = (ref.at[pl.ds(row0, rows)] for ref in refs)
+        _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, state_refs[:n_m], state_refs[n_m:],
+                   row0=row0.astype(jnp.uint32), formats=formats, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                   runs=runs, interpret=interpret is not None)
 
     # The param and state arrays go in as mutable refs, updated in place (the kernel's aliased outputs): with the
     # step's params and state donated, XLA then writes them where they are instead of copying each kernel output
@@ -321,7 +290,7 @@ def _step_call(p2, g2, m_state, v_state, coef, seed, *, formats, b1, b2, eps, we
     scratch = ()
     if code_tables:
         scratch = (*(plgpu.SMEM(t.shape, jnp.float32) for t in tables), plgpu.Barrier(num_barriers=2))
-    plgpu.kernel(body, out_type=(), grid=(n_rows // (rows * tiles),), grid_names=("program",), scratch_types=scratch,
+    plgpu.kernel(body, out_type=(), grid=(n_rows // rows,), grid_names=("program",), scratch_types=scratch,
                  interpret=interpret)(coef, seed, *tables, *refs)
     return tuple(jax.freeze(refs[i]) for i in written)
 
@@ -359,5 +328,5 @@ def adam_step_kernel(p2, g2, m_state, v_state, coef, *, formats, b1, b2, eps, we
                       jnp.asarray(offset, jnp.uint32).reshape(())])
     p2, *state = _step_call(p2, g2, tuple(m_state), tuple(v_state), coef, seed, formats=formats, b1=b1, b2=b2,
                             eps=eps, weight_decay=weight_decay, runs=None if runs is None else tuple(map(int, runs)),
-                            interpret=resolve_interpret(interpret), min_programs=_MIN_PROGRAMS)
+                            interpret=resolve_interpret(interpret))
     return p2, tuple(state[:len(m_state)]), tuple(state[len(m_state):])

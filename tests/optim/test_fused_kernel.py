@@ -100,7 +100,7 @@ def _assert_identical(out, ref):
 @interpreter_only
 @pytest.mark.parametrize("fmt", EIGHT_BIT)
 @pytest.mark.parametrize("shape,step,weight_decay", [
-    ((64, 256), 1, 0.01),       # 64 blocks: 8 tiles of 8; e4m3 8 programs, the code books 2 of 4 tiles each
+    ((64, 256), 1, 0.01),       # 64 blocks: 8 programs, one tile of 8 blocks each
     ((24, 256), 7, 0.0),        # 24 blocks: 3 tiles, 3 programs; no weight decay (optax skips the add)
     ((20, 16, 16), 100, 0.1),   # 20 blocks of a 3-d param: 5 programs
 ])
@@ -109,16 +109,6 @@ def test_kernel_matches_reference(fmt, shape, step, weight_decay):
     c = _coefficients(step)
     _assert_identical(_kernel(p, g, mu, nu, *c, weight_decay=weight_decay),
                       _reference(p, g, mu, nu, *c, config=_config(fmt), weight_decay=weight_decay))
-
-
-def test_tiles_per_program():
-    """Code book formats: up to 4 tiles per program, a divisor of the tile count, while enough programs remain;
-    e4m3 formats: one."""
-    tiles = adam_step_mgpu._tiles_per_program
-    assert tiles(8192, True, 1024) == 4 and tiles(4096, True, 1024) == 4
-    assert tiles(4094, True, 1024) == 2  # 4094 = 2 x 2047: 2 tiles per program, 2047 programs
-    assert tiles(2048, True, 1024) == 2 and tiles(2047, True, 1024) == 1 and tiles(1024, True, 1024) == 1
-    assert tiles(8192, False, 1024) == 1 and tiles(12, True, 1) == 4 and tiles(6, True, 1) == 2
 
 
 @interpreter_only
@@ -161,7 +151,7 @@ def test_nan_and_inf_gradients(fmt):
 
 
 @interpreter_only
-@pytest.mark.parametrize("rows", [44, 64])  # 11 tiles of 4 rows; 4 tiles of 16 rows, all in one program
+@pytest.mark.parametrize("rows", [44, 64])  # 11 tiles of 4 rows; 4 tiles of 16 rows
 def test_4bit_states(rows):
     """adamw_4bit's states (two codes per byte, unpacked and packed in registers): bit for bit the reference, with
     tiles of 128-element blocks and NaN / Inf gradients."""
@@ -221,7 +211,7 @@ def test_dre_bf16_params_with_stochastic_rounding():
 @interpreter_only
 @pytest.mark.parametrize("fmt", EIGHT_BIT)
 @pytest.mark.parametrize("shape,block_size", [((24, 256), 256), ((44, 128), 128), ((64, 256), 256)])
-def test_bf16_params_with_stochastic_rounding(fmt, shape, block_size):  # (64, 256): programs of several tiles
+def test_bf16_params_with_stochastic_rounding(fmt, shape, block_size):
     """bfloat16 param and gradient with a seed: the kernel rounds the float32 new param stochastically with the
     reference's bits (`sr_params.round_param`), bit for bit, NaN and Inf gradients included; the states as for
     float32 params."""

@@ -198,7 +198,7 @@ def test_shard_offsets(formats, block, split):
     """The kernel on each of 4 shards of a param split along `split`, with the shard's offset and runs, equals the
     unsharded jnp step bit for bit (bfloat16 params, stochastic rounding), and so does the reference with the same
     offset and runs: what each device computes in `fused_step_per_device`."""
-    shape, shards = (16, 1024), 4  # 16 or 32 blocks per shard: programs of 2 tiles (tests/optim/conftest.py)
+    shape, shards = (16, 1024), 4
     kp, kg, km, kv = jax.random.split(jax.random.key(3), 4)
     p = (jax.random.normal(kp, shape) * 0.02).astype(jnp.bfloat16)
     g = (jax.random.normal(kg, shape) * 1e-3).astype(jnp.bfloat16)
