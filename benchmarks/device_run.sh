@@ -31,7 +31,8 @@
 # train` on the Shakespeare corpus: carry "data" prepared here), dataflow (the 1.1B rows of the data-flow recipes),
 # dataflow-conv (benchmarks/convergence.py at the default run's 125M settings for bf16, the data-flow recipes and
 # bitnet_b158: carry "data"; the new PNG comes back in $OUT), dataflow-conv-seed0 .. -seed3 (bf16 and the data-flow
-# recipes under one seed, not appended: one lane each) then dataflow-conv-seeds (reuses them: the table over seeds
+# recipes, with int8_rowwise as the GEMM-only control, under one seed, not appended: one lane each) then
+# dataflow-conv-seeds (reuses them: the table over seeds
 # 0-3, mean ± s.e. of each seed's difference to bf16; run as a second device_run.sh after the lanes),
 # tests-moe (the ragged_dot, MXFP8 and MoE tests on the
 # GPU: XLA's grouped GEMMs on 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16 on
@@ -199,7 +200,8 @@ step_command() {
                             "--seq-len 1024 --batch-size 32 --steps 750 --lr 6e-4 --workdir /tmp/convergence" ;;
         dataflow-conv-seed[0-9]|dataflow-conv-seeds)  # one seed per lane, then the table over seeds 0-3
             seeds=${1#dataflow-conv-seed}; [ "$seeds" = s ] && seeds="0 1 2 3"
-            echo "python3 benchmarks/convergence.py --recipes bf16 int8_dataflow fp8_dataflow --size 125m" \
+            echo "python3 benchmarks/convergence.py --recipes bf16 int8_dataflow fp8_dataflow int8_rowwise" \
+                 "--size 125m" \
                  "--seq-len 1024 --batch-size 32 --steps 750 --lr 6e-4 --workdir /tmp/convergence --seeds $seeds" \
                  "$([ "${#seeds}" = 1 ] && echo --no-append --png /tmp/convergence_seed$seeds.png)" ;;
         tests-bitnet) echo "python3 -m pytest -x -q -p no:cacheprovider -m gpu tests/test_bitnet.py" ;;
