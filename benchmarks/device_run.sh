@@ -86,8 +86,8 @@
 # scaling-1b, scaling-1b-more, scaling-8b
 # (benchmarks/scaling.py; scaling-8b-int8 its int8_rowwise row alone; scaling-8b-b8-bf16 / scaling-8b-b8-int8 one
 # row at global batch 8 with GPU 0's profile, scaling-8b-b8-int8-bf16gather the int8 row gathering bf16 weights
-# (issue 24's 8-bit against bf16 gather); scaling-8b-b8-int8-overlap: the int8 one with XLA's pipelined
-# all-gather / reduce-scatter flags; scaling-8b-b16: the three 8B rows at global batch 16),
+# (issue 24's 8-bit against bf16 gather); scaling-8b-b16-bf16 / -int8 / -int8-bf16gather: the same rows at global
+# batch 16),
 # torch-fsdp (benchmarks/torch_fsdp_peer.py: torchrun, FSDP2, bf16 vs
 # torchao float8; torch-fsdp-8b: the 8b preset's shape at global batch 8, the qjax 8B rows' peer).
 set -o pipefail
@@ -243,20 +243,11 @@ step_command() {
                          "--warmup 1" ;;
         scaling-8b-int8) echo "python3 benchmarks/scaling.py --size 8b --batch 4 --remat --param-dtype bfloat16 --sr" \
                               "--optimizer adamw_8bit --rows int8_rowwise --steps 3 --warmup 1" ;;
-        scaling-8b-b8-bf16|scaling-8b-b8-int8|scaling-8b-b8-int8-bf16gather)  # one 8B row each: 2-4 min
-            row=bf16; [ "$1" = scaling-8b-b8-int8 ] && row=int8_rowwise
-            [ "$1" = scaling-8b-b8-int8-bf16gather ] && row=int8_rowwise:bf16
-            echo "python3 benchmarks/scaling.py --size 8b --batch 8 --remat --param-dtype bfloat16 --sr" \
+        scaling-8b-b8-*|scaling-8b-b16-*)  # one 8B row each at global batch 8 or 16: 2-4 min (b16 int8: more)
+            batch=${1#scaling-8b-b}; batch=${batch%%-*}; row=bf16
+            case "$1" in *-int8) row=int8_rowwise ;; *-int8-bf16gather) row=int8_rowwise:bf16 ;; esac
+            echo "python3 benchmarks/scaling.py --size 8b --batch $batch --remat --param-dtype bfloat16 --sr" \
                  "--optimizer adamw_8bit --rows $row --steps 3 --warmup 1 --profile 40" ;;
-        scaling-8b-b16)  # global batch 16 (4 per GPU on 4): bf16, then int8_rowwise with 8-bit and bf16 gathers
-            echo "python3 benchmarks/scaling.py --size 8b --batch 16 --remat --param-dtype bfloat16 --sr" \
-                 "--optimizer adamw_8bit --rows bf16 int8_rowwise int8_rowwise:bf16 --steps 3 --warmup 1" ;;
-        scaling-8b-b8-int8-overlap)  # the int8_rowwise row at global batch 8 with XLA's collective overlap flags
-            echo "python3 benchmarks/scaling.py --size 8b --batch 8 --remat --param-dtype bfloat16 --sr" \
-                 "--optimizer adamw_8bit --rows int8_rowwise --steps 3 --warmup 1 --profile 25" \
-                 "--xla-flags=--xla_gpu_enable_pipelined_all_gather=true" \
-                 "--xla-flags=--xla_gpu_enable_pipelined_reduce_scatter=true" \
-                 "--xla-flags=--xla_gpu_enable_highest_priority_async_stream=true" ;;
         torch-fsdp) echo "python3 benchmarks/torch_fsdp_peer.py" ;;
         torch-fsdp-8b) echo "python3 benchmarks/torch_fsdp_peer.py --dim 4096 --layers 32 --heads 32 --kv-heads 8" \
                             "--ffn 14336 --vocab 128256 --batch 8 --steps 3 --warmup 1 --timeout 420" ;;
