@@ -169,6 +169,12 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
                              operands=("forward lhs x as (M, K)", "wgrad rhs x as (K, M), M = tokens"),
                              row_axes=token_axes, col_axes=x_k_axes)
 
+    def quantize_w(w, w_spec, w_spec_t, seeds):
+        """w as (N, K) -> (forward codes per w_spec, dgrad codes as (K, N) per w_spec_t), either None."""
+        return quantize_both(w, w_spec, w_spec_t, seeds[_FWD_RHS], seeds[_DGRAD_RHS],
+                             operands=("forward rhs w as (N, K)", "dgrad rhs w as (K, N)"),
+                             row_axes=w_n_axes, col_axes=w_k_axes)
+
     def forward_gemm(lhs, rhs, seeds, rhs_q, with_residuals):
         """out, and (with_residuals) what the backward GEMMs read of w and x: quantized in their layouts, or the
         originals for GEMMs in high precision. Each input is quantized once for both GEMMs that read it."""
@@ -177,9 +183,7 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
         w_spec_t = _spec(dgrad, "rhs") if with_residuals else None
         xq, x_res = quantize_lhs(x, seeds, x_spec_t)
         w_spec = _spec(fwd, "rhs") if rhs_q is None else None
-        wq, w_res = quantize_both(w, w_spec, w_spec_t, seeds[_FWD_RHS], seeds[_DGRAD_RHS],
-                                  operands=("forward rhs w as (N, K)", "dgrad rhs w as (K, N)"),
-                                  row_axes=w_n_axes, col_axes=w_k_axes)
+        wq, w_res = quantize_w(w, w_spec, None if recipe.recompute_weight_codes else w_spec_t, seeds)
         wq = wq if rhs_q is None else rhs_q
         # FSDP: the codes (or, for a GEMM in high precision, the weight itself) are gathered, not the float weight.
         wq = gather(w if fwd is None else wq, sharding.fsdp, fsdp_n, ternary=_is_ternary(_spec(fwd, "rhs")))
@@ -189,6 +193,8 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
             out = varying(gemm(xq, wq, out_dtype), vma)
         if recipe.dgrad_reads_forward_weight:  # the forward's (gathered) ternary codes, dequantized in backward
             w_res = wq
+        elif recipe.recompute_weight_codes and with_residuals:  # the param itself: backward quantizes it again
+            w_res = rhs
         elif w_spec_t is None:  # dgrad in high precision reads w as (K, N): the weight itself, gathered under FSDP
             w_res = rhs if sharding.fsdp is None else gather(_swap_last(w), sharding.fsdp, 1 - fsdp_n)
         else:
@@ -209,6 +215,9 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
             w_kn = layout.rhs_kn(w_res) if sharding.fsdp is None else w_res
             dx = _high_precision_matmul(g_mn, w_kn, lhs_dtype, precision)
         else:
+            if recipe.recompute_weight_codes:  # w_res is the param: its dgrad codes now, as forward would have saved
+                w_res = quantize_w(rhs_nk(w_res), None, _spec(dgrad, "rhs"), seeds)[1]
+                w_res = gather(w_res, sharding.fsdp, 1 - fsdp_n, ternary=_is_ternary(_spec(dgrad, "rhs")))
             dx = gemm(gq_dgrad, w_res, lhs_dtype, precise_accumulation=True)
         # wgrad is computed as dw^T = x^T g, (K, M) x (N, M) -> (K, N): the layout of a Dense kernel (in, out), so
         # the gradient reaches the optimizer untransposed (as g^T x -> (N, K), XLA fused the transpose into every

@@ -66,6 +66,12 @@ class Recipe:
     8-bit wgrad copy from the forward (DeepSeek-V3 recomputes SwiGLU's output so): one 8-bit copy of each fused op's
     output fewer per token, for an elementwise op (and a norm's statistics) rerun and a quantize pass in the backward,
     and a wgrad that reads a second rounding of y. Off by default.
+
+    recompute_weight_codes: dgrad re-quantizes the weight in the backward (the recipe's dgrad spec and seed: the same
+    codes, bit for bit) instead of saving its (K, N) 8-bit codes from the forward. The float weight is a param, live
+    anyway, so the saved codes are pure extra memory: 1 byte per weight of every layer outside remat. Costs one
+    weight quantize per GEMM in the backward and, under FSDP, a second all-gather of the codes (FSDP's usual
+    reshard after forward). Needs a quantized dgrad. Off by default.
     """
 
     name: str
@@ -76,6 +82,7 @@ class Recipe:
     saved: QuantSpec | None = None
     saved_group: int = 0
     recompute_prologue_output: bool = False
+    recompute_weight_codes: bool = False
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -86,9 +93,12 @@ class Recipe:
         if isinstance(self.saved_group, bool) or not isinstance(self.saved_group, int) or self.saved_group < 0:
             raise ValueError(f"Recipe.saved_group must be an int >= 0 (0: one scale per row), got "
                              f"{self.saved_group!r}")
-        if not isinstance(self.recompute_prologue_output, bool):
-            raise TypeError(f"Recipe.recompute_prologue_output must be a bool, got "
-                            f"{self.recompute_prologue_output!r}")
+        for flag in ("recompute_prologue_output", "recompute_weight_codes"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"Recipe.{flag} must be a bool, got {getattr(self, flag)!r}")
+        if self.recompute_weight_codes and (self.dgrad is None or self.dgrad_reads_forward_weight):
+            raise ValueError(f"Recipe.recompute_weight_codes=True needs a quantized dgrad that quantizes the weight "
+                             f"itself; recipe {self.name!r} has none: leave it False")
         if self.recompute_prologue_output and self.saved is None:
             raise ValueError("Recipe.recompute_prologue_output=True applies to the fused norm / activation layers, "
                              "which run only where the recipe saves 8-bit activations: set Recipe.saved (e.g. "
