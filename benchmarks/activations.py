@@ -5,7 +5,8 @@
   python benchmarks/activations.py --recipes bf16,int8_dataflow,int8_dataflow+recompute
 
 A recipe name followed by "+recompute" is that recipe with `Recipe.recompute_prologue_output` (the data-flow
-recipes: the fused norms' and SwiGLU's outputs recomputed in the backward instead of saved).
+recipes: the fused norms' and SwiGLU's outputs recomputed in the backward instead of saved); "+recompute_w" also
+with `Recipe.recompute_weight_codes` (the weights' dgrad codes re-quantized in the backward).
 
 Traces the vjp of one `qjax.models.llama.Block` on ShapeDtypeStruct inputs (nothing is computed, so it runs on
 CPU in a few seconds at any size) and prints, per recipe, a table of the residuals grouped by where they come
@@ -21,6 +22,8 @@ Each residual falls in one of three kinds, told apart by tracing the block twice
                       count as activations. Reported per token, excluded from the total.
   per step            its size does not change with the batch: the compute-dtype or 8-bit copies of the weights,
                       their scales, RNG seeds. Reported in bytes per step, excluded from the total.
+  param               a parameter of the block itself (saved as it is, e.g. under Recipe.recompute_weight_codes):
+                      live anyway, so it costs the backward nothing. Listed, never summed.
 The batch, not the shape, decides "per token": at seq 2048 a quantized (2048, 2048) activation and a quantized
 2048 x 2048 weight look alike.
 """
@@ -41,16 +44,17 @@ sys.path.insert(0, str(REPO))  # this checkout's qjax, not whichever one is inst
 import qjax  # noqa: E402
 from qjax.models import llama  # noqa: E402
 
-KINDS = ("activation", "attention internal", "per step")
-RECOMPUTE = "+recompute"
+KINDS = ("activation", "attention internal", "per step", "param")
+RECOMPUTE, RECOMPUTE_W = "+recompute", "+recompute_w"
 
 
 def parse_recipe(name: str):
-    """The recipe a --recipes entry names: a qjax recipe name, optionally followed by RECOMPUTE."""
-    base = name.removesuffix(RECOMPUTE)
-    if base == name:
-        return qjax.recipe(name)
-    return dataclasses.replace(qjax.recipe(base), name=name, recompute_prologue_output=True)
+    """The recipe a --recipes entry names: a qjax recipe name, optionally followed by RECOMPUTE or RECOMPUTE_W."""
+    for suffix, weights in ((RECOMPUTE_W, True), (RECOMPUTE, False)):
+        if name.endswith(suffix):
+            return dataclasses.replace(qjax.recipe(name.removesuffix(suffix)), name=name,
+                                       recompute_prologue_output=True, recompute_weight_codes=weights)
+    return qjax.recipe(name)
 
 
 def block_residuals(config: llama.LlamaConfig, batch: int, seq: int) -> list[tuple[jax.ShapeDtypeStruct, str]]:
@@ -81,7 +85,9 @@ def classify(config: llama.LlamaConfig, batch: int, seq: int) -> list[tuple[str,
         raise RuntimeError("the block's residuals at batch B and 2B differ in kind or order; cannot pair them")
     out = []
     for (aval, source), (aval2, _) in zip(once, twice):
-        if nbytes(aval2) == nbytes(aval):
+        if source.startswith("from the argument p["):  # p: the block's variables (block_residuals)
+            kind = "param"  # the block's own parameters: live anyway, no memory of the backward's
+        elif nbytes(aval2) == nbytes(aval):
             kind = "per step"
         elif nbytes(aval2) == 2 * nbytes(aval):
             in_attention = source.endswith("(attention)") and "qjax/models/layers.py" in source
@@ -108,7 +114,7 @@ def report(config: llama.LlamaConfig, recipes: list[str], batch: int, seq: int) 
         lines = [f"### {name}", "", "| kind | where (saved_residuals) | shape | dtype | count | bytes/token |",
                  "|---|---|---|---|---:|---:|"]
         for (kind, source, shape, dtype), (count, b) in sorted(rows.items(), key=lambda kv: KINDS.index(kv[0][0])):
-            per_token = f"{b / tokens:,.1f}" if kind != "per step" else f"({b:,} B/step)"
+            per_token = {"per step": f"({b:,} B/step)", "param": "(live anyway)"}.get(kind, f"{b / tokens:,.1f}")
             lines.append(f"| {kind} | {source} | {shape} | {dtype} | {count} | {per_token} |")
         act, attn, step = totals[name]
         lines.append(f"\nActivations {act:,.1f} B/token; attention internals {attn:,.1f} B/token (excluded); "

@@ -14,7 +14,8 @@ compiled for one row stays resident during the next.
 Rows (--rows): bf16; int8 fwd only; int8 fwd+dgrad; int8_rowwise (all three GEMMs); the last two with stochastic
 rounding of the gradient operand (`qjax.with_stochastic_gradients`; forward-only int8 has no gradient operand to
 round); fp8_tensorwise; fp8_blockwise; the data-flow recipes fp8_dataflow and int8_dataflow, and
-int8_dataflow_recompute (int8_dataflow with `Recipe.recompute_prologue_output`); bitnet_b158 (ternary
+int8_dataflow_recompute (int8_dataflow with `Recipe.recompute_prologue_output`; int8_dataflow_recompute_w also with
+`Recipe.recompute_weight_codes`); bitnet_b158 (ternary
 forward weights, int8_rowwise backward); fp8_rowwise; int8_rowwise with int8 weight-only params
 (`model.param_dtype=int8`: int8 kernels + per-channel scales, SR updates, the forward reading the stored codes) and with bf16 params + SR, the two
 ways without a float32 master copy (their peak memory beside the float32 rows'); and "<recipe>@xla" rows that
@@ -39,7 +40,7 @@ import time  # noqa: E402
 ROWS = ("bf16", "int8_fwd", "int8_fwd_dgrad", "int8_rowwise", "int8_fwd_dgrad_sr", "int8_rowwise_sr",
         "fp8_tensorwise", "fp8_blockwise", "bitnet_b158", "int8_rowwise_int8_params", "int8_rowwise_bf16_params_sr",
         "int8_rowwise@xla", "fp8_tensorwise@xla", "fp8_dataflow", "int8_dataflow", "fp8_rowwise",
-        "int8_dataflow_recompute")
+        "int8_dataflow_recompute", "int8_dataflow_recompute_w")
 # Rows whose params are not float32: row -> (config.model.param_dtype, config.optimizer.stochastic_rounding); their
 # recipe is int8_rowwise.
 PARAM_ROWS = {"int8_rowwise_int8_params": ("int8", False), "int8_rowwise_bf16_params_sr": ("bfloat16", True)}
@@ -77,6 +78,9 @@ def row_recipe(row: str):
         "int8_dataflow_recompute": dataclasses.replace(qjax.recipe("int8_dataflow"), name="int8_dataflow_recompute",
                                                        recompute_prologue_output=True),
     }
+    recipes["int8_dataflow_recompute_w"] = dataclasses.replace(recipes["int8_dataflow_recompute"],
+                                                               name="int8_dataflow_recompute_w",
+                                                               recompute_weight_codes=True)
     recipes["int8_fwd_dgrad_sr"] = qjax.with_stochastic_gradients(recipes["int8_fwd_dgrad"])
     recipes["int8_rowwise_sr"] = qjax.with_stochastic_gradients(int8)
     recipe = recipes.get(name) or qjax.recipe("int8_rowwise" if name in PARAM_ROWS else name)

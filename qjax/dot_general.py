@@ -183,7 +183,8 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
         w_spec_t = _spec(dgrad, "rhs") if with_residuals else None
         xq, x_res = quantize_lhs(x, seeds, x_spec_t)
         w_spec = _spec(fwd, "rhs") if rhs_q is None else None
-        wq, w_res = quantize_w(w, w_spec, None if recipe.recompute_weight_codes else w_spec_t, seeds)
+        recompute_w = recipe.recompute_weight_codes and rhs_q is None
+        wq, w_res = quantize_w(w, w_spec, None if recompute_w else w_spec_t, seeds)
         wq = wq if rhs_q is None else rhs_q
         # FSDP: the codes (or, for a GEMM in high precision, the weight itself) are gathered, not the float weight.
         wq = gather(w if fwd is None else wq, sharding.fsdp, fsdp_n, ternary=_is_ternary(_spec(fwd, "rhs")))
@@ -193,7 +194,7 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
             out = varying(gemm(xq, wq, out_dtype), vma)
         if recipe.dgrad_reads_forward_weight:  # the forward's (gathered) ternary codes, dequantized in backward
             w_res = wq
-        elif recipe.recompute_weight_codes and with_residuals:  # the param itself: backward quantizes it again
+        elif recompute_w and with_residuals:  # the param itself, live anyway: backward quantizes it again
             w_res = rhs
         elif w_spec_t is None:  # dgrad in high precision reads w as (K, N): the weight itself, gathered under FSDP
             w_res = rhs if sharding.fsdp is None else gather(_swap_last(w), sharding.fsdp, 1 - fsdp_n)
@@ -215,7 +216,7 @@ def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dty
             w_kn = layout.rhs_kn(w_res) if sharding.fsdp is None else w_res
             dx = _high_precision_matmul(g_mn, w_kn, lhs_dtype, precision)
         else:
-            if recipe.recompute_weight_codes:  # w_res is the param: its dgrad codes now, as forward would have saved
+            if not isinstance(w_res, QTensor):  # the param (Recipe.recompute_weight_codes): its dgrad codes now
                 w_res = quantize_w(rhs_nk(w_res), None, _spec(dgrad, "rhs"), seeds)[1]
                 w_res = gather(w_res, sharding.fsdp, 1 - fsdp_n, ternary=_is_ternary(_spec(dgrad, "rhs")))
             dx = gemm(gq_dgrad, w_res, lhs_dtype, precise_accumulation=True)

@@ -70,6 +70,8 @@ class DotGeneral(nn.Module):
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **unused):
         recipe = recipes_lib.recipe(self.recipe)
+        if recipe.recompute_weight_codes and preferred_element_type is None:
+            preferred_element_type = lhs.dtype  # the kernel comes in its param dtype (qjax.models.layers.dense)
         key = self.make_rng(self.rng_collection) if recipe.needs_key else None
         rhs_quantized = None
         if isinstance(rhs, int8_params.Int8Param):

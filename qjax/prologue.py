@@ -96,13 +96,15 @@ def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *
       op: the `Prologue` (e.g. `qjax.models.ops.rms_norm_prologue(eps, dtype)`, `ops.SWIGLU`).
       x: (B, ..., features) activation, the op's first input; params: the op's other inputs (norm scale, bias).
       kernel: (K, N), the Dense layout, in the compute dtype (cast it before: its gradient flows back through
-        the cast).
+        the cast); under `Recipe.recompute_weight_codes` the param itself, in any float dtype (quantized from it,
+        saved as it is; the output then takes y's dtype).
       recipe: a `qjax.Recipe` or name; key: `jax.random.key` for recipes that round stochastically.
       layer: the layer's name in error messages.
 
     Returns:
-      (B, ..., N) in the promoted dtype of y and kernel. Under a context mesh the layer runs per device as
-      `qjax.dot_general` does (x split along dim 0, params and kernel whole).
+      (B, ..., N) in the promoted dtype of y and kernel (y's under `Recipe.recompute_weight_codes`). Under a
+      context mesh the layer runs per device as `qjax.dot_general` does (x split along dim 0, params and kernel
+      whole).
     """
     recipe = recipes_lib.recipe(recipe)
     x, kernel = jnp.asarray(x), jnp.asarray(kernel)
@@ -112,7 +114,7 @@ def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *
                          f"{kernel.shape}")
     check_saved_group(recipe, x.shape[-1], f"{layer} input")
     layout = _layout_from(y.shape, kernel.shape, (((y.ndim - 1,), (0,)), ((), ())))
-    out_dtype = jnp.result_type(y.dtype, kernel.dtype)
+    out_dtype = y.dtype if recipe.recompute_weight_codes else jnp.result_type(y.dtype, kernel.dtype)
     axes, seeds = _device_axes(recipe, layout), _seeds(recipe, key)
     if axes:
         devices = jax.sharding.get_abstract_mesh().size

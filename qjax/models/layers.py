@@ -94,10 +94,19 @@ def dense(module: nn.Module, config, name: str, features_in: int, features: int,
     layer's `qjax.DotGeneral` uncast.
     """
     recipe = recipe_for(config, layer_name(module, name), features_in, features)
+    promote = _promote_keeping_kernel if recipe.recompute_weight_codes else qjax.optim.int8_params.promote_dtype
     return nn.Dense(features, use_bias=use_bias, dtype=jnp.dtype(config.compute_dtype),
                     param_dtype=jnp.dtype(config.param_dtype), kernel_init=kernel_init,
-                    dot_general_cls=functools.partial(qjax.DotGeneral, recipe=recipe),
-                    promote_dtype=qjax.optim.int8_params.promote_dtype, name=name)
+                    dot_general_cls=functools.partial(qjax.DotGeneral, recipe=recipe), promote_dtype=promote,
+                    name=name)
+
+
+def _promote_keeping_kernel(inputs, kernel, *rest, dtype=None, inexact=True) -> list:
+    """nn.Dense's promote_dtype under `Recipe.recompute_weight_codes`: inputs and bias promoted as usual, the kernel
+    left in its param dtype, so the layer's custom VJP keeps the param itself for the backward, not a cast copy
+    (`qjax.DotGeneral` then computes in the inputs' dtype)."""
+    inputs, *rest = qjax.optim.int8_params.promote_dtype(inputs, *rest, dtype=dtype, inexact=inexact)
+    return [inputs, kernel, *rest]
 
 
 class _Params(nn.Module):
@@ -135,7 +144,9 @@ class PrologueDense(nn.Module):
         features_in = jax.eval_shape(self.op.apply, x, *params).shape[-1]
         kernel = self.param("kernel", self.kernel_init, (features_in, self.features), self.param_dtype)
         key = self.make_rng("quant") if self.recipe.needs_key else None
-        y = prologue_dot(self.op, x, params, kernel.astype(self.compute_dtype), recipe=self.recipe, key=key,
+        if not self.recipe.recompute_weight_codes:  # else the param itself enters the custom VJP (prologue_dot)
+            kernel = kernel.astype(self.compute_dtype)
+        y = prologue_dot(self.op, x, params, kernel, recipe=self.recipe, key=key,
                          layer="/".join(self.path))
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(y.dtype)
