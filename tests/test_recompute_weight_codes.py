@@ -68,6 +68,23 @@ def test_dot_general_same_gradients_without_the_weight_codes(name, exact):
     assert saved_bytes - recomputed_bytes >= w.size  # the (K, N) codes, one byte each, plus their scales
 
 
+def test_kernel_path_with_a_float32_weight():
+    """The kernels (Mosaic GPU interpreter) on a float32 weight beside bf16 activations: its forward codes from one
+    layout, dgrad's re-quantized in the backward, a float32 wgrad output; equal to the XLA path bit for bit."""
+    x = jax.random.normal(jax.random.key(0), (1, 128, 256), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (256, 128), jnp.float32) * 0.05
+    cot = jax.random.normal(jax.random.key(2), (1, 128, 128), jnp.float32)
+    grads = []
+    for backend in ("xla", "pallas"):
+        recipe = dataclasses.replace(_recomputing("int8_rowwise"), backend=backend)
+        loss = lambda x, w, recipe=recipe: jnp.sum(qjax.dot_general(
+            x, w, DIMS, recipe=recipe, preferred_element_type=jnp.bfloat16).astype(jnp.float32) * cot)
+        grads.append(jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w))
+    assert grads[1][0].dtype == jnp.bfloat16 and grads[1][1].dtype == jnp.float32
+    for got, want in zip(*grads):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 @pytest.mark.parametrize("name", ["int8_rowwise", "int8_dataflow"])
 def test_llama_bf16_params_bit_identical_with_less_saved(name):
     """bf16 params: the layers' kernels enter the custom VJPs as the params (no cast), so the gradients are bit for
