@@ -63,8 +63,8 @@ def test_dot_general_same_gradients_without_the_weight_codes(name, exact):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         if exact:
             np.testing.assert_array_equal(got, want)
-        else:  # float8 codes equal; the reference GEMM's float32 sums may run in another order
-            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+        else:  # float8 codes equal; the reference GEMM's float32 sums may run in another order: a bf16 ulp or two
+            np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3 * np.abs(want).max())
     assert saved_bytes - recomputed_bytes >= w.size  # the (K, N) codes, one byte each, plus their scales
 
 
