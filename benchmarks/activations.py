@@ -140,8 +140,8 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--recipes", default="bf16,int8_rowwise,fp8_tensorwise",
-                        help=f"comma-separated recipe names, each optionally followed by {RECOMPUTE}; ratios "
-                             "are to the first")
+                        help=f"comma-separated recipe names, each optionally followed by {RECOMPUTE} or "
+                             f"{RECOMPUTE_W} (data-flow recipes); ratios are to the first")
     parser.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     parser.add_argument("--append", action="store_true", help="append the tables to benchmarks/RESULTS.md")
     args = parser.parse_args()

@@ -246,11 +246,15 @@ step_command() {
                          "--warmup 1" ;;
         scaling-8b-int8) echo "python3 benchmarks/scaling.py --size 8b --batch 4 --remat --param-dtype bfloat16 --sr" \
                               "--optimizer adamw_8bit --rows int8_rowwise --steps 3 --warmup 1" ;;
-        scaling-8b-b8-*|scaling-8b-b16-*)  # one 8B row each at global batch 8 or 16: 2-4 min (b16 int8: more)
-            batch=${1#scaling-8b-b}; batch=${batch%%-*}; row=bf16
-            case "$1" in *-int8) row=int8_rowwise ;; *-int8-bf16gather) row=int8_rowwise:bf16 ;; esac
+        scaling-8b-b8-bf16|scaling-8b-b8-int8|scaling-8b-b8-int8-bf16gather|scaling-8b-b16-bf16|\
+        scaling-8b-b16-int8|scaling-8b-b16-int8-bf16gather)  # one 8B row each: 2-4 min (b16 int8: more)
+            batch=${1#scaling-8b-b}; batch=${batch%%-*}
+            case "$1" in
+                *-bf16) row=bf16 ;; *-int8) row=int8_rowwise ;; *-int8-bf16gather) row=int8_rowwise:bf16 ;;
+            esac
+            profile=""; [ "$batch" = 8 ] && profile="--profile 40"  # GPU 0's profile at batch 8 only (b16: time)
             echo "python3 benchmarks/scaling.py --size 8b --batch $batch --remat --param-dtype bfloat16 --sr" \
-                 "--optimizer adamw_8bit --rows $row --steps 3 --warmup 1 --profile 40" ;;
+                 "--optimizer adamw_8bit --rows $row --steps 3 --warmup 1 $profile" ;;
         torch-fsdp) echo "python3 benchmarks/torch_fsdp_peer.py" ;;
         torch-fsdp-8b) echo "python3 benchmarks/torch_fsdp_peer.py --dim 4096 --layers 32 --heads 32 --kv-heads 8" \
                             "--ffn 14336 --vocab 128256 --batch 8 --steps 3 --warmup 1 --timeout 420" ;;

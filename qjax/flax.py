@@ -11,6 +11,7 @@
 
 import contextlib
 import contextvars
+import dataclasses
 import re
 from typing import Any, Callable
 
@@ -76,6 +77,8 @@ class DotGeneral(nn.Module):
         rhs_quantized = None
         if isinstance(rhs, int8_params.Int8Param):
             rhs, rhs_quantized = int8_params.weight_operands(recipe, lhs, rhs, dimension_numbers)
+            # rhs is now a dequantized copy, not the param: saving it would cost more than its codes
+            recipe = dataclasses.replace(recipe, recompute_weight_codes=False)
         lookup = _WEIGHT_SHARDINGS.get()
         sharding = None if lookup is None else lookup("/".join(self.path[:-1]))
         return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, key=key,

@@ -71,7 +71,9 @@ class Recipe:
     codes, bit for bit) instead of saving its (K, N) 8-bit codes from the forward. The float weight is a param, live
     anyway, so the saved codes are pure extra memory: 1 byte per weight of every layer outside remat. Costs one
     weight quantize per GEMM in the backward and, under FSDP, a second all-gather of the codes (FSDP's usual
-    reshard after forward). Needs a quantized dgrad. Off by default.
+    reshard after forward). Needs a quantized dgrad. Pays only where the GEMM's rhs is the param itself, not a
+    cast or dequantized copy (which would be saved instead, 2 bytes a weight): `qjax.models` layers pass the
+    kernel uncast under this flag, and an int8 weight-only param keeps its codes saved. Off by default.
     """
 
     name: str
@@ -96,7 +98,7 @@ class Recipe:
         for flag in ("recompute_prologue_output", "recompute_weight_codes"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"Recipe.{flag} must be a bool, got {getattr(self, flag)!r}")
-        if self.recompute_weight_codes and (self.dgrad is None or self.dgrad_reads_forward_weight):
+        if self.recompute_weight_codes and self.dgrad is None:
             raise ValueError(f"Recipe.recompute_weight_codes=True needs a quantized dgrad that quantizes the weight "
                              f"itself; recipe {self.name!r} has none: leave it False")
         if self.recompute_prologue_output and self.saved is None:

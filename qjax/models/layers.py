@@ -89,9 +89,10 @@ def dense(module: nn.Module, config, name: str, features_in: int, features: int,
           kernel_init=nn.initializers.lecun_normal()) -> nn.Dense:
     """A child `nn.Dense` of `module` (call inside its compact method) whose GEMMs run the layer's recipe.
 
-    Params are created in `config.param_dtype`; the layer casts inputs and kernel to `config.compute_dtype`. A kernel
-    given as an int8 weight-only `qjax.optim.Int8Param` (qjax.train's `model.param_dtype=int8`) reaches the
-    layer's `qjax.DotGeneral` uncast.
+    Params are created in `config.param_dtype`; the layer casts inputs and kernel to `config.compute_dtype`, but
+    the kernel stays in its param dtype under `Recipe.recompute_weight_codes` (the GEMM then saves the param
+    itself). A kernel given as an int8 weight-only `qjax.optim.Int8Param` (qjax.train's `model.param_dtype=int8`)
+    reaches the layer's `qjax.DotGeneral` uncast.
     """
     recipe = recipe_for(config, layer_name(module, name), features_in, features)
     promote = _promote_keeping_kernel if recipe.recompute_weight_codes else qjax.optim.int8_params.promote_dtype
