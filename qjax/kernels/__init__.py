@@ -44,7 +44,7 @@ def load_from_gmem(ref, layout):
     return plgpu.load(ref, layout=layout, optimized=False)
 
 
-# For register-only kernels whose warps never share a GMEM or SMEM location they both read and write (AdamW's,
-# SwiGLU's): Pallas otherwise brackets every store with a CTA-wide bar.sync, against other threads still reading
-# what the store overwrites. benchmarks/NOTES.md has the measurement.
+# For kernels whose threads never read a GMEM or SMEM location that another thread writes, except with the value
+# they themselves wrote there (AdamW's, SwiGLU's, RMSNorm's): Pallas otherwise brackets every store with a CTA-wide
+# bar.sync, against other threads still reading what the store overwrites. benchmarks/NOTES.md has the measurement.
 NO_AUTO_BARRIERS = plgpu.CompilerParams(unsafe_no_auto_barriers=True)
