@@ -3,6 +3,8 @@
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -41,6 +43,18 @@ def mosaic_gpu_kernel_texts(lowered) -> list[str]:
     context.allow_unregistered_dialects = True
     with context:
         return [str(ir.Module.parse(module)) for module in modules]
+
+
+def run_on_cpu_devices(script: str, devices: int) -> str:
+    """Runs a Python script in a subprocess with `devices` CPU devices (XLA_FLAGS must be set before jax starts),
+    this checkout on the path; asserts it exits 0 and returns its stdout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+               PYTHONPATH=root)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=root)
+    assert out.returncode == 0, out.stdout + out.stderr[-5000:]
+    return out.stdout
 
 
 def snr_db(reference, output) -> float:

@@ -4,15 +4,13 @@ of the weight's element count in the compiled HLO), and loss and gradients equal
 XLA_FLAGS must be set before jax initialises, so the checks run in a subprocess (as tests/test_dot_general_mesh.py).
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run_on_cpu_devices
 
 from qjax import formats
 
@@ -126,13 +124,8 @@ EXPECTED = ["k", "bitnet_b158", "ok", "k", "bitnet_b158_bf16_bwd", "ok", "n", "b
 
 
 def test_fsdp_gathers_packed_ternary_codes_and_matches_one_device():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=root)
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=root)
-    assert out.returncode == 0, out.stdout + out.stderr[-5000:]
-    assert out.stdout.split() == EXPECTED, out.stdout
+    stdout = run_on_cpu_devices(SCRIPT, 8)
+    assert stdout.split() == EXPECTED, stdout
 
 
 @pytest.mark.parametrize("shape", [(4,), (3, 8), (2, 5, 12)])

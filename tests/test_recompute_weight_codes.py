@@ -7,9 +7,6 @@ codes again and the gradients equal one device's.
 
 import dataclasses
 import functools
-import os
-import subprocess
-import sys
 import textwrap
 
 import flax.linen as nn
@@ -17,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import snr_db
+from helpers import run_on_cpu_devices, snr_db
 from jax._src.ad_checkpoint import saved_residuals
 
 import qjax
@@ -173,10 +170,5 @@ FSDP_SCRIPT = textwrap.dedent("""
 
 
 def test_fsdp_gathers_the_recomputed_codes_and_matches_one_device():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=root)
-    out = subprocess.run([sys.executable, "-c", FSDP_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
-                         cwd=root)
-    assert out.returncode == 0, out.stdout + out.stderr[-5000:]
-    assert out.stdout.split() == ["k", "ok", "n", "ok"], out.stdout
+    stdout = run_on_cpu_devices(FSDP_SCRIPT, 4)
+    assert stdout.split() == ["k", "ok", "n", "ok"], stdout
