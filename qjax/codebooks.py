@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qjax import numerics
+
 
 def dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> np.ndarray:
     """The dynamic (tree) quantization map: sorted float32 array of 2**total_bits values (see module docstring)."""
@@ -276,6 +278,19 @@ def encode_unit(x: jax.Array, qmap, lookup=None) -> jax.Array:
     c = _pair_start(x, enc.nearest_shift, 0, enc)  # beyond 1.0 (by an ulp) the pair {size - 2, size - 1} holds 1.0
     code = c + (x >= lookup(c)).astype(jnp.int32)
     return jnp.where(jnp.isnan(x), 0, code).astype(jnp.uint8)
+
+
+def quantize_blocks(x: jax.Array, qmap, lookup=None, broadcast_rows=None):
+    """f32 blocks (..., B) -> (codes uint8 (..., B), absmax f32 (...)): the block format of the code-book optimizer
+    states. absmax = max |x| (NaN if the block holds NaN; 0 for all-zero blocks and, by `numerics.flush_tiny`,
+    below 2**-126); codes = `encode_unit` of x * (1 / absmax), one division per block (1 for absmax 0).
+
+    lookup: as in `encode_unit`; broadcast_rows(values (...), shape) -> values broadcast along B (default: jnp's;
+    kernels pass one that sets their register layout)."""
+    absmax = numerics.flush_tiny(numerics.amax(x, axis=-1))
+    inverse = 1 / numerics.nonzero(absmax)
+    inverse = inverse[..., None] if broadcast_rows is None else broadcast_rows(inverse, x.shape)
+    return encode_unit(x * inverse, qmap, lookup), absmax
 
 
 def encode_brute_force(x: jax.Array, qmap) -> jax.Array:

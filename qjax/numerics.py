@@ -48,6 +48,14 @@ def nonzero(divisor):
     return jnp.where(divisor == 0, jnp.float32(1), divisor)
 
 
+def flush_tiny(scale):
+    """A block scale >= 0 below float32's smallest normal (2**-126) -> 0 (NaN and Inf stay): the block is then
+    stored as zeros. Block quantizers multiply by 1 / scale (one division per block instead of one per element, ~8
+    instructions each in a kernel), and the reciprocal of a subnormal can overflow. XLA flushes subnormal float32
+    to zero already (CPU and GPU); this states the rule for kernels too, whose compiler may keep them."""
+    return jnp.where(scale < jnp.float32(2.0**-126), jnp.float32(0), scale)
+
+
 def round_half_even_to_int32(v):
     """f32 |v| <= 2**22 -> int32, rounded half to even (jnp.round), with one FP32 add and one integer subtract."""
     return lax.bitcast_convert_type(v + jnp.float32(MAGIC), jnp.int32) - jnp.int32(MAGIC_BITS)
@@ -203,13 +211,15 @@ def rms_norm_backward(x32, inv_rms, scale32, dy32):
 
 def quantize_e4m3_blocks(blocks, broadcast_rows=_broadcast_last):
     """f32 blocks (..., B) -> (codes float8_e4m3fn (..., B), scale f32 (...)): scale = amax / 448 (1 for all-zero
-    blocks), codes = e4m3(clamp(x / scale)), rounded to nearest even. The optimizer states' e4m3 format.
+    blocks and, by `flush_tiny`, for scales below 2**-126), codes = e4m3(clamp(x * (1 / scale))), rounded to
+    nearest even. The optimizer states' e4m3 format.
 
-    x / scale is finite or NaN (an Inf makes the scale Inf: Inf / Inf = NaN), so the clamp alone is the saturating
+    x * (1 / scale) is finite or NaN (an Inf makes the scale Inf: Inf * 0 = NaN), so the clamp alone is the saturating
     cast, and it makes XLA's cast agree with Mosaic GPU's saturating one. broadcast_rows(scale, shape) -> scale
     broadcast along B (kernels pass one that sets their register layout)."""
-    scale = nonzero(amax(blocks, axis=-1) / jnp.float32(formats.E4M3.max_value))
-    codes = clamp(blocks / broadcast_rows(scale, blocks.shape), formats.E4M3.max_value).astype(formats.E4M3.dtype)
+    scale = nonzero(flush_tiny(amax(blocks, axis=-1) / jnp.float32(formats.E4M3.max_value)))
+    inverse = broadcast_rows(1 / scale, blocks.shape)
+    codes = clamp(blocks * inverse, formats.E4M3.max_value).astype(formats.E4M3.dtype)
     return codes, scale
 
 
@@ -333,7 +343,9 @@ def adam_math(g, m_old, v_old, b1, b2, eps, bias_correction1, bias_correction2_s
     g = g.astype(jnp.float32)
     m = m_old + (1 - b1) * (g - m_old)
     v = v_old + (1 - b2) * (g * g - v_old)
-    direction = (m / bias_correction1) / (jnp.sqrt(v) / bias_correction2_sqrt + eps)
+    # Scalar reciprocals, then multiplies: a float32 division costs a kernel ~8 instructions per element.
+    inverse1, inverse2 = 1 / bias_correction1, 1 / bias_correction2_sqrt
+    direction = (m * inverse1) / (jnp.sqrt(v) * inverse2 + eps)
     return direction, m, v
 
 

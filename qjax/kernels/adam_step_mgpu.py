@@ -4,7 +4,7 @@ instead of the ~28 of the optax path).
 
 Reference: `qjax.optim.fused_adam.fused_step_reference`; the kernel calls the same numerics (`numerics.adam_math`,
 `numerics.param_update`, `numerics.quantize_e4m3_blocks`, `numerics.quantize_e4m3_expanded_blocks` and its inverse,
-`numerics.amax`, `codebooks.encode_unit`). States:
+`numerics.amax`, `codebooks.quantize_blocks`). States:
   e4m3:  codes float8_e4m3fn (n, B), scale f32 (n,) = absmax / 448
   e4m3_dre: COAT's dynamic range expansion: codes float8_e4m3fn (n, B), scale f32, expand uint8 (16 k), centre
          bf16 (n,); per row k and the centre from the bit patterns of the row's largest and smallest non-zero |x|
@@ -25,7 +25,7 @@ is not a multiple); one program per tile, with no shared memory but the code tab
   registers: m_old = decode(codes) * scale (same for v); numerics.adam_math -> direction, m, v;
              p = numerics.param_update(p, direction, -lr, wd); per row: amax, then
              e4m3: numerics.quantize_e4m3_blocks (or the expanded one); code books: codes = nearest code of
-             x / absmax (1 for all-zero rows)
+             x * (1 / absmax) (absmax 1 for all-zero rows)
   registers -> GMEM (vector stores): p, m codes + scale, v codes + scale, written over the inputs (mutable refs:
                                       the kernel's outputs alias them, so a donated step updates params in place)
 
@@ -187,16 +187,15 @@ def _dequantize_rows(codes: jax.Array, rows: tuple, fmt: str, table) -> jax.Arra
 def _quantize_rows(x: jax.Array, fmt: str, table):
     """f32 (R, B) -> (codes (R, B), per-row arrays (R,) as in `adam_step_kernel`): the reference's state
     quantization row by row (e4m3: `numerics.quantize_e4m3_blocks`; with range expansion
-    `numerics.quantize_e4m3_expanded_blocks`; 8-bit: `codebooks.encode_unit` of x / absmax, the absmax stored)."""
+    `numerics.quantize_e4m3_expanded_blocks`; code books: `codebooks.quantize_blocks`)."""
     if fmt == "e4m3_dre":
         codes, *rows = numerics.quantize_e4m3_expanded_blocks(x, _broadcast_rows)
         return codes, tuple(rows)
     if fmt == "e4m3":
         codes, scale = numerics.quantize_e4m3_blocks(x, _broadcast_rows)
         return codes, (scale,)
-    absmax = numerics.amax(x, axis=-1)
-    divisor = numerics.nonzero(absmax)  # |x / absmax| <= 1: encode_unit's domain
-    return codebooks.encode_unit(x / _broadcast_rows(divisor, x.shape), codebooks.get_map(fmt), table), (absmax,)
+    codes, absmax = codebooks.quantize_blocks(x, codebooks.get_map(fmt), table, _broadcast_rows)
+    return codes, (absmax,)
 
 
 def _round_param(p, seed, row0, offset, runs):

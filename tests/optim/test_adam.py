@@ -130,6 +130,21 @@ def test_all_zero_gradients(name):
     np.testing.assert_array_equal(nu["w"], 0.0)
 
 
+@pytest.mark.parametrize("fmt", [f for f in blockwise.STATE_FORMATS if f != "e4m3_dre"])
+def test_blocks_below_the_smallest_normal_store_zeros(fmt):
+    """States are quantized as x * (1 / absmax): a block whose absmax (code books) or scale (e4m3: absmax / 448) is
+    below 2**-126, where that reciprocal can overflow, is stored as zeros; a block just above keeps its values."""
+    magnitudes = jax.random.uniform(jax.random.key(0), (3, 256), minval=0.5, maxval=1.0)
+    signs = 1.0 if "unsigned" in fmt else jnp.where(jnp.arange(256) % 2 == 0, 1.0, -1.0)
+    tiny = 2.0**-126 * (448 if fmt == "e4m3" else 1)
+    x = magnitudes * signs * jnp.array([[tiny / 4], [tiny / 1.5], [tiny * 4]])  # subnormal, subnormal, normal scale
+    decoded = np.asarray(blockwise.dequantize(blockwise.quantize(x, fmt, 256)))
+    assert np.isfinite(decoded).all()
+    np.testing.assert_array_equal(decoded[:2], 0.0)
+    step = 0.25 if fmt == "linear_unsigned_4bit" else 0.2  # the coarsest map's spacing near the top, relative
+    np.testing.assert_allclose(decoded[2], np.asarray(x[2]), rtol=step, atol=float(tiny) * step * 4)
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_nan_gradient_never_becomes_finite(name):
     params = {"w": jax.random.normal(jax.random.key(0), (64, 128))}
