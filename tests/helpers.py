@@ -17,6 +17,34 @@ from qjax.data import text
 from qjax.models.layers import PrologueDense
 
 
+def mosaic_gpu_kernel_texts(lowered) -> list[str]:
+    """The MLIR text of every Mosaic GPU kernel in a computation lowered for "cuda" (on any host): each kernel's
+    module travels as bytecode in its custom call's backend config."""
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax.experimental.mosaic.gpu import dialect as mgpu_dialect
+    from jaxlib.mlir import ir
+
+    modules = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    if inner.name == "stablehlo.custom_call" and "mhlo.backend_config" in inner.attributes:
+                        config = inner.attributes["mhlo.backend_config"]
+                        if "module" in config:
+                            modules.append(config["module"].value_bytes)
+                    walk(inner)
+
+    for op in lowered.compiler_ir("stablehlo").body.operations:
+        walk(op)
+    context = jax_mlir.make_ir_context()
+    mgpu_dialect.register_dialect(context)
+    context.allow_unregistered_dialects = True
+    with context:
+        return [str(ir.Module.parse(module)) for module in modules]
+
+
 def run_on_cpu_devices(script: str, devices: int) -> str:
     """Runs a Python script in a subprocess with `devices` CPU devices (XLA_FLAGS must be set before jax starts),
     this checkout on the path; asserts it exits 0 and returns its stdout."""

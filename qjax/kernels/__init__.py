@@ -42,3 +42,9 @@ def load_from_gmem(ref, layout):
     (bank-conflict-free) transfers are for SMEM; from GMEM each register is one vector load, and a warp's loads are
     contiguous."""
     return plgpu.load(ref, layout=layout, optimized=False)
+
+
+# For kernels whose threads never read a GMEM or SMEM location that another thread writes, except with the value
+# they themselves wrote there (AdamW's, SwiGLU's, RMSNorm's): Pallas otherwise brackets every store with a CTA-wide
+# bar.sync, against other threads still reading what the store overwrites. benchmarks/NOTES.md has the measurement.
+NO_AUTO_BARRIERS = plgpu.CompilerParams(unsafe_no_auto_barriers=True)

@@ -57,7 +57,7 @@ from jaxlib.mlir.dialects import arith, memref, vector
 
 from qjax import codebooks, numerics, stochastic
 from qjax.formats import BF16, FP8_STATE_FORMATS  # e4m3 states: no code table
-from qjax.kernels import load_from_gmem, resolve_interpret
+from qjax.kernels import NO_AUTO_BARRIERS, load_from_gmem, resolve_interpret
 
 # Elements per program: chosen by the tile-size sweep recorded in benchmarks/NOTES.md.
 _TILE_ELEMENTS = 2048
@@ -289,8 +289,10 @@ def _step_call(p2, g2, m_state, v_state, coef, seed, *, formats, b1, b2, eps, we
     scratch = ()
     if code_tables:
         scratch = (*(plgpu.SMEM(t.shape, jnp.float32) for t in tables), plgpu.Barrier(num_barriers=2))
+    # Each warp reads and writes only its own rows (a row's scale: its lanes read it first and store it after the
+    # row's amax shuffles), and SMEM holds the read-only tables: no automatic barriers (12 bar.sync a program).
     plgpu.kernel(body, out_type=(), grid=(n_rows // rows,), grid_names=("program",), scratch_types=scratch,
-                 interpret=interpret)(coef, seed, *tables, *refs)
+                 compiler_params=NO_AUTO_BARRIERS, interpret=interpret)(coef, seed, *tables, *refs)
     return tuple(jax.freeze(refs[i]) for i in written)
 
 

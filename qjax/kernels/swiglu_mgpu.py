@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax import formats, numerics
-from qjax.kernels import load_from_gmem, resolve_interpret
+from qjax.kernels import NO_AUTO_BARRIERS, load_from_gmem, resolve_interpret
 from qjax.qtensor import QTensor, QuantSpec
 
 _VECTOR = 8  # bf16 elements per lane and register: 16-byte loads
@@ -106,7 +106,7 @@ def _forward_call(x3, *, fmt, pow2_scale, tile, interpret):
     out_type = (jax.ShapeDtypeStruct((m, c, group), x3.dtype), jax.ShapeDtypeStruct(x3.shape, code_format.dtype),
                 jax.ShapeDtypeStruct((m, two_c), jnp.float32))
     return plgpu.kernel(body, out_type=out_type, grid=(m // tm, c // tc), grid_names=("m", "c"),
-                        interpret=interpret)(x3)
+                        compiler_params=NO_AUTO_BARRIERS, interpret=interpret)(x3)  # outputs: no input aliased
 
 
 @functools.partial(jax.jit, static_argnames=("tile", "interpret"))
@@ -134,7 +134,7 @@ def _backward_call(codes, scale, dh3, *, tile, interpret):
             dx_ref.at[rows, cols][...] = grad.astype(dtype)
 
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(codes.shape, dtype), grid=(m // tm, c // tc),
-                        grid_names=("m", "c"), interpret=interpret)(codes, scale, dh3)
+                        grid_names=("m", "c"), compiler_params=NO_AUTO_BARRIERS, interpret=interpret)(codes, scale, dh3)
 
 
 # ------------------------------------------------------------------------------------------------------- public

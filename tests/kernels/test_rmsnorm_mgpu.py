@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import mosaic_gpu_kernel_texts
 from helpers import snr_db
 
 from qjax import dispatch, models
@@ -142,13 +143,16 @@ def test_other_specs_are_refused():
 
 def test_lowers_for_hopper():
     """The Mosaic GPU lowering (register layouts, group and row reductions, the scale staged in shared memory)
-    succeeds for sm_90 on any host, for both recipes' groups."""
+    succeeds for sm_90 on any host, for both recipes' groups, with no CTA-wide barrier around the stores
+    (`qjax.kernels.NO_AUTO_BARRIERS`)."""
     for (spec, group), x_dtype in zip(RECIPES.values(), (jnp.bfloat16, jnp.float32)):
         x, scale = _inputs((64, 256), x_dtype, specials=False)
         forward = lambda x, scale: rmsnorm_mgpu.forward_saving(x, scale, eps=EPS, dtype=jnp.bfloat16, spec=spec,
                                                                group=group)
         lowered = jax.jit(forward).trace(x, scale).lower(lowering_platforms=("cuda",))
         assert _mosaic_calls(lowered.as_text()) == 1
+        (kernel,) = mosaic_gpu_kernel_texts(lowered)
+        assert "llvm.inline_asm" in kernel and "bar.sync" not in kernel
 
 
 def _mosaic_calls(hlo_text):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import mosaic_gpu_kernel_texts
 
 from qjax import dispatch, formats, models, numerics, prologue
 from qjax.dispatch import on_hopper_gpu
@@ -216,15 +217,19 @@ def test_llama_with_kernels_equals_reference_path(monkeypatch):
 
 def test_lowers_for_hopper():
     """The Mosaic GPU lowering (the grouped register layout, group reductions by shuffles, GMEM vector loads and
-    stores) succeeds for sm_90 on any host; it cannot run ptxas or the kernel."""
+    stores) succeeds for sm_90 on any host, with no CTA-wide barrier around the stores
+    (`qjax.kernels.NO_AUTO_BARRIERS`); it cannot run ptxas or the kernel."""
     for spec, group in RECIPES[:2]:
         x = jnp.zeros((64, 1024), jnp.bfloat16)
         forward = jax.jit(lambda x: swiglu_mgpu.swiglu_quantize(x, spec, group))
-        assert _mosaic_calls(forward.trace(x).lower(lowering_platforms=("cuda",)).as_text()) == 1
         saved = jax.eval_shape(lambda x: prologue.save(x, spec, group), x)
         dh = jax.ShapeDtypeStruct((64, 512), jnp.bfloat16)
         backward = jax.jit(lambda s, dh: swiglu_mgpu.swiglu_backward(s, dh))
-        assert _mosaic_calls(backward.trace(saved, dh).lower(lowering_platforms=("cuda",)).as_text()) == 1
+        for lowered in (forward.trace(x).lower(lowering_platforms=("cuda",)),
+                        backward.trace(saved, dh).lower(lowering_platforms=("cuda",))):
+            assert _mosaic_calls(lowered.as_text()) == 1
+            (kernel,) = mosaic_gpu_kernel_texts(lowered)
+            assert "llvm.inline_asm" in kernel and "bar.sync" not in kernel
 
 
 def _mosaic_calls(hlo_text):
