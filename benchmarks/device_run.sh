@@ -56,7 +56,7 @@
 # each vs the float weights gathered), bitnet-bf16-bwd (linear bitnet_b158 vs bitnet_b158_bf16_bwd, no peer).
 # A step written STEP@base
 # runs in .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a
-# before/after A/B in one call. On a machine with several GPUs, "A B -- C D" runs the lanes A B and C D at the same
+# before/after A/B in one call; STEP@NAME runs in .tree-NAME, exported and carried the same way (a third tree). On a machine with several GPUs, "A B -- C D" runs the lanes A B and C D at the same
 # time, one GPU each. Steps: profile-int8-dataflow (benchmarks/profile_train.py of the 1.1B int8_dataflow row),
 # dataflow-mem (bf16 and the 1.1B data-flow rows, int8_dataflow also with adamw_fp8 states: speed
 # and peak memory against bf16), dataflow-b16 (batch 16 x 2048: bf16 against int8_dataflow with adamw_fp8 states),
@@ -271,9 +271,10 @@ run_steps() {  # run_steps LOG STEP...: the steps in order, each timed out at wh
     shift
     for step in "$@"; do
         tree=$PWD
-        if [[ $step == *@base ]]; then
+        if [[ $step == *@* ]]; then  # STEP@base: .baseline; STEP@NAME: .tree-NAME
             tree=$PWD/.baseline
-            step=${step%@base}
+            [ "${step#*@}" = base ] || tree=$PWD/.tree-${step#*@}
+            step=${step%@*}
         fi
         command=$(step_command "$step") || { echo "unknown step '$step'" | tee -a "$log"; return 2; }
         left=$((BUDGET - SECONDS))
