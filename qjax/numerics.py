@@ -214,9 +214,9 @@ def quantize_e4m3_blocks(blocks, broadcast_rows=_broadcast_last):
     blocks and, by `flush_tiny`, for scales below 2**-126), codes = e4m3(clamp(x * (1 / scale))), rounded to
     nearest even. The optimizer states' e4m3 format.
 
-    x * (1 / scale) is finite or NaN (an Inf makes the scale Inf: Inf * 0 = NaN), so the clamp alone is the saturating
-    cast, and it makes XLA's cast agree with Mosaic GPU's saturating one. broadcast_rows(scale, shape) -> scale
-    broadcast along B (kernels pass one that sets their register layout)."""
+    x * (1 / scale) is finite or NaN (an Inf makes the scale Inf: Inf * 0 = NaN), so the clamp alone is the
+    saturating cast, and it makes XLA's cast agree with Mosaic GPU's saturating one. broadcast_rows(scale, shape) ->
+    scale broadcast along B (kernels pass one that sets their register layout)."""
     scale = nonzero(flush_tiny(amax(blocks, axis=-1) / jnp.float32(formats.E4M3.max_value)))
     inverse = broadcast_rows(1 / scale, blocks.shape)
     codes = clamp(blocks * inverse, formats.E4M3.max_value).astype(formats.E4M3.dtype)

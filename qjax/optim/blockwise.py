@@ -26,9 +26,10 @@ decoding uses the same one), so a group costs 4 + 1 + 2 bytes of metadata: 2.11 
 
 Zeros, all-zero blocks and NaN: an all-zero block stores absmax 0 (scale 1, k 1, c 1 for fp8) and decodes to exact
 zeros; so does a block whose absmax (code books) or scale (e4m3) is below float32's smallest normal, 2**-126
-(`numerics.flush_tiny`: codes are x times 1 / absmax, whose reciprocal would overflow there). A block holding NaN stores a NaN absmax/scale (`numerics.amax`), so every element of that block decodes to
-NaN: NaN is never silently turned into a finite value (it spreads to its block instead). +-Inf gives an Inf
-absmax/scale (a NaN scale for fp8 with expansion), and the block decodes to non-finite values.
+(`numerics.flush_tiny`: codes are x times 1 / absmax, whose reciprocal would overflow there). A block holding NaN
+stores a NaN absmax/scale (`numerics.amax`), so every element of that block decodes to NaN: NaN is never silently
+turned into a finite value (it spreads to its block instead). +-Inf gives an Inf absmax/scale (a NaN scale for fp8
+with expansion), and the block decodes to non-finite values.
 """
 
 import dataclasses
@@ -118,7 +119,8 @@ def _blocks(x: jax.Array, block_size: int) -> jax.Array:
 
 
 def quantize_codebook(x: jax.Array, qmap_name: str, block_size: int) -> CodebookState:
-    """float tensor -> CodebookState: absmax per block, nearest code of x / absmax (`codebooks.quantize_blocks`)."""
+    """float tensor -> CodebookState: absmax per block, nearest code of x * (1 / absmax)
+    (`codebooks.quantize_blocks`)."""
     codes, absmax = codebooks.quantize_blocks(_blocks(x, block_size), codebooks.get_map(qmap_name))
     if CODEBOOK_FORMATS[qmap_name] == 4:
         codes = codebooks.pack_4bit(codes)
