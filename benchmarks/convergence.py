@@ -8,6 +8,8 @@ loss vs bf16 and a PNG.
       --seq-len 1024 --batch-size 32 --steps 600 --lr 6e-4      # GPT-2 small, Jetfire's setting; on a GPU
   python benchmarks/convergence.py --lr 6e-4 --recipes bf16 bitnet_b158@1.2e-3 bitnet_b158@2.4e-3   # own peak LRs
   python benchmarks/convergence.py --seeds 0 1 2 ...     # each recipe under seeds 0, 1, 2: mean and standard error
+  python benchmarks/convergence.py --recipes bf16 int8_dataflow_nosr int8_rowwise_sr   # ablations: variants that
+      # qjax.RECIPES does not hold (benchmarks/common.py, recipe_variant)
 
 Each recipe trains from the same seed, data order and schedule (`qjax.train.train`, workdir
 runs/convergence/<model-size-steps-batch-seq-lr>/<recipe>; a finished run with the same settings is reused). A
@@ -30,10 +32,11 @@ import pathlib
 import statistics
 import sys
 
-from common import REPO, append_results
+from common import REPO, append_results, recipe_variant
 
 sys.path.insert(0, str(REPO))  # the configs/ package
 from configs import gpt2_base, llama_base  # noqa: E402
+import qjax  # noqa: E402
 from qjax.train import train  # noqa: E402
 from qjax.train.plot import curves as read_curves, plot_runs  # noqa: E402
 
@@ -65,6 +68,10 @@ def main():
             entries[entry] = (recipe, float(recipe_lr) if recipe_lr else None)
         except ValueError:
             parser.error(f"--recipes {entry}: the learning rate after '@' must be a number, e.g. {recipe}@1.5e-3")
+        try:
+            recipe_variant(recipe)
+        except ValueError as e:
+            parser.error(f"--recipes {entry}: {e} (or a variant of benchmarks/common.py's recipe_variant)")
 
     if not args.recipes:
         parser.error("--recipes needs at least one recipe, e.g. --recipes bf16 int8_dataflow")
@@ -74,7 +81,10 @@ def main():
     for entry, (recipe, recipe_lr) in entries.items():
         for seed in args.seeds:
             config = base_config.get_config()
-            config.recipe, config.seed = recipe, seed
+            config.seed = seed
+            if recipe not in qjax.RECIPES:  # a benchmarks variant (common.recipe_variant): the Recipe itself
+                del config.recipe
+            config.recipe = recipe if recipe in qjax.RECIPES else recipe_variant(recipe)
             config.data.path = str(REPO / "data" / "shakespeare")
             for field, value in (("steps", args.steps), ("seq_len", args.seq_len), ("batch_size", args.batch_size)):
                 if value is not None:

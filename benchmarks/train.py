@@ -68,22 +68,10 @@ def row_optimizer(row: str) -> str:
 
 def row_recipe(row: str):
     """The qjax.Recipe a row name stands for ("name@xla": that recipe with backend "xla"; "+optimizer" ignored)."""
-    import qjax
+    from common import recipe_variant
 
     name, _, backend = row.partition("+")[0].partition("@")
-    int8 = qjax.recipe("int8_rowwise")
-    recipes = {
-        "int8_fwd": dataclasses.replace(int8, name="int8_fwd", dgrad=None, wgrad=None),
-        "int8_fwd_dgrad": dataclasses.replace(int8, name="int8_fwd_dgrad", wgrad=None),
-        "int8_dataflow_recompute": dataclasses.replace(qjax.recipe("int8_dataflow"), name="int8_dataflow_recompute",
-                                                       recompute_prologue_output=True),
-    }
-    recipes["int8_dataflow_recompute_w"] = dataclasses.replace(recipes["int8_dataflow_recompute"],
-                                                               name="int8_dataflow_recompute_w",
-                                                               recompute_weight_codes=True)
-    recipes["int8_fwd_dgrad_sr"] = qjax.with_stochastic_gradients(recipes["int8_fwd_dgrad"])
-    recipes["int8_rowwise_sr"] = qjax.with_stochastic_gradients(int8)
-    recipe = recipes.get(name) or qjax.recipe("int8_rowwise" if name in PARAM_ROWS else name)
+    recipe = recipe_variant("int8_rowwise" if name in PARAM_ROWS else name)
     return dataclasses.replace(recipe, backend=backend) if backend else recipe
 
 
