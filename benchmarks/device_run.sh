@@ -34,6 +34,8 @@
 # recipes, with int8_rowwise as the GEMM-only control, under one seed, not appended: one lane each) then
 # dataflow-conv-seeds (reuses them: the table over seeds
 # 0-3, mean ± s.e. of each seed's difference to bf16; run as a second device_run.sh after the lanes),
+# dataflow-ablation-seed0 .. -seed3 / dataflow-ablation-seeds (the same for bf16, int8_dataflow_nosr and
+# int8_rowwise_sr: which of stochastic rounding and the 8-bit saved activations costs int8_dataflow its loss),
 # tests-moe (the ragged_dot, MXFP8 and MoE tests on the
 # GPU: XLA's grouped GEMMs on 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16 on
 # JAX's grouped kernels), moe-kernels (the grouped kernels' GPU tests; run "moe-kernels moe"), moe-wg-tests / moe-wg
@@ -201,9 +203,12 @@ step_command() {
         dataflow-conv) echo "python3 benchmarks/convergence.py --recipes bf16 fp8_dataflow int8_dataflow" \
                             "bitnet_b158 --size 125m" \
                             "--seq-len 1024 --batch-size 32 --steps 750 --lr 6e-4 --workdir /tmp/convergence" ;;
-        dataflow-conv-seed[0-9]|dataflow-conv-seeds)  # one seed per lane, then the table over seeds 0-3
-            seeds=${1#dataflow-conv-seed}; [ "$seeds" = s ] && seeds="0 1 2 3"
-            echo "python3 benchmarks/convergence.py --recipes bf16 int8_dataflow fp8_dataflow int8_rowwise" \
+        dataflow-conv-seed[0-9]|dataflow-conv-seeds|dataflow-ablation-seed[0-9]|dataflow-ablation-seeds)
+            # one seed per lane, then the table over seeds 0-3
+            seeds=${1##*-seed}; [ "$seeds" = s ] && seeds="0 1 2 3"
+            recipes="bf16 int8_dataflow fp8_dataflow int8_rowwise"
+            [[ $1 == dataflow-ablation-* ]] && recipes="bf16 int8_dataflow_nosr int8_rowwise_sr"
+            echo "python3 benchmarks/convergence.py --recipes $recipes" \
                  "--size 125m" \
                  "--seq-len 1024 --batch-size 32 --steps 750 --lr 6e-4 --workdir /tmp/convergence --seeds $seeds" \
                  "$([ "${#seeds}" = 1 ] && echo --no-append --png /tmp/convergence_seed$seeds.png)" ;;
