@@ -74,7 +74,8 @@
 # step's optimized HLO in $OUT, gzipped: which fusions the data-flow recipe adds), hf-vit (the Hugging Face ViT tests:
 # load_hf_vit / save_hf_vit, transformers parity included).
 # adam-sr-diag: bf16 params + SR in the fused AdamW kernel vs its reference, both sides' float32 intermediates
-# where params differ and the PTX's float32 op counts (Mosaic GPU and XLA dumps); optim-sr: the bf16 + SR AdamW step
+# where params differ and the PTX's float32 op counts (Mosaic GPU and XLA dumps); adam-sass: the fused AdamW
+# kernels' SASS and PTX (8-bit and e4m3, bf16 + SR) in $OUT/sass, to count instructions per element here; optim-sr: the bf16 + SR AdamW step
 # (8-bit and e4m3 states), streamed jnp against the fused kernel, each against optax.adamw (float32); optim-8bit:
 # the 8-bit kernel rows alone, float32 and bf16 + SR params ("optim-8bit optim-8bit@base": an A/B); optim-4bit:
 # the same for adamw_4bit with float32 params; optim-dre: the same for adamw_fp8 with range expansion (COAT), and
@@ -124,6 +125,8 @@ step_command() {
         adam-sr-diag) echo "env MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp XLA_FLAGS=--xla_dump_to=/tmp/adam_xla" \
                           "python3 -m pytest -q -s -p no:cacheprovider -m gpu -k diagnosis" \
                           "tests/optim/test_fused_kernel.py" ;;
+        adam-sass) echo "env MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=$OUT/sass" \
+                        "python3 benchmarks/optim.py --rows 8bit_sr_kernel fp8_sr_kernel --rounds 1" ;;
         optim-sr) echo "python3 benchmarks/optim.py --rows 8bit_sr 8bit_sr_kernel fp8_sr fp8_sr_kernel --rounds 3" ;;
         optim-4bit) echo "python3 benchmarks/optim.py --rows 4bit 4bit_kernel --rounds 3" ;;
         optim-8bit) echo "python3 benchmarks/optim.py --rows 8bit_kernel 8bit_sr_kernel --rounds 3" ;;
