@@ -290,8 +290,13 @@ run_steps() {  # run_steps LOG STEP...: the steps in order, each timed out at wh
             echo "== $step: skipped, ${left} s of the budget left" | tee -a "$log"
             continue
         fi
+        if [ ! -d "$tree" ]; then
+            echo "== $step: no tree $tree (export it and carry it)" | tee -a "$log"
+            continue
+        fi
         echo "== $step in $tree ($left s left): $command" | tee -a "$log"
-        (cd "$tree" && PYTHONPATH=${PYTHONPATH/$PWD/$tree} timeout "$left" $command) 2>&1 | tee -a "$log"
+        # PYTHONPATH names this checkout: point it at the step's tree before the cd changes $PWD
+        (export PYTHONPATH="${PYTHONPATH/"$PWD"/$tree}"; cd "$tree" && timeout "$left" $command) 2>&1 | tee -a "$log"
         echo "== $step: exit ${PIPESTATUS[0]} at $SECONDS s" | tee -a "$log"
     done
 }
