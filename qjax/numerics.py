@@ -48,12 +48,14 @@ def nonzero(divisor):
     return jnp.where(divisor == 0, jnp.float32(1), divisor)
 
 
-def flush_tiny(scale):
-    """A block scale >= 0 below float32's smallest normal (2**-126) -> 0 (NaN and Inf stay): the block is then
-    stored as zeros. Block quantizers multiply by 1 / scale (one division per block instead of one per element, ~8
-    instructions each in a kernel), and the reciprocal of a subnormal can overflow. XLA flushes subnormal float32
-    to zero already (CPU and GPU); this states the rule for kernels too, whose compiler may keep them."""
-    return jnp.where(scale < jnp.float32(2.0**-126), jnp.float32(0), scale)
+def invertible_scale(scale):
+    """A block scale >= 0 (or NaN) made one whose reciprocal is a normal float32, which block quantizers multiply
+    by (one division per block instead of one per element, ~8 instructions each in a kernel): below 2**-126 -> 0,
+    the block is stored as zeros (1 / scale would overflow); above 2**126 -> +Inf, the block overflows and decodes
+    to non-finite values, never to wrong finite ones (1 / scale would be subnormal, which XLA:CPU flushes to zero,
+    and every code would be 0's). NaN stays."""
+    scale = jnp.where(scale < jnp.float32(2.0**-126), jnp.float32(0), scale)
+    return jnp.where(scale > jnp.float32(2.0**126), jnp.float32(jnp.inf), scale)
 
 
 def round_half_even_to_int32(v):
@@ -211,13 +213,13 @@ def rms_norm_backward(x32, inv_rms, scale32, dy32):
 
 def quantize_e4m3_blocks(blocks, broadcast_rows=_broadcast_last):
     """f32 blocks (..., B) -> (codes float8_e4m3fn (..., B), scale f32 (...)): scale = amax / 448 (1 for all-zero
-    blocks and, by `flush_tiny`, for scales below 2**-126), codes = e4m3(clamp(x * (1 / scale))), rounded to
+    blocks and, by `invertible_scale`, below 2**-126), codes = e4m3(clamp(x * (1 / scale))), rounded to
     nearest even. The optimizer states' e4m3 format.
 
     x * (1 / scale) is finite or NaN (an Inf makes the scale Inf: Inf * 0 = NaN), so the clamp alone is the
     saturating cast, and it makes XLA's cast agree with Mosaic GPU's saturating one. broadcast_rows(scale, shape) ->
     scale broadcast along B (kernels pass one that sets their register layout)."""
-    scale = nonzero(flush_tiny(amax(blocks, axis=-1) / jnp.float32(formats.E4M3.max_value)))
+    scale = nonzero(invertible_scale(amax(blocks, axis=-1) / jnp.float32(formats.E4M3.max_value)))
     inverse = broadcast_rows(1 / scale, blocks.shape)
     codes = clamp(blocks * inverse, formats.E4M3.max_value).astype(formats.E4M3.dtype)
     return codes, scale
@@ -280,9 +282,10 @@ def expansion_params(blocks):
     steps = lax.div(jnp.int32(_EXPAND_NUMERATOR), jnp.maximum(_log2_ratio_fixed(big_bits, small_bits), jnp.int32(1)))
     steps = jnp.where(usual, jnp.clip(steps, 1, _EXPAND_STEPS_MAX), jnp.int32(EXPAND_STEPS))
     # The mean of the bit patterns is Mitchell's log2 sqrt(max min) (exponent + mantissa, at most 0.09 low); + 1/2
-    # and the mantissa cleared rounds it to the nearest exponent, kept a normal float.
+    # and the mantissa cleared rounds it to the nearest exponent, kept in [2**-126, 2**126]: a normal float whose
+    # reciprocal is normal too (x / centre may run as x * (1 / centre), and XLA:CPU flushes 2**-127 to zero).
     mean = (big_bits >> 1) + (small_bits >> 1) + jnp.int32(1 << 22)
-    centre = lax.bitcast_convert_type(jnp.clip(mean & jnp.int32(_INF_BITS), 1 << 23, 254 << 23), jnp.float32)
+    centre = lax.bitcast_convert_type(jnp.clip(mean & jnp.int32(_INF_BITS), 1 << 23, 253 << 23), jnp.float32)
     centre = jnp.where(usual, centre, jnp.where(big == 0, jnp.float32(1), big))
     return steps, centre, big
 

@@ -44,7 +44,9 @@ def load_from_gmem(ref, layout):
     return plgpu.load(ref, layout=layout, optimized=False)
 
 
-# For kernels whose threads never read a GMEM or SMEM location that another thread writes, except with the value
-# they themselves wrote there (AdamW's, SwiGLU's, RMSNorm's): Pallas otherwise brackets every store with a CTA-wide
-# bar.sync, against other threads still reading what the store overwrites. benchmarks/NOTES.md has the measurement.
+# For kernels where no thread can overwrite a GMEM or SMEM location before every other thread that reads it has
+# read it: AdamW's (a row's scale is read by its warp's lanes, and written back after the row's amax shuffles, which
+# order them), SwiGLU's (fresh outputs) and RMSNorm's (a staged scale every warp writes with the same values, then
+# reads back its own write). Pallas otherwise brackets every store with a bar.sync of the program's threads, against
+# others still reading what the store overwrites. benchmarks/NOTES.md has the measurement.
 NO_AUTO_BARRIERS = plgpu.CompilerParams(unsafe_no_auto_barriers=True)

@@ -26,10 +26,11 @@ decoding uses the same one), so a group costs 4 + 1 + 2 bytes of metadata: 2.11 
 
 Zeros, all-zero blocks and NaN: an all-zero block stores absmax 0 (scale 1, k 1, c 1 for fp8) and decodes to exact
 zeros; so does a block whose absmax (code books) or scale (e4m3) is below float32's smallest normal, 2**-126
-(`numerics.flush_tiny`: codes are x times 1 / absmax, whose reciprocal would overflow there). A block holding NaN
-stores a NaN absmax/scale (`numerics.amax`), so every element of that block decodes to NaN: NaN is never silently
-turned into a finite value (it spreads to its block instead). +-Inf gives an Inf absmax/scale (a NaN scale for fp8
-with expansion), and the block decodes to non-finite values.
+(`numerics.invertible_scale`: codes are x times 1 / absmax, which would overflow there); a code-book block whose
+absmax is above 2**126 (~8.5e37; its reciprocal would be subnormal) stores absmax +Inf and decodes to non-finite
+values, like an overflow. A block holding NaN stores a NaN absmax/scale (`numerics.amax`), so every element of
+that block decodes to NaN: NaN is never silently turned into a finite value (it spreads to its block instead).
++-Inf gives an Inf absmax/scale (a NaN scale for fp8 with expansion), and the block decodes to non-finite values.
 """
 
 import dataclasses

@@ -131,18 +131,40 @@ def test_all_zero_gradients(name):
 
 
 @pytest.mark.parametrize("fmt", [f for f in blockwise.STATE_FORMATS if f != "e4m3_dre"])
-def test_blocks_below_the_smallest_normal_store_zeros(fmt):
-    """States are quantized as x * (1 / absmax): a block whose absmax (code books) or scale (e4m3: absmax / 448) is
-    below 2**-126, where that reciprocal can overflow, is stored as zeros; a block just above keeps its values."""
-    magnitudes = jax.random.uniform(jax.random.key(0), (3, 256), minval=0.5, maxval=1.0)
-    signs = 1.0 if "unsigned" in fmt else jnp.where(jnp.arange(256) % 2 == 0, 1.0, -1.0)
-    tiny = 2.0**-126 * (448 if fmt == "e4m3" else 1)
-    x = magnitudes * signs * jnp.array([[tiny / 4], [tiny / 1.5], [tiny * 4]])  # subnormal, subnormal, normal scale
-    decoded = np.asarray(blockwise.dequantize(blockwise.quantize(x, fmt, 256)))
-    assert np.isfinite(decoded).all()
-    np.testing.assert_array_equal(decoded[:2], 0.0)
+def test_blocks_whose_scale_has_no_normal_reciprocal(fmt):
+    """States are quantized as x * (1 / absmax) (`numerics.invertible_scale`). A block whose absmax (code books) or
+    scale (e4m3: absmax / 448) is below 2**-126, where that reciprocal overflows, stores a zero scale or absmax and
+    decodes to zeros; a code-book block whose absmax is above 2**126 (a subnormal reciprocal, flushed by XLA:CPU)
+    stores +Inf and decodes non-finite; blocks just inside both limits keep their values. The inputs are built in
+    NumPy, which keeps subnormals (XLA would flush them before the quantizer sees them)."""
+    rng = np.random.default_rng(0)
+    magnitudes = rng.uniform(0.5, 1.0, (4, 256)).astype(np.float32)
+    signs = np.float32(1) if "unsigned" in fmt else np.where(np.arange(256) % 2 == 0, 1, -1).astype(np.float32)
+    tiny = np.float32(2.0**-126) * np.float32(448 if fmt == "e4m3" else 1)
+    rows = np.array([[tiny / 4], [tiny * 4], [np.float32(2.0**125)], [np.float32(2.0**127)]], np.float32)
+    x = magnitudes * signs * rows  # subnormal scale, normal, large but invertible, beyond 2**126 (code books)
+    assert x[0, 0] != 0  # a subnormal, not flushed
+    q = blockwise.quantize(jnp.asarray(x), fmt, 256)
+    scale = np.asarray(q.scale if fmt == "e4m3" else q.absmax)
+    decoded = np.asarray(blockwise.dequantize(q))
+    assert scale[0] == (1 if fmt == "e4m3" else 0)  # e4m3 stores an all-zero block's scale as 1
+    np.testing.assert_array_equal(decoded[0], 0.0)
     step = 0.25 if fmt == "linear_unsigned_4bit" else 0.2  # the coarsest map's spacing near the top, relative
-    np.testing.assert_allclose(decoded[2], np.asarray(x[2]), rtol=step, atol=float(tiny) * step * 4)
+    for row in (1, 2):
+        np.testing.assert_allclose(decoded[row], x[row], rtol=step, atol=float(rows[row, 0]) * step * 4)
+    if fmt == "e4m3":  # scale = absmax / 448 <= float32 max / 448: always invertible
+        np.testing.assert_allclose(decoded[3], x[3], rtol=step)
+    else:
+        assert scale[3] == np.inf and not np.isfinite(decoded[3]).any()
+
+
+def test_range_expanded_blocks_near_float32_max():
+    """Range expansion's centre stays within [2**-126, 2**126], whose reciprocal is normal: blocks of values up to
+    3e38 (centre 2**127 before) keep their values instead of flushing to zero codes."""
+    rng = np.random.default_rng(1)
+    x = (rng.uniform(0.5, 1.0, (3, 128)) * np.array([[1e37], [2e38], [3e38]])).astype(np.float32)
+    decoded = np.asarray(blockwise.dequantize(blockwise.quantize(jnp.asarray(x), "e4m3_dre", 128)))
+    np.testing.assert_allclose(decoded, x, rtol=0.07)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

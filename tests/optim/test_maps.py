@@ -65,6 +65,18 @@ def _near(values, ulps):
     return np.concatenate(out)
 
 
+def _integer_positions(qmap):
+    """Magnitudes whose encoder position G - shift is an integer on some level (`codebooks._Encoder`), for both
+    shifts: where the candidate pair changes and the floor may round either way."""
+    enc = codebooks._encoder(qmap)
+    points = []
+    for scale, offset in zip(enc.level_scale, enc.level_offset):
+        for shift in (enc.nearest_shift, enc.first_tie_shift):
+            points.append((np.arange(-1, qmap.size + 1) + shift - offset) / scale)
+    points = np.concatenate(points)
+    return points[(points > 0) & (points < 2)].astype(np.float32)
+
+
 def _probes(qmap):
     """Where an encoder can go wrong: around every decision boundary, decade, map value, and beyond +-1."""
     mids = ((qmap[:-1].astype(np.float64) + qmap[1:]) / 2).astype(np.float32)
@@ -74,7 +86,7 @@ def _probes(qmap):
     inside = (powers[:-1, None] * (1 + np.arange(1, 33, dtype=np.float32) / 32)).ravel()
     special = np.array([0, 1e-30, 1e-38, 1e-40, 1e-45, 1.0, 1.5, 2, 3e38, np.finfo(np.float32).max], np.float32)
     signed = np.concatenate([_near(qmap, 3), _near(mids, 4), _near(decades, 3), _near(powers, 3), _near(inside, 2),
-                             special]).astype(np.float32)
+                             _near(_integer_positions(qmap), 3), special]).astype(np.float32)
     rng = np.random.default_rng(0)
     log_uniform = np.exp(rng.uniform(np.log(1e-9), np.log(2), 1_000_000)).astype(np.float32)
     huge = np.exp(rng.uniform(0, np.log(3e38), 20_000)).astype(np.float32)  # log-uniform over [1, 3e38]
