@@ -58,8 +58,9 @@
 # each vs the float weights gathered), bitnet-bf16-bwd (linear bitnet_b158 vs bitnet_b158_bf16_bwd, no peer).
 # A step written STEP@base
 # runs in .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a
-# before/after A/B in one call; STEP@NAME runs in .tree-NAME, exported and carried the same way (a third tree). On a machine with several GPUs, "A B -- C D" runs the lanes A B and C D at the same
-# time, one GPU each. Steps: profile-int8-dataflow (benchmarks/profile_train.py of the 1.1B int8_dataflow row),
+# before/after A/B in one call; STEP@NAME runs in .tree-NAME, exported and carried the same way (a third tree).
+# On a machine with several GPUs, "A B -- C D" runs the lanes A B and C D at the same time, one GPU each.
+# Steps: profile-int8-dataflow (benchmarks/profile_train.py of the 1.1B int8_dataflow row),
 # dataflow-mem (bf16 and the 1.1B data-flow rows, int8_dataflow also with adamw_fp8 states: speed
 # and peak memory against bf16), dataflow-b16 (batch 16 x 2048: bf16 against int8_dataflow with adamw_fp8 states),
 # dataflow-ab (int8_rowwise against int8_dataflow: what the data flow costs), dataflow-recompute (int8_dataflow
@@ -75,7 +76,8 @@
 # load_hf_vit / save_hf_vit, transformers parity included).
 # adam-sr-diag: bf16 params + SR in the fused AdamW kernel vs its reference, both sides' float32 intermediates
 # where params differ and the PTX's float32 op counts (Mosaic GPU and XLA dumps); adam-sass: the fused AdamW
-# kernels' SASS and PTX (8-bit and e4m3, bf16 + SR) in $OUT/sass, to count instructions per element here; optim-sr: the bf16 + SR AdamW step
+# kernels' SASS and PTX (8-bit and e4m3, bf16 + SR) in $OUT/sass, to count instructions per element here;
+# optim-sr: the bf16 + SR AdamW step
 # (8-bit and e4m3 states), streamed jnp against the fused kernel, each against optax.adamw (float32); optim-8bit:
 # the 8-bit kernel rows alone, float32 and bf16 + SR params ("optim-8bit optim-8bit@base": an A/B); optim-4bit:
 # the same for adamw_4bit with float32 params; optim-dre: the same for adamw_fp8 with range expansion (COAT), and

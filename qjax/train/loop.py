@@ -153,8 +153,9 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
         meter = ProgressMeter(workdir, config.steps, task.unit, units_per_step, task.flops_per_unit,
                               mesh.devices.flat, stream, start_step=start)
         devices = mesh.devices.size
+        recipe = getattr(config.recipe, "name", config.recipe)  # a name, or a Recipe (benchmarks' variants)
         print(f"{config.task}: {type(task.model).__name__} {config.model.size} ({num_params(state.params) / 1e6:.2f}M "
-              f"params), recipe {getattr(config.recipe, 'name', config.recipe)}, optimizer {config.optimizer.name}, batch {config.batch_size}"
+              f"params), recipe {recipe}, optimizer {config.optimizer.name}, batch {config.batch_size}"
               + (f" x seq {config.seq_len}" if config.task == "lm" else "")
               + f", {devices} {jax.devices()[0].platform} device{'s' * (devices > 1)}"
               + (" (data x fsdp x tensor = {data} x {fsdp} x {tensor})".format(**mesh.shape) if devices > 1 else "")
