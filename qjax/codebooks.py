@@ -282,17 +282,16 @@ def encode_unit(x: jax.Array, qmap, lookup=None) -> jax.Array:
     return jnp.where(jnp.isnan(x), 0, code).astype(jnp.uint8)
 
 
-def quantize_blocks(x: jax.Array, qmap, lookup=None, broadcast_rows=None):
+def quantize_blocks(x: jax.Array, qmap, lookup=None, broadcast_rows=numerics.broadcast_last):
     """f32 blocks (..., B) -> (codes uint8 (..., B), absmax f32 (...)): the block format of the code-book optimizer
     states. absmax = max |x| (NaN if the block holds NaN; 0 for all-zero blocks and, by
     `numerics.invertible_scale`, below 2**-126; +Inf above 2**126); codes = `encode_unit` of x * (1 / absmax), one
     division per block (1 for absmax 0).
 
-    lookup: as in `encode_unit`; broadcast_rows(values (...), shape) -> values broadcast along B (default: jnp's;
-    kernels pass one that sets their register layout)."""
+    lookup: as in `encode_unit`; broadcast_rows(values (...), shape) -> values broadcast along B (kernels pass one
+    that sets their register layout)."""
     absmax = numerics.invertible_scale(numerics.amax(x, axis=-1))
-    inverse = 1 / numerics.nonzero(absmax)
-    inverse = inverse[..., None] if broadcast_rows is None else broadcast_rows(inverse, x.shape)
+    inverse = broadcast_rows(1 / numerics.nonzero(absmax), x.shape)
     return encode_unit(x * inverse, qmap, lookup), absmax
 
 

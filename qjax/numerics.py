@@ -182,7 +182,9 @@ def quantize_groups(x32, fmt: formats.Format, pow2_scale: bool, broadcast):
     return cast_codes(x32 * broadcast(inverse, x32.shape), fmt, may_be_inf=False), scale
 
 
-def _broadcast_last(values, shape):
+def broadcast_last(values, shape):
+    """Per-row values (...) against rows (..., B): the jnp default of the formulas' `broadcast_rows` argument."""
+    del shape  # jnp broadcasts; kernels' versions need it for their register layouts
     return values[..., None]
 
 
@@ -190,7 +192,7 @@ def _mean_last(values):
     return jnp.mean(values, axis=-1)
 
 
-def rms_norm(x32, scale32, eps: float, mean_rows=_mean_last, broadcast_rows=_broadcast_last):
+def rms_norm(x32, scale32, eps: float, mean_rows=_mean_last, broadcast_rows=broadcast_last):
     """RMSNorm of f32 rows x32 (..., D) -> (y, inv_rms): y = (x * inv_rms) * scale (f32, x32's shape), inv_rms =
     rsqrt(mean(x^2) + eps) (f32 (...,), one per row). scale32: the f32 norm scale, broadcastable against x32.
     mean_rows(v) -> v's per-row mean; broadcast_rows(values, shape) -> per-row values broadcast along the rows
@@ -205,13 +207,13 @@ def rms_norm_backward(x32, inv_rms, scale32, dy32):
     with n = x * inv_rms and dn = dy * scale (the second term: the rms's own dependence on x), and the terms whose
     sum over rows is the scale's gradient. x32 and scale32 as in `rms_norm`; inv_rms its per-row output, dy32 the
     f32 gradient of y."""
-    inv = _broadcast_last(inv_rms, x32.shape)
+    inv = broadcast_last(inv_rms, x32.shape)
     n = x32 * inv  # the normalized x, recomputed instead of saved in float32
     dn = dy32 * scale32
-    return inv * (dn - n * _broadcast_last(_mean_last(dn * n), x32.shape)), dy32 * n
+    return inv * (dn - n * broadcast_last(_mean_last(dn * n), x32.shape)), dy32 * n
 
 
-def quantize_e4m3_blocks(blocks, broadcast_rows=_broadcast_last):
+def quantize_e4m3_blocks(blocks, broadcast_rows=broadcast_last):
     """f32 blocks (..., B) -> (codes float8_e4m3fn (..., B), scale f32 (...)): scale = amax / 448 (1 for all-zero
     blocks and, by `invertible_scale`, below 2**-126), codes = e4m3(clamp(x * (1 / scale))), rounded to
     nearest even. The optimizer states' e4m3 format.
@@ -290,7 +292,7 @@ def expansion_params(blocks):
     return steps, centre, big
 
 
-def quantize_e4m3_expanded_blocks(blocks, broadcast_rows=_broadcast_last):
+def quantize_e4m3_expanded_blocks(blocks, broadcast_rows=broadcast_last):
     """f32 blocks (..., B) -> (codes float8_e4m3fn (..., B), scale f32 (...), expand uint8 (...), centre bfloat16
     (...)): COAT's dynamic range expansion, then e4m3 with absmax scaling (the optimizer states' "e4m3_dre").
 
@@ -306,7 +308,7 @@ def quantize_e4m3_expanded_blocks(blocks, broadcast_rows=_broadcast_last):
     return codes, scale, steps.astype(jnp.uint8), centre.astype(jnp.bfloat16)  # a power of two: exact
 
 
-def dequantize_e4m3_expanded_blocks(codes, scale, expand, centre, broadcast_rows=_broadcast_last):
+def dequantize_e4m3_expanded_blocks(codes, scale, expand, centre, broadcast_rows=broadcast_last):
     """Inverse of `quantize_e4m3_expanded_blocks`: codes (..., B), scale f32, expand uint8, centre bfloat16 (...)
     -> f32 (..., B) = copysign(|y| ** (1 / k) * centre, y), y = code * scale, 1 / k = 16 / expand. Zeros stay zero;
     a NaN scale gives NaN everywhere in its block."""
