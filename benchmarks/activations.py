@@ -2,11 +2,12 @@
 
   python benchmarks/activations.py                      # 1.1B block ("1b"), batch 1 x seq 2048, abstract inputs
   python benchmarks/activations.py --size tiny --seq 64 --recipes bf16,int8_rowwise --append
-  python benchmarks/activations.py --recipes bf16,int8_dataflow,int8_dataflow+recompute
+  python benchmarks/activations.py --recipes bf16,int8_dataflow,int8_dataflow_recompute
 
-A recipe name followed by "+recompute" is that recipe with `Recipe.recompute_prologue_output` (the data-flow
-recipes: the fused norms' and SwiGLU's outputs recomputed in the backward instead of saved); "+recompute_w" also
-with `Recipe.recompute_weight_codes` (the weights' dgrad codes re-quantized in the backward).
+Recipes are named as benchmarks/common.py's `recipe_variant` names them: a data-flow recipe followed by
+"_recompute" is that recipe with `Recipe.recompute_prologue_output` (the fused norms' and SwiGLU's outputs
+recomputed in the backward instead of saved); "_recompute_w" also with `Recipe.recompute_weight_codes` (the
+weights' dgrad codes re-quantized in the backward).
 
 Traces the vjp of one `qjax.models.llama.Block` on ShapeDtypeStruct inputs (nothing is computed, so it runs on
 CPU in a few seconds at any size) and prints, per recipe, a table of the residuals grouped by where they come
@@ -38,25 +39,12 @@ import jax
 import jax.numpy as jnp
 from jax._src.ad_checkpoint import saved_residuals
 
-from common import REPO, append_results
+from common import REPO, append_results, recipe_variant
 
 sys.path.insert(0, str(REPO))  # this checkout's qjax, not whichever one is installed
-import qjax  # noqa: E402
 from qjax.models import llama  # noqa: E402
 
 KINDS = ("activation", "attention internal", "per step", "param")
-RECOMPUTE, RECOMPUTE_W = "+recompute", "+recompute_w"
-
-
-def parse_recipe(name: str):
-    """The recipe a --recipes entry names: a qjax recipe name, optionally followed by RECOMPUTE or RECOMPUTE_W."""
-    for suffix, weights in ((RECOMPUTE_W, True), (RECOMPUTE, False)):
-        if name.endswith(suffix):
-            return dataclasses.replace(qjax.recipe(name.removesuffix(suffix)), name=name,
-                                       recompute_prologue_output=True, recompute_weight_codes=weights)
-    return qjax.recipe(name)
-
-
 def block_residuals(config: llama.LlamaConfig, batch: int, seq: int) -> list[tuple[jax.ShapeDtypeStruct, str]]:
     """[(aval, source)] that the vjp of one block saves, traced on abstract inputs x (batch, seq, dim)."""
     block = llama.Block(config)
@@ -104,7 +92,7 @@ def report(config: llama.LlamaConfig, recipes: list[str], batch: int, seq: int) 
     sections, totals = [], {}
     for name in recipes:
         rows = collections.defaultdict(lambda: [0, 0])  # (kind, source, shape, dtype) -> [count, bytes]
-        for kind, aval, source in classify(dataclasses.replace(config, recipe=parse_recipe(name)), batch, seq):
+        for kind, aval, source in classify(dataclasses.replace(config, recipe=recipe_variant(name)), batch, seq):
             row = rows[(kind, source, aval.shape, str(aval.dtype))]
             row[0] += 1
             row[1] += nbytes(aval)
@@ -140,8 +128,8 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--recipes", default="bf16,int8_rowwise,fp8_tensorwise",
-                        help=f"comma-separated recipe names, each optionally followed by {RECOMPUTE} or "
-                             f"{RECOMPUTE_W} (data-flow recipes); ratios are to the first")
+                        help="comma-separated recipe names (common.recipe_variant's, e.g. "
+                             "int8_dataflow_recompute_w); ratios are to the first")
     parser.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     parser.add_argument("--append", action="store_true", help="append the tables to benchmarks/RESULTS.md")
     args = parser.parse_args()

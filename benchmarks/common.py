@@ -101,25 +101,25 @@ def recipe_variant(name: str):
     """A recipe of `qjax.RECIPES` by name, or one of the benchmarks' variants of them (ablations, not public):
     int8_fwd / int8_fwd_dgrad (int8_rowwise with wgrad, or dgrad and wgrad, in bf16), int8_fwd_dgrad_sr and
     int8_rowwise_sr (stochastic rounding of the gradient operand, `qjax.with_stochastic_gradients`),
-    int8_dataflow_recompute (`Recipe.recompute_prologue_output`) and int8_dataflow_recompute_w (also
-    `Recipe.recompute_weight_codes`), int8_dataflow_nosr (int8_dataflow's dgrad and wgrad rounded to nearest as
-    int8_rowwise's: what stochastic rounding does to the data flow's convergence)."""
+    int8_dataflow_nosr (int8_dataflow's dgrad and wgrad rounded to nearest as int8_rowwise's: what stochastic
+    rounding does to the data flow's convergence), and any data-flow recipe + "_recompute"
+    (`Recipe.recompute_prologue_output`) or + "_recompute_w" (also `Recipe.recompute_weight_codes`)."""
     import dataclasses
 
     import qjax
 
-    int8, dataflow = qjax.recipe("int8_rowwise"), qjax.recipe("int8_dataflow")
+    for suffix, weights in (("_recompute_w", True), ("_recompute", False)):
+        if name.endswith(suffix):
+            return dataclasses.replace(qjax.recipe(name.removesuffix(suffix)), name=name,
+                                       recompute_prologue_output=True, recompute_weight_codes=weights)
+    int8 = qjax.recipe("int8_rowwise")
+    int8_fwd_dgrad = dataclasses.replace(int8, name="int8_fwd_dgrad", wgrad=None)
     variants = {
         "int8_fwd": dataclasses.replace(int8, name="int8_fwd", dgrad=None, wgrad=None),
-        "int8_fwd_dgrad": dataclasses.replace(int8, name="int8_fwd_dgrad", wgrad=None),
-        "int8_dataflow_recompute": dataclasses.replace(dataflow, name="int8_dataflow_recompute",
-                                                       recompute_prologue_output=True),
-        "int8_dataflow_nosr": dataclasses.replace(dataflow, name="int8_dataflow_nosr", dgrad=int8.dgrad,
-                                                  wgrad=int8.wgrad),
+        "int8_fwd_dgrad": int8_fwd_dgrad,
+        "int8_fwd_dgrad_sr": qjax.with_stochastic_gradients(int8_fwd_dgrad),
+        "int8_rowwise_sr": qjax.with_stochastic_gradients(int8),
+        "int8_dataflow_nosr": dataclasses.replace(qjax.recipe("int8_dataflow"), name="int8_dataflow_nosr",
+                                                  dgrad=int8.dgrad, wgrad=int8.wgrad),
     }
-    variants["int8_dataflow_recompute_w"] = dataclasses.replace(variants["int8_dataflow_recompute"],
-                                                                name="int8_dataflow_recompute_w",
-                                                                recompute_weight_codes=True)
-    variants["int8_fwd_dgrad_sr"] = qjax.with_stochastic_gradients(variants["int8_fwd_dgrad"])
-    variants["int8_rowwise_sr"] = qjax.with_stochastic_gradients(int8)
     return variants.get(name) or qjax.recipe(name)
