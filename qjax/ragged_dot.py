@@ -100,11 +100,23 @@ def _rows_and_groups(m: int, group_sizes):
     return rows < ends[-1], jnp.minimum(jnp.searchsorted(ends, rows, side="right"), group_sizes.shape[0] - 1)
 
 
+def _zero_outside(out, group_sizes, dims):
+    """out with lax.ragged_dot's zeros: rows past sum(group_sizes) (rows ragged) or empty groups (the wgrad). The
+    kernels write those zeros themselves; XLA's paths need the mask, since XLA's ragged dot can spread a NaN weight
+    into the padding rows and an empty group's dw is 0 times scales that span all tokens (maybe not finite)."""
+    if dims is _RAGGED_ROWS:
+        keep = (jnp.arange(out.shape[0]) < jnp.sum(group_sizes))[:, None]
+    else:
+        keep = group_sizes[:, None, None] > 0
+    return jnp.where(keep, out, jnp.zeros((), out.dtype))
+
+
 def _grouped_gemm(a: QTensor, b: QTensor, group_sizes, dims, group_ids, out_dtype, precise: bool,
                   backend: str = "xla"):
-    """Quantized grouped GEMM -> out_dtype: on the codes with scales after it, or dequantized (block scales).
-    `grouped_matmul_mgpu`'s (rows ragged: forward and dgrad) and `grouped_contract_mgpu`'s (wgrad) kernels run
-    where `backend` selects them and they support the operands; the rest of this function is their reference."""
+    """Quantized grouped GEMM -> out_dtype, zero outside the groups: on the codes with scales after it, or
+    dequantized (block scales). `grouped_matmul_mgpu`'s (rows ragged: forward and dgrad) and
+    `grouped_contract_mgpu`'s (wgrad) kernels run where `backend` selects them and they support the operands; the
+    rest of this function is their reference."""
     rows = dims is _RAGGED_ROWS
     supports = (functools.partial(grouped_matmul_mgpu.supports, a, b, group_sizes, out_dtype) if rows
                 else functools.partial(grouped_contract_mgpu.supports_contract, a, b, out_dtype))
@@ -114,7 +126,8 @@ def _grouped_gemm(a: QTensor, b: QTensor, group_sizes, dims, group_ids, out_dtyp
         return kernel(a, b, group_sizes, out_dtype, precise=precise, interpret=interpret)
     if a.is_block_scaled or b.is_block_scaled:
         a_values, b_values, precision = dequantize_for_gemm(a, b)
-        return _ragged(a_values, b_values, group_sizes, dims, jnp.float32, precision).astype(out_dtype)
+        out = _ragged(a_values, b_values, group_sizes, dims, jnp.float32, precision).astype(out_dtype)
+        return _zero_outside(out, group_sizes, dims)
     if jnp.issubdtype(a.data.dtype, jnp.integer):
         acc = _int_ragged(a.data, b.data, group_sizes, dims)
     else:  # fp8: precise (HIGHEST) accumulation in dgrad and wgrad, as `scaled_matmul`
@@ -122,16 +135,16 @@ def _grouped_gemm(a: QTensor, b: QTensor, group_sizes, dims, group_ids, out_dtyp
         acc = _ragged(a.data, b.data, group_sizes, dims, jnp.float32, precision)
     if dims is _RAGGED_CONTRACT:  # (K, M) x (N, M) -> (G, K, N): row scales (K, 1) and (N, 1)
         b_scale = b.scale if b.granularity == "tensor" else b.scale[:, 0]
-        return (acc * a.scale * b_scale).astype(out_dtype)
-    # (rows, K) x (G, rows', K): b's scale (G, rows', 1) taken per row's group
-    b_scale = b.scale if b.granularity == "tensor" else b.scale[group_ids, :, 0]
-    return (acc * a.scale * b_scale).astype(out_dtype)
+    else:  # (rows, K) x (G, rows', K): b's scale (G, rows', 1) taken per row's group
+        b_scale = b.scale if b.granularity == "tensor" else b.scale[group_ids, :, 0]
+    return _zero_outside((acc * a.scale * b_scale).astype(out_dtype), group_sizes, dims)
 
 
 def _dense_ragged(a, b, group_sizes, dims, out_dtype, precision):
-    """A GEMM the recipe leaves in high precision, in the operands' promoted dtype."""
+    """A GEMM the recipe leaves in high precision, in the operands' promoted dtype, zero outside the groups."""
     dtype = jnp.promote_types(a.dtype, b.dtype)
-    return _ragged(a.astype(dtype), b.astype(dtype), group_sizes, dims, out_dtype, precision)
+    out = _ragged(a.astype(dtype), b.astype(dtype), group_sizes, dims, out_dtype, precision)
+    return _zero_outside(out, group_sizes, dims)
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,7 +170,7 @@ def _quantized_ragged_dot(recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_
             out = _grouped_gemm(xq, wq, group_sizes, _RAGGED_ROWS, group_ids, out_dtype, precise=False,
                                 backend=recipe.backend)
         residuals = (w if w_spec_t is None else w_res, x if x_spec_t is None else x_res, group_sizes, seeds)
-        return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype)), residuals
+        return out, residuals
 
     def backward(residuals, g):
         w_res, x_res, group_sizes, seeds = residuals
@@ -176,9 +189,7 @@ def _quantized_ragged_dot(recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_
         else:
             dw = _grouped_gemm(x_res, gq_wgrad, group_sizes, _RAGGED_CONTRACT, None, rhs_dtype, precise=True,
                                backend=recipe.backend)
-        # An empty group's weight gradient is 0 (its row scales, spanning all tokens, may not be finite).
-        dw = jnp.where(group_sizes[:, None, None] > 0, dw, jnp.zeros((), dw.dtype))
-        return jnp.where(valid[:, None], dx, jnp.zeros((), dx.dtype)), dw, None, None
+        return dx, dw, None, None
 
     @jax.custom_vjp
     def quantized_ragged_dot(x, w, group_sizes, seeds):

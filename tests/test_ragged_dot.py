@@ -94,6 +94,22 @@ def test_ragged_edge_cases_match_lax(name, sizes):
     assert all(np.all(dw[e] == 0) for e in range(G) if sizes[e] == 0)
 
 
+@pytest.mark.parametrize("name", ["int8_rowwise", "fp8_blockwise", "bitnet_b158_bf16_bwd"])
+def test_nan_weight_stays_in_its_group(name):
+    """A NaN in one expert's weight stays visible in its rows, and the padding rows stay exactly 0: XLA's ragged dot
+    (lax.ragged_dot's own, on the block-scaled and high-precision paths) spreads a NaN weight over every row, the
+    padding included; an empty group's dw stays 0."""
+    x, w, g = _operands()
+    sizes = jnp.array([64, 0, 112, 40], jnp.int32)  # 40 padding rows
+    w = w.at[0, 3, 5].set(jnp.nan)
+    out, dx, dw = jax.jit(_value_and_grads, static_argnums=0)(_ragged(name), x, w, g, sizes)
+    out, dx, dw = (np.asarray(a.astype(jnp.float32)) for a in (out, dx, dw))
+    assert np.isnan(out[:64]).any() and np.isnan(dx[:64]).any(), "the NaN vanished from its own group"
+    for a in (out, dx):
+        assert np.all(a[216:] == 0), "padding rows must be exactly 0"
+    assert np.all(dw[1] == 0)
+
+
 def test_jit_vmap_scan_grad():
     x, w, g = _operands()
     f = lambda x, w, s: qjax.ragged_dot(x, w, s, recipe="int8_rowwise")

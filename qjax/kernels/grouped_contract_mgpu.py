@@ -6,7 +6,8 @@ Pallas Mosaic GPU kernel for Hopper:
 a and b are int8 / fp8 codes with per-row f32 scales; scales in the epilogue as the reference multiplies them, fp8
 with `precise` promoted every tile_k (`grouped_matmul_mgpu`'s tile sum and epilogue). The kernel first gathers each
 group's tokens into a tile_k-aligned run (zeros between runs: one copy of the codes), so that no K block mixes
-groups, then walks (group, m-tile, n-tile) tiles, each a pipeline over its group's blocks: one warpgroup, or with
+groups, then walks (group, m-tile, n-tile) tiles, each a pipeline over its group's blocks (an empty group's tiles are
+stored as zeros, with no pipeline): one warpgroup, or with
 `GroupedConfig.compute_warpgroups=2` a memory warpgroup and two compute warpgroups on (2 * tile_m, tile_n) tiles
 (`grouped_pipeline_mgpu.two_warpgroup_pipeline`). Its reference is
 `qjax.ragged_dot._grouped_gemm` with the tokens as the ragged contracting dimension.
@@ -22,7 +23,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax.kernels import resolve_interpret
 from qjax.kernels.grouped_matmul_mgpu import (GroupedConfig, check_operands, epilogue_scratch, pad_to,
-                                              persistent_kernel, resolve_config, round_up, stage_scaled, tile_sum)
+                                              persistent_kernel, resolve_config, round_up, stage_scaled, stage_zeros,
+                                              tile_sum)
 from qjax.kernels.grouped_pipeline_mgpu import two_warpgroup_pipeline, two_warpgroup_scratch
 from qjax.qtensor import QTensor
 
@@ -66,10 +68,15 @@ def _contract_kernel(cfg: GroupedConfig, promote: bool, steps_table, a_gmem, b_g
         @plgpu.nd_loop((groups * m_tiles * n_tiles,), collective_axes="sm")
         def _(loop_info):
             group, m_idx, n_idx, first, steps = _tile_of(loop_info, cfg, steps_table, groups, m_tiles, n_tiles)
+            rows, cols = pl.ds(m_idx * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
 
-            @pl.when(steps > 0)  # an empty group's tiles are left to the wrapper
+            @pl.when(steps == 0)
+            def _():  # an empty group: its dw tile is 0
+                stage_zeros(out_smem)
+                plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[group, rows, cols])
+
+            @pl.when(steps > 0)
             def _():
-                rows, cols = pl.ds(m_idx * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
                 plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem, barriers.at[0])
                 plgpu.copy_gmem_to_smem(sb_gmem.at[cols], cs_smem, barriers.at[1])
                 acc = tile_sum(cfg, promote, a_gmem.at[rows, :], b_gmem.at[cols, :], first, steps)
@@ -105,7 +112,12 @@ def _contract_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, steps_t
                              barriers.at[2 * wg + 1])
                 plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[group, rows, cols])
 
-            @pl.when(steps > 0)  # an empty group's tiles are left to the wrapper
+            @pl.when((steps == 0) & (wg < 2))
+            def _():  # an empty group: the compute warpgroups store zeros, no pipeline runs
+                stage_zeros(out_smem.at[wg])
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[group, rows, cols])
+
+            @pl.when(steps > 0)
             def _():
                 @pl.when(wg < 2)
                 def _():  # the compute warpgroups' epilogue scales arrive while the main loop runs
@@ -136,11 +148,9 @@ def _launch_contract(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dty
     tiles = groups * (kp // cta_m) * (np_ // config.tile_n)
     kernel = persistent_kernel(config, promote, (_contract_kernel, _contract_kernel_2wg), (groups, kp, np_),
                                out_dtype, tiles, interpret)
-    out = kernel(steps, pad_to(runs(a_codes), (kp, source.shape[0]), 0),
-                 pad_to(runs(b_codes), (np_, source.shape[0]), 0), pad_to(a_scale, (kp,), 1),
-                 pad_to(b_scale, (np_,), 1))[:, :k, :n]
-    # an empty group's tiles are never written
-    return jnp.where(group_sizes[:, None, None] > 0, out, jnp.zeros((), out.dtype))
+    return kernel(steps, pad_to(runs(a_codes), (kp, source.shape[0]), 0),
+                  pad_to(runs(b_codes), (np_, source.shape[0]), 0), pad_to(a_scale, (kp,), 1),
+                  pad_to(b_scale, (np_,), 1))[:, :k, :n]
 
 
 def grouped_contract_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dtype, *, precise: bool = False,

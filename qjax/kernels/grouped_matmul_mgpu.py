@@ -14,7 +14,9 @@ module's tile sum and epilogue; the bf16 grouped GEMMs are JAX's own kernels (`q
 Structure: the work items are (group, m-tile) pairs of cta_m = compute_warpgroups * tile_m rows: group g covers
 m-tiles start_g // cta_m .. (end_g - 1) // cta_m, so a tile that straddles groups is computed once per group, at
 most cdiv(M, cta_m) + G - 1 items. The wrapper computes each item's (group, tile, first row in the tile, rows) with
-jnp and passes them as an int32 (4, items) table; items past the last group have 0 rows and are skipped. Persistent
+jnp and passes them as an int32 (4, items) table; the rows past sum(group_sizes) form one more group, G, whose
+items store zero tiles (so no pass over the output zeroes them), and items past the last rows have 0 rows and are
+skipped. Persistent
 CTAs walk (item, n-tile) pairs; per pair a TMA pipeline over K (wgmma with b's (tile_n, tile_k) SMEM tile
 transposed), the scales fetched by TMA meanwhile, then the epilogue writes the item's rows only: the tile goes to
 SMEM and TMA stores it in power-of-two row pieces (one per set bit of the row count; TMA stores need static shapes).
@@ -25,8 +27,8 @@ SMEM and TMA stores it in power-of-two row pieces (one per set bit of the row co
     while the compute warpgroups run the epilogue. A half with none of the item's rows (a group boundary elsewhere
     in the tile) skips its wgmma and its epilogue, so the tensor-core work per boundary is that of tile_m-row items,
     while every item shares one b tile between 2 * tile_m rows.
-Rows past sum(group_sizes) are written by no item: the wrapper zeroes them. Rows never mix: a NaN in one group's
-rows reaches only that group's outputs, as in lax.ragged_dot.
+Rows past sum(group_sizes) are written as zeros by group G's items. Rows never mix: a NaN in one group's rows
+reaches only that group's outputs, as in lax.ragged_dot.
 
 Shapes that do not tile are padded with zero codes (scale 1) and sliced. Off the GPU the kernel runs under the
 Mosaic GPU interpreter (`interpret=True`); JAX's bf16 kernels have no interpreted mode and run only compiled.
@@ -162,8 +164,9 @@ def supports(a, b, group_sizes, out_dtype) -> str | None:
 
 
 def work_items(group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
-    """(4, cdiv(m, tile_m) + G - 1) int32: per work item its group, m-tile, first row within the tile and row
-    count (0 for the items past the last group's rows)."""
+    """(4, cdiv(m, tile_m) + G) int32: per work item its group, m-tile, first row within the tile and row count.
+    The rows from sum(group_sizes) to m are group G's (zero tiles); items past row m have 0 rows."""
+    group_sizes = jnp.append(group_sizes, m - jnp.sum(group_sizes))
     groups = group_sizes.shape[0]
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
@@ -227,6 +230,14 @@ def stage_scaled(acc, out_smem, rs_smem, cs_smem, rs_barrier, cs_barrier):
     plgpu.commit_smem()
 
 
+def stage_zeros(out_smem):
+    """A zero tile into out_smem once this thread's previous TMA store has read it out; committed, ready for the
+    caller's store (empty groups' and padding rows' tiles: the kernels write every output element)."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    out_smem[...] = plgpu.layout_cast(jnp.zeros(out_smem.shape, out_smem.dtype), plgpu.Layout.WGMMA)
+    plgpu.commit_smem()
+
+
 def epilogue_scratch(cfg: GroupedConfig, out_dtype):
     return dict(out_smem=plgpu.SMEM((cfg.tile_m, cfg.tile_n), out_dtype),
                 rs_smem=plgpu.SMEM((cfg.tile_m,), jnp.float32), cs_smem=plgpu.SMEM((cfg.tile_n,), jnp.float32),
@@ -247,7 +258,7 @@ def _store_rows(tile_smem, out_gmem, first, count):
 
 def _rows_kernel(cfg: GroupedConfig, promote: bool, items_table, a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem):
     """refs: items (4, T) int32, a codes (Mp, Kp), b codes (G, Np, Kp), sa (Mp,) f32, sb (G, Np) f32, out (Mp, Np)."""
-    tile_m, tile_n = cfg.tile_m, cfg.tile_n
+    tile_m, tile_n, groups = cfg.tile_m, cfg.tile_n, b_gmem.shape[0]
     items, n_tiles, k_steps = items_table.shape[1], out_gmem.shape[1] // tile_n, a_gmem.shape[1] // cfg.tile_k
 
     def scoped(out_smem, rs_smem, cs_smem, barriers):
@@ -256,15 +267,20 @@ def _rows_kernel(cfg: GroupedConfig, promote: bool, items_table, a_gmem, b_gmem,
             (lin,) = loop_info.index
             item, n_idx = plgpu.planar_snake(lin, (items, n_tiles), 1, cfg.grid_tile_width)
             group, tile, first, count = (items_table[i, item] for i in range(4))
+            rows, cols = pl.ds(tile * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
 
-            @pl.when(count > 0)
+            @pl.when((count > 0) & (group < groups))
             def _():
-                rows, cols = pl.ds(tile * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
                 # the epilogue's scales arrive while the main loop runs
                 plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem, barriers.at[0])
                 plgpu.copy_gmem_to_smem(sb_gmem.at[group, cols], cs_smem, barriers.at[1])
                 acc = tile_sum(cfg, promote, a_gmem.at[rows, :], b_gmem.at[group, cols, :], 0, k_steps)
                 stage_scaled(acc, out_smem, rs_smem, cs_smem, barriers.at[0], barriers.at[1])
+                _store_rows(out_smem, out_gmem.at[rows, cols], first, count)
+
+            @pl.when((count > 0) & (group == groups))
+            def _():  # rows past sum(group_sizes)
+                stage_zeros(out_smem)
                 _store_rows(out_smem, out_gmem.at[rows, cols], first, count)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -276,7 +292,7 @@ def _rows_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, items_table
                      out_gmem):
     """`_rows_kernel` with a memory warpgroup and two compute warpgroups (module docstring); the same refs, items of
     2 * tile_m rows."""
-    tile_m, tile_n, cta_m = cfg.tile_m, cfg.tile_n, 2 * cfg.tile_m
+    tile_m, tile_n, cta_m, groups = cfg.tile_m, cfg.tile_n, 2 * cfg.tile_m, b_gmem.shape[0]
     items, n_tiles, k_steps = items_table.shape[1], out_gmem.shape[1] // tile_n, a_gmem.shape[1] // cfg.tile_k
     pipeline = functools.partial(two_warpgroup_pipeline, cfg, promote, stages,
                                  jnp.int32 if a_gmem.dtype == jnp.int8 else jnp.float32, (k_steps,), 0)
@@ -301,7 +317,7 @@ def _rows_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, items_table
                              barriers.at[2 * wg + 1])
                 _store_rows(out_smem.at[wg], out_gmem.at[rows, cols], lo, mine)
 
-            @pl.when(count > 0)
+            @pl.when((count > 0) & (group < groups))
             def _():
                 @pl.when((mine > 0) & (wg < 2))
                 def _():  # the epilogue's scales arrive while the main loop runs
@@ -309,6 +325,11 @@ def _rows_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, items_table
                     plgpu.copy_gmem_to_smem(sb_gmem.at[group, cols], cs_smem.at[wg], barriers.at[2 * wg + 1])
 
                 pipeline(mine > 0, epilogue)(*gmem_refs(group, tile, n_idx), allocations=pipeline_allocs)
+
+            @pl.when((group == groups) & (mine > 0) & (wg < 2))
+            def _():  # rows past sum(group_sizes): no pipeline, the compute warpgroups store zeros
+                stage_zeros(out_smem.at[wg])
+                _store_rows(out_smem.at[wg], out_gmem.at[rows, cols], lo, mine)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -350,11 +371,8 @@ def _launch(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dtype, confi
     tiles = items.shape[1] * (np_ // config.tile_n)
     kernel = persistent_kernel(config, promote, (_rows_kernel, _rows_kernel_2wg), (mp, np_), out_dtype, tiles,
                                interpret)
-    out = kernel(items, pad_to(a_codes, (mp, kp), 0), pad_to(b_codes, (groups, np_, kp), 0),
-                 pad_to(a_scale, (mp,), 1), pad_to(b_scale, (groups, np_), 1))[:m, :n]
-    # rows past sum(group_sizes) belong to no work item and are never written
-    valid = jnp.arange(m) < jnp.sum(group_sizes)
-    return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
+    return kernel(items, pad_to(a_codes, (mp, kp), 0), pad_to(b_codes, (groups, np_, kp), 0),
+                  pad_to(a_scale, (mp,), 1), pad_to(b_scale, (groups, np_), 1))[:m, :n]
 
 
 def grouped_matmul_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dtype, *, precise: bool = False,

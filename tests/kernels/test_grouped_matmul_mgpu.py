@@ -69,13 +69,13 @@ def _contract_operands(m, n, k, code, seed=0):
 
 def _contract_reference(a, b, sizes, out_dtype, precise):
     out = ragged_dot_lib._grouped_gemm(a, b, sizes, ragged_dot_lib._RAGGED_CONTRACT, None, out_dtype, precise)
-    return np.where(np.asarray(sizes)[:, None, None] > 0, np.asarray(out.astype(jnp.float32), np.float64), 0)
+    return np.asarray(out.astype(jnp.float32), np.float64)  # an empty group's dw is 0
 
 
 def _reference(a, b, sizes, out_dtype, precise=False):
-    valid, group_ids = ragged_dot_lib._rows_and_groups(a.data.shape[0], sizes)
+    group_ids = ragged_dot_lib._rows_and_groups(a.data.shape[0], sizes)[1]
     out = ragged_dot_lib._grouped_gemm(a, b, sizes, ragged_dot_lib._RAGGED_ROWS, group_ids, out_dtype, precise)
-    return np.where(np.asarray(valid)[:, None], np.asarray(out.astype(jnp.float32), np.float64), 0)
+    return np.asarray(out.astype(jnp.float32), np.float64)  # rows past sum(sizes) are 0
 
 
 def _magnitude(a, b, sizes):
@@ -102,19 +102,23 @@ def _assert_close(out, ref, mag, out_dtype, rtol):
 
 
 def test_work_items_cover_each_row_once():
-    """Every row of every group is in exactly one item of its group; items past the groups have no rows."""
-    sizes = jnp.array([0, 70, 0, 1, 64, 100, 0], jnp.int32)
-    m, tile = 300, 64  # sum 235 < M: the rows after it are in no item
-    table = np.asarray(grouped.work_items(sizes, m, tile))
-    assert table.shape == (4, -(-m // tile) + sizes.shape[0] - 1)
-    owner = np.full(m, -1)
-    for group, tile_idx, first, count in table.T:
-        assert 0 <= first and first + count <= tile
-        rows = np.arange(tile_idx * tile + first, tile_idx * tile + first + count)
-        assert (owner[rows] == -1).all(), "a row in two items"
-        owner[rows] = group
-    expected = np.concatenate([np.full(s, g) for g, s in enumerate(np.asarray(sizes))] + [np.full(m - 235, -1)])
-    np.testing.assert_array_equal(owner, expected)
+    """Every row of every group is in exactly one item of its group, the rows past the sum in group G's items (the
+    zero tiles); items past row M have no rows."""
+    for sizes in ([0, 70, 0, 1, 64, 100, 0], [0, 300, 0, 0, 0, 0, 0]):  # sum 235 < M = 300; sum M
+        sizes = jnp.array(sizes, jnp.int32)
+        m, tile, groups = 300, 64, sizes.shape[0]
+        table = np.asarray(grouped.work_items(sizes, m, tile))
+        assert table.shape == (4, -(-m // tile) + groups)
+        owner = np.full(m, -1)
+        for group, tile_idx, first, count in table.T:
+            assert 0 <= first and first + count <= tile and 0 <= group <= groups
+            rows = np.arange(tile_idx * tile + first, tile_idx * tile + first + count)
+            assert (owner[rows] == -1).all(), "a row in two items"
+            owner[rows] = group
+        total = int(sizes.sum())
+        expected = np.concatenate([np.full(s, g) for g, s in enumerate(np.asarray(sizes))]
+                                  + [np.full(m - total, groups)])
+        np.testing.assert_array_equal(owner, expected)
 
 
 @pytest.mark.parametrize("config", [SMALL, SMALL_2WG], ids=["1wg", "2wg"])
