@@ -96,11 +96,14 @@ def _lookup(table_ref, index: jax.Array, interpret: bool) -> jax.Array:
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), _LAYOUT),
                        return_type=plgpu.ShapeDtypeStruct(index.shape, jnp.float32, _LAYOUT))
     def gather(_, table, idx):
+        # a 1-D view of the (T / 128, 128) table: one index cast per lookup instead of a shift, a mask and two casts
+        shape = ir.MemRefType(table.type)
+        flat_type = ir.MemRefType.get([shape.shape[0] * shape.shape[1]], shape.element_type,
+                                      memory_space=shape.memory_space)
+        flat = memref.collapse_shape(flat_type, table, [[0, 1]])
+
         def load(i, _):  # i: one lane's int32 index
-            shift = arith.constant(i.type, _TABLE_COLUMNS.bit_length() - 1)
-            row = arith.index_cast(ir.IndexType.get(), arith.shrui(i, shift))
-            col = arith.index_cast(ir.IndexType.get(), arith.andi(i, arith.constant(i.type, _TABLE_COLUMNS - 1)))
-            return memref.load(table, [row, col])
+            return memref.load(flat, [arith.index_cast(ir.IndexType.get(), i)])
 
         return idx.foreach(load, create_array=True)
 
