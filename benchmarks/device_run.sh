@@ -93,7 +93,7 @@
 # (benchmarks/scaling.py; scaling-8b-int8 its int8_rowwise row alone; scaling-8b-b8-bf16 / scaling-8b-b8-int8 one
 # row at global batch 8 with GPU 0's profile, scaling-8b-b8-int8-bf16gather the int8 row gathering bf16 weights
 # (issue 24's 8-bit against bf16 gather); scaling-8b-b16-bf16 / -int8 / -int8-bf16gather: the same rows at global
-# batch 16),
+# batch 16; scaling-8b-b16-fp8 the fp8_tensorwise row),
 # torch-fsdp (benchmarks/torch_fsdp_peer.py: torchrun, FSDP2, bf16 vs
 # torchao float8; torch-fsdp-8b: the 8b preset's shape at global batch 8, the qjax 8B rows' peer).
 set -o pipefail
@@ -257,10 +257,11 @@ step_command() {
         scaling-8b-int8) echo "python3 benchmarks/scaling.py --size 8b --batch 4 --remat --param-dtype bfloat16 --sr" \
                               "--optimizer adamw_8bit --rows int8_rowwise --steps 3 --warmup 1" ;;
         scaling-8b-b8-bf16|scaling-8b-b8-int8|scaling-8b-b8-int8-bf16gather|scaling-8b-b16-bf16|\
-        scaling-8b-b16-int8|scaling-8b-b16-int8-bf16gather)  # one 8B row each: 2-4 min (b16 int8: more)
+        scaling-8b-b16-int8|scaling-8b-b16-int8-bf16gather|scaling-8b-b16-fp8)  # one 8B row each: 2-4 min
             batch=${1#scaling-8b-b}; batch=${batch%%-*}
             case "$1" in
                 *-bf16) row=bf16 ;; *-int8) row=int8_rowwise ;; *-int8-bf16gather) row=int8_rowwise:bf16 ;;
+                *-fp8) row=fp8_tensorwise ;;
             esac
             profile=""; [ "$batch" = 8 ] && profile="--profile 40"  # GPU 0's profile at batch 8 only (b16: time)
             echo "python3 benchmarks/scaling.py --size 8b --batch $batch --remat --param-dtype bfloat16 --sr" \
