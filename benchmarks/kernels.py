@@ -157,7 +157,7 @@ def quantize_table(argv):
         inverse_rows, inverse_cols = jnp.full((m,), 10.0), jnp.full((k,), 10.0)
         side = quantize_mgpu._Side.of(int8_row)
         tiles = {slots: jax.jit(lambda x, slots=slots: quantize_mgpu._tile_call(
-            x, jnp.zeros((2,), jnp.uint32), inverse_rows, inverse_cols, row=side, col=side,
+            x, jnp.zeros((3,), jnp.uint32), inverse_rows, inverse_cols, row=side, col=side, masked=False,
             steps=quantize_mgpu.TILES_PER_PROGRAM, out_slots=slots, interpret=interpret)) for slots in (1, 2)}
         one, two = (jax.tree.leaves(tiles[slots](x)) for slots in (1, 2))
         if not all(bool(jnp.all(a == b)) for a, b in zip(one, two)):

@@ -29,6 +29,7 @@ import warnings
 
 import jax
 
+from qjax import numerics
 from qjax.kernels import quantize_mgpu, rmsnorm_mgpu, scaled_matmul, scaled_matmul_mgpu, swiglu_mgpu
 from qjax.qtensor import QTensor, QuantSpec
 from qjax.quantize import quantize_pair_reference
@@ -129,22 +130,23 @@ def kernel_if_supported(backend: str, what: str, supports) -> tuple[bool, bool]:
 
 def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None, seed, seed_t, *,
                   backend: str = "auto", operands: tuple[str, str] = ("array", "transposed array"),
-                  row_axes: tuple[str, ...] = (), col_axes: tuple[str, ...] = ()
+                  row_axes: tuple[str, ...] = (), col_axes: tuple[str, ...] = (), valid_rows=None
                   ) -> tuple[QTensor | None, QTensor | None]:
     """x (..., R, C) quantized per `spec` and its transpose (..., C, R) per `spec_t` (either may be None): the fused
     kernel (both layouts from one read) where `backend` selects it and it supports the case, else
     `qjax.quantize.quantize_pair_reference` (same arguments but backend; results bit-identical). Batched x, a single
-    layout and tensorwise pairs the reference does once take the reference."""
+    layout and tensorwise pairs the reference does once take the reference. valid_rows: None, or an int32 scalar:
+    x's rows from it on are quantized as zeros (`numerics.zero_rows`; the kernel masks them as it reads x)."""
     if spec is not None and spec_t is not None and x.ndim == 2:
         run_kernel, interpret = kernel_mode(backend)
         if run_kernel:
             reason = quantize_mgpu.supports(x, spec, spec_t)
             if reason is None:
-                return quantize_mgpu.quantize_pair_kernel(x, spec, spec_t, seed, seed_t, interpret=interpret,
-                                                          row_axes=row_axes, col_axes=col_axes)
+                return quantize_mgpu.quantize_pair_kernel(x, spec, spec_t, seed, seed_t, valid_rows=valid_rows,
+                                                          interpret=interpret, row_axes=row_axes, col_axes=col_axes)
             _unsupported(backend, "fused quantize", reason)
-    return quantize_pair_reference(x, spec, spec_t, seed, seed_t, operands=operands, row_axes=row_axes,
-                                   col_axes=col_axes)
+    return quantize_pair_reference(numerics.zero_rows(x, valid_rows), spec, spec_t, seed, seed_t, operands=operands,
+                                   row_axes=row_axes, col_axes=col_axes)
 
 
 def rms_norm_forward_saving(x: jax.Array, scale: jax.Array, spec: QuantSpec, group: int, reference, *, eps: float,

@@ -359,3 +359,12 @@ def param_update(p, direction, step_size, weight_decay: float):
     step_size: -learning_rate; weight_decay: a Python float (0 skips the decay, as optax does)."""
     u = direction + jnp.float32(weight_decay) * p if weight_decay else direction
     return p + step_size * u
+
+
+def zero_rows(x: jnp.ndarray, valid_rows) -> jnp.ndarray:
+    """x (..., R, C) with its rows from valid_rows on set to 0 (x itself for None): a ragged_dot's padding rows
+    after its groups, which the quantize kernels read as zeros (`valid_rows`); in XLA it fuses into its consumer."""
+    if valid_rows is None:
+        return x
+    keep = jnp.arange(x.shape[-2]) < valid_rows
+    return jnp.where(keep[:, None], x, jnp.zeros((), x.dtype))

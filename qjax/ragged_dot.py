@@ -25,8 +25,9 @@ ones on XLA (`_grouped_gemm` is the kernels' reference). Recipe "bf16" runs JAX'
 `lax.ragged_dot` elsewhere; their wgrad zeroes other groups' rows by multiplying, so
 there an Inf in one group's x makes the neighbouring groups' dw NaN where lax's stays finite.
 
-Rows after sum(group_sizes) (padding) are zeroed before quantization, so they neither produce output nor enter the
-scales of real tokens, as lax.ragged_dot ignores them.
+Rows after sum(group_sizes) (padding) are quantized as zeros (`dispatch.quantize_pair`'s valid_rows: the fused
+quantize kernel masks them as it reads x and g, with no pass of its own), so they neither produce output nor enter
+the scales of real tokens, as lax.ragged_dot ignores them.
 """
 
 import functools
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from qjax import dispatch
+from qjax import dispatch, numerics
 from qjax import recipes as recipes_lib
 from qjax.dot_general import _seeds
 from qjax.kernels import grouped_bf16_mgpu, grouped_contract_mgpu, grouped_matmul_mgpu
@@ -155,12 +156,13 @@ def _quantized_ragged_dot(recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_
     spec = lambda gemm, side: None if gemm is None else getattr(gemm, side)
 
     def forward_gemm(x, w, group_sizes, seeds, with_residuals):
-        valid, group_ids = _rows_and_groups(x.shape[0], group_sizes)
-        x = jnp.where(valid[:, None], x, jnp.zeros((), x.dtype))
+        rows, group_ids = jnp.sum(group_sizes), _rows_and_groups(x.shape[0], group_sizes)[1]
         x_spec_t = spec(wgrad, "rhs") if with_residuals else None
         w_spec_t = spec(dgrad, "rhs") if with_residuals else None
         xq, x_res = quantize_both(x, spec(fwd, "lhs"), x_spec_t, seeds[_FWD_LHS], seeds[_WGRAD_RHS],
-                                  operands=("ragged forward lhs x as (M, K)", "ragged wgrad lhs x as (K, M)"))
+                                  operands=("ragged forward lhs x as (M, K)", "ragged wgrad lhs x as (K, M)"),
+                                  valid_rows=rows)
+        x = numerics.zero_rows(x, rows)  # for the high-precision GEMMs (XLA computes it only where they read it)
         wq, w_res = quantize_both(jnp.swapaxes(w, 1, 2), spec(fwd, "rhs"), w_spec_t, seeds[_FWD_RHS],
                                   seeds[_DGRAD_RHS], operands=("ragged forward rhs w as (G, N, K)",
                                                                "ragged dgrad rhs w as (G, K, N)"))
@@ -174,11 +176,12 @@ def _quantized_ragged_dot(recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_
 
     def backward(residuals, g):
         w_res, x_res, group_sizes, seeds = residuals
-        valid, group_ids = _rows_and_groups(g.shape[0], group_sizes)
-        g = jnp.where(valid[:, None], g, jnp.zeros((), g.dtype))
+        rows, group_ids = jnp.sum(group_sizes), _rows_and_groups(g.shape[0], group_sizes)[1]
         gq_dgrad, gq_wgrad = quantize_both(g, spec(dgrad, "lhs"), spec(wgrad, "lhs"), seeds[_DGRAD_LHS],
                                            seeds[_WGRAD_LHS], operands=("ragged dgrad lhs g as (M, N)",
-                                                                        "ragged wgrad rhs g as (N, M)"))
+                                                                        "ragged wgrad rhs g as (N, M)"),
+                                           valid_rows=rows)
+        g = numerics.zero_rows(g, rows)  # for the high-precision GEMMs
         if dgrad is None:
             dx = _dense_ragged(g, w_res, group_sizes, _RAGGED_ROWS, lhs_dtype, precision)
         else:

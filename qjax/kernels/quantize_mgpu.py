@@ -41,6 +41,9 @@ transpose): one hash per two elements, columns c and c + 64 of a tile row, compu
 array and joined into its (64, 128) bits by `stochastic.pair_bits` (a concatenation of registers in the WGMMA
 layout, no data movement).
 
+Rows from `valid_rows` on (a mixture-of-experts ragged_dot's padding rows after sum(group_sizes)) read as zeros
+where given: every chunk is masked as it leaves SMEM, in place of an XLA pass that would zero them in x first.
+
 Shapes: M and K must be multiples of 128 (`supports` says why not otherwise). Ragged shapes are rejected rather than
 padded: padding would cost a full extra pass over x (`qjax.dispatch` runs the jnp reference for them instead).
 """
@@ -151,23 +154,31 @@ def _codes(x32, inv_rows, side: _Side, seed, row0, col0, n_cols):
     return numerics.cast_codes(y, fmt, may_be_inf=False)  # int8 rounds half to even inside cast_codes
 
 
-def _load_chunk(x_smem, h, transposed):
-    """Rows [h*64, h*64+64) of the tile (or of its transpose) as f32 (64, 128) in the WGMMA layout."""
+def _load_chunk(x_smem, h, transposed, row_limit=None):
+    """Rows [h*64, h*64+64) of the tile (or of its transpose) as f32 (64, 128) in the WGMMA layout. row_limit: None,
+    or int32: the tile's rows (x's, which are the transpose's columns) from row_limit on read as 0."""
     if not transposed:
-        return plgpu.load(x_smem.at[pl.ds(h * _CHUNK, _CHUNK)], layout=_LAYOUT).astype(jnp.float32)
-    view = x_smem.at[:, pl.ds(h * _CHUNK, _CHUNK)].T
-    return plgpu.layout_cast(plgpu.load(view, layout=_LAYOUT_T), _LAYOUT).astype(jnp.float32)
+        x32 = plgpu.load(x_smem.at[pl.ds(h * _CHUNK, _CHUNK)], layout=_LAYOUT).astype(jnp.float32)
+    else:
+        view = x_smem.at[:, pl.ds(h * _CHUNK, _CHUNK)].T
+        x32 = plgpu.layout_cast(plgpu.load(view, layout=_LAYOUT_T), _LAYOUT).astype(jnp.float32)
+    if row_limit is None:
+        return x32
+    rows = plgpu.broadcasted_iota(jnp.int32, x32.shape, 1 if transposed else 0, layout=_LAYOUT)
+    return jnp.where(rows < (row_limit if transposed else row_limit - h * _CHUNK), x32, jnp.float32(0))
 
 
-def _quantize_tile_side(x_smem, side, transposed, inv_smem, codes_smem, scale_smem, seed, row0, col0, n_cols):
-    """One side of one tile: codes (and block scales) into SMEM. row0/col0: the tile's origin in that layout."""
+def _quantize_tile_side(x_smem, side, transposed, inv_smem, codes_smem, scale_smem, seed, row0, col0, n_cols,
+                        row_limit):
+    """One side of one tile: codes (and block scales) into SMEM. row0/col0: the tile's origin in that layout;
+    row_limit: as in `_load_chunk`."""
     fmt = formats.get_format(side.fmt)
+    load = lambda h: _load_chunk(x_smem, h, transposed, row_limit)
     tile_amax = None
     if side.block == "128x128":  # the scale needs the whole tile's amax before any chunk is quantized
-        tile_amax = functools.reduce(jnp.maximum, [jnp.max(_amax_rows(_load_chunk(x_smem, h, transposed)))
-                                                   for h in range(TILE // _CHUNK)])
+        tile_amax = functools.reduce(jnp.maximum, [jnp.max(_amax_rows(load(h))) for h in range(TILE // _CHUNK)])
     for h in range(TILE // _CHUNK):
-        x32 = _load_chunk(x_smem, h, transposed)
+        x32 = load(h)
         rows = pl.ds(h * _CHUNK, _CHUNK)
         if side.block is None:
             inv = plgpu.load(inv_smem.at[rows], layout=_ROWS)
@@ -185,9 +196,16 @@ def _quantize_tile_side(x_smem, side, transposed, inv_smem, codes_smem, scale_sm
 # ------------------------------------------------------------------------------------------------------ kernels
 
 
-@functools.partial(jax.jit, static_argnames=("row", "col", "steps", "out_slots", "interpret"))
-def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, steps, out_slots=1, interpret):
-    """The tile kernel. row_inv (M,) / col_inv (K,): f32 inverse scales for sides without blocks (else unused).
+def _row_limit(seeds_ref, i, masked: bool):
+    """Tile row i's valid rows (`_load_chunk`'s row_limit) from seeds_ref[2] (x's valid rows), or None."""
+    return seeds_ref[2].astype(jnp.int32) - i * TILE if masked else None
+
+
+@functools.partial(jax.jit, static_argnames=("row", "col", "steps", "masked", "out_slots", "interpret"))
+def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, steps, masked, out_slots=1,
+               interpret):
+    """The tile kernel. seeds: uint32 (3,): the sides' seeds and x's valid rows (read where `masked`). row_inv (M,)
+    / col_inv (K,): f32 inverse scales for sides without blocks (else unused).
     out_slots: SMEM slots per output (see `tile_pipeline_mgpu.run_tiles`); 1, the default, is faster (32 KB of SMEM
     for both sides' codes instead of 64 lets two programs share an SM; benchmarks/NOTES.md).
 
@@ -221,39 +239,50 @@ def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, ste
             inv_ref = inv_refs.pop(0) if side.block is None else None
             codes_ref = out_refs.pop(0)
             scale_ref = out_refs.pop(0) if side.block is not None else None
-            _quantize_tile_side(x_smem, side, transposed, inv_ref, codes_ref, scale_ref, seed, row0, col0, n_cols)
+            _quantize_tile_side(x_smem, side, transposed, inv_ref, codes_ref, scale_ref, seed, row0, col0, n_cols,
+                                _row_limit(seeds_ref, i, masked))
 
     return tiles.run_tiles(step, x, seeds, inverses, in_streams, out_type, out_streams, steps=steps,
                            out_slots=out_slots, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("steps", "interpret"))
-def _amax_call(x, *, steps, interpret):
-    """Partial maxima from one read of x: (K/128, M) per-tile row amax and (M/128, K) per-tile column amax."""
+@functools.partial(jax.jit, static_argnames=("steps", "masked", "interpret"))
+def _amax_call(x, seeds, *, steps, masked, interpret):
+    """Partial maxima from one read of x: (K/128, M) per-tile row amax and (M/128, K) per-tile column amax.
+    seeds: as in `_tile_call` (only the valid rows are read, where `masked`)."""
     m, k = x.shape
 
     def step(seeds_ref, i, j, in_refs, out_refs):
-        del seeds_ref  # no rounding here
         (x_smem,), (row_ref, col_ref) = in_refs, out_refs
+        row_limit = _row_limit(seeds_ref, i, masked)
         for h in range(TILE // _CHUNK):
             rows = pl.ds(h * _CHUNK, _CHUNK)
-            row_ref[rows] = _amax_rows(_load_chunk(x_smem, h, transposed=False))
-            col_ref[rows] = _amax_rows(_load_chunk(x_smem, h, transposed=True))
+            row_ref[rows] = _amax_rows(_load_chunk(x_smem, h, False, row_limit))
+            col_ref[rows] = _amax_rows(_load_chunk(x_smem, h, True, row_limit))
 
     out_type = (jax.ShapeDtypeStruct((k // TILE, m), jnp.float32), jax.ShapeDtypeStruct((m // TILE, k), jnp.float32))
     out_streams = [tiles.Stream((TILE,), jnp.float32, tiles.scale_row_region(False)),
                    tiles.Stream((TILE,), jnp.float32, tiles.scale_row_region(True))]
-    return tiles.run_tiles(step, x, jnp.zeros((2,), jnp.uint32), [], [], out_type, out_streams, steps=steps,
-                           out_slots=2, interpret=interpret)
+    return tiles.run_tiles(step, x, seeds, [], [], out_type, out_streams, steps=steps, out_slots=2,
+                           interpret=interpret)
 
 
-def amax_pair(x: jax.Array, *, interpret=False, tiles_per_program=TILES_PER_PROGRAM) -> tuple[jax.Array, jax.Array]:
+def _seeds(row_seed, col_seed, valid_rows):
+    """The kernels' uint32 (3,) scalars: the two sides' seeds and x's valid rows (0 where not masked)."""
+    valid = jnp.uint32(0) if valid_rows is None else jnp.asarray(valid_rows, jnp.int32).astype(jnp.uint32)
+    return jnp.stack([row_seed, col_seed, valid.reshape(())])
+
+
+def amax_pair(x: jax.Array, *, valid_rows=None, interpret=False, tiles_per_program=TILES_PER_PROGRAM
+              ) -> tuple[jax.Array, jax.Array]:
     """Row and column amax of x (M, K) from one read: (M,) and (K,) f32 with `numerics.amax`'s NaN / Inf (the
-    reference's `amax` for granularity "row" of x and of x.T)."""
+    reference's `amax` for granularity "row" of x and of x.T). valid_rows: as in `quantize_pair_kernel`."""
     reason = supports(x, QuantSpec("int8"))
     if reason is not None:
         raise ValueError(reason)
-    row_partial, col_partial = _amax_call(x, steps=tiles_per_program, interpret=resolve_interpret(interpret))
+    row_partial, col_partial = _amax_call(x, _seeds(jnp.uint32(0), jnp.uint32(0), valid_rows),
+                                          steps=tiles_per_program, masked=valid_rows is not None,
+                                          interpret=resolve_interpret(interpret))
     return numerics.amax(row_partial, axis=0), numerics.amax(col_partial, axis=0)
 
 
@@ -293,7 +322,7 @@ def _seed(seed, spec):
 
 
 def quantize_pair_kernel(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None, row_seed=None,
-                         col_seed=None, *, interpret=False, tiles_per_program=TILES_PER_PROGRAM,
+                         col_seed=None, *, valid_rows=None, interpret=False, tiles_per_program=TILES_PER_PROGRAM,
                          row_axes: tuple[str, ...] = (), col_axes: tuple[str, ...] = ()
                          ) -> tuple[QTensor, QTensor | None]:
     """Quantizes x (M, K) as (M, K) per row_spec and, if col_spec is given, x.T (K, M) per col_spec.
@@ -302,6 +331,8 @@ def quantize_pair_kernel(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec 
       x: float32 / bfloat16 / float16 (M, K), M and K multiples of 128 (see `supports`).
       row_spec, col_spec: `QuantSpec`s (any dtype and granularity each); col_spec None skips the transpose.
       row_seed, col_seed: uint32 scalars, needed by the stochastic specs.
+      valid_rows: None, or an int32 scalar in [0, M]: x's rows from it on are read as zeros (the results equal
+        those of x with those rows zeroed), e.g. the padding rows after a ragged_dot's groups.
       interpret: False / None compile the kernels (needs a Hopper GPU); True or a `plgpu.InterpretGPUParams` run
         them under the Mosaic GPU interpreter (CPU, slow: tests).
       tiles_per_program: 128 x 128 tiles along K each program pipelines (a tuning knob; results do not depend on
@@ -319,21 +350,24 @@ def quantize_pair_kernel(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec 
         raise ValueError(reason)
     interpret = resolve_interpret(interpret)
     m, k = x.shape
-    seeds = jnp.stack([_seed(row_seed, row_spec), _seed(col_seed, col_spec)])
+    seeds = _seeds(_seed(row_seed, row_spec), _seed(col_seed, col_spec), valid_rows)
+    masked = valid_rows is not None
     specs = [(row_spec, False), (col_spec, True)] if col_spec is not None else [(row_spec, False)]
     given = [(spec, transposed) for spec, transposed in specs if not spec.is_block_scaled]
     scales, inverses = {}, {False: None, True: None}
     if given and all(spec.granularity == "tensor" for spec, _ in given):
         # One scalar: XLA's full reduction of |x| reads faster than the amax kernel, which also takes row and column
         # maxima (benchmarks/NOTES.md).
-        row_amax = col_amax = numerics.amax(x.astype(jnp.float32))
+        row_amax = col_amax = numerics.amax(numerics.zero_rows(x, valid_rows).astype(jnp.float32))
     elif given:
-        row_amax, col_amax = amax_pair(x, interpret=interpret, tiles_per_program=tiles_per_program)
+        row_amax, col_amax = amax_pair(x, valid_rows=valid_rows, interpret=interpret,
+                                       tiles_per_program=tiles_per_program)
     for spec, transposed in given:
-        scales[transposed], inverses[transposed] = _inverse_scale(spec, row_amax, col_amax, x, k if transposed else m,
-                                                                  transposed, row_axes, col_axes)
+        scales[transposed], inverses[transposed] = _inverse_scale(spec, row_amax, col_amax, numerics.zero_rows(x, valid_rows),
+                                                                  k if transposed else m, transposed, row_axes,
+                                                                  col_axes)
     outs = list(_tile_call(x, seeds, inverses[False], inverses[True], row=_Side.of(row_spec),
-                           col=_Side.of(col_spec), steps=tiles_per_program, interpret=interpret))
+                           col=_Side.of(col_spec), steps=tiles_per_program, masked=masked, interpret=interpret))
     results = []
     for spec, transposed in specs:
         codes = outs.pop(0)

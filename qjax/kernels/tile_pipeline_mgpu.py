@@ -71,8 +71,9 @@ def run_tiles(step_body, x, seeds, inputs, in_streams, out_type, out_streams, *,
 
     x is streamed as the first input; `inputs` (GMEM arrays) follow, moved per in_streams; outputs per
     out_streams. step_body(seeds_ref, i, j, in_smem_refs, out_smem_refs) transforms tile (i, j) from SMEM to SMEM;
-    seeds (uint32 (2,)) stay in GMEM. (plgpu.emit_pipeline does the same, but predicates its stores, which the
-    Mosaic GPU interpreter cannot run; this loop has no predicated copies, so the tests run it.)"""
+    seeds (uint32 scalars: rounding seeds, a row count) stay in GMEM. (plgpu.emit_pipeline does the same, but
+    predicates its stores, which the Mosaic GPU interpreter cannot run; this loop has no predicated copies, so the
+    tests run it.)"""
     m, k = x.shape
     k_tiles = k // TILE
     steps = steps_per_program(k_tiles, steps)

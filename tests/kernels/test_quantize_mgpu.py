@@ -127,6 +127,26 @@ def test_pair_matches_reference(shape, dtype, row_spec, col_spec, specials):
             np.testing.assert_array_equal(np.frexp(finite)[0], 0.5)
 
 
+@interpreter_only
+@pytest.mark.parametrize("row_spec,col_spec,valid_rows", [
+    (S("int8", "row", sr=True), S("int8", "row", sr=True), 200),  # int8_dataflow's x / g pair; a partial tile
+    (S("e4m3", "1x128"), S("e4m3", "128x128", sr=True), 72),  # block scales; rows 72.. of tile 0, all of tile 1
+    (S("e4m3", "tensor"), S("e5m2", "row"), 0),  # the XLA tensor amax; no valid row at all
+])
+def test_valid_rows_read_as_zeros(row_spec, col_spec, valid_rows):
+    """valid_rows (a ragged_dot's padding rows): the kernels equal the reference on x with those rows zeroed, bit
+    for bit, and NaN / Inf there reach no code or scale."""
+    x = np.array(_input((256, 384), jnp.bfloat16, row_spec.dtype, specials=False), np.float32)
+    x[valid_rows:, 0], x[-1, 5], x[valid_rows:, 200] = np.nan, np.inf, 1e30
+    x = jnp.asarray(x, jnp.bfloat16)
+    got = jax.jit(lambda x, n: quantize_mgpu.quantize_pair_kernel(
+        x, row_spec, col_spec, ROW_SEED, COL_SEED, valid_rows=n, interpret=True))(x, jnp.int32(valid_rows))
+    zeroed = x.at[valid_rows:].set(0)
+    assert_same_qtensor(got[0], jax.jit(lambda x: quantize_with_seed(x, row_spec, ROW_SEED))(zeroed), False)
+    assert_same_qtensor(got[1], jax.jit(lambda x: quantize_with_seed(x.T, col_spec, COL_SEED))(zeroed), False)
+    assert all(np.isfinite(np.asarray(q.scale)).all() for q in got)
+
+
 @pytest.mark.parametrize("shape,tiles_per_program", [((128, 256), 4), ((256, 512), 2)])  # 1 program / 4 of 2 tiles
 def test_amax_pair_is_the_row_and_column_amax(shape, tiles_per_program):
     x = _input(shape, jnp.bfloat16, "e4m3", specials=True)
@@ -199,9 +219,11 @@ def test_lowers_for_hopper():
     for dtype, row_spec, col_spec, kernels in (
             (jnp.bfloat16, S("e4m3", "128x128", sr=True, pow2=True), S("int8", "row", sr=True), 2),
             (jnp.float32, S("int8", "1x128"), S("e5m2", "tensor"), 1)):
-        f = lambda x: quantize_mgpu.quantize_pair_kernel(x, row_spec, col_spec, ROW_SEED, COL_SEED)
-        lowered = jax.jit(f).trace(jnp.zeros((256, 384), dtype)).lower(lowering_platforms=("cuda",))
-        assert _mosaic_calls(lowered.as_text()) == kernels
+        for valid_rows in (None, jnp.int32(200)):  # and with a ragged_dot's padding rows masked
+            f = lambda x: quantize_mgpu.quantize_pair_kernel(x, row_spec, col_spec, ROW_SEED, COL_SEED,
+                                                             valid_rows=valid_rows)
+            lowered = jax.jit(f).trace(jnp.zeros((256, 384), dtype)).lower(lowering_platforms=("cuda",))
+            assert _mosaic_calls(lowered.as_text()) == kernels
 
 
 def _mosaic_calls(hlo_text):
