@@ -20,9 +20,12 @@ low 16 zero, so `uniform_from_bits` gives k * 2**-16, k uniform in [0, 2**16). U
 step (exact where |y| / ulp has at most 16 fraction bits): plenty for 8-bit grids. The two halves of a word are
 independent bits of a well-mixed hash. The runs of 128 match the kernels' 128-wide tiles, whose register layout
 gives elements c and c + 64 of a row to one thread (`pair_bits` joins the halves without moving data); word
-indices wrap above 2**33 elements. `stochastic_round` and the optimizer's bfloat16 parameters (`qjax.optim.sr_params`)
-keep one hash per element (`element_bits`): bfloat16's rounding reads the low 16 bits (`truncate_to_bf16_grid`),
-which paired bits leave zero, so paired bits are for 8-bit formats only.
+indices wrap above 2**33 elements. Paired bits are for 8-bit formats: bfloat16's rounding reads the low 16 bits
+(`truncate_to_bf16_grid`), which they leave zero. bfloat16 (`stochastic_round`, the optimizer's parameters in
+`qjax.optim.sr_params` and its fused kernel) pairs adjacent elements instead (`bf16_bits`): elements 2j and 2j + 1
+take the low and the high half of hash_uint32(seed, j), in their low 16 bits; a kernel whose threads hold
+consecutive elements hashes each word once and splits it in registers (`split_bf16_words`). Other formats'
+`stochastic_round` keeps one hash per element (`element_bits`: 23 random bits).
 
 `round_to_grid` is the reference (plain jnp, which XLA fuses best); `stochastic_codes` is the same rounding and cast
 with kernel-safe ops (`qjax.numerics`), bit-identical, for kernels.
@@ -70,6 +73,20 @@ def element_bits(seed: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:
     for d in shape:
         size *= d
     return hash_uint32(seed, lax.iota(jnp.uint32, size).reshape(shape))
+
+
+def bf16_bits(seed: jnp.ndarray, index: jnp.ndarray) -> jnp.ndarray:
+    """uint32 random bits for bfloat16 stochastic rounding of the elements at uint32 row-major `index`, one hash per
+    two: element i takes half i & 1 of hash_uint32(seed, i >> 1), moved to its low 16 bits (the ones
+    `truncate_to_bf16_grid` reads); its high 16 bits are not random."""
+    index = jnp.asarray(index, jnp.uint32)
+    words = hash_uint32(seed, index >> jnp.uint32(1))
+    return jnp.where((index & jnp.uint32(1)) == 0, words, words >> jnp.uint32(16))
+
+
+def split_bf16_words(words: jnp.ndarray) -> jnp.ndarray:
+    """hash words (..., n) of word indices j -> `bf16_bits` (..., 2 n) of elements 2j and 2j + 1: (word, word >> 16)."""
+    return jnp.stack([words, words >> jnp.uint32(16)], axis=-1).reshape(*words.shape[:-1], -1)
 
 
 PAIR_RUN = 128  # elements per run of paired bits: element c and c + PAIR_RUN // 2 share one hash
@@ -138,7 +155,11 @@ def round_to_grid(y: jnp.ndarray, fmt: formats.Format, bits: jnp.ndarray) -> jnp
 def stochastic_round_with_seed(x: jnp.ndarray, dtype, seed: jnp.ndarray) -> jnp.ndarray:
     """`stochastic_round` with an explicit uint32 seed instead of a PRNG key (the form kernels use)."""
     fmt = formats.get_format(dtype)
-    y = round_to_grid(x.astype(jnp.float32), fmt, element_bits(seed, x.shape))
+    if fmt.name == "bf16":
+        bits = bf16_bits(seed, lax.iota(jnp.uint32, x.size).reshape(x.shape))
+    else:
+        bits = element_bits(seed, x.shape)
+    y = round_to_grid(x.astype(jnp.float32), fmt, bits)
     if fmt.name == "bf16":
         return y.astype(jnp.bfloat16)  # exact: y is on the bf16 grid
     return formats.saturating_cast(y, fmt)

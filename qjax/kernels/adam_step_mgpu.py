@@ -201,20 +201,45 @@ def _quantize_rows(x: jax.Array, fmt: str, table):
     return codes, (absmax,)
 
 
-def _round_param(p, seed, row0, offset, runs):
-    """f32 (R, B) new param -> bfloat16 by stochastic rounding with bits hash_uint32(seed, element index in the
-    whole param) (the tile's first row is row0 of the (n, B) param; `adam_step_kernel` says how offset and runs
-    place its elements in the whole param): `sr_params.round_param`'s bits, kernel-safe ops."""
+def _split_words(words: jax.Array, interpret: bool) -> jax.Array:
+    """uint32 (R, B / 2) hash words in `_PACKED_LAYOUT` -> `stochastic.bf16_bits` (R, B) in `_LAYOUT`
+    (`stochastic.split_bf16_words`: word j gives elements 2j and 2j + 1). Compiled, each lane splits its 2 words
+    into the bits of its 4 columns in registers."""
+    n_rows, half = words.shape
+    if interpret:
+        return stochastic.split_bf16_words(words)
+
+    @plgpu.inline_mgpu(arg_types=(_PACKED_LAYOUT,),
+                       return_type=plgpu.ShapeDtypeStruct((n_rows, 2 * half), jnp.uint32, _LAYOUT))
+    def split(_, fa):
+        def halves(elements):
+            sixteen = arith.constant(elements[0].type, 16)
+            return [x for w in elements for x in (w, arith.shrui(w, sixteen))]
+
+        return type(fa)(_registers=_map_lanes(fa, 4, halves), _layout=_LAYOUT.to_mgpu(), _is_signed=False)
+
+    return split(words)
+
+
+def _round_param(p, seed, row0, offset, runs, interpret):
+    """f32 (R, B) new param -> bfloat16 by stochastic rounding with bits `stochastic.bf16_bits(seed, element index
+    in the whole param)` (the tile's first row is row0 of the (n, B) param; `adam_step_kernel` says how offset and
+    runs place its elements in the whole param): `sr_params.round_param`'s bits, kernel-safe ops. One hash per
+    word of two elements (their index halved: offset and the strides are even), split in registers."""
     n_rows, block = p.shape
-    rows = plgpu.broadcasted_iota(jnp.uint32, p.shape, 0, layout=_LAYOUT) + row0
-    columns = plgpu.broadcasted_iota(jnp.uint32, p.shape, 1, layout=_LAYOUT)
+    shape = (n_rows, block // 2)
+    rows = plgpu.broadcasted_iota(jnp.uint32, shape, 0, layout=_PACKED_LAYOUT) + row0
+    words = plgpu.broadcasted_iota(jnp.uint32, shape, 1, layout=_PACKED_LAYOUT)
+    half_offset = offset >> jnp.uint32(1)
     if runs is None:  # one run: p2 is a contiguous part of the param
-        index = rows * jnp.uint32(block) + columns + offset
+        index = rows * jnp.uint32(block // 2) + words + half_offset
     else:  # runs of run_blocks rows, `stride` elements apart (a shard split along an inner dim)
         run, stride = runs
         run_blocks = jnp.uint32(run // block)
-        index = (rows // run_blocks) * jnp.uint32(stride) + (rows % run_blocks) * jnp.uint32(block) + columns + offset
-    return stochastic.stochastic_codes(p, BF16, stochastic.hash_uint32(seed, index), may_be_inf=True)
+        index = ((rows // run_blocks) * jnp.uint32(stride // 2) + (rows % run_blocks) * jnp.uint32(block // 2)
+                 + words + half_offset)
+    bits = _split_words(stochastic.hash_uint32(seed, index), interpret)
+    return stochastic.stochastic_codes(p, BF16, bits, may_be_inf=True)
 
 
 def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_refs, v_refs, *, row0, formats, b1, b2,
@@ -248,7 +273,8 @@ def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_ref
     v_old = load_state(v_refs, v_format, v_table)
     direction, m, v = numerics.adam_math(g, m_old, v_old, b1, b2, eps, bc1, bc2_sqrt)
     new_p = numerics.param_update(p, direction, step_size, weight_decay)
-    p_ref[...] = new_p if p_ref.dtype == jnp.float32 else _round_param(new_p, seed_ref[0], row0, seed_ref[1], runs)
+    p_ref[...] = (new_p if p_ref.dtype == jnp.float32
+                  else _round_param(new_p, seed_ref[0], row0, seed_ref[1], runs, interpret))
     store_state(m, m_refs, m_format, m_table)
     store_state(v, v_refs, v_format, v_table)
 
@@ -305,9 +331,9 @@ def adam_step_kernel(p2, g2, m_state, v_state, coef, *, formats, b1, b2, eps, we
 
     Args:
       p2, g2: float32 (n, B) param and gradient, or both bfloat16: the new param is then rounded stochastically
-        with `seed` (uint32 scalar; bits hash_uint32(seed, element index in the whole param), as
+        with `seed` (uint32 scalar; bits `stochastic.bf16_bits(seed, element index in the whole param)`, as
         `sr_params.round_param` draws them). offset: uint32 scalar, the index of p2's first element in the whole
-        param (e.g. one device's shard). runs: None when p2's elements are consecutive in the whole param (index =
+        param (e.g. one device's shard), even (bits come in words of two elements). runs: None when p2's elements are consecutive in the whole param (index =
         offset + row-major index), or static ints (run, stride) when they come in runs of `run` consecutive
         elements (a multiple of B) whose starts lie `stride` apart (a shard split along an inner dim: run j's
         element e has index offset + j * stride + e; `fused_adam.fused_step_reference` with the same runs).
@@ -325,9 +351,9 @@ def adam_step_kernel(p2, g2, m_state, v_state, coef, *, formats, b1, b2, eps, we
                          f"{p2.dtype}, g {g2.dtype}")
     if p2.dtype == jnp.bfloat16 and seed is None:
         raise ValueError("a bfloat16 param is rounded stochastically: pass seed= (a uint32 scalar)")
-    if runs is not None and (runs[0] % p2.shape[1] or p2.size % runs[0] or runs[1] < runs[0]):
+    if runs is not None and (runs[0] % p2.shape[1] or p2.size % runs[0] or runs[1] < runs[0] or runs[1] % 2):
         raise ValueError(f"runs (run, stride) = {runs} must cut p2's {p2.size} elements into runs of whole blocks "
-                         f"of {p2.shape[1]}, at least run apart")
+                         f"of {p2.shape[1]}, an even number of elements at least run apart")
     seed = jnp.stack([jnp.asarray(0 if seed is None else seed, jnp.uint32).reshape(()),
                       jnp.asarray(offset, jnp.uint32).reshape(())])
     p2, *state = _step_call(p2, g2, tuple(m_state), tuple(v_state), coef, seed, formats=formats, b1=b1, b2=b2,

@@ -5,8 +5,9 @@
 
 Rounding p + u to bfloat16 to nearest loses every update smaller than half a bf16 ulp of p (2**-9 relative), so
 long training stalls; rounding stochastically keeps E[new p] = p + u exactly, which is what a float32 master copy
-buys, at 2 bytes per parameter. The random bits are `qjax.stochastic.hash_uint32(seed, element index)` with one seed
-per leaf (`leaf_seeds`), so the same key gives the same params bit for bit, here and in any kernel.
+buys, at 2 bytes per parameter. The random bits are `qjax.stochastic.bf16_bits(seed, element index)` (one hash per
+two elements) with one seed per leaf (`leaf_seeds`), so the same key gives the same params bit for bit, here and in
+any kernel.
 
 NaN / Inf in p + u stay NaN / Inf (stochastic rounding passes non-finite values through).
 """
@@ -24,9 +25,9 @@ def leaf_seeds(key: jax.Array, n: int) -> list:
 
 
 def round_param(total: jax.Array, dtype, seed: jax.Array | None, offset=0) -> jax.Array:
-    """float32 `total` -> `dtype`: stochastic rounding to bfloat16 with bits hash_uint32(seed, offset + row-major
-    index) (the bits `stochastic.stochastic_round_with_seed` draws for a whole tensor when offset is 0, so a
-    tensor updated in chunks gets the same bits), plain rounding for other dtypes or when `seed` is None.
+    """float32 `total` -> `dtype`: stochastic rounding to bfloat16 with bits `stochastic.bf16_bits(seed, offset +
+    row-major index)` (the bits `stochastic.stochastic_round_with_seed` draws for a whole tensor when offset is 0,
+    so a tensor updated in chunks gets the same bits), plain rounding for other dtypes or when `seed` is None.
 
     Args:
       total: float32 array. dtype: the param's dtype. seed: uint32 scalar or None.
@@ -35,7 +36,7 @@ def round_param(total: jax.Array, dtype, seed: jax.Array | None, offset=0) -> ja
     if jnp.dtype(dtype) != jnp.bfloat16 or seed is None:
         return total.astype(dtype)
     index = jnp.asarray(offset, jnp.uint32) + lax.iota(jnp.uint32, total.size).reshape(total.shape)
-    bits = stochastic.hash_uint32(seed, index)
+    bits = stochastic.bf16_bits(seed, index)
     return stochastic.round_to_grid(total, formats.BF16, bits).astype(jnp.bfloat16)  # exact: on the bf16 grid
 
 

@@ -493,9 +493,36 @@ def _check_nibbles_in_kernel(block, interpret):
     np.testing.assert_array_equal(np.asarray(repacked), packed)
 
 
+def _check_bf16_words_in_kernel(interpret):
+    """The kernel's split of hash words into bfloat16 rounding bits in registers, interpreted or compiled: words of
+    (8, 128) in `_PACKED_LAYOUT` give the (8, 256) bits in `_LAYOUT` that `stochastic.bf16_bits` draws for the
+    elements 2j and 2j + 1 of word j."""
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    index = np.arange(8 * 256, dtype=np.uint32).reshape(8, 256)
+    words = np.asarray(stochastic.hash_uint32(jnp.uint32(5), jnp.asarray(index[:, ::2] >> 1)))
+    params = resolve_interpret(interpret)
+
+    def body(words_ref, bits_ref):
+        tile = pl.ds(lax.axis_index("program") * 4, 4)
+        bits_ref.at[tile][...] = adam_step_mgpu._split_words(
+            load_from_gmem(words_ref.at[tile], adam_step_mgpu._PACKED_LAYOUT), params is not None)
+
+    bits = jax.jit(plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((8, 256), jnp.uint32), grid=(2,),
+                                grid_names=("program",), interpret=params))(jnp.asarray(words))
+    np.testing.assert_array_equal(np.asarray(bits), np.asarray(stochastic.bf16_bits(jnp.uint32(5), index)))
+
+
 @interpreter_only
 def test_nibbles_in_kernel():
     _check_nibbles_in_kernel(128, interpret=True)
+
+
+@interpreter_only
+def test_bf16_words_in_kernel():
+    _check_bf16_words_in_kernel(interpret=True)
 
 
 @interpreter_only
@@ -633,6 +660,12 @@ def test_gpu_apply_gradients_uses_kernel_and_tracks_optax(fmt):
 def test_gpu_nibbles_in_kernel(block):
     assert on_hopper_gpu(), jax.devices()
     _check_nibbles_in_kernel(block, interpret=None)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_words_in_kernel():
+    assert on_hopper_gpu(), jax.devices()
+    _check_bf16_words_in_kernel(interpret=None)
 
 
 @pytest.mark.gpu
