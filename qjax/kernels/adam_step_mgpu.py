@@ -333,10 +333,11 @@ def adam_step_kernel(p2, g2, m_state, v_state, coef, *, formats, b1, b2, eps, we
       p2, g2: float32 (n, B) param and gradient, or both bfloat16: the new param is then rounded stochastically
         with `seed` (uint32 scalar; bits `stochastic.bf16_bits(seed, element index in the whole param)`, as
         `sr_params.round_param` draws them). offset: uint32 scalar, the index of p2's first element in the whole
-        param (e.g. one device's shard), even (bits come in words of two elements). runs: None when p2's elements are consecutive in the whole param (index =
-        offset + row-major index), or static ints (run, stride) when they come in runs of `run` consecutive
-        elements (a multiple of B) whose starts lie `stride` apart (a shard split along an inner dim: run j's
-        element e has index offset + j * stride + e; `fused_adam.fused_step_reference` with the same runs).
+        param (e.g. one device's shard), even (bits come in words of two elements). runs: None when p2's elements
+        are consecutive in the whole param (index = offset + row-major index), or static ints (run, stride) when
+        they come in runs of `run` consecutive elements (a multiple of B) whose starts lie `stride` apart (a shard
+        split along an inner dim: run j's element e has index offset + j * stride + e;
+        `fused_adam.fused_step_reference` with the same runs).
       m_state, v_state: each moment as a tuple (codes, *per-block arrays) in the formats `formats`, a pair from
         KERNEL_FORMATS: codes (n, B) float8_e4m3fn or uint8 (4-bit: (n, B / 2), packed), then the per-block (n,)
         arrays: code books absmax f32; e4m3 scale f32; e4m3_dre scale f32, expand uint8 (16 k), centre bfloat16.
