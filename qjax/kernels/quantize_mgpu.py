@@ -43,6 +43,8 @@ layout, no data movement).
 
 Rows from `valid_rows` on (a mixture-of-experts ragged_dot's padding rows after sum(group_sizes)) read as zeros
 where given: every chunk is masked as it leaves SMEM, in place of an XLA pass that would zero them in x first.
+`col_groups` G quantizes a batch of G matrices stacked along M (the experts' weights): the column side per group,
+its codes tiles of (G, K, M / G), its scales per (group, column), from the amax kernel's per-tile partial maxima.
 
 Shapes: M and K must be multiples of 128 (`supports` says why not otherwise). Ragged shapes are rejected rather than
 padded: padding would cost a full extra pass over x (`qjax.dispatch` runs the jnp reference for them instead).
@@ -91,8 +93,9 @@ class _Side:
         return cls(spec.dtype, block, spec.stochastic, spec.pow2_scale)
 
 
-def supports(x, row_spec: QuantSpec, col_spec: QuantSpec | None = None) -> str | None:
-    """None if `quantize_pair_kernel(x, row_spec, col_spec, ...)` can run, else the reason it cannot."""
+def supports(x, row_spec: QuantSpec, col_spec: QuantSpec | None = None, col_groups: int = 1) -> str | None:
+    """None if `quantize_pair_kernel(x, row_spec, col_spec, ..., col_groups=col_groups)` can run, else the reason
+    it cannot."""
     for name, spec in (("row_spec", row_spec), ("col_spec", col_spec)):
         if spec is not None and not isinstance(spec, QuantSpec):
             return f"{name} must be a qjax.QuantSpec, got {type(spec).__name__}"
@@ -109,6 +112,11 @@ def supports(x, row_spec: QuantSpec, col_spec: QuantSpec | None = None) -> str |
     if m == 0 or k == 0 or m % TILE or k % TILE:
         return (f"the quantize kernel needs M and K to be positive multiples of {TILE}, got x of shape {shape}; "
                 "pad x, or use the jnp reference qjax.quantize.quantize_with_seed")
+    if col_groups > 1:
+        if col_spec is None or col_spec.is_block_scaled or col_spec.dtype == "ternary":
+            return f"col_groups takes a row or tensor scaled int8 / fp8 col_spec, got {col_spec}"
+        if m % (col_groups * TILE):
+            return f"col_groups={col_groups} needs M a multiple of {col_groups * TILE}, got x of shape {shape}"
     return None
 
 
@@ -201,32 +209,40 @@ def _row_limit(seeds_ref, i, masked: bool):
     return seeds_ref[2].astype(jnp.int32) - i * TILE if masked else None
 
 
-@functools.partial(jax.jit, static_argnames=("row", "col", "steps", "masked", "out_slots", "interpret"))
-def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, steps, masked, out_slots=1,
+@functools.partial(jax.jit, static_argnames=("row", "col", "steps", "masked", "groups", "out_slots", "interpret"))
+def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, steps, masked, groups=1, out_slots=1,
                interpret):
     """The tile kernel. seeds: uint32 (3,): the sides' seeds and x's valid rows (read where `masked`). row_inv (M,)
-    / col_inv (K,): f32 inverse scales for sides without blocks (else unused).
+    / col_inv (K,) (with groups: (G, K)): f32 inverse scales for sides without blocks (else unused). groups: the
+    col side per group of M / G rows of x (`quantize_pair_kernel`'s col_groups): its codes (G, K, M / G).
     out_slots: SMEM slots per output (see `tile_pipeline_mgpu.run_tiles`); 1, the default, is faster (32 KB of SMEM
     for both sides' codes instead of 64 lets two programs share an SM; benchmarks/NOTES.md).
 
     Returns [row codes (M, K), row block scales (K/128, M)?, col codes (K, M)?, col block scales (M/128, K)?]."""
     m, k = x.shape
+    group_rows = m // groups  # x's rows per group; the grouped col layout's row length
     sides = [(row, False), (col, True)] if col is not None else [(row, False)]
     inverses = [inv for (side, _), inv in zip(sides, (row_inv, col_inv)) if side.block is None]
     out_type = []
     for side, transposed in sides:
-        out_type.append(jax.ShapeDtypeStruct((k, m) if transposed else (m, k), formats.get_format(side.fmt).dtype))
+        shape = ((groups, k, group_rows) if groups > 1 else (k, m)) if transposed else (m, k)
+        out_type.append(jax.ShapeDtypeStruct(shape, formats.get_format(side.fmt).dtype))
         if side.block is not None:
             out_type.append(jax.ShapeDtypeStruct((m // TILE, k) if transposed else (k // TILE, m), jnp.float32))
 
+    def regions(transposed):  # (codes, inverse scales) GMEM regions of a side
+        if transposed and groups > 1:
+            return tiles.grouped_tile_region(group_rows // TILE), tiles.grouped_inverse_region(group_rows // TILE)
+        return tiles.tile_region(transposed), tiles.inverse_region(transposed)
+
     # Inverse scales of a side without blocks: the tile's 128 rows of x (the same for all tiles of a program:
     # loaded once), or its 128 columns for the transpose.
-    in_streams = [tiles.Stream((TILE,), jnp.float32, tiles.inverse_region(transposed), per_tile=transposed)
+    in_streams = [tiles.Stream((TILE,), jnp.float32, regions(transposed)[1], per_tile=transposed)
                   for side, transposed in sides if side.block is None]
     out_streams = []
     for side, transposed in sides:
         codes_dtype = formats.get_format(side.fmt).dtype
-        out_streams.append(tiles.Stream((TILE, TILE), codes_dtype, tiles.tile_region(transposed), swizzled=True))
+        out_streams.append(tiles.Stream((TILE, TILE), codes_dtype, regions(transposed)[0], swizzled=True))
         if side.block is not None:
             out_streams.append(tiles.Stream((TILE,), jnp.float32, tiles.scale_row_region(transposed)))
 
@@ -236,6 +252,10 @@ def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, ste
         for s, (side, transposed) in enumerate(sides):
             seed = seeds_ref[s] if side.stochastic else None
             row0, col0, n_cols = (origin_k, origin_m, m) if transposed else (origin_m, origin_k, k)
+            if transposed and groups > 1:  # row-major in (G, K, M / G): rows g * K + column of x, length M / G
+                group = (origin_m // jnp.uint32(group_rows))
+                row0, col0, n_cols = group * jnp.uint32(k) + origin_k, origin_m - group * jnp.uint32(group_rows), \
+                    group_rows
             inv_ref = inv_refs.pop(0) if side.block is None else None
             codes_ref = out_refs.pop(0)
             scale_ref = out_refs.pop(0) if side.block is not None else None
@@ -273,24 +293,27 @@ def _seeds(row_seed, col_seed, valid_rows):
     return jnp.stack([row_seed, col_seed, valid.reshape(())])
 
 
-def amax_pair(x: jax.Array, *, valid_rows=None, interpret=False, tiles_per_program=TILES_PER_PROGRAM
-              ) -> tuple[jax.Array, jax.Array]:
+def amax_pair(x: jax.Array, *, col_groups: int = 1, valid_rows=None, interpret=False,
+              tiles_per_program=TILES_PER_PROGRAM) -> tuple[jax.Array, jax.Array]:
     """Row and column amax of x (M, K) from one read: (M,) and (K,) f32 with `numerics.amax`'s NaN / Inf (the
-    reference's `amax` for granularity "row" of x and of x.T). valid_rows: as in `quantize_pair_kernel`."""
+    reference's `amax` for granularity "row" of x and of x.T); with col_groups G > 1 the column amax per group of
+    M / G rows, (G, K).
+    valid_rows: as in `quantize_pair_kernel`."""
     reason = supports(x, QuantSpec("int8"))
     if reason is not None:
         raise ValueError(reason)
     row_partial, col_partial = _amax_call(x, _seeds(jnp.uint32(0), jnp.uint32(0), valid_rows),
                                           steps=tiles_per_program, masked=valid_rows is not None,
                                           interpret=resolve_interpret(interpret))
-    return numerics.amax(row_partial, axis=0), numerics.amax(col_partial, axis=0)
+    col_amax = numerics.amax(col_partial.reshape(col_groups, -1, x.shape[1]), axis=1)
+    return numerics.amax(row_partial, axis=0), col_amax if col_groups > 1 else col_amax[0]
 
 
 # ------------------------------------------------------------------------------------------------------- public
 
 
-def _inverse_scale(spec, row_amax, col_amax, x, length, transposed, row_axes, col_axes):
-    """(scale in the reference's shape, inverse scale per row of this layout (length,)) for a row/tensor side;
+def _inverse_scale(spec, row_amax, col_amax, x, shape, transposed, row_axes, col_axes):
+    """(scale in the reference's shape, inverse scale per row of this layout (`shape`)) for a row/tensor side;
     amax reduced over the mesh axes x's rows (and columns) are split over where the scale spans them
     (`row_split_amax_axes`). A ternary side's statistic is XLA's mean |x| instead (`numerics.mean_abs`)."""
     axes = row_split_amax_axes(spec, transposed, row_axes, col_axes)
@@ -302,8 +325,8 @@ def _inverse_scale(spec, row_amax, col_amax, x, length, transposed, row_axes, co
         side_amax = numerics.amax_across(side_amax, axes)
     scale = numerics.scale_from_amax(side_amax, spec.format, spec.pow2_scale)
     if spec.granularity == "tensor":
-        return scale, jnp.broadcast_to(jnp.float32(1) / scale, (length,))
-    return scale[:, None], jnp.float32(1) / scale
+        return scale, jnp.broadcast_to(jnp.float32(1) / scale, shape)
+    return scale[..., None], jnp.float32(1) / scale
 
 
 def _block_scales(scales, granularity):
@@ -322,15 +345,19 @@ def _seed(seed, spec):
 
 
 def quantize_pair_kernel(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec | None, row_seed=None,
-                         col_seed=None, *, valid_rows=None, interpret=False, tiles_per_program=TILES_PER_PROGRAM,
-                         row_axes: tuple[str, ...] = (), col_axes: tuple[str, ...] = ()
-                         ) -> tuple[QTensor, QTensor | None]:
+                         col_seed=None, *, col_groups: int = 1, valid_rows=None, interpret=False,
+                         tiles_per_program=TILES_PER_PROGRAM, row_axes: tuple[str, ...] = (),
+                         col_axes: tuple[str, ...] = ()) -> tuple[QTensor, QTensor | None]:
     """Quantizes x (M, K) as (M, K) per row_spec and, if col_spec is given, x.T (K, M) per col_spec.
 
     Args:
       x: float32 / bfloat16 / float16 (M, K), M and K multiples of 128 (see `supports`).
       row_spec, col_spec: `QuantSpec`s (any dtype and granularity each); col_spec None skips the transpose.
       row_seed, col_seed: uint32 scalars, needed by the stochastic specs.
+      col_groups: G > 1: x is G matrices stacked along M (e.g. experts' weights (G, K', N) as (G * K', N)), and
+        the col side quantizes each one's transpose: codes (G, K, M / G) equal to `quantize_with_seed` of x
+        reshaped (G, M / G, K) and transposed to (G, K, M / G), row scales (G, K, 1) or a tensor scale. M must be
+        a multiple of G * 128; row or tensor col_spec only; not inside shard_map (row_axes / col_axes).
       valid_rows: None, or an int32 scalar in [0, M]: x's rows from it on are read as zeros (the results equal
         those of x with those rows zeroed), e.g. the padding rows after a ragged_dot's groups.
       interpret: False / None compile the kernels (needs a Hopper GPU); True or a `plgpu.InterpretGPUParams` run
@@ -345,7 +372,9 @@ def quantize_pair_kernel(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec 
       (QTensor (M, K), QTensor (K, M) or None), equal bit for bit to `quantize_with_seed(x, row_spec, row_seed)`
       and `quantize_with_seed(x.T, col_spec, col_seed)`.
     """
-    reason = supports(x, row_spec, col_spec)
+    reason = supports(x, row_spec, col_spec, col_groups)
+    if reason is None and col_groups > 1 and (row_axes or col_axes or valid_rows is not None):
+        reason = "col_groups takes neither row_axes / col_axes nor valid_rows"
     if reason is not None:
         raise ValueError(reason)
     interpret = resolve_interpret(interpret)
@@ -360,14 +389,15 @@ def quantize_pair_kernel(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec 
         # maxima (benchmarks/NOTES.md).
         row_amax = col_amax = numerics.amax(numerics.zero_rows(x, valid_rows).astype(jnp.float32))
     elif given:
-        row_amax, col_amax = amax_pair(x, valid_rows=valid_rows, interpret=interpret,
+        row_amax, col_amax = amax_pair(x, col_groups=col_groups, valid_rows=valid_rows, interpret=interpret,
                                        tiles_per_program=tiles_per_program)
     for spec, transposed in given:
-        scales[transposed], inverses[transposed] = _inverse_scale(spec, row_amax, col_amax, numerics.zero_rows(x, valid_rows),
-                                                                  k if transposed else m, transposed, row_axes,
-                                                                  col_axes)
+        shape = ((col_groups, k) if col_groups > 1 else (k,)) if transposed else (m,)
+        scales[transposed], inverses[transposed] = _inverse_scale(
+            spec, row_amax, col_amax, numerics.zero_rows(x, valid_rows), shape, transposed, row_axes, col_axes)
     outs = list(_tile_call(x, seeds, inverses[False], inverses[True], row=_Side.of(row_spec),
-                           col=_Side.of(col_spec), steps=tiles_per_program, masked=masked, interpret=interpret))
+                           col=_Side.of(col_spec), steps=tiles_per_program, masked=masked, groups=col_groups,
+                           interpret=interpret))
     results = []
     for spec, transposed in specs:
         codes = outs.pop(0)

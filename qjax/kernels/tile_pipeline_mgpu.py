@@ -52,6 +52,17 @@ def inverse_region(transposed):
     return lambda i, j: pl.ds(i * TILE, TILE)
 
 
+def grouped_tile_region(group_tiles: int):
+    """GMEM region of tile (i, j) in a transposed layout per group of `group_tiles` tile rows of x: codes_t[g, j, i']
+    of (G, K, M / G), g = i // group_tiles, i' = i % group_tiles (a batch of G matrices stacked along M)."""
+    return lambda i, j: (i // group_tiles, pl.ds(j * TILE, TILE), pl.ds(lax.rem(i, group_tiles) * TILE, TILE))
+
+
+def grouped_inverse_region(group_tiles: int):
+    """GMEM region of tile (i, j)'s 128 given inverse scales of the grouped transposed layout: a row of (G, K)."""
+    return lambda i, j: (i // group_tiles, pl.ds(j * TILE, TILE))
+
+
 class Stream(NamedTuple):
     """One array moved between GMEM and SMEM per tile: `region(i, j)` indexes the GMEM ref for tile (i, j)."""
 

@@ -147,6 +147,36 @@ def test_valid_rows_read_as_zeros(row_spec, col_spec, valid_rows):
     assert all(np.isfinite(np.asarray(q.scale)).all() for q in got)
 
 
+@interpreter_only
+@pytest.mark.parametrize("spec,spec_t", [
+    (S("int8", "row", sr=True), S("int8", "row", sr=True)),  # int8_rowwise SR: the forward's and dgrad's weight
+    (S("e4m3", "tensor", sr=True), S("e4m3", "row", pow2=True)),  # a tensor scale over all groups
+])
+def test_batched_pair_runs_grouped_kernel(spec, spec_t):
+    """A batch of matrices (the experts' weights (G, N, K) of a ragged_dot's forward) through dispatch.quantize_pair:
+    the kernel with col_groups (one amax and one tile kernel for the whole batch) equals the reference bit for bit,
+    both layouts; a NaN in one group's weight makes only that group's row scales NaN."""
+    from qjax import dispatch
+    from qjax.quantize import quantize_pair_reference
+
+    x = np.array(_input((3 * 128, 256), jnp.float32, "e4m3", specials=False), np.float32).reshape(3, 128, 256)
+    x[1, 5, 7] = np.nan
+    x = jnp.asarray(x, jnp.bfloat16)
+    calls = []
+    kernel = quantize_mgpu.quantize_pair_kernel
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quantize_mgpu, "quantize_pair_kernel", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
+        with dispatch.force("interpret"):
+            got = jax.jit(lambda x: dispatch.quantize_pair(x, spec, spec_t, ROW_SEED, COL_SEED))(x)
+    assert [kw.get("col_groups") for kw in calls] == [3]
+    want = jax.jit(lambda x: quantize_pair_reference(x, spec, spec_t, ROW_SEED, COL_SEED))(x)
+    for g, w in zip(got, want):
+        assert_same_qtensor(g, w, False)
+    if spec.granularity == "row":
+        nan_groups = np.isnan(np.asarray(got[0].scale)).any(axis=(1, 2))
+        np.testing.assert_array_equal(nan_groups, [False, True, False])
+
+
 @pytest.mark.parametrize("shape,tiles_per_program", [((128, 256), 4), ((256, 512), 2)])  # 1 program / 4 of 2 tiles
 def test_amax_pair_is_the_row_and_column_amax(shape, tiles_per_program):
     x = _input(shape, jnp.bfloat16, "e4m3", specials=True)
@@ -224,6 +254,11 @@ def test_lowers_for_hopper():
                                                              valid_rows=valid_rows)
             lowered = jax.jit(f).trace(jnp.zeros((256, 384), dtype)).lower(lowering_platforms=("cuda",))
             assert _mosaic_calls(lowered.as_text()) == kernels
+    # the experts' weights of a ragged_dot: the col side per group (3-D output and inverse-scale regions)
+    f = lambda x: quantize_mgpu.quantize_pair_kernel(x, S("int8", "row", sr=True), S("int8", "row", sr=True),
+                                                     ROW_SEED, COL_SEED, col_groups=2)
+    lowered = jax.jit(f).trace(jnp.zeros((512, 384), jnp.bfloat16)).lower(lowering_platforms=("cuda",))
+    assert _mosaic_calls(lowered.as_text()) == 2
 
 
 def _mosaic_calls(hlo_text):
