@@ -1,8 +1,9 @@
 #!/bin/bash
 # Runs GPU tests and benchmark tables on the lent device machine in one call, within its 10-minute limit.
 #
-#   (here)   echo /.whl/ >> .git/info/exclude; pip download ... -d .whl torchao==0.17.0 ml_collections==1.1.0
-#            (the device README's wheel command; the image lacks both)
+#   (here)   echo /.whl/ >> .git/info/exclude; pip download ... -d .whl torchao==0.17.0 ml_collections==1.1.0 \
+#                tensorboardX==2.6.5   (the device README's wheel command; the image lacks all three, and
+#                train.py's rows and scaling.py fail at import without tensorboardX)
 #   (device) QJAX_COMMIT=<local HEAD> bash benchmarks/device_run.sh tests-kernels quantize linear train
 #            with carry [".whl"]
 #
