@@ -54,7 +54,9 @@ def _cast_call(x2, seed, *, target, interpret):
         first_row = (lax.axis_index("tile") * _ROWS).astype(jnp.uint32)
         row = plgpu.broadcasted_iota(jnp.uint32, x.shape, 0, layout=LAYOUT) + first_row
         col = plgpu.broadcasted_iota(jnp.uint32, x.shape, 1, layout=LAYOUT)
-        bits = stochastic.hash_uint32(seed_ref[0], row * jnp.uint32(_COLUMNS) + col)  # row-major flat index
+        index = row * jnp.uint32(_COLUMNS) + col  # row-major flat index
+        bits = (stochastic.bf16_bits(seed_ref[0], index) if target == "bf16"  # the reference's bits per format
+                else stochastic.hash_uint32(seed_ref[0], index))
         out_smem[...] = stochastic.stochastic_codes(x, fmt, bits, may_be_inf=True)
         plgpu.commit_smem()  # make the register -> SMEM stores visible to the TMA engine
         plgpu.copy_smem_to_gmem(out_smem, out_ref.at[rows])

@@ -230,15 +230,15 @@ def _round_param(p, seed, row0, offset, runs, interpret):
     shape = (n_rows, block // 2)
     rows = plgpu.broadcasted_iota(jnp.uint32, shape, 0, layout=_PACKED_LAYOUT) + row0
     words = plgpu.broadcasted_iota(jnp.uint32, shape, 1, layout=_PACKED_LAYOUT)
-    half_offset = offset >> jnp.uint32(1)
+    first = words << jnp.uint32(1)  # the word's first (even) element
     if runs is None:  # one run: p2 is a contiguous part of the param
-        index = rows * jnp.uint32(block // 2) + words + half_offset
+        index = rows * jnp.uint32(block) + first + offset
     else:  # runs of run_blocks rows, `stride` elements apart (a shard split along an inner dim)
         run, stride = runs
         run_blocks = jnp.uint32(run // block)
-        index = ((rows // run_blocks) * jnp.uint32(stride // 2) + (rows % run_blocks) * jnp.uint32(block // 2)
-                 + words + half_offset)
-    bits = _split_words(stochastic.hash_uint32(seed, index), interpret)
+        index = (rows // run_blocks) * jnp.uint32(stride) + (rows % run_blocks) * jnp.uint32(block) + first + offset
+    # halved after the uint32 sum, as the reference halves the (wrapping) element index
+    bits = _split_words(stochastic.hash_uint32(seed, index >> jnp.uint32(1)), interpret)
     return stochastic.stochastic_codes(p, BF16, bits, may_be_inf=True)
 
 
@@ -355,6 +355,13 @@ def adam_step_kernel(p2, g2, m_state, v_state, coef, *, formats, b1, b2, eps, we
     if runs is not None and (runs[0] % p2.shape[1] or p2.size % runs[0] or runs[1] < runs[0] or runs[1] % 2):
         raise ValueError(f"runs (run, stride) = {runs} must cut p2's {p2.size} elements into runs of whole blocks "
                          f"of {p2.shape[1]}, an even number of elements at least run apart")
+    try:
+        odd_offset = int(np.asarray(offset)) % 2
+    except jax.errors.JAXTypeError:  # traced: the callers' offsets are whole blocks
+        odd_offset = 0
+    if odd_offset:
+        raise ValueError(f"offset {int(np.asarray(offset))} must be even: the stochastic rounding's bits come in "
+                         "words of two elements (stochastic.bf16_bits); start p2 at an even element of the param")
     seed = jnp.stack([jnp.asarray(0 if seed is None else seed, jnp.uint32).reshape(()),
                       jnp.asarray(offset, jnp.uint32).reshape(())])
     p2, *state = _step_call(p2, g2, tuple(m_state), tuple(v_state), coef, seed, formats=formats, b1=b1, b2=b2,

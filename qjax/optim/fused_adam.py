@@ -108,7 +108,7 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
       b1, b2, eps: Python floats. bc1, bc2_sqrt: float32 scalars 1 - b1**t and sqrt(1 - b2**t).
       step_size: float32 scalar, -learning_rate at this step. weight_decay: Python float (0: none, as optax).
       seed: uint32 scalar, for bfloat16 p: stochastic rounding's seed. offset: uint32 scalar, the index of p's first
-        element in the whole param (a device's shard: `fused_step_per_device`); runs: None (p's elements follow
+        element in the whole param (a device's shard: `fused_step_per_device`), even; runs: None (p's elements follow
         one another in the whole param) or static (run, stride) (runs of `run` elements, a multiple of B, `stride`
         apart), as in `fused_step_reference`.
       interpret: None / False runs the compiled kernel (needs a Hopper GPU); True or a `plgpu.InterpretGPUParams`
