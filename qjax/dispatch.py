@@ -137,31 +137,37 @@ def quantize_pair(x: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None
     kernel (both layouts from one read) where `backend` selects it and it supports the case, else
     `qjax.quantize.quantize_pair_reference` (same arguments but backend; results bit-identical). Batched x, a single
     layout and tensorwise pairs the reference does once take the reference. valid_rows: None, or an int32 scalar:
-    x's rows from it on are quantized as zeros (`numerics.zero_rows`; the kernel masks them as it reads x).
-
-    A batch of matrices x (G, R, C) (the experts' weights of a ragged_dot, in the forward's layout) runs the kernel
-    on x's transposes stacked along their rows, (G * C, R): its rows are spec_t's layout, its grouped columns
-    (`quantize_pair_kernel`'s col_groups) spec's; where that cannot run (block scales, shapes that do not tile)
-    the reference does, for any backend."""
-    if spec is not None and spec_t is not None and x.ndim in (2, 3):
+    x's rows from it on are quantized as zeros (`numerics.zero_rows`; the kernel masks them as it reads x)."""
+    if spec is not None and spec_t is not None and x.ndim == 2:
         run_kernel, interpret = kernel_mode(backend)
-        if run_kernel and x.ndim == 2:
+        if run_kernel:
             reason = quantize_mgpu.supports(x, spec, spec_t)
             if reason is None:
                 return quantize_mgpu.quantize_pair_kernel(x, spec, spec_t, seed, seed_t, valid_rows=valid_rows,
                                                           interpret=interpret, row_axes=row_axes, col_axes=col_axes)
             _unsupported(backend, "fused quantize", reason)
-        elif run_kernel and valid_rows is None and not (row_axes or col_axes):
-            groups, rows, cols = x.shape
-            stacked = jnp.swapaxes(x, 1, 2).reshape(groups * cols, rows)  # XLA folds it where x is a transpose
-            reason = quantize_mgpu.supports(stacked, spec_t, spec, col_groups=groups)
-            if reason is None:
-                q_t, q = quantize_mgpu.quantize_pair_kernel(stacked, spec_t, spec, seed_t, seed, col_groups=groups,
-                                                            interpret=interpret)
-                scale_t = q_t.scale if q_t.scale.ndim == 0 else q_t.scale.reshape(groups, cols, 1)
-                return q, QTensor(q_t.data.reshape(groups, cols, rows), scale_t, q_t.granularity)
     return quantize_pair_reference(numerics.zero_rows(x, valid_rows), spec, spec_t, seed, seed_t, operands=operands,
                                    row_axes=row_axes, col_axes=col_axes)
+
+
+def quantize_grouped_pair(w: jax.Array, spec: QuantSpec | None, spec_t: QuantSpec | None, seed, seed_t, *,
+                          backend: str = "auto", operands: tuple[str, str] = ("array", "transposed array")
+                          ) -> tuple[QTensor | None, QTensor | None]:
+    """A ragged_dot's expert weights w (G, K, N) quantized as (G, N, K) per `spec` (the forward's layout) and as
+    (G, K, N) per `spec_t` (dgrad's), either None: `quantize_pair_reference(swapaxes(w, 1, 2), ...)`'s results.
+    Where `backend` selects it and it supports the case (G > 1, row or tensor scales), the fused kernel runs on w
+    viewed as (G * K, N): its rows are spec_t's layout, its columns per group of K rows
+    (`quantize_pair_kernel`'s col_groups) spec's: one amax and one tile kernel for the whole batch."""
+    groups, k, n = w.shape
+    if spec is not None and spec_t is not None and groups > 1 and not spec_t.is_block_scaled:
+        run_kernel, interpret = kernel_mode(backend)
+        stacked = w.reshape(groups * k, n)
+        if run_kernel and quantize_mgpu.supports(stacked, spec_t, spec, col_groups=groups) is None:
+            q_t, q = quantize_mgpu.quantize_pair_kernel(stacked, spec_t, spec, seed_t, seed, col_groups=groups,
+                                                        interpret=interpret)
+            scale_t = q_t.scale if q_t.scale.ndim == 0 else q_t.scale.reshape(groups, k, 1)
+            return q, QTensor(q_t.data.reshape(groups, k, n), scale_t, q_t.granularity)
+    return quantize_pair_reference(jnp.swapaxes(w, 1, 2), spec, spec_t, seed, seed_t, operands=operands)
 
 
 def rms_norm_forward_saving(x: jax.Array, scale: jax.Array, spec: QuantSpec, group: int, reference, *, eps: float,

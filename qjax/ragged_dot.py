@@ -18,7 +18,8 @@ tokens (one quantization of x and g for every expert, as dot_general's), so a Na
 makes every non-empty group's weight gradient non-finite, where lax's stays finite for the other groups.
 Block-scaled operands ("1x128", "128x128", "1x32") are dequantized for the GEMM
 (`qjax.kernels.scaled_matmul.dequantize_for_gemm`); a 128x128 weight block is 128 x 128 of one expert. Quantization
-runs through `qjax.dispatch.quantize_pair` (the fused kernel where it applies). Row/tensor-scaled GEMMs run on
+runs through `qjax.dispatch.quantize_pair` (x, g) and `quantize_grouped_pair` (the experts' weights): the fused
+kernel where it applies. Row/tensor-scaled GEMMs run on
 `qjax.kernels.grouped_matmul_mgpu`'s kernels where the recipe's backend selects them (a Hopper GPU), block-scaled
 ones on XLA (`_grouped_gemm` is the kernels' reference). Recipe "bf16" runs JAX's Mosaic GPU grouped kernels
 (`qjax.kernels.grouped_bf16_mgpu`) on a Hopper GPU where the shapes tile (`_bf16_kernel_ragged_dot`),
@@ -163,9 +164,10 @@ def _quantized_ragged_dot(recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_
                                   operands=("ragged forward lhs x as (M, K)", "ragged wgrad lhs x as (K, M)"),
                                   valid_rows=rows)
         x = numerics.zero_rows(x, rows)  # for the high-precision GEMMs (XLA computes it only where they read it)
-        wq, w_res = quantize_both(jnp.swapaxes(w, 1, 2), spec(fwd, "rhs"), w_spec_t, seeds[_FWD_RHS],
-                                  seeds[_DGRAD_RHS], operands=("ragged forward rhs w as (G, N, K)",
-                                                               "ragged dgrad rhs w as (G, K, N)"))
+        wq, w_res = dispatch.quantize_grouped_pair(w, spec(fwd, "rhs"), w_spec_t, seeds[_FWD_RHS], seeds[_DGRAD_RHS],
+                                                   backend=recipe.backend,
+                                                   operands=("ragged forward rhs w as (G, N, K)",
+                                                             "ragged dgrad rhs w as (G, K, N)"))
         if fwd is None:
             out = _dense_ragged(x, jnp.swapaxes(w, 1, 2), group_sizes, _RAGGED_ROWS, out_dtype, precision)
         else:

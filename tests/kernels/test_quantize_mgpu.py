@@ -152,29 +152,33 @@ def test_valid_rows_read_as_zeros(row_spec, col_spec, valid_rows):
     (S("int8", "row", sr=True), S("int8", "row", sr=True)),  # int8_rowwise SR: the forward's and dgrad's weight
     (S("e4m3", "tensor", sr=True), S("e4m3", "row", pow2=True)),  # a tensor scale over all groups
 ])
-def test_batched_pair_runs_grouped_kernel(spec, spec_t):
-    """A batch of matrices (the experts' weights (G, N, K) of a ragged_dot's forward) through dispatch.quantize_pair:
-    the kernel with col_groups (one amax and one tile kernel for the whole batch) equals the reference bit for bit,
-    both layouts; a NaN in one group's weight makes only that group's row scales NaN."""
+def test_grouped_pair_runs_grouped_kernel(spec, spec_t):
+    """The experts' weights w (G, K, N) of a ragged_dot through dispatch.quantize_grouped_pair: the kernel with
+    col_groups (one amax and one tile kernel for the whole batch) equals the reference on swapaxes(w) bit for bit,
+    both layouts; a NaN in one expert's weight makes only its row scales NaN. One expert (G = 1) and a
+    block-scaled dgrad layout take the reference, in the reference's shapes."""
     from qjax import dispatch
     from qjax.quantize import quantize_pair_reference
 
-    x = np.array(_input((3 * 128, 256), jnp.float32, "e4m3", specials=False), np.float32).reshape(3, 128, 256)
-    x[1, 5, 7] = np.nan
-    x = jnp.asarray(x, jnp.bfloat16)
-    calls = []
-    kernel = quantize_mgpu.quantize_pair_kernel
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(quantize_mgpu, "quantize_pair_kernel", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
-        with dispatch.force("interpret"):
-            got = jax.jit(lambda x: dispatch.quantize_pair(x, spec, spec_t, ROW_SEED, COL_SEED))(x)
-    assert [kw.get("col_groups") for kw in calls] == [3]
-    want = jax.jit(lambda x: quantize_pair_reference(x, spec, spec_t, ROW_SEED, COL_SEED))(x)
-    for g, w in zip(got, want):
-        assert_same_qtensor(g, w, False)
-    if spec.granularity == "row":
-        nan_groups = np.isnan(np.asarray(got[0].scale)).any(axis=(1, 2))
-        np.testing.assert_array_equal(nan_groups, [False, True, False])
+    w = np.array(_input((3 * 128, 256), jnp.float32, "e4m3", specials=False), np.float32).reshape(3, 128, 256)
+    w[1, 5, 7] = np.nan
+    w = jnp.asarray(w, jnp.bfloat16)
+    for w, spec_t, kernel_groups in ((w, spec_t, [3]), (w[:1], spec_t, []), (w, S("e4m3", "1x128"), [])):
+        calls = []
+        kernel = quantize_mgpu.quantize_pair_kernel
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(quantize_mgpu, "quantize_pair_kernel",
+                          lambda *a, **kw: calls.append(kw["col_groups"]) or kernel(*a, **kw))
+            with dispatch.force("interpret"):
+                got = jax.jit(lambda w: dispatch.quantize_grouped_pair(w, spec, spec_t, ROW_SEED, COL_SEED))(w)
+        assert calls == kernel_groups
+        want = jax.jit(lambda w: quantize_pair_reference(jnp.swapaxes(w, 1, 2), spec, spec_t, ROW_SEED,
+                                                         COL_SEED))(w)
+        for g, r in zip(got, want):
+            assert_same_qtensor(g, r, False)
+        if spec.granularity == "row" and kernel_groups:
+            nan_groups = np.isnan(np.asarray(got[0].scale)).any(axis=(1, 2))
+            np.testing.assert_array_equal(nan_groups, [False, True, False])
 
 
 @pytest.mark.parametrize("shape,tiles_per_program", [((128, 256), 4), ((256, 512), 2)])  # 1 program / 4 of 2 tiles
