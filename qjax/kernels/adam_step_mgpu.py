@@ -136,41 +136,44 @@ def _map_lanes(fa, out_length: int, fn):
     return out
 
 
+def _relayout(x: jax.Array, to_packed: bool, fn) -> jax.Array:
+    """x (R, C) in `_PACKED_LAYOUT` -> (R, 2 C) in `_LAYOUT` (to_packed False: each lane's 2 elements become 4 by
+    fn), or (R, C) in `_LAYOUT` -> (R, C / 2) in `_PACKED_LAYOUT` (4 become 2): the same registers, compiled only
+    (`inline_mgpu`); x's dtype kept."""
+    n_rows, cols = x.shape
+    src, dst, length, out_cols = ((_LAYOUT, _PACKED_LAYOUT, 2, cols // 2) if to_packed
+                                  else (_PACKED_LAYOUT, _LAYOUT, 4, 2 * cols))
+
+    @plgpu.inline_mgpu(arg_types=(src,), return_type=plgpu.ShapeDtypeStruct((n_rows, out_cols), x.dtype, dst))
+    def body(_, fa):
+        return type(fa)(_registers=_map_lanes(fa, length, fn), _layout=dst.to_mgpu(), _is_signed=False)
+
+    return body(x)
+
+
 def _unpack(packed: jax.Array, interpret: bool) -> jax.Array:
     """uint8 (R, B / 2) packed codes in `_PACKED_LAYOUT` -> uint8 (R, B) codes in `_LAYOUT` (`codebooks.unpack_4bit`:
     element 2i from the high nibble). Compiled, each lane splits its 2 bytes into its 4 codes in registers."""
-    n_rows, half = packed.shape
     if interpret:
         return codebooks.unpack_4bit(packed)
 
-    @plgpu.inline_mgpu(arg_types=(_PACKED_LAYOUT,),
-                       return_type=plgpu.ShapeDtypeStruct((n_rows, 2 * half), jnp.uint8, _LAYOUT))
-    def unpack(_, fa):
-        def split(elements):
-            four, fifteen = (arith.constant(elements[0].type, c) for c in (4, 15))
-            return [x for b in elements for x in (arith.shrui(b, four), arith.andi(b, fifteen))]
+    def split(elements):
+        four, fifteen = (arith.constant(elements[0].type, c) for c in (4, 15))
+        return [x for b in elements for x in (arith.shrui(b, four), arith.andi(b, fifteen))]
 
-        return type(fa)(_registers=_map_lanes(fa, 4, split), _layout=_LAYOUT.to_mgpu(), _is_signed=False)
-
-    return unpack(packed)
+    return _relayout(packed, False, split)
 
 
 def _pack(codes: jax.Array, interpret: bool) -> jax.Array:
     """Inverse of `_unpack`: uint8 (R, B) codes < 16 in `_LAYOUT` -> uint8 (R, B / 2) in `_PACKED_LAYOUT`."""
-    n_rows, block = codes.shape
     if interpret:
         return codebooks.pack_4bit(codes)
 
-    @plgpu.inline_mgpu(arg_types=(_LAYOUT,),
-                       return_type=plgpu.ShapeDtypeStruct((n_rows, block // 2), jnp.uint8, _PACKED_LAYOUT))
-    def pack(_, fa):
-        def join(elements):
-            four = arith.constant(elements[0].type, 4)
-            return [arith.ori(arith.shli(elements[i], four), elements[i + 1]) for i in range(0, len(elements), 2)]
+    def join(elements):
+        four = arith.constant(elements[0].type, 4)
+        return [arith.ori(arith.shli(elements[i], four), elements[i + 1]) for i in range(0, len(elements), 2)]
 
-        return type(fa)(_registers=_map_lanes(fa, 2, join), _layout=_PACKED_LAYOUT.to_mgpu(), _is_signed=False)
-
-    return pack(codes)
+    return _relayout(codes, True, join)
 
 
 def _dequantize_rows(codes: jax.Array, rows: tuple, fmt: str, table) -> jax.Array:
@@ -205,20 +208,14 @@ def _split_words(words: jax.Array, interpret: bool) -> jax.Array:
     """uint32 (R, B / 2) hash words in `_PACKED_LAYOUT` -> `stochastic.bf16_bits` (R, B) in `_LAYOUT`
     (`stochastic.split_bf16_words`: word j gives elements 2j and 2j + 1). Compiled, each lane splits its 2 words
     into the bits of its 4 columns in registers."""
-    n_rows, half = words.shape
     if interpret:
         return stochastic.split_bf16_words(words)
 
-    @plgpu.inline_mgpu(arg_types=(_PACKED_LAYOUT,),
-                       return_type=plgpu.ShapeDtypeStruct((n_rows, 2 * half), jnp.uint32, _LAYOUT))
-    def split(_, fa):
-        def halves(elements):
-            sixteen = arith.constant(elements[0].type, 16)
-            return [x for w in elements for x in (w, arith.shrui(w, sixteen))]
+    def halves(elements):
+        sixteen = arith.constant(elements[0].type, 16)
+        return [x for w in elements for x in (w, arith.shrui(w, sixteen))]
 
-        return type(fa)(_registers=_map_lanes(fa, 4, halves), _layout=_LAYOUT.to_mgpu(), _is_signed=False)
-
-    return split(words)
+    return _relayout(words, False, halves)
 
 
 def _round_param(p, seed, row0, offset, runs, interpret):

@@ -253,9 +253,9 @@ def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, ste
             seed = seeds_ref[s] if side.stochastic else None
             row0, col0, n_cols = (origin_k, origin_m, m) if transposed else (origin_m, origin_k, k)
             if transposed and groups > 1:  # row-major in (G, K, M / G): rows g * K + column of x, length M / G
-                group = (origin_m // jnp.uint32(group_rows))
-                row0, col0, n_cols = group * jnp.uint32(k) + origin_k, origin_m - group * jnp.uint32(group_rows), \
-                    group_rows
+                group = origin_m // jnp.uint32(group_rows)
+                row0, col0 = group * jnp.uint32(k) + origin_k, origin_m - group * jnp.uint32(group_rows)
+                n_cols = group_rows
             inv_ref = inv_refs.pop(0) if side.block is None else None
             codes_ref = out_refs.pop(0)
             scale_ref = out_refs.pop(0) if side.block is not None else None
