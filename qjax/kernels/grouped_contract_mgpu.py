@@ -4,10 +4,10 @@ Pallas Mosaic GPU kernel for Hopper:
   dw (G, K, N) [e] = a (K, M) [:, rows of e] . b (N, M) [:, rows of e]^T
 
 a and b are int8 / fp8 codes with per-row f32 scales; scales in the epilogue as the reference multiplies them, fp8
-with `precise` promoted every tile_k (`grouped_matmul_mgpu`'s tile sum and epilogue). The kernel first gathers each
-group's tokens into a tile_k-aligned run (zeros between runs: one copy of the codes), so that no K block mixes
-groups, then walks (group, m-tile, n-tile) tiles, each a pipeline over its group's blocks (an empty group's tiles are
-stored as zeros, with no pipeline): one warpgroup, or with
+with `precise` promoted every tile_k (`grouped_matmul_mgpu`'s tile sum and epilogue). The kernel walks
+(group, m-tile, n-tile) tiles, each a pipeline over the tile_k token blocks its group's tokens touch; on the first
+and last, which it may share with a neighbouring group, it zeroes a's other tokens in SMEM before the wgmma (an
+empty group's tiles are stored as zeros, with no pipeline): one warpgroup, or with
 `GroupedConfig.compute_warpgroups=2` a memory warpgroup and two compute warpgroups on (2 * tile_m, tile_n) tiles
 (`grouped_pipeline_mgpu.two_warpgroup_pipeline`). Its reference is
 `qjax.ragged_dot._grouped_gemm` with the tokens as the ragged contracting dimension.
@@ -34,40 +34,60 @@ def supports_contract(a, b, out_dtype) -> str | None:
     return check_operands(a, b, out_dtype, "(K, M)", "(N, M)", 2)
 
 
-def group_runs(group_sizes: jax.Array, m: int, tile_k: int) -> tuple[jax.Array, jax.Array]:
-    """Each group's tokens moved to a run starting at a multiple of tile_k: (source token of each padded position,
-    -1 for padding (round_up(m, tile_k) + G * tile_k,) int32; (2, G) int32 each group's first tile_k block and
-    block count)."""
-    groups = group_sizes.shape[0]
-    blocks = -(-group_sizes // tile_k)
-    block_ends = jnp.cumsum(blocks)
-    run_starts, starts = (block_ends - blocks) * tile_k, jnp.cumsum(group_sizes) - group_sizes
-    position = jnp.arange(round_up(m, tile_k) + groups * tile_k, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(block_ends * tile_k, position, side="right"), groups - 1)
-    offset = position - run_starts[group]
-    source = jnp.where(offset < group_sizes[group], starts[group] + offset, -1)
-    return source.astype(jnp.int32), jnp.stack([block_ends - blocks, blocks]).astype(jnp.int32)
+def group_blocks(group_sizes: jax.Array, tile_k: int) -> jax.Array:
+    """(4, G) int32, per group: its first tile_k token block, the number of blocks its tokens touch (0 for an empty
+    group), its first token and its end (one past its last token). Neighbouring groups may share a block."""
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    first = starts // tile_k
+    blocks = jnp.where(group_sizes > 0, (ends - 1) // tile_k - first + 1, 0)
+    return jnp.stack([first, blocks, starts, ends]).astype(jnp.int32)
 
 
-def _tile_of(loop_info, cfg: GroupedConfig, steps_table, groups: int, m_tiles: int, n_tiles: int):
-    """The (group, m tile, n tile) a persistent CTA's loop step computes, in `plgpu.planar_snake` order, and that
-    group's first token block and block count: (group, m_idx, n_idx, first, steps)."""
+def _other_tokens_zeroed(start, end, first_block, tile_k: int):
+    """mask_a for a group's pipeline (`tile_sum`, `two_warpgroup_pipeline`): zeroes the a tile's token columns
+    outside [start, end) in SMEM, on the blocks the group shares with a neighbour or the padding (its first and
+    last), so that its sum counts its own tokens only. b's codes there meet zeros, so they must be finite (a NaN
+    code in a token's column means a NaN scale for that feature: every group's output is NaN there anyway)."""
+    def mask_a(step, a_smem):
+        origin = (first_block + step) * tile_k
+        lo, hi = start - origin, end - origin
+
+        @pl.when((lo > 0) | (hi < tile_k))
+        def _():
+            layout = plgpu.Layout.WGMMA_8BIT
+            tokens = plgpu.broadcasted_iota(jnp.int32, a_smem.shape, 1, layout=layout)
+            # an AND with an all-ones or zero byte: Mosaic GPU has bitwise ops only on 8-bit registers
+            keep = jnp.where((tokens >= lo) & (tokens < hi), jnp.int32(-1), jnp.int32(0)).astype(jnp.int8)
+            codes = lax.bitcast_convert_type(plgpu.load(a_smem, layout=layout), jnp.int8)
+            a_smem[...] = lax.bitcast_convert_type(codes & keep, a_smem.dtype)
+            plgpu.commit_smem()  # the generic-proxy stores, visible to the wgmma that reads them
+
+    return mask_a
+
+
+def _tile_of(loop_info, cfg: GroupedConfig, blocks_table, groups: int, m_tiles: int, n_tiles: int):
+    """The (group, m tile, n tile) a persistent CTA's loop step computes, in `plgpu.planar_snake` order, that
+    group's first token block and block count, and its mask_a: (group, m_idx, n_idx, first, steps, mask_a)."""
     (lin,) = loop_info.index
     group_m, n_idx = plgpu.planar_snake(lin, (groups * m_tiles, n_tiles), 1, cfg.grid_tile_width)
     group = lax.div(group_m, m_tiles)
-    return group, lax.rem(group_m, m_tiles), n_idx, steps_table[0, group], steps_table[1, group]
+    first, steps = blocks_table[0, group], blocks_table[1, group]
+    mask_a = _other_tokens_zeroed(blocks_table[2, group], blocks_table[3, group], first, cfg.tile_k)
+    return group, lax.rem(group_m, m_tiles), n_idx, first, steps, mask_a
 
 
-def _contract_kernel(cfg: GroupedConfig, promote: bool, steps_table, a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem):
-    """refs: steps (2, G) int32 (each group's first token block and block count), a codes (Kp, Tp), b codes (Np, Tp),
-    sa (Kp,) f32, sb (Np,) f32, out (G, Kp, Np); tokens grouped in tile_k-aligned, zero-padded runs."""
+def _contract_kernel(cfg: GroupedConfig, promote: bool, blocks_table, a_gmem, b_gmem, sa_gmem, sb_gmem, out_gmem):
+    """refs: blocks (4, G) int32 (`group_blocks`), a codes (Kp, Mp), b codes (Np, Mp) (the tokens in group order,
+    Mp a multiple of tile_k), sa (Kp,) f32, sb (Np,) f32, out (G, Kp, Np)."""
     tile_m, tile_n = cfg.tile_m, cfg.tile_n
     groups, m_tiles, n_tiles = out_gmem.shape[0], out_gmem.shape[1] // tile_m, out_gmem.shape[2] // tile_n
 
     def scoped(out_smem, rs_smem, cs_smem, barriers):
         @plgpu.nd_loop((groups * m_tiles * n_tiles,), collective_axes="sm")
         def _(loop_info):
-            group, m_idx, n_idx, first, steps = _tile_of(loop_info, cfg, steps_table, groups, m_tiles, n_tiles)
+            group, m_idx, n_idx, first, steps, mask_a = _tile_of(loop_info, cfg, blocks_table, groups, m_tiles,
+                                                                 n_tiles)
             rows, cols = pl.ds(m_idx * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
 
             @pl.when(steps == 0)
@@ -79,7 +99,7 @@ def _contract_kernel(cfg: GroupedConfig, promote: bool, steps_table, a_gmem, b_g
             def _():
                 plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem, barriers.at[0])
                 plgpu.copy_gmem_to_smem(sb_gmem.at[cols], cs_smem, barriers.at[1])
-                acc = tile_sum(cfg, promote, a_gmem.at[rows, :], b_gmem.at[cols, :], first, steps)
+                acc = tile_sum(cfg, promote, a_gmem.at[rows, :], b_gmem.at[cols, :], first, steps, mask_a)
                 stage_scaled(acc, out_smem, rs_smem, cs_smem, barriers.at[0], barriers.at[1])
                 plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[group, rows, cols])
 
@@ -88,7 +108,7 @@ def _contract_kernel(cfg: GroupedConfig, promote: bool, steps_table, a_gmem, b_g
     pl.run_scoped(scoped, **epilogue_scratch(cfg, out_gmem.dtype))
 
 
-def _contract_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, steps_table, a_gmem, b_gmem, sa_gmem,
+def _contract_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, blocks_table, a_gmem, b_gmem, sa_gmem,
                          sb_gmem, out_gmem):
     """`_contract_kernel` with a memory warpgroup and two compute warpgroups, each one tile_m-row half of a
     (2 * tile_m, tile_n) tile (`grouped_pipeline_mgpu.two_warpgroup_pipeline`); the same refs."""
@@ -104,7 +124,8 @@ def _contract_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, steps_t
 
         @plgpu.nd_loop((groups * m_tiles * n_tiles,), collective_axes="sm")
         def _(loop_info):
-            group, m_idx, n_idx, first, steps = _tile_of(loop_info, cfg, steps_table, groups, m_tiles, n_tiles)
+            group, m_idx, n_idx, first, steps, mask_a = _tile_of(loop_info, cfg, blocks_table, groups, m_tiles,
+                                                                 n_tiles)
             rows, cols = pl.ds(m_idx * cta_m + wg * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
 
             def epilogue(acc):
@@ -124,7 +145,8 @@ def _contract_kernel_2wg(cfg: GroupedConfig, promote: bool, stages: int, steps_t
                     plgpu.copy_gmem_to_smem(sa_gmem.at[rows], rs_smem.at[wg], barriers.at[2 * wg])
                     plgpu.copy_gmem_to_smem(sb_gmem.at[cols], cs_smem.at[wg], barriers.at[2 * wg + 1])
 
-                pipeline((steps,), first, True, epilogue)(*gmem_refs(m_idx, n_idx), allocations=pipeline_allocs)
+                pipeline((steps,), first, True, epilogue, mask_a)(*gmem_refs(m_idx, n_idx),
+                                                                  allocations=pipeline_allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -141,16 +163,12 @@ def _launch_contract(a_codes, b_codes, a_scale, b_scale, group_sizes, *, out_dty
     (k, m), n, groups = a_codes.shape, b_codes.shape[0], group_sizes.shape[0]
     cta_m = config.compute_warpgroups * config.tile_m
     kp, np_ = round_up(k, cta_m), round_up(n, config.tile_n)
-    source, steps = group_runs(group_sizes, m, config.tile_k)
-    # tokens gathered into tile_k-aligned runs per group, zeros between them: no block mixes two groups
-    runs = lambda codes: jnp.where(source >= 0, jnp.take(codes, jnp.maximum(source, 0), axis=1),
-                                   jnp.zeros((), codes.dtype))
+    mp = round_up(m, config.tile_k)
     tiles = groups * (kp // cta_m) * (np_ // config.tile_n)
     kernel = persistent_kernel(config, promote, (_contract_kernel, _contract_kernel_2wg), (groups, kp, np_),
                                out_dtype, tiles, interpret)
-    return kernel(steps, pad_to(runs(a_codes), (kp, source.shape[0]), 0),
-                  pad_to(runs(b_codes), (np_, source.shape[0]), 0), pad_to(a_scale, (kp,), 1),
-                  pad_to(b_scale, (np_,), 1))[:, :k, :n]
+    return kernel(group_blocks(group_sizes, config.tile_k), pad_to(a_codes, (kp, mp), 0),
+                  pad_to(b_codes, (np_, mp), 0), pad_to(a_scale, (kp,), 1), pad_to(b_scale, (np_,), 1))[:, :k, :n]
 
 
 def grouped_contract_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_dtype, *, precise: bool = False,
@@ -158,12 +176,13 @@ def grouped_contract_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_
     """Grouped GEMM contracting over each group's rows (the wgrad), on a Hopper GPU: out[e] = a[:, rows of e] .
     b[:, rows of e]^T with a's and b's row scales; rows >= sum(group_sizes) and empty groups give 0.
 
-    The tokens are gathered into tile_k-aligned runs per group (zeros between them) so that every K block of the
-    kernel belongs to one group; then (group, m-tile, n-tile) items, each a pipeline over its group's blocks.
+    Each (group, m-tile, n-tile) item is a pipeline over the token blocks of its group, whose first and last have
+    the other groups' tokens zeroed in a's SMEM tile.
 
     Args:
       a: QTensor, data (K, M) int8 / float8 (the tokens last), scale () or (K, 1) float32.
-      b: QTensor, data (N, M) of the same code family, scale () or (N, 1) float32.
+      b: QTensor, data (N, M) of the same code family, scale () or (N, 1) float32; its codes of the tokens past
+        sum(group_sizes) finite (`dispatch.quantize_pair(valid_rows=)` writes zeros there).
       group_sizes: (G,) int32, >= 0, summing to at most M (trusted).
       out_dtype: jnp.bfloat16 or jnp.float32.
       precise, config, interpret: as in `grouped_matmul_kernel` (config.tile_m tiles K, tile_k the tokens).

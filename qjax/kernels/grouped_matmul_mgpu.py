@@ -182,9 +182,10 @@ def work_items(group_sizes: jax.Array, m: int, tile_m: int) -> jax.Array:
     return jnp.stack([group, tile, row0 - tile * tile_m, rows]).astype(jnp.int32)
 
 
-def tile_sum(cfg: GroupedConfig, promote: bool, a_ref, b_ref, first_step, steps):
+def tile_sum(cfg: GroupedConfig, promote: bool, a_ref, b_ref, first_step, steps, mask_a=None):
     """(tile_m, tile_n) f32 sum in the WGMMA layout of a_ref (tile_m, K) . b_ref (tile_n, K)^T over the K steps
-    first_step ..< first_step + steps (each tile_k wide), through a TMA pipeline."""
+    first_step ..< first_step + steps (each tile_k wide), through a TMA pipeline; mask_a(step, a_smem), if given,
+    edits each step's a tile in SMEM before its wgmma (step counted from 0)."""
     shape = (cfg.tile_m, cfg.tile_n)
     acc_dtype = jnp.int32 if a_ref.dtype == jnp.int8 else jnp.float32
     transforms = (plgpu.TilingTransform((8, cfg.tile_k)), plgpu.SwizzleTransform(cfg.tile_k))
@@ -197,14 +198,19 @@ def tile_sum(cfg: GroupedConfig, promote: bool, a_ref, b_ref, first_step, steps)
                                  max_concurrent_steps=cfg.max_concurrent_steps)
 
     def accumulate(acc_ref):
-        def step(_, a_smem, b_smem):
+        def step(indices, a_smem, b_smem):
+            if mask_a is not None:
+                mask_a(indices[0], a_smem)
             plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
             plgpu.wgmma_wait(1)  # the previous step's wgmma is done: its stage may be refilled
 
         pipeline(step)(a_ref, b_ref)
         return acc_ref[...]  # waits for every wgmma
 
-    def promote_step(_, a_smem, b_smem, acc):
+    def promote_step(indices, a_smem, b_smem, acc):
+        if mask_a is not None:
+            mask_a(indices[0], a_smem)
+
         def product(part_ref):
             plgpu.wgmma(part_ref, a_smem, b_smem.transpose((1, 0)))
             return part_ref[...]  # waits for it

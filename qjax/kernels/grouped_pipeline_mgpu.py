@@ -12,11 +12,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
 def two_warpgroup_pipeline(cfg, promote: bool, stages: int, acc_dtype, grid, first_step, active,
-                           epilogue):
+                           epilogue, mask_a=None):
     """The pipeline of a (2 * tile_m, tile_n) tile: a memory warpgroup TMA-loads the K steps first_step ..<
     first_step + grid[0] of a (2 * tile_m, K) and b (tile_n, K); compute warpgroup wg, where `active`, sums
     a[wg's tile_m-row half] . b^T (f32 in the WGMMA layout) and calls epilogue(acc) on it; an inactive one does no
-    tensor-core work. Call the result with the two GMEM refs and allocations= (from its `get_allocations`)."""
+    tensor-core work. mask_a(step, a_half_smem), if given, edits wg's half of each step's a tile in SMEM before its
+    wgmma (step counted from 0). Call the result with the two GMEM refs and allocations= (from its
+    `get_allocations`)."""
     tile_m, tile_n, tile_k = cfg.tile_m, cfg.tile_n, cfg.tile_k
     transforms = (plgpu.TilingTransform((8, tile_k)), plgpu.SwizzleTransform(tile_k))
     # Each step waits for its wgmma before the stage is released: with one wgmma left in flight (delay_release) the
@@ -25,19 +27,22 @@ def two_warpgroup_pipeline(cfg, promote: bool, stages: int, acc_dtype, grid, fir
     in_specs = [plgpu.BlockSpec(block, lambda k: (0, first_step + k), transforms=transforms)
                 for block in ((2 * tile_m, tile_k), (tile_n, tile_k))]
 
-    def product(acc_ref, a_smem, b_smem):
+    def product(step, acc_ref, a_smem, b_smem):
         @pl.when(active)
         def _():
-            plgpu.wgmma(acc_ref, a_smem.at[pl.ds(lax.axis_index("wg") * tile_m, tile_m)], b_smem.transpose((1, 0)))
+            a_half = a_smem.at[pl.ds(lax.axis_index("wg") * tile_m, tile_m)]
+            if mask_a is not None:
+                mask_a(step, a_half)
+            plgpu.wgmma(acc_ref, a_half, b_smem.transpose((1, 0)))
             plgpu.wgmma_wait(0)
 
-    def accumulate_step(_, a_smem, b_smem, acc_ref):
-        product(acc_ref, a_smem, b_smem)
+    def accumulate_step(indices, a_smem, b_smem, acc_ref):
+        product(indices[0], acc_ref, a_smem, b_smem)
         return acc_ref
 
-    def promote_step(_, a_smem, b_smem, acc):  # a fresh (zero) accumulator per tile_k, added in float32
+    def promote_step(indices, a_smem, b_smem, acc):  # a fresh (zero) accumulator per tile_k, added in float32
         def part(part_ref):
-            product(part_ref, a_smem, b_smem)
+            product(indices[0], part_ref, a_smem, b_smem)
             return part_ref[...]
 
         return acc + pl.run_scoped(part, plgpu.ACC((tile_m, tile_n), jnp.float32))

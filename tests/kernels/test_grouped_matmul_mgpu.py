@@ -167,18 +167,18 @@ def test_two_warpgroup_configs_fit():
         grouped.resolve_config(two, promote=True)
 
 
-def test_group_runs_align_each_group():
-    """Each group's tokens, in order, start a run at a multiple of tile_k; the rest of the buffer is padding."""
+def test_group_blocks_cover_each_group():
+    """Each group's blocks are the tile_k token blocks its tokens touch, shared with a neighbour where a boundary
+    falls inside one; an empty group has none."""
     sizes = jnp.array([0, 70, 0, 1, 64, 100], jnp.int32)
-    source, steps = (np.asarray(v) for v in contract.group_runs(sizes, 300, 64))
+    table = np.asarray(contract.group_blocks(sizes, 64))
     start = 0
-    for size, (first, blocks) in zip(np.asarray(sizes), steps.T):
-        assert blocks == -(-size // 64)
-        run = source[first * 64:(first + blocks) * 64]
-        np.testing.assert_array_equal(run[:size], np.arange(start, start + size))
-        assert (run[size:] == -1).all()
+    for size, (first, blocks, group_start, group_end) in zip(np.asarray(sizes), table.T):
+        assert (group_start, group_end) == (start, start + size)
+        touched = sorted({t // 64 for t in range(start, start + size)})
+        assert blocks == len(touched) and (not touched or first == touched[0])
         start += size
-    assert (source >= 0).sum() == start
+    np.testing.assert_array_equal(table[:2], [[0, 0, 1, 1, 1, 2], [0, 2, 0, 1, 2, 2]])
 
 
 def _contract_kernel(a, b, sizes, out_dtype, precise, config=SMALL):
