@@ -13,6 +13,7 @@ empty group's tiles are stored as zeros, with no pipeline): one warpgroup, or wi
 `qjax.ragged_dot._grouped_gemm` with the tokens as the ragged contracting dimension.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -196,6 +197,17 @@ def grouped_contract_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_
         raise ValueError(f"grouped_contract_kernel: {reason}")
     row_scale = lambda q: jnp.broadcast_to(q.scale.reshape(-1), (q.data.shape[0],))
     promote = precise and a.data.dtype != jnp.int8
+    config = resolve_config(config or _unpadded_default(a.data.shape[0], promote), promote)
     return _launch_contract(a.data, b.data, row_scale(a), row_scale(b), group_sizes.astype(jnp.int32),
-                            out_dtype=jnp.dtype(out_dtype), config=resolve_config(config, promote), promote=promote,
+                            out_dtype=jnp.dtype(out_dtype), config=config, promote=promote,
                             interpret=resolve_interpret(interpret))
+
+
+def _unpadded_default(k: int, promote: bool) -> GroupedConfig:
+    """The default config, with 64-row halves where K is a multiple of 128 but not of its (2 * 128)-row tiles
+    (1408, an expert FFN width): padding K would cost a copy of a's codes and a slice of the (G, K, N) output."""
+    config = resolve_config(None, promote)
+    cta_m = config.compute_warpgroups * config.tile_m
+    if k % cta_m and k % (config.compute_warpgroups * 64) == 0:
+        return dataclasses.replace(config, tile_m=64)
+    return config

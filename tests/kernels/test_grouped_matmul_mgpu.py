@@ -423,6 +423,24 @@ def test_lowers_for_cuda():
             assert "mosaic_gpu" in lowered.as_text()
 
 
+def test_contract_default_avoids_padding_k():
+    """An expert FFN width of 1408 (a multiple of 128, not of the default's 256-row tiles) gets 64-row halves, so
+    that a's codes are not padded; they lower for the GPU with int8 codes. Widths the default tiles keep it."""
+    assert contract._unpadded_default(1408, promote=False).tile_m == 64
+    assert contract._unpadded_default(2048, promote=False) == grouped.DEFAULT_CONFIG
+    assert contract._unpadded_default(1400, promote=False) == grouped.DEFAULT_CONFIG  # padding either way
+    assert contract._unpadded_default(1408, promote=True) == grouped.PROMOTE_CONFIG
+    m, k, n, groups = 131072, 1408, 2048, 64
+    args = (jax.ShapeDtypeStruct((k, m), jnp.int8), jax.ShapeDtypeStruct((n, m), jnp.int8),
+            jax.ShapeDtypeStruct((k,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32),
+            jax.ShapeDtypeStruct((groups,), jnp.int32))
+    config = dataclasses.replace(contract._unpadded_default(k, promote=False), num_ctas=132)
+    lowered = jax.jit(lambda *xs: contract._launch_contract(
+        *xs, out_dtype=jnp.dtype(jnp.bfloat16), config=config, promote=False,
+        interpret=False)).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
 def test_bf16_rows_lower_for_cuda():
     """JAX's bf16 grouped kernel with our block sizes, forward and dgrad (transposed rhs), lowers at the MoE
     benchmark's size. (Its wgrad kernel asks the device for its SM count, so it lowers on the GPU only.)"""
@@ -474,6 +492,16 @@ def test_contract_kernel_at_size(code, warpgroups):
         ref, mag = _exact_contract(a, b, sizes)
         error = _contract_error(out, ref, mag, jnp.float32)
         assert error.max() <= PROMOTED_FP8_RTOL, f"worst error / |a||b| {error.max():.3g}"
+
+
+@pytest.mark.gpu
+def test_contract_kernel_default_at_expert_width():
+    """The default config at K = 1408 (int8 with 64-row halves, `_unpadded_default`), exact."""
+    m, k, n, groups = 8192, 1408, 2048, 16
+    sizes = _routed_sizes(m - 100, groups)
+    a, b = _contract_operands(m, n, k, "int8")
+    out = jax.jit(lambda a, b, s: contract.grouped_contract_kernel(a, b, s, jnp.float32, precise=True))(a, b, sizes)
+    np.testing.assert_array_equal(np.asarray(out, np.float64), _contract_reference(a, b, sizes, jnp.float32, True))
 
 
 @pytest.mark.gpu
