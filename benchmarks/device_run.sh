@@ -67,8 +67,10 @@
 # dataflow-ab (int8_rowwise against int8_dataflow: what the data flow costs), dataflow-recompute (int8_dataflow
 # against int8_dataflow_recompute, the prologue outputs recomputed for wgrad: speed and peak memory),
 # dataflow-mem-recompute (bf16 against int8_dataflow_recompute with optax and with adamw_fp8 states: issue 28's
-# peak-memory targets, <= 0.70x / <= 0.60x of bf16), dataflow-mem-recompute-w (bf16, int8_dataflow_recompute and
-# int8_dataflow_recompute_w, which also re-quantizes the weights' dgrad codes in the backward: speed and peak),
+# peak-memory targets, <= 0.70x / <= 0.60x of bf16), dataflow-mem-attn (bf16 and int8_dataflow_recompute, each
+# also with config.model.recompute_attention: speed and peak), dataflow-mem-recompute-w (bf16,
+# int8_dataflow_recompute and int8_dataflow_recompute_w, which also re-quantizes the weights' dgrad codes in the
+# backward: speed and peak),
 # dataflow-peer (bf16, int8_rowwise, int8_dataflow and the torch peer in one run), peak-memory
 # (benchmarks/peak_memory.py: the 1.1B step of bf16 and the data-flow recipes compiled, not run: XLA's planned peak,
 # and its memory-usage reports in $OUT/peak-memory), hlo-int8-rowwise / hlo-int8-dataflow (the profile's 150
@@ -197,6 +199,9 @@ step_command() {
                                  "--warmup 2 --no-peer" ;;
         dataflow-mem-recompute) echo "python3 benchmarks/train.py --rows bf16 int8_dataflow_recompute" \
                                      "int8_dataflow_recompute+adamw_fp8 --steps 5 --warmup 2 --no-peer" ;;
+        dataflow-mem-attn) echo "python3 benchmarks/train.py --rows bf16 bf16:recompute_attention" \
+                                "int8_dataflow_recompute int8_dataflow_recompute:recompute_attention" \
+                                "--steps 5 --warmup 2 --no-peer" ;;
         dataflow-mem-recompute-w) echo "python3 benchmarks/train.py --rows bf16 int8_dataflow_recompute" \
                                        "int8_dataflow_recompute_w --steps 5 --warmup 2 --no-peer" ;;
         dataflow-peer) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise int8_dataflow --steps 5 --warmup 2" ;;

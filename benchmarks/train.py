@@ -51,15 +51,25 @@ ROUNDS = 3  # throughput: median over this many rounds of --steps steps queued b
 TINYLLAMA = dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000)
 
 
+RECOMPUTE_ATTENTION = ":recompute_attention"  # a row suffix: config.model.recompute_attention on
+
+
 def row_name(row: str) -> str:
-    """argparse type of a row: one of ROWS, optionally "+<optimizer>" (one of qjax.train.OPTIMIZERS)."""
+    """argparse type of a row: one of ROWS, optionally ":recompute_attention" (`LlamaConfig.recompute_attention`),
+    then optionally "+<optimizer>" (one of qjax.train.OPTIMIZERS)."""
     from qjax.train import OPTIMIZERS
 
     recipe_row, plus, optimizer = row.partition("+")
-    if recipe_row not in ROWS or (plus and optimizer not in OPTIMIZERS):
+    if recipe_row.removesuffix(RECOMPUTE_ATTENTION) not in ROWS or (plus and optimizer not in OPTIMIZERS):
         raise argparse.ArgumentTypeError(f"unknown row {row!r}: use one of {', '.join(ROWS)}, optionally followed by "
-                                         f"+ and one of {', '.join(OPTIMIZERS)}")
+                                         f"{RECOMPUTE_ATTENTION}, then optionally by + and one of "
+                                         f"{', '.join(OPTIMIZERS)}")
     return row
+
+
+def _recipe_row(row: str) -> str:
+    """The row's ROWS entry: without "+optimizer" and ":recompute_attention"."""
+    return row.partition("+")[0].removesuffix(RECOMPUTE_ATTENTION)
 
 
 def row_optimizer(row: str) -> str:
@@ -70,7 +80,7 @@ def row_recipe(row: str):
     """The qjax.Recipe a row name stands for ("name@xla": that recipe with backend "xla"; "+optimizer" ignored)."""
     from common import recipe_variant
 
-    name, _, backend = row.partition("+")[0].partition("@")
+    name, _, backend = _recipe_row(row).partition("@")
     recipe = recipe_variant("int8_rowwise" if name in PARAM_ROWS else name)
     return dataclasses.replace(recipe, backend=backend) if backend else recipe
 
@@ -96,11 +106,12 @@ def build_row(row: str, args):
         config.model.moe = dict(n_experts=n_experts, top_k=top_k, n_shared_experts=n_shared,
                                 expert_ffn_dim=expert_ffn_dim, aux_loss_weight=0.01)
     config.model.remat = args.remat
+    config.model.recompute_attention = row.partition("+")[0].endswith(RECOMPUTE_ATTENTION)
     config.min_features = args.min_features
     del config.recipe  # the config file's field is a recipe name; rows need Recipe objects (variants, backend)
     config.recipe = row_recipe(row)
     config.optimizer.name = row_optimizer(row)
-    param_dtype, sr = PARAM_ROWS.get(row.partition("+")[0].partition("@")[0], (None, False))
+    param_dtype, sr = PARAM_ROWS.get(_recipe_row(row).partition("@")[0], (None, False))
     config.model.param_dtype, config.optimizer.stochastic_rounding = param_dtype, sr
     config.seq_len, config.batch_size = args.seq, args.batch
     config.steps = 1000  # the LR schedule's length; irrelevant to the timing

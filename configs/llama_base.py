@@ -38,6 +38,7 @@ def get_config() -> config_dict.ConfigDict:
         "compute_dtype": placeholder(str),  # dtype of activations: float32, bfloat16, float16 (None: bfloat16)
         "param_dtype": placeholder(str),  # float32, bfloat16, or int8: weight-only int8 kernels, SR updates (None: f32)
         "remat": placeholder(bool),  # recompute each block in the backward pass: less activation memory
+        "recompute_attention": placeholder(bool),  # recompute norm, qkv, RoPE, attention in the backward (None: no)
         "attention": placeholder(str),  # auto (cuDNN flash attention on GPU where it applies), xla or cudnn
     })
     config.recipe = "bf16"  # how GEMMs are quantized: a name from qjax.RECIPES, e.g. int8_rowwise, fp8_tensorwise

@@ -25,6 +25,7 @@ row scale of the fused output's gradient spans all of its columns.
 """
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -55,6 +56,9 @@ class LlamaConfig:
       min_features: layers with min(features_in, features_out) below this run in bf16.
       compute_dtype, param_dtype: "float32", "bfloat16" or "float16".
       remat: recompute each block in the backward pass (jax.checkpoint), trading FLOPs for activation memory.
+      recompute_attention: recompute attention up to o_proj in the backward pass (the norm, qkv GEMM, RoPE and
+        attention's forward: Megatron's selective recomputation), saving the block's input instead of q, k, v,
+        attention's output and the qkv GEMM's input; no effect under remat, which recomputes the whole block.
       attention: "auto" (cuDNN flash attention on GPU where it applies, else XLA), "xla" or "cudnn".
       moe: None (a dense SwiGLU of ffn_dim per block) or a `MoEConfig`: every block's feed-forward is a mixture of
         experts (`qjax.models.moe`); ffn_dim is then unused.
@@ -76,6 +80,7 @@ class LlamaConfig:
     compute_dtype: str = "bfloat16"
     param_dtype: str = "float32"
     remat: bool = False
+    recompute_attention: bool = False
     attention: str = "auto"
     moe: MoEConfig | None = None
 
@@ -176,33 +181,42 @@ class Attention(nn.Module):
     def __call__(self, x, norm_scale, positions):
         """x: the block's input (B, T, dim), normalized here with norm_scale (dim,) before the qkv projection."""
         c = self.config
-        b, t, _ = x.shape
-        kv = c.n_kv_heads * c.head_dim
-        proj = lambda name, f_in, f_out, residual=False: layers.dense(
-            self, c, name, f_in, f_out, use_bias=False, kernel_init=_init(c, residual))
-        qkv = layers.prologue_dense(self, c, "qkv_proj", _norm(c), x, (norm_scale,), c.dim + 2 * kv,
-                                    kernel_init=_init(c))
-        q, k, v = jnp.split(qkv, [c.dim, c.dim + kv], axis=-1)
-        q = q.reshape(b, t, c.n_heads, c.head_dim)
-        k, v = k.reshape(b, t, c.n_kv_heads, c.head_dim), v.reshape(b, t, c.n_kv_heads, c.head_dim)
         decoding = self.is_mutable_collection("cache") and not self.is_initializing()  # init mutates everything
-        if decoding:
-            filled = self.variable("cache", "filled", lambda: jnp.zeros((), jnp.int32))
-            positions = positions + filled.value
-        q, k = apply_rope(q, positions, theta=c.rope_theta), apply_rope(k, positions, theta=c.rope_theta)
-        if decoding:
-            shape = (b, c.max_seq_len, c.n_kv_heads, c.head_dim)
-            k_cache = self.variable("cache", "k", jnp.zeros, shape, k.dtype)
-            v_cache = self.variable("cache", "v", jnp.zeros, shape, v.dtype)
-            k_cache.value = jax.lax.dynamic_update_slice(k_cache.value, k, (0, filled.value, 0, 0))
-            v_cache.value = jax.lax.dynamic_update_slice(v_cache.value, v, (0, filled.value, 0, 0))
-            filled.value = filled.value + t
-            mask = jnp.arange(c.max_seq_len)[None, :] <= positions[:, None]  # (T, max_seq_len): causal and filled
-            out = jax.nn.dot_product_attention(q, k_cache.value, v_cache.value, mask=mask[None, None])
-            out = out.reshape(b, t, c.dim)
-        else:
-            out = layers.attention(c, q, k, v, is_causal=True)
-        return proj("o_proj", c.dim, c.dim, residual=True)(out)
+        attend = functools.partial(_attend, decoding=decoding)
+        if c.recompute_attention and not decoding:
+            attend = nn.remat(attend)  # only x is saved: the norm, qkv GEMM, RoPE and attention run again
+        out = attend(self, x, norm_scale, positions)
+        return layers.dense(self, c, "o_proj", c.dim, c.dim, use_bias=False, kernel_init=_init(c, residual=True))(out)
+
+
+def _attend(module: Attention, x, norm_scale, positions, decoding: bool):
+    """Attention's body up to o_proj: (B, T, dim) -> the heads' outputs (B, T, dim), compute dtype (creates the
+    qkv projection and, when decoding, the cache in `module`)."""
+    c = module.config
+    b, t, _ = x.shape
+    kv = c.n_kv_heads * c.head_dim
+    qkv = layers.prologue_dense(module, c, "qkv_proj", _norm(c), x, (norm_scale,), c.dim + 2 * kv,
+                                kernel_init=_init(c))
+    q, k, v = jnp.split(qkv, [c.dim, c.dim + kv], axis=-1)
+    q = q.reshape(b, t, c.n_heads, c.head_dim)
+    k, v = k.reshape(b, t, c.n_kv_heads, c.head_dim), v.reshape(b, t, c.n_kv_heads, c.head_dim)
+    if decoding:
+        filled = module.variable("cache", "filled", lambda: jnp.zeros((), jnp.int32))
+        positions = positions + filled.value
+    q, k = apply_rope(q, positions, theta=c.rope_theta), apply_rope(k, positions, theta=c.rope_theta)
+    if decoding:
+        shape = (b, c.max_seq_len, c.n_kv_heads, c.head_dim)
+        k_cache = module.variable("cache", "k", jnp.zeros, shape, k.dtype)
+        v_cache = module.variable("cache", "v", jnp.zeros, shape, v.dtype)
+        k_cache.value = jax.lax.dynamic_update_slice(k_cache.value, k, (0, filled.value, 0, 0))
+        v_cache.value = jax.lax.dynamic_update_slice(v_cache.value, v, (0, filled.value, 0, 0))
+        filled.value = filled.value + t
+        mask = jnp.arange(c.max_seq_len)[None, :] <= positions[:, None]  # (T, max_seq_len): causal and filled
+        out = jax.nn.dot_product_attention(q, k_cache.value, v_cache.value, mask=mask[None, None])
+        out = out.reshape(b, t, c.dim)
+    else:
+        out = layers.attention(c, q, k, v, is_causal=True)
+    return out
 
 
 class MLP(nn.Module):

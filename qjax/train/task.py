@@ -148,7 +148,7 @@ def _model_overrides(config) -> dict:
 
 
 _NUMERICS_FIELDS = ("recipe", "keep_high_precision", "min_features", "compute_dtype", "param_dtype", "remat",
-                    "attention")
+                    "recompute_attention", "attention")
 
 
 def _check_no_shape(init_from: str, overrides: dict) -> None:
