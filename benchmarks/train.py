@@ -267,9 +267,10 @@ def resolve_model_args(args) -> bool:
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="*", type=row_name, metavar="ROW[+OPTIMIZER]",
-                        help=f"rows: {' '.join(ROWS)}, each optionally +OPTIMIZER (qjax.train.OPTIMIZERS; default "
-                             f"adamw); default rows: {' '.join(DEFAULT_ROWS)}")
+    parser.add_argument("--rows", nargs="*", type=row_name, metavar=f"ROW[{RECOMPUTE_ATTENTION}][+OPTIMIZER]",
+                        help=f"rows: {' '.join(ROWS)}, each optionally {RECOMPUTE_ATTENTION} (config.model."
+                             "recompute_attention), then +OPTIMIZER (qjax.train.OPTIMIZERS; default adamw); default "
+                             f"rows: {' '.join(DEFAULT_ROWS)}")
     add_model_args(parser)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)

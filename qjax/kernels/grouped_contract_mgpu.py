@@ -49,7 +49,8 @@ def _other_tokens_zeroed(start, end, first_block, tile_k: int):
     """mask_a for a group's pipeline (`tile_sum`, `two_warpgroup_pipeline`): zeroes the a tile's token columns
     outside [start, end) in SMEM, on the blocks the group shares with a neighbour or the padding (its first and
     last), so that its sum counts its own tokens only. b's codes there meet zeros, so they must be finite (a NaN
-    code in a token's column means a NaN scale for that feature: every group's output is NaN there anyway)."""
+    code in a token's column means a non-finite input, so a non-finite scale for that feature: every group's output
+    is NaN there anyway)."""
     def mask_a(step, a_smem):
         origin = (first_block + step) * tile_k
         lo, hi = start - origin, end - origin
@@ -182,8 +183,9 @@ def grouped_contract_kernel(a: QTensor, b: QTensor, group_sizes: jax.Array, out_
 
     Args:
       a: QTensor, data (K, M) int8 / float8 (the tokens last), scale () or (K, 1) float32.
-      b: QTensor, data (N, M) of the same code family, scale () or (N, 1) float32; its codes of the tokens past
-        sum(group_sizes) finite (`dispatch.quantize_pair(valid_rows=)` writes zeros there).
+      b: QTensor, data (N, M) of the same code family, scale () or (N, 1) float32; its codes finite where its
+        row scale is and in the tokens past sum(group_sizes) (as `dispatch.quantize_pair(valid_rows=)` writes
+        them: saturated codes, zeros past the groups).
       group_sizes: (G,) int32, >= 0, summing to at most M (trusted).
       out_dtype: jnp.bfloat16 or jnp.float32.
       precise, config, interpret: as in `grouped_matmul_kernel` (config.tile_m tiles K, tile_k the tokens).

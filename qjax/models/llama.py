@@ -57,8 +57,10 @@ class LlamaConfig:
       compute_dtype, param_dtype: "float32", "bfloat16" or "float16".
       remat: recompute each block in the backward pass (jax.checkpoint), trading FLOPs for activation memory.
       recompute_attention: recompute attention up to o_proj in the backward pass (the norm, qkv GEMM, RoPE and
-        attention's forward: Megatron's selective recomputation), saving the block's input instead of q, k, v,
-        attention's output and the qkv GEMM's input; no effect under remat, which recomputes the whole block.
+        attention's forward: Megatron's selective recomputation), saving the block's input instead of the norm's
+        output (the qkv GEMM's input), q, k, v and attention's own copy of its output (o_proj still saves its
+        input: in 8 bits under the data-flow recipes); under FSDP the recomputation gathers the qkv weight again.
+        No effect under remat, which recomputes the whole block.
       attention: "auto" (cuDNN flash attention on GPU where it applies, else XLA), "xla" or "cudnn".
       moe: None (a dense SwiGLU of ffn_dim per block) or a `MoEConfig`: every block's feed-forward is a mixture of
         experts (`qjax.models.moe`); ffn_dim is then unused.
@@ -183,7 +185,7 @@ class Attention(nn.Module):
         c = self.config
         decoding = self.is_mutable_collection("cache") and not self.is_initializing()  # init mutates everything
         attend = functools.partial(_attend, decoding=decoding)
-        if c.recompute_attention and not decoding:
+        if c.recompute_attention and not c.remat and not decoding:  # under remat the whole block runs again
             attend = nn.remat(attend)  # only x is saved: the norm, qkv GEMM, RoPE and attention run again
         out = attend(self, x, norm_scale, positions)
         return layers.dense(self, c, "o_proj", c.dim, c.dim, use_bias=False, kernel_init=_init(c, residual=True))(out)

@@ -20,7 +20,7 @@ Per device, in bytes (P params; c = bytes of the compute dtype, 2 for bfloat16):
                                                       attention output, the MLP's gate/up (ViT: fc1) output, hidden
                  + 8 x n_heads x seq_len              float32 attention scores and probabilities, where attention
                                                       is materialised (XLA; cuDNN flash attention keeps none)
-               times L (with model.recompute_attention less c x (3 dim + 2 kv_dim) and the scores; with
+               times L (with model.recompute_attention less c x (2 dim + 2 kv_dim) and the scores; with
                model.remat: c x dim x L, the block inputs, plus one block's worth), plus the output
                layer: T x vocab_size x 10 (the logits in c, float32 logits and their gradient); a language
                model's LM head runs over chunks of positions (`qjax.models.lm_head`), so at most one chunk's
@@ -100,8 +100,8 @@ def activation_bytes(task, examples: int) -> int:
     causal = task.kind == "lm"  # the language models' attention is causal, the ViT's is not
     scores = 8 * c.n_heads * seq if attention_implementation(c, c.dim // c.n_heads, seq, causal) == "xla" else 0
     per_layer = elt * (6 * c.dim + 2 * kv + 3 * ffn) + scores
-    if getattr(c, "recompute_attention", False):  # attention's norm output, q, k, v and output recomputed
-        per_layer -= elt * (3 * c.dim + 2 * kv) + scores
+    if getattr(c, "recompute_attention", False) and not getattr(c, "remat", False):  # norm output, q, k, v
+        per_layer -= elt * (2 * c.dim + 2 * kv) + scores
     if getattr(c, "remat", False):
         blocks = tokens * (c.n_layers * elt * c.dim + per_layer)
     else:

@@ -191,6 +191,11 @@ def test_causal_gqa_and_remat():
     remats = lambda c: [e.primitive.name for e in jax.make_jaxpr(
         lambda p: models.Llama(c).apply({"params": p}, tokens))(params).jaxpr.eqns].count("remat2")
     assert remats(remat) == remat.n_layers and remats(gqa) == 0
+    # recompute_attention remats each attention; under remat it adds none inside the block's (counted at any depth)
+    nested = lambda c: str(jax.make_jaxpr(lambda p: models.Llama(c).apply({"params": p}, tokens))(params)).count(
+        "remat2")
+    assert nested(dataclasses.replace(gqa, recompute_attention=True)) == gqa.n_layers
+    assert nested(dataclasses.replace(remat, recompute_attention=True)) == nested(remat) == remat.n_layers
     assert jax.tree.structure(jax.eval_shape(models.Llama(remat).init, jax.random.key(1), tokens)["params"]) == \
         jax.tree.structure(params)
 
