@@ -37,6 +37,7 @@
 # 0-3, mean ± s.e. of each seed's difference to bf16; run as a second device_run.sh after the lanes),
 # dataflow-ablation-seed0 .. -seed3 / dataflow-ablation-seeds (the same for bf16, int8_dataflow_nosr and
 # int8_rowwise_sr: which of stochastic rounding and the 8-bit saved activations costs int8_dataflow its loss),
+# conv-seedN=RECIPE,RECIPE (those recipes, seed N, the same settings, nothing appended),
 # tests-moe (the ragged_dot, MXFP8 and MoE tests on the
 # GPU: XLA's grouped GEMMs on 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16 on
 # JAX's grouped kernels), moe-kernels (the grouped kernels' GPU tests; run "moe-kernels moe"), moe-wg-tests / moe-wg
@@ -226,6 +227,9 @@ step_command() {
                  "--size 125m" \
                  "--seq-len 1024 --batch-size 32 --steps 750 --lr 6e-4 --workdir /tmp/convergence --seeds $seeds" \
                  "$([ "${#seeds}" = 1 ] && echo --no-append --png /tmp/convergence_seed$seeds.png)" ;;
+        conv-seed[0-9]=*)  # conv-seedN=RECIPE,RECIPE...: those recipes at the default run's 125M settings, one seed
+            echo "python3 benchmarks/convergence.py --recipes ${1#*=} --size 125m --seq-len 1024 --batch-size 32" \
+                 "--steps 750 --lr 6e-4 --workdir /tmp/convergence --seeds ${1:9:1} --no-append --png /tmp/conv.png" | tr , ' ' ;;
         tests-bitnet) echo "python3 -m pytest -x -q -p no:cacheprovider -m gpu tests/test_bitnet.py" ;;
         bitnet) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
                      "int8_rowwise bitnet_b158 --no-peer" ;;
