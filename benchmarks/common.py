@@ -99,11 +99,10 @@ def append_results(title: str, report: str) -> None:
 
 def recipe_variant(name: str):
     """A recipe of `qjax.RECIPES` by name, or one of the benchmarks' variants of them (ablations, not public):
-    int8_fwd / int8_fwd_dgrad (int8_rowwise with wgrad, or dgrad and wgrad, in bf16), int8_fwd_dgrad_sr and
-    int8_rowwise_sr (stochastic rounding of the gradient operand, `qjax.with_stochastic_gradients`),
-    int8_dataflow_nosr (int8_dataflow's dgrad and wgrad rounded to nearest as int8_rowwise's: what stochastic
-    rounding does to the data flow's convergence), and any data-flow recipe + "_recompute"
-    (`Recipe.recompute_prologue_output`) or + "_recompute_w" (also `Recipe.recompute_weight_codes`)."""
+    int8_fwd / int8_fwd_dgrad (int8_rowwise with wgrad, or dgrad and wgrad, in bf16), any of these or a recipe +
+    "_sr" (stochastic rounding of the gradient operand, `qjax.with_stochastic_gradients`: int8_rowwise_sr,
+    int8_dataflow_sr as Jetfire rounds), and any data-flow recipe + "_recompute" (`Recipe.recompute_prologue_output`)
+    or + "_recompute_w" (also `Recipe.recompute_weight_codes`)."""
     import dataclasses
 
     import qjax
@@ -112,14 +111,11 @@ def recipe_variant(name: str):
         if name.endswith(suffix):
             return dataclasses.replace(qjax.recipe(name.removesuffix(suffix)), name=name,
                                        recompute_prologue_output=True, recompute_weight_codes=weights)
+    if name.endswith("_sr"):
+        return qjax.with_stochastic_gradients(recipe_variant(name.removesuffix("_sr")))
     int8 = qjax.recipe("int8_rowwise")
-    int8_fwd_dgrad = dataclasses.replace(int8, name="int8_fwd_dgrad", wgrad=None)
     variants = {
         "int8_fwd": dataclasses.replace(int8, name="int8_fwd", dgrad=None, wgrad=None),
-        "int8_fwd_dgrad": int8_fwd_dgrad,
-        "int8_fwd_dgrad_sr": qjax.with_stochastic_gradients(int8_fwd_dgrad),
-        "int8_rowwise_sr": qjax.with_stochastic_gradients(int8),
-        "int8_dataflow_nosr": dataclasses.replace(qjax.recipe("int8_dataflow"), name="int8_dataflow_nosr",
-                                                  dgrad=int8.dgrad, wgrad=int8.wgrad),
+        "int8_fwd_dgrad": dataclasses.replace(int8, name="int8_fwd_dgrad", wgrad=None),
     }
     return variants.get(name) or qjax.recipe(name)

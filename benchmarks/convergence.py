@@ -8,7 +8,7 @@ loss vs bf16 and a PNG.
       --seq-len 1024 --batch-size 32 --steps 600 --lr 6e-4      # GPT-2 small, Jetfire's setting; on a GPU
   python benchmarks/convergence.py --lr 6e-4 --recipes bf16 bitnet_b158@1.2e-3 bitnet_b158@2.4e-3   # own peak LRs
   python benchmarks/convergence.py --seeds 0 1 2 ...     # each recipe under seeds 0, 1, 2: mean and standard error
-  python benchmarks/convergence.py --recipes bf16 int8_dataflow_nosr int8_rowwise_sr   # ablations: variants that
+  python benchmarks/convergence.py --recipes bf16 int8_dataflow_sr int8_rowwise_sr   # ablations: variants that
       # qjax.RECIPES does not hold (benchmarks/common.py, recipe_variant)
 
 Each recipe trains from the same seed, data order and schedule (`qjax.train.train`, workdir

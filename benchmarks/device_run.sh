@@ -35,8 +35,9 @@
 # recipes, with int8_rowwise as the GEMM-only control, under one seed, not appended: one lane each) then
 # dataflow-conv-seeds (reuses them: the table over seeds
 # 0-3, mean ± s.e. of each seed's difference to bf16; run as a second device_run.sh after the lanes),
-# dataflow-ablation-seed0 .. -seed3 / dataflow-ablation-seeds (the same for bf16, int8_dataflow_nosr and
-# int8_rowwise_sr: which of stochastic rounding and the 8-bit saved activations costs int8_dataflow its loss),
+# dataflow-ablation-seed0 .. -seed3 / dataflow-ablation-seeds (the same for bf16, int8_dataflow_sr and
+# int8_rowwise_sr: what Jetfire's stochastic rounding of the gradients costs), dataflow-sr (speed: bf16,
+# int8_dataflow and int8_dataflow_sr),
 # conv-seedN=RECIPE,RECIPE (those recipes, seed N, the same settings, nothing appended),
 # tests-moe (the ragged_dot, MXFP8 and MoE tests on the
 # GPU: XLA's grouped GEMMs on 8-bit operands), moe (benchmarks/ragged.py: MoE grouped GEMMs per recipe vs bf16 on
@@ -197,6 +198,8 @@ step_command() {
                            "--warmup 2 --no-peer" ;;
         dataflow-b16-int8) echo "python3 benchmarks/train.py --rows int8_dataflow+adamw_fp8 --batch 16 --steps 5" \
                                 "--warmup 2 --no-peer" ;;
+        dataflow-sr) echo "python3 benchmarks/train.py --rows bf16 int8_dataflow int8_dataflow_sr --steps 5" \
+                          "--warmup 2 --no-peer" ;;
         dataflow-ab) echo "python3 benchmarks/train.py --rows int8_rowwise int8_dataflow --steps 5 --warmup 2" \
                            "--no-peer" ;;
         dataflow-recompute) echo "python3 benchmarks/train.py --rows int8_dataflow int8_dataflow_recompute --steps 5" \
@@ -222,7 +225,7 @@ step_command() {
             # one seed per lane, then the table over seeds 0-3
             seeds=${1##*-seed}; [ "$seeds" = s ] && seeds="0 1 2 3"
             recipes="bf16 int8_dataflow fp8_dataflow int8_rowwise"
-            [[ $1 == dataflow-ablation-* ]] && recipes="bf16 int8_dataflow_nosr int8_rowwise_sr"
+            [[ $1 == dataflow-ablation-* ]] && recipes="bf16 int8_dataflow_sr int8_rowwise_sr"
             echo "python3 benchmarks/convergence.py --recipes $recipes" \
                  "--size 125m" \
                  "--seq-len 1024 --batch-size 32 --steps 750 --lr 6e-4 --workdir /tmp/convergence --seeds $seeds" \

@@ -40,7 +40,7 @@ import time  # noqa: E402
 ROWS = ("bf16", "int8_fwd", "int8_fwd_dgrad", "int8_rowwise", "int8_fwd_dgrad_sr", "int8_rowwise_sr",
         "fp8_tensorwise", "fp8_blockwise", "bitnet_b158", "int8_rowwise_int8_params", "int8_rowwise_bf16_params_sr",
         "int8_rowwise@xla", "fp8_tensorwise@xla", "fp8_dataflow", "int8_dataflow", "fp8_rowwise",
-        "int8_dataflow_recompute", "int8_dataflow_recompute_w")
+        "int8_dataflow_recompute", "int8_dataflow_recompute_w", "int8_dataflow_sr")
 # Rows whose params are not float32: row -> (config.model.param_dtype, config.optimizer.stochastic_rounding); their
 # recipe is int8_rowwise.
 PARAM_ROWS = {"int8_rowwise_int8_params": ("int8", False), "int8_rowwise_bf16_params_sr": ("bfloat16", True)}

@@ -37,13 +37,14 @@ def test_semantics_match_design_table():
     assert (blockwise.dgrad.lhs.granularity, blockwise.dgrad.rhs.granularity) == ("1x128", "128x128")
     assert (blockwise.wgrad.lhs.granularity, blockwise.wgrad.rhs.granularity) == ("1x128", "1x128")
     assert qjax.recipe("int8_blockwise").fwd.lhs.dtype == "int8"
-    # Only Jetfire's flow rounds (its gradients) stochastically; every other named recipe is deterministic.
-    assert [name for name, r in qjax.RECIPES.items() if r.needs_key] == ["int8_dataflow"]
+    # Every named recipe rounds to nearest (int8_dataflow too: Jetfire's stochastic gradients cost it loss, so they
+    # are the opt-in with_stochastic_gradients); the data-flow recipes' GEMMs are those of their base recipes.
+    assert [name for name, r in qjax.RECIPES.items() if r.needs_key] == []
     for name, base in (("fp8_dataflow", "fp8_tensorwise"), ("int8_dataflow", "int8_rowwise")):
-        flow = qjax.recipe(name)
-        assert flow.fwd == qjax.recipe(base).fwd and flow.saved.granularity == "row"
+        flow, gemms = qjax.recipe(name), qjax.recipe(base)
+        assert (flow.fwd, flow.dgrad, flow.wgrad) == (gemms.fwd, gemms.dgrad, gemms.wgrad)
+        assert flow.saved.granularity == "row"
     assert (qjax.recipe("fp8_dataflow").saved_group, qjax.recipe("int8_dataflow").saved_group) == (16, 32)
-    assert qjax.recipe("int8_dataflow").dgrad.lhs.stochastic and not qjax.recipe("int8_dataflow").dgrad.rhs.stochastic
 
 
 def test_frozen_and_replace():

@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+import qjax
 from qjax import models
 from qjax.models import lm_head as lhl
 
@@ -132,4 +133,4 @@ def test_bad_input():
         lhl.lm_head_loss(config, params, hidden, targets.astype(jnp.float32))
     with pytest.raises(ValueError, match="pass lm_head_loss a key"):
         lhl.chunked_cross_entropy(hidden, jnp.zeros((config.dim, 8)), targets, jnp.ones(targets.shape),
-                                  recipe="int8_dataflow")
+                                  recipe=qjax.with_stochastic_gradients(qjax.recipe("int8_rowwise")))
