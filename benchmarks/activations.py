@@ -3,11 +3,13 @@
   python benchmarks/activations.py                      # 1.1B block ("1b"), batch 1 x seq 2048, abstract inputs
   python benchmarks/activations.py --size tiny --seq 64 --recipes bf16,int8_rowwise --append
   python benchmarks/activations.py --recipes bf16,int8_dataflow,int8_dataflow_recompute
+  python benchmarks/activations.py --recipes bf16,int8_dataflow,int8_dataflow:recompute_attention
 
 Recipes are named as benchmarks/common.py's `recipe_variant` names them: a data-flow recipe followed by
 "_recompute" is that recipe with `Recipe.recompute_prologue_output` (the fused norms' and SwiGLU's outputs
 recomputed in the backward instead of saved); "_recompute_w" also with `Recipe.recompute_weight_codes` (the
-weights' dgrad codes re-quantized in the backward).
+weights' dgrad codes re-quantized in the backward). Any name may end in ":recompute_attention"
+(`LlamaConfig.recompute_attention`: the block input saved instead of attention's inputs).
 
 Traces the vjp of one `qjax.models.llama.Block` on ShapeDtypeStruct inputs (nothing is computed, so it runs on
 CPU in a few seconds at any size) and prints, per recipe, a table of the residuals grouped by where they come
@@ -92,7 +94,11 @@ def report(config: llama.LlamaConfig, recipes: list[str], batch: int, seq: int) 
     sections, totals = [], {}
     for name in recipes:
         rows = collections.defaultdict(lambda: [0, 0])  # (kind, source, shape, dtype) -> [count, bytes]
-        for kind, aval, source in classify(dataclasses.replace(config, recipe=recipe_variant(name)), batch, seq):
+        recipe_name, _, option = name.partition(":")
+        if option not in ("", "recompute_attention"):
+            raise ValueError(f"unknown option {option!r} in {name!r}: the only one is ':recompute_attention'")
+        variant = dataclasses.replace(config, recipe=recipe_variant(recipe_name), recompute_attention=bool(option))
+        for kind, aval, source in classify(variant, batch, seq):
             row = rows[(kind, source, aval.shape, str(aval.dtype))]
             row[0] += 1
             row[1] += nbytes(aval)
