@@ -65,8 +65,8 @@
 # On a machine with several GPUs, "A B -- C D" runs the lanes A B and C D at the same time, one GPU each.
 # Steps: profile-int8-dataflow (benchmarks/profile_train.py of the 1.1B int8_dataflow row),
 # dataflow-mem (bf16 and the 1.1B data-flow rows, int8_dataflow also with adamw_fp8 states: speed
-# and peak memory against bf16), dataflow-b16 (batch 16 x 2048: bf16 against int8_dataflow with adamw_fp8 states; dataflow-b16-int8 the
-# int8_dataflow row alone: bf16 runs out of memory at this batch on an H100),
+# and peak memory against bf16), dataflow-b16 (batch 16 x 2048: bf16 against int8_dataflow with adamw_fp8 states;
+# dataflow-b16-int8 the int8_dataflow row alone: bf16 runs out of memory at this batch on an H100),
 # dataflow-ab (int8_rowwise against int8_dataflow: what the data flow costs), dataflow-recompute (int8_dataflow
 # against int8_dataflow_recompute, the prologue outputs recomputed for wgrad: speed and peak memory),
 # dataflow-mem-recompute (bf16 against int8_dataflow_recompute with optax and with adamw_fp8 states: issue 28's
