@@ -4,7 +4,7 @@
     python benchmarks/sr_cost.py --interpret --shapes 256x256        # CPU smoke test (times meaningless)
 
 The int8 row pair (`quantize_mgpu.quantize_pair_kernel`, amax + tile kernels, both sides stochastic, as
-int8_dataflow quantizes the gradients) is timed with rounding to nearest, with the library's stochastic rounding
+int8_dataflow_sr quantizes the gradients) is timed with rounding to nearest, with the library's stochastic rounding
 (`stochastic.paired_bits`: one hash per two elements), and with the kernel's bits swapped at trace time for
 variants that exist only to be timed: one hash per element (the library's bits before issue 28), and paired bits
 with the hash replaced by index ^ seed (no mixing: what any cheaper hash could at most save). The differences

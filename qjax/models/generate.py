@@ -73,7 +73,7 @@ def _generate(config, params, prompt, max_new_tokens, temperature, top_k, top_p,
         token = _next_token(logits[:, -1], jax.random.fold_in(key, i), temperature, top_k, top_p)
         return jnp.where(done, eos, token)
 
-    # The "quant" stream: recipes that round stochastically (int8_dataflow's gradients) ask for it even in a
+    # The "quant" stream: recipes that round stochastically (qjax.with_stochastic_gradients) ask for it even in a
     # forward; its bits do not touch nearest-rounded forward GEMMs.
     quant = jax.random.fold_in(key, 0xFFFFFFFF)  # not a token index i
     logits, cache = model.apply({"params": params}, prompt, mutable=["cache"], rngs={"quant": quant})  # prefill

@@ -120,7 +120,7 @@ def block_inits(config: GPT2Config) -> vit.BlockInits:
 class GPT2(nn.Module):
     """tokens int (B, T), T <= max_seq_len -> logits float32 (B, T, vocab_size).
 
-    Recipes that round stochastically (int8_dataflow) draw keys from the "quant" RNG stream:
+    Recipes that round stochastically (qjax.with_stochastic_gradients) draw keys from the "quant" RNG stream:
     apply(..., rngs={"quant": key}).
     """
 

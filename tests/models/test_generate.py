@@ -146,9 +146,10 @@ def test_int8_weight_only_generate():
 
 
 def test_generate_runs_recipes_that_round_stochastically():
-    """int8_dataflow asks for a "quant" key (its gradients round stochastically); its forward is int8_rowwise's."""
+    """int8_dataflow with Jetfire's stochastic gradients asks for a "quant" key; its forward is int8_rowwise's."""
     config = models.llama_config("tiny", recipe="int8_rowwise")
     prompt = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
     params = models.Llama(config).init(jax.random.key(0), prompt)["params"]
-    flow = models.generate(dataclasses.replace(config, recipe="int8_dataflow"), params, prompt, max_new_tokens=4)
+    jetfire = qjax.with_stochastic_gradients(qjax.recipe("int8_dataflow"))
+    flow = models.generate(dataclasses.replace(config, recipe=jetfire), params, prompt, max_new_tokens=4)
     np.testing.assert_array_equal(flow, models.generate(config, params, prompt, max_new_tokens=4))
