@@ -232,7 +232,7 @@ step_command() {
                  "$([ "${#seeds}" = 1 ] && echo --no-append --png /tmp/convergence_seed$seeds.png)" ;;
         conv-seed[0-9]=*)  # conv-seedN=RECIPE,RECIPE...: those recipes at the default run's 125M settings, one seed
             echo "python3 benchmarks/convergence.py --recipes ${1#*=} --size 125m --seq-len 1024 --batch-size 32" \
-                 "--steps 750 --lr 6e-4 --workdir /tmp/convergence --seeds ${1:9:1} --no-append --png /tmp/conv.png" | tr , ' ' ;;
+                 "--steps 750 --lr 6e-4 --workdir /tmp/convergence --seeds ${1:9:1} --no-append --png $OUT/conv-seed${1:9:1}.png" | tr , ' ' ;;
         tests-bitnet) echo "python3 -m pytest -x -q -p no:cacheprovider -m gpu tests/test_bitnet.py" ;;
         bitnet) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
                      "int8_rowwise bitnet_b158 --no-peer" ;;
