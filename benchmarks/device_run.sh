@@ -55,7 +55,8 @@
 # vs bitnet_b158: carry "data"; bitnet-conv-lr after it adds bitnet_b158 at 2x bf16's LR, reusing its runs;
 # bitnet-conv-2x: bf16 and bitnet_b158 at 2x bf16's LR alone),
 # gpt2-conv (GPT-2 small, 600 steps of 32 x 1024 bytes, bf16 vs the data-flow recipes, Jetfire's setting: carry
-# "data"; convergence_gpt2.png comes back in $OUT), fsdp1 (the 1.1B bf16 and int8_rowwise rows with the default mesh,
+# "data"; convergence_gpt2.png comes back in $OUT; gpt2-conv=R1,R2 runs those recipes alone, not appended, so lanes
+# can share the runs and a gpt2-conv after them reuses them), fsdp1 (the 1.1B bf16 and int8_rowwise rows with the default mesh,
 # fsdp=1 on one GPU: "fsdp1 fsdp1@base" is the before/after of the mesh code on one GPU), bitnet-fsdp (several
 # GPUs: the 1B train step over fsdp=all, int8_rowwise vs bitnet_b158 with its ternary codes gathered packed 2 bits
 # each vs the float weights gathered), bitnet-bf16-bwd (linear bitnet_b158 vs bitnet_b158_bf16_bwd, no peer).
@@ -255,9 +256,11 @@ step_command() {
         hf-generate) echo "python3 benchmarks/generate.py" ;;
         hf-generate-int8) echo "python3 benchmarks/generate.py --rows bf16 int8_rowwise" ;;
         hf-finetune) echo "python3 benchmarks/finetune.py --steps 300" ;;
-        gpt2-conv) echo "python3 benchmarks/convergence.py --model gpt2 --size gpt2 --recipes bf16 int8_dataflow" \
-                        "fp8_dataflow --seq-len 1024 --batch-size 32 --steps 600 --lr 6e-4" \
-                        "--workdir /tmp/convergence" ;;
+        gpt2-conv|gpt2-conv=*)  # gpt2-conv=R1,R2: those recipes alone, not appended (one lane each, then gpt2-conv)
+            recipes="bf16 int8_dataflow int8_dataflow_sr fp8_dataflow" append=""
+            [[ $1 == *=* ]] && recipes=$(echo "${1#*=}" | tr , ' ') append="--no-append --png /tmp/gpt2-${1#*=}.png"
+            echo "python3 benchmarks/convergence.py --model gpt2 --size gpt2 --recipes $recipes" \
+                 "--seq-len 1024 --batch-size 32 --steps 600 --lr 6e-4 --workdir /tmp/convergence $append" ;;
         fsdp1) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --warmup 2 --no-peer" ;;
         tests-mesh-gpu) echo "env XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -p no:cacheprovider -m gpu" \
                              "tests/test_mesh_gpu.py" ;;
