@@ -56,7 +56,8 @@
 # bitnet-conv-2x: bf16 and bitnet_b158 at 2x bf16's LR alone),
 # gpt2-conv (GPT-2 small, 600 steps of 32 x 1024 bytes, bf16 vs the data-flow recipes, Jetfire's setting: carry
 # "data"; convergence_gpt2.png comes back in $OUT; gpt2-conv=R1,R2 runs those recipes alone, not appended, so lanes
-# can share the runs and a gpt2-conv after them reuses them), fsdp1 (the 1.1B bf16 and int8_rowwise rows with the default mesh,
+# can share the runs and a gpt2-conv after them reuses them), fsdp1 (the 1.1B bf16 and int8_rowwise rows with the
+# default mesh,
 # fsdp=1 on one GPU: "fsdp1 fsdp1@base" is the before/after of the mesh code on one GPU), bitnet-fsdp (several
 # GPUs: the 1B train step over fsdp=all, int8_rowwise vs bitnet_b158 with its ternary codes gathered packed 2 bits
 # each vs the float weights gathered), bitnet-bf16-bwd (linear bitnet_b158 vs bitnet_b158_bf16_bwd, no peer).
@@ -100,7 +101,7 @@
 # (benchmarks/scaling.py; scaling-8b-int8 its int8_rowwise row alone; scaling-8b-b8-bf16 / scaling-8b-b8-int8 one
 # row at global batch 8 with GPU 0's profile, scaling-8b-b8-int8-bf16gather the int8 row gathering bf16 weights
 # (issue 24's 8-bit against bf16 gather); scaling-8b-b16-bf16 / -int8 / -int8-bf16gather: the same rows at global
-# batch 16; scaling-8b-b16-fp8 the fp8_tensorwise row),
+# batch 16; scaling-8b-b16-fp8 the fp8_tensorwise row, scaling-8b-b16-dataflow the int8_dataflow row),
 # torch-fsdp (benchmarks/torch_fsdp_peer.py: torchrun, FSDP2, bf16 vs
 # torchao float8; torch-fsdp-8b: the 8b preset's shape at global batch 8, the qjax 8B rows' peer).
 set -o pipefail
@@ -276,11 +277,11 @@ step_command() {
         scaling-8b-int8) echo "python3 benchmarks/scaling.py --size 8b --batch 4 --remat --param-dtype bfloat16 --sr" \
                               "--optimizer adamw_8bit --rows int8_rowwise --steps 3 --warmup 1" ;;
         scaling-8b-b8-bf16|scaling-8b-b8-int8|scaling-8b-b8-int8-bf16gather|scaling-8b-b16-bf16|\
-        scaling-8b-b16-int8|scaling-8b-b16-int8-bf16gather|scaling-8b-b16-fp8)  # one 8B row each: 2-4 min
+        scaling-8b-b16-int8|scaling-8b-b16-int8-bf16gather|scaling-8b-b16-fp8|scaling-8b-b16-dataflow)  # 2-5 min each
             batch=${1#scaling-8b-b}; batch=${batch%%-*}
             case "$1" in
                 *-bf16) row=bf16 ;; *-int8) row=int8_rowwise ;; *-int8-bf16gather) row=int8_rowwise:bf16 ;;
-                *-fp8) row=fp8_tensorwise ;;
+                *-fp8) row=fp8_tensorwise ;; *-dataflow) row=int8_dataflow ;;
             esac
             profile=""; [ "$batch" = 8 ] && profile="--profile 40"  # GPU 0's profile at batch 8 only (b16: time)
             echo "python3 benchmarks/scaling.py --size 8b --batch $batch --remat --param-dtype bfloat16 --sr" \

@@ -10,6 +10,7 @@ backend), so it works over ssh and in CI.
 import argparse
 import os
 import sys
+import textwrap
 
 import matplotlib
 
@@ -51,7 +52,7 @@ def plot_runs(workdirs: list[str], out: str, title: str | None = None) -> str:
             ax.plot(*zip(*evals), "o--", color=color, label=f"{name} eval", markersize=4)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(title or ", ".join(runs))
+    ax.set_title(textwrap.fill(title or ", ".join(runs), 75))  # a long recipe list wraps, not cut at the edge
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
