@@ -101,18 +101,23 @@ def recipe_variant(name: str):
     """A recipe of `qjax.RECIPES` by name, or one of the benchmarks' variants of them (ablations, not public):
     int8_fwd / int8_fwd_dgrad (int8_rowwise with wgrad, or dgrad and wgrad, in bf16), any of these or a recipe +
     "_sr" (stochastic rounding of the gradient operand, `qjax.with_stochastic_gradients`: int8_rowwise_sr,
-    int8_dataflow_sr as Jetfire rounds), and any data-flow recipe + "_recompute" (`Recipe.recompute_prologue_output`)
-    or + "_recompute_w" (also `Recipe.recompute_weight_codes`)."""
+    int8_dataflow_sr as Jetfire rounds; a recipe whose gradients are bf16 raises ValueError), and any data-flow recipe
+    or its "_sr" + "_recompute" (`Recipe.recompute_prologue_output`) or + "_recompute_w" (also
+    `Recipe.recompute_weight_codes`)."""
     import dataclasses
 
     import qjax
 
     for suffix, weights in (("_recompute_w", True), ("_recompute", False)):
         if name.endswith(suffix):
-            return dataclasses.replace(qjax.recipe(name.removesuffix(suffix)), name=name,
+            return dataclasses.replace(recipe_variant(name.removesuffix(suffix)), name=name,
                                        recompute_prologue_output=True, recompute_weight_codes=weights)
     if name.endswith("_sr"):
-        return qjax.with_stochastic_gradients(recipe_variant(name.removesuffix("_sr")))
+        base = recipe_variant(name.removesuffix("_sr"))
+        if base.dgrad is None and base.wgrad is None:
+            raise ValueError(f"recipe {name!r}: {base.name} has no quantized gradient GEMM to round stochastically; "
+                             f"drop the '_sr'")
+        return qjax.with_stochastic_gradients(base)
     int8 = qjax.recipe("int8_rowwise")
     variants = {
         "int8_fwd": dataclasses.replace(int8, name="int8_fwd", dgrad=None, wgrad=None),

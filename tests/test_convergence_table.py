@@ -1,11 +1,15 @@
-"""benchmarks/convergence.py's table: one seed gives each recipe's difference to bf16; several give each seed's
-difference to bf16's run of the same seed and their mean ± standard error."""
+"""benchmarks/convergence.py's table and the recipe names it takes (common.recipe_variant). The table: one seed
+gives each recipe's difference to bf16; several give each seed's difference to bf16's run of the same seed and their
+mean ± standard error."""
 
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import convergence  # noqa: E402
+from common import recipe_variant  # noqa: E402
 
 
 def test_one_seed():
@@ -23,3 +27,13 @@ def test_seeds_are_paired_with_bf16():
 
 def test_no_bf16_baseline():
     assert convergence.table({"int8_rowwise": [(5, 3.0), (5, 3.1)]})[2] == "| int8_rowwise | 5 | 3.0500 | – | – |"
+
+
+def test_recipe_variant_names():
+    # The benchmarks' ablation names: suffixes compose, and an "_sr" that would round nothing is refused.
+    r = recipe_variant("int8_dataflow_sr_recompute")
+    assert r.recompute_prologue_output and r.dgrad.lhs.stochastic and r.wgrad.lhs.stochastic
+    assert not recipe_variant("int8_dataflow_recompute").dgrad.lhs.stochastic
+    for name in ("bf16_sr", "int8_fwd_sr"):
+        with pytest.raises(ValueError, match="no quantized gradient GEMM.*drop the '_sr'"):
+            recipe_variant(name)

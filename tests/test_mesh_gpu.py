@@ -36,6 +36,7 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 KERNELS = textwrap.dedent("""
     import warnings
     import jax, numpy as np
+    import qjax
     from configs import llama_base
     from qjax import dispatch
     from qjax.train import make_mesh, make_task, make_train_step
@@ -51,12 +52,17 @@ KERNELS = textwrap.dedent("""
     batch = {"inputs": rng.randint(0, 256, (8, SEQ)).astype(np.int32),
              "targets": rng.randint(0, 256, (8, SEQ)).astype(np.int32)}
     cases = (("bf16", "fsdp"), ("int8_rowwise", "fsdp"), ("int8_rowwise", "fsdp_tensor2"),
-             ("fp8_tensorwise", "fsdp"), ("int8_dataflow", "fsdp"))
+             ("fp8_tensorwise", "fsdp"), ("int8_dataflow", "fsdp"), ("int8_dataflow_sr", "fsdp"))
     meshes = {"fsdp": dict(fsdp=N), "fsdp_tensor2": dict(fsdp=N // 2, tensor=2)}
     for recipe, name in cases:
         c = llama_base.get_config()
         c.model.update(size="tiny", n_layers=1, dim=128, n_heads=2, n_kv_heads=1, ffn_dim=256, vocab_size=256)
-        c.batch_size, c.seq_len, c.steps, c.recipe = 8, SEQ, 4, recipe
+        c.batch_size, c.seq_len, c.steps = 8, SEQ, 4
+        if recipe == "int8_dataflow_sr":  # Jetfire's stochastic gradients: a Recipe, not a name
+            del c.recipe
+            c.recipe = qjax.with_stochastic_gradients(qjax.recipe("int8_dataflow"))
+        else:
+            c.recipe = recipe
         c.optimizer.warmup_steps = 1
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -71,7 +77,7 @@ KERNELS = textwrap.dedent("""
         print(recipe, name, "ok")
 """)
 KERNELS_EXPECTED = ["bf16", "fsdp", "ok", "int8_rowwise", "fsdp", "ok", "int8_rowwise", "fsdp_tensor2", "ok",
-                    "fp8_tensorwise", "fsdp", "ok", "int8_dataflow", "fsdp", "ok"]
+                    "fp8_tensorwise", "fsdp", "ok", "int8_dataflow", "fsdp", "ok", "int8_dataflow_sr", "fsdp", "ok"]
 
 
 def _env(cpu_devices: int = 0) -> dict:

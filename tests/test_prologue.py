@@ -21,6 +21,9 @@ from qjax.prologue import prologue_dot
 
 M, D, F = 256, 128, 192
 KEY = jax.random.key(7)
+# The data-flow recipes, and int8_dataflow with Jetfire's stochastic rounding of the gradients (SR's key path).
+DATAFLOW = ["fp8_dataflow", "int8_dataflow",
+            pytest.param(qjax.with_stochastic_gradients(qjax.recipe("int8_dataflow")), id="int8_dataflow_sr")]
 
 
 def _inputs(dtype=jnp.bfloat16):
@@ -67,7 +70,7 @@ def _case(name, make_op, has_scale):
     return op, x, ((scale,) if has_scale else ()), kernel
 
 
-@pytest.mark.parametrize("recipe", ["fp8_dataflow", "int8_dataflow"])
+@pytest.mark.parametrize("recipe", DATAFLOW)
 @pytest.mark.parametrize("name,make_op,has_scale", CASES)
 def test_forward_and_wgrad_bit_exact_dgrad_close(recipe, name, make_op, has_scale):
     op, x, params, kernel = _case(name, make_op, has_scale)
@@ -87,7 +90,7 @@ def _recomputing(recipe):
     return dataclasses.replace(qjax.recipe(recipe), recompute_prologue_output=True)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_dataflow", "int8_dataflow"])
+@pytest.mark.parametrize("recipe", DATAFLOW)
 @pytest.mark.parametrize("name,make_op,has_scale", CASES)
 def test_recomputed_output_changes_only_wgrad(recipe, name, make_op, has_scale):
     op, x, params, kernel = _case(name, make_op, has_scale)
@@ -101,6 +104,16 @@ def test_recomputed_output_changes_only_wgrad(recipe, name, make_op, has_scale):
     # e4m3 1x16, ~36-40 dB int8 1x32 against the saved-codes wgrad).
     floor = 25 if recipe == "fp8_dataflow" else 33
     assert snr_db(want[2].astype(jnp.float32), got[2].astype(jnp.float32)) > floor
+
+
+def test_stochastic_gradients_reach_the_fused_backward():
+    # Jetfire's SR of the gradient operand: the fused backward's wgrad must round as the unfused one does (same key),
+    # and differently from round-to-nearest, else the SR recipe would silently train as int8_dataflow.
+    op, x, params, kernel = _case(*CASES[0])
+    sr = DATAFLOW[2].values[0]
+    grad = lambda f: jax.grad(_loss(f), argnums=2)(x, params, kernel)
+    np.testing.assert_array_equal(np.asarray(grad(_fused(op, sr))), np.asarray(grad(_unfused(op, sr))))
+    assert not np.array_equal(np.asarray(grad(_fused(op, sr))), np.asarray(grad(_fused(op, "int8_dataflow"))))
 
 
 def test_recomputed_output_under_jit_and_scan():
@@ -123,7 +136,7 @@ def test_without_saved_spec_equals_unfused_exactly():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("recipe", ["fp8_dataflow", "int8_dataflow"])
+@pytest.mark.parametrize("recipe", DATAFLOW)
 @pytest.mark.parametrize("case", [CASES[0], CASES[2]], ids=["rms_norm", "swiglu"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["output_saved", "output_recomputed"])
 def test_saves_only_8bit_activations(recipe, case, recompute):
@@ -140,7 +153,7 @@ def test_saves_only_8bit_activations(recipe, case, recompute):
     assert sorted(eight_bit) == sorted([x.size] + output), residuals
 
 
-@pytest.mark.parametrize("recipe", ["fp8_dataflow", "int8_dataflow"])
+@pytest.mark.parametrize("recipe", DATAFLOW)
 def test_nan_stays_visible(recipe):
     op, x, params, kernel = _case(*CASES[0])
     x = x.at[0, 3, 5].set(jnp.nan)
