@@ -12,8 +12,8 @@ loss vs bf16 and a PNG.
       # qjax.RECIPES does not hold (benchmarks/common.py, recipe_variant)
 
 Each recipe trains from the same seed, data order and schedule (`qjax.train.train`, workdir
-runs/convergence/<model-size-steps-batch-seq-lr>/<recipe>; a finished run with the same settings is reused). A
-recipe written RECIPE@LR (its workdir named so) trains at peak learning rate LR instead of --lr, the schedule's
+runs/convergence/<model-size-steps-batch-seq-lr>/<recipe>; a finished run with the same settings and the same
+recipe definition, recorded in its recipe.txt, is reused). A recipe written RECIPE@LR (its workdir named so) trains at peak learning rate LR instead of --lr, the schedule's
 shape unchanged (BitNet b1.58 trains at a higher LR than its full-precision baseline: configs/llama_bitnet.py).
 Prints the final eval loss per recipe and its relative difference to bf16 (target: within 1%), appends the table to
 RESULTS.md, and plots the train and eval loss curves to benchmarks/convergence.png (GPT-2:
@@ -103,6 +103,7 @@ def main():
             name = entry if seed == 0 else f"{entry}-seed{seed}"  # the name labels its curves in the PNG
             workdir = pathlib.Path(args.workdir) / tag / name
             print(f"== {name} -> {workdir}", flush=True)
+            check_same_recipe(workdir, qjax.recipe(config.recipe))
             train(config, str(workdir))
             if seed == args.seeds[0]:
                 workdirs.append(str(workdir))
@@ -125,6 +126,21 @@ def main():
     report += f"\nLoss curves: benchmarks/{png.name}\n"
     if not args.no_append:
         append_results("convergence" if args.model == "llama" else f"convergence, {label}", report)
+
+
+def check_same_recipe(workdir: pathlib.Path, recipe) -> None:
+    """Records the recipe's full definition in workdir/recipe.txt, and exits with an error if the file holds another:
+    a finished run is reused by name, and a name whose definition changed (int8_dataflow's gradient rounding did)
+    must not pass an old run off as the new recipe's."""
+    marker, spec = workdir / "recipe.txt", repr(recipe) + "\n"
+    if marker.exists() and marker.read_text() != spec:
+        sys.exit(f"error: {workdir} holds a run of another definition of {recipe.name!r}: pass a new --workdir "
+                 f"(or delete that run)")
+    if not marker.exists() and (workdir / "config.json").exists():
+        sys.exit(f"error: {workdir} holds a run that did not record its recipe's definition: pass a new --workdir "
+                 f"(or delete that run)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    marker.write_text(spec)
 
 
 def table(finals: dict) -> list[str]:

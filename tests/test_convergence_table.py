@@ -37,3 +37,16 @@ def test_recipe_variant_names():
     for name in ("bf16_sr", "int8_fwd_sr"):
         with pytest.raises(ValueError, match="no quantized gradient GEMM.*drop the '_sr'"):
             recipe_variant(name)
+
+
+def test_a_run_is_reused_only_under_the_same_recipe_definition(tmp_path):
+    nearest, stochastic = recipe_variant("int8_dataflow"), recipe_variant("int8_dataflow_sr")
+    run = tmp_path / "int8_dataflow"
+    convergence.check_same_recipe(run, nearest)
+    convergence.check_same_recipe(run, nearest)  # the same definition: reused
+    with pytest.raises(SystemExit, match="another definition of 'int8_dataflow_sr'.*new --workdir"):
+        convergence.check_same_recipe(run, stochastic)
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="did not record its recipe's definition"):
+        convergence.check_same_recipe(tmp_path / "old", nearest)
