@@ -101,7 +101,7 @@ def recipe_variant(name: str):
     """A recipe of `qjax.RECIPES` by name, or one of the benchmarks' variants of them (ablations, not public):
     int8_fwd / int8_fwd_dgrad (int8_rowwise with wgrad, or dgrad and wgrad, in bf16), any of these or a recipe +
     "_sr" (stochastic rounding of the gradient operand, `qjax.with_stochastic_gradients`: int8_rowwise_sr,
-    int8_dataflow_sr as Jetfire rounds; a recipe whose gradients are bf16 raises ValueError), and any data-flow recipe
+    int8_dataflow_sr as Jetfire rounds; an '_sr' that changes nothing raises ValueError), and any data-flow recipe
     or its "_sr" + "_recompute" (`Recipe.recompute_prologue_output`) or + "_recompute_w" (also
     `Recipe.recompute_weight_codes`)."""
     import dataclasses
@@ -114,10 +114,11 @@ def recipe_variant(name: str):
                                        recompute_prologue_output=True, recompute_weight_codes=weights)
     if name.endswith("_sr"):
         base = recipe_variant(name.removesuffix("_sr"))
-        if base.dgrad is None and base.wgrad is None:
-            raise ValueError(f"recipe {name!r}: {base.name} has no quantized gradient GEMM to round stochastically; "
-                             f"drop the '_sr'")
-        return qjax.with_stochastic_gradients(base)
+        sr = qjax.with_stochastic_gradients(base)
+        if (sr.dgrad, sr.wgrad) == (base.dgrad, base.wgrad):
+            raise ValueError(f"recipe {name!r}: {base.name}'s gradient GEMMs are bf16 or already stochastic, so '_sr' "
+                             "would change nothing; drop it")
+        return sr
     int8 = qjax.recipe("int8_rowwise")
     variants = {
         "int8_fwd": dataclasses.replace(int8, name="int8_fwd", dgrad=None, wgrad=None),

@@ -13,8 +13,10 @@ loss vs bf16 and a PNG.
 
 Each recipe trains from the same seed, data order and schedule (`qjax.train.train`, workdir
 runs/convergence/<model-size-steps-batch-seq-lr>/<recipe>; a finished run with the same settings and the same
-recipe definition, recorded in its recipe.txt, is reused). A recipe written RECIPE@LR (its workdir named so) trains at peak learning rate LR instead of --lr, the schedule's
-shape unchanged (BitNet b1.58 trains at a higher LR than its full-precision baseline: configs/llama_bitnet.py).
+recipe definition, recorded in its recipe.txt, is reused; another definition under the name stops the script before
+any run trains). A recipe written RECIPE@LR (its workdir named so) trains at peak learning rate LR instead of --lr,
+the schedule's shape unchanged (BitNet b1.58 trains at a higher LR than its full-precision baseline:
+configs/llama_bitnet.py).
 Prints the final eval loss per recipe and its relative difference to bf16 (target: within 1%), appends the table to
 RESULTS.md, and plots the train and eval loss curves to benchmarks/convergence.png (GPT-2:
 benchmarks/convergence_gpt2.png). With several --seeds each recipe runs under each seed (init, data order,
@@ -77,7 +79,7 @@ def main():
         parser.error("--recipes needs at least one recipe, e.g. --recipes bf16 int8_dataflow")
     if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds):
         parser.error(f"--seeds must be distinct non-negative integers, got {args.seeds}")
-    workdirs, finals = [], {}  # finals: entry -> [(final step, final eval loss) per seed]
+    runs = []  # (entry, seed, name, config, workdir), every workdir checked before any run trains
     for entry, (recipe, recipe_lr) in entries.items():
         for seed in args.seeds:
             config = base_config.get_config()
@@ -102,12 +104,16 @@ def main():
                    f"-lr{config.optimizer.lr:g}")
             name = entry if seed == 0 else f"{entry}-seed{seed}"  # the name labels its curves in the PNG
             workdir = pathlib.Path(args.workdir) / tag / name
-            print(f"== {name} -> {workdir}", flush=True)
             check_same_recipe(workdir, qjax.recipe(config.recipe))
-            train(config, str(workdir))
-            if seed == args.seeds[0]:
-                workdirs.append(str(workdir))
-            finals.setdefault(entry, []).append(read_curves(str(workdir))[1][-1])
+            runs.append((entry, seed, name, config, workdir))
+
+    workdirs, finals = [], {}  # finals: entry -> [(final step, final eval loss) per seed]
+    for entry, seed, name, config, workdir in runs:
+        print(f"== {name} -> {workdir}", flush=True)
+        train(config, str(workdir))
+        if seed == args.seeds[0]:
+            workdirs.append(str(workdir))
+        finals.setdefault(entry, []).append(read_curves(str(workdir))[1][-1])
 
     lines = table(finals)
     config = base_config.get_config()

@@ -55,12 +55,12 @@
 # vs bitnet_b158: carry "data"; bitnet-conv-lr after it adds bitnet_b158 at 2x bf16's LR, reusing its runs;
 # bitnet-conv-2x: bf16 and bitnet_b158 at 2x bf16's LR alone),
 # gpt2-conv (GPT-2 small, 600 steps of 32 x 1024 bytes, bf16 vs the data-flow recipes, Jetfire's setting: carry
-# "data"; convergence_gpt2.png comes back in $OUT; gpt2-conv=R1,R2 runs those recipes alone, not appended, so lanes
-# can share the runs and a gpt2-conv after them reuses them), fsdp1 (the 1.1B bf16 and int8_rowwise rows with the
-# default mesh,
-# fsdp=1 on one GPU: "fsdp1 fsdp1@base" is the before/after of the mesh code on one GPU), bitnet-fsdp (several
-# GPUs: the 1B train step over fsdp=all, int8_rowwise vs bitnet_b158 with its ternary codes gathered packed 2 bits
-# each vs the float weights gathered), bitnet-bf16-bwd (linear bitnet_b158 vs bitnet_b158_bf16_bwd, no peer).
+# "data"; convergence_gpt2.png comes back in $OUT; gpt2-conv=R1,R2 runs those recipes alone, not appended, its PNG
+# to $OUT/gpt2-conv-R1-R2.png, so lanes, each with its own recipes, share the runs and a gpt2-conv after them reuses
+# them), fsdp1 (the 1.1B bf16 and int8_rowwise rows with the default mesh, fsdp=1 on one GPU: "fsdp1 fsdp1@base"
+# is the before/after of the mesh code on one GPU), bitnet-fsdp (several GPUs: the 1B train step over fsdp=all,
+# int8_rowwise vs bitnet_b158 with its ternary codes gathered packed 2 bits each vs the float weights gathered),
+# bitnet-bf16-bwd (linear bitnet_b158 vs bitnet_b158_bf16_bwd, no peer).
 # A step written STEP@base
 # runs in .baseline, an exported tree of another commit (`git archive REV | tar -x -C .baseline`, carried): a
 # before/after A/B in one call; STEP@NAME runs in .tree-NAME, exported and carried the same way (a third tree).
@@ -122,7 +122,7 @@ fi
 [ -n "$QJAX_COMMIT" ] || echo "QJAX_COMMIT is not set: headings name the device copy's git" | tee -a "$LOG"
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader 2>&1 | tee -a "$LOG"
 cp benchmarks/RESULTS.md /tmp/RESULTS.before
-cp benchmarks/convergence.png /tmp/convergence.before.png
+for png in convergence convergence_bitnet convergence_gpt2; do cp benchmarks/$png.png /tmp/$png.before.png; done
 
 step_command() {
     local kernel_rows="int8_row_kernel fp8_row_kernel int8_block_kernel fp8_block_kernel"
@@ -234,7 +234,8 @@ step_command() {
                  "$([ "${#seeds}" = 1 ] && echo --no-append --png /tmp/convergence_seed$seeds.png)" ;;
         conv-seed[0-9]=*)  # conv-seedN=RECIPE,RECIPE...: those recipes at the default run's 125M settings, one seed
             echo "python3 benchmarks/convergence.py --recipes ${1#*=} --size 125m --seq-len 1024 --batch-size 32" \
-                 "--steps 750 --lr 6e-4 --workdir /tmp/convergence --seeds ${1:9:1} --no-append --png $OUT/conv-seed${1:9:1}.png" | tr , ' ' ;;
+                 "--steps 750 --lr 6e-4 --workdir /tmp/convergence --seeds ${1:9:1} --no-append" \
+                 "--png $OUT/conv-seed${1:9:1}.png" | tr , ' ' ;;
         tests-bitnet) echo "python3 -m pytest -x -q -p no:cacheprovider -m gpu tests/test_bitnet.py" ;;
         bitnet) echo "python3 benchmarks/linear.py --shapes 4096x4096 4096x14336 --reps 10 --recipes" \
                      "int8_rowwise bitnet_b158 --no-peer" ;;
@@ -259,7 +260,8 @@ step_command() {
         hf-finetune) echo "python3 benchmarks/finetune.py --steps 300" ;;
         gpt2-conv|gpt2-conv=*)  # gpt2-conv=R1,R2: those recipes alone, not appended (one lane each, then gpt2-conv)
             recipes="bf16 int8_dataflow int8_dataflow_sr fp8_dataflow" append=""
-            [[ $1 == *=* ]] && recipes=$(echo "${1#*=}" | tr , ' ') append="--no-append --png /tmp/gpt2-${1#*=}.png"
+            [[ $1 == *=* ]] && recipes=$(echo "${1#*=}" | tr , ' ') \
+                append="--no-append --png $OUT/gpt2-conv-$(echo "${1#*=}" | tr , -).png"
             echo "python3 benchmarks/convergence.py --model gpt2 --size gpt2 --recipes $recipes" \
                  "--seq-len 1024 --batch-size 32 --steps 600 --lr 6e-4 --workdir /tmp/convergence $append" ;;
         fsdp1) echo "python3 benchmarks/train.py --rows bf16 int8_rowwise --steps 5 --warmup 2 --no-peer" ;;
@@ -341,9 +343,9 @@ else
     wait
 fi
 [ -f /tmp/default_run/metrics.jsonl ] && cp /tmp/default_run/metrics.jsonl "$OUT/default_run_metrics.jsonl"
-[ -f benchmarks/convergence_bitnet.png ] && cp benchmarks/convergence_bitnet.png "$OUT/"
-[ -f benchmarks/convergence_gpt2.png ] && cp benchmarks/convergence_gpt2.png "$OUT/"
 for hlo in "$OUT"/*.hlo; do [ -f "$hlo" ] && gzip -f "$hlo"; done
 diff /tmp/RESULTS.before benchmarks/RESULTS.md > "$OUT/results.diff"
-cmp -s /tmp/convergence.before.png benchmarks/convergence.png || cp benchmarks/convergence.png "$OUT/"
+for png in convergence convergence_bitnet convergence_gpt2; do  # only the PNGs a step redrew come back
+    cmp -s /tmp/$png.before.png benchmarks/$png.png || cp benchmarks/$png.png "$OUT/"
+done
 exit 0

@@ -34,8 +34,8 @@ def test_recipe_variant_names():
     r = recipe_variant("int8_dataflow_sr_recompute")
     assert r.recompute_prologue_output and r.dgrad.lhs.stochastic and r.wgrad.lhs.stochastic
     assert not recipe_variant("int8_dataflow_recompute").dgrad.lhs.stochastic
-    for name in ("bf16_sr", "int8_fwd_sr"):
-        with pytest.raises(ValueError, match="no quantized gradient GEMM.*drop the '_sr'"):
+    for name in ("bf16_sr", "int8_fwd_sr", "int8_dataflow_sr_sr"):
+        with pytest.raises(ValueError, match="'_sr' would change nothing; drop it"):
             recipe_variant(name)
 
 

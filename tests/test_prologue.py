@@ -21,9 +21,9 @@ from qjax.prologue import prologue_dot
 
 M, D, F = 256, 128, 192
 KEY = jax.random.key(7)
-# The data-flow recipes, and int8_dataflow with Jetfire's stochastic rounding of the gradients (SR's key path).
-DATAFLOW = ["fp8_dataflow", "int8_dataflow",
-            pytest.param(qjax.with_stochastic_gradients(qjax.recipe("int8_dataflow")), id="int8_dataflow_sr")]
+# int8_dataflow with Jetfire's stochastic rounding of the gradients (SR's key path), beside the data-flow recipes.
+INT8_DATAFLOW_SR = qjax.with_stochastic_gradients(qjax.recipe("int8_dataflow"))
+DATAFLOW = ["fp8_dataflow", "int8_dataflow", pytest.param(INT8_DATAFLOW_SR, id="int8_dataflow_sr")]
 
 
 def _inputs(dtype=jnp.bfloat16):
@@ -110,10 +110,13 @@ def test_stochastic_gradients_reach_the_fused_backward():
     # Jetfire's SR of the gradient operand: the fused backward's wgrad must round as the unfused one does (same key),
     # and differently from round-to-nearest, else the SR recipe would silently train as int8_dataflow.
     op, x, params, kernel = _case(*CASES[0])
-    sr = DATAFLOW[2].values[0]
-    grad = lambda f: jax.grad(_loss(f), argnums=2)(x, params, kernel)
-    np.testing.assert_array_equal(np.asarray(grad(_fused(op, sr))), np.asarray(grad(_unfused(op, sr))))
-    assert not np.array_equal(np.asarray(grad(_fused(op, sr))), np.asarray(grad(_fused(op, "int8_dataflow"))))
+
+    def wgrad(f):
+        return np.asarray(jax.grad(_loss(f), argnums=2)(x, params, kernel))
+
+    fused_sr = wgrad(_fused(op, INT8_DATAFLOW_SR))
+    np.testing.assert_array_equal(fused_sr, wgrad(_unfused(op, INT8_DATAFLOW_SR)))
+    assert not np.array_equal(fused_sr, wgrad(_fused(op, "int8_dataflow")))
 
 
 def test_recomputed_output_under_jit_and_scan():
