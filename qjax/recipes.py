@@ -185,7 +185,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     # The data-flow recipes (docs/design.md, "Data flow"): the linear layers as fp8_tensorwise / int8_rowwise, and
     # the norm and SwiGLU / GELU inputs saved in 8 bits: COAT's e4m3 1x16 groups; Jetfire's int8 with 1x32 groups
     # (its 32 x 32 blocks along the features only: the saving op's backward works row by row). Gradients round to
-    # nearest, not stochastically as Jetfire's: SR cost 0.8% of final loss over 5 seeds (benchmarks/NOTES.md);
+    # nearest, not stochastically as Jetfire's: SR converged worse in our runs (docs/design.md);
     # qjax.with_stochastic_gradients(recipe) gives Jetfire's rounding back.
     Recipe("fp8_dataflow",
            fwd=_gemm("e4m3", "tensor", "e4m3", "tensor"),

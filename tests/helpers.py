@@ -16,6 +16,9 @@ import qjax
 from qjax.data import text
 from qjax.models.layers import PrologueDense
 
+# Jetfire's int8 data flow: int8_dataflow with its gradients rounded stochastically (no named recipe rounds so).
+INT8_DATAFLOW_SR = qjax.with_stochastic_gradients(qjax.recipe("int8_dataflow"))
+
 
 def mosaic_gpu_kernel_texts(lowered) -> list[str]:
     """The MLIR text of every Mosaic GPU kernel in a computation lowered for "cuda" (on any host): each kernel's

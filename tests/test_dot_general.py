@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import snr_db
+from helpers import INT8_DATAFLOW_SR, snr_db
 from jax import lax
 from jax._src.ad_checkpoint import saved_residuals
 
@@ -185,7 +185,7 @@ def test_stochastic_recipe_needs_key_and_is_reproducible():
 
 
 # Every named recipe, and one that rounds its gradients stochastically (Jetfire's int8 data flow).
-EDGE_RECIPES = {**qjax.RECIPES, "int8_dataflow_sr": qjax.with_stochastic_gradients(qjax.recipe("int8_dataflow"))}
+EDGE_RECIPES = {**qjax.RECIPES, "int8_dataflow_sr": INT8_DATAFLOW_SR}
 
 
 @pytest.mark.parametrize("name", list(EDGE_RECIPES))

@@ -15,14 +15,13 @@ import pytest
 from jax._src.ad_checkpoint import saved_residuals
 
 import qjax
-from helpers import snr_db
+from helpers import INT8_DATAFLOW_SR, snr_db
 from qjax.models import ops
 from qjax.prologue import prologue_dot
 
 M, D, F = 256, 128, 192
 KEY = jax.random.key(7)
-# int8_dataflow with Jetfire's stochastic rounding of the gradients (SR's key path), beside the data-flow recipes.
-INT8_DATAFLOW_SR = qjax.with_stochastic_gradients(qjax.recipe("int8_dataflow"))
+# The data-flow recipes and Jetfire's stochastic gradients (SR's key path).
 DATAFLOW = ["fp8_dataflow", "int8_dataflow", pytest.param(INT8_DATAFLOW_SR, id="int8_dataflow_sr")]
 
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import snr_db
+from helpers import INT8_DATAFLOW_SR, snr_db
 
 import qjax
 from qjax import models
@@ -150,6 +150,5 @@ def test_generate_runs_recipes_that_round_stochastically():
     config = models.llama_config("tiny", recipe="int8_rowwise")
     prompt = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
     params = models.Llama(config).init(jax.random.key(0), prompt)["params"]
-    jetfire = qjax.with_stochastic_gradients(qjax.recipe("int8_dataflow"))
-    flow = models.generate(dataclasses.replace(config, recipe=jetfire), params, prompt, max_new_tokens=4)
+    flow = models.generate(dataclasses.replace(config, recipe=INT8_DATAFLOW_SR), params, prompt, max_new_tokens=4)
     np.testing.assert_array_equal(flow, models.generate(config, params, prompt, max_new_tokens=4))
