@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax._src.ad_checkpoint import saved_residuals
 
-from common import REPO, append_results, recipe_variant
+from common import REPO, record_results, recipe_variant
 
 sys.path.insert(0, str(REPO))  # this checkout's qjax, not whichever one is installed
 from qjax.models import llama  # noqa: E402
@@ -137,7 +137,7 @@ def main():
                         help="comma-separated recipe names (common.recipe_variant's, e.g. "
                              "int8_dataflow_recompute_w); ratios are to the first")
     parser.add_argument("--compute-dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
-    parser.add_argument("--append", action="store_true", help="append the tables to benchmarks/RESULTS.md")
+    parser.add_argument("--append", action="store_true", help="append the tables to the results JSON")
     args = parser.parse_args()
     # Attention on the XLA path on every machine: cuDNN's residuals would make the tables device-dependent.
     config = llama.llama_config(args.size, n_layers=1, max_seq_len=args.seq,
@@ -145,7 +145,7 @@ def main():
     text = report(config, args.recipes.split(","), args.batch, args.seq)
     print(text)
     if args.append:
-        append_results("Saved activations of a Llama block (saved_residuals)", text + "\n")
+        record_results("Saved activations of a Llama block (saved_residuals)", text + "\n")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
-"""Helpers shared by the JAX benchmark scripts: timing, SNR, and appending a table to RESULTS.md.
+"""Helpers shared by the JAX benchmark scripts: timing, SNR, and recording results as JSON.
 
 Scripts in this folder run as `python benchmarks/NAME.py`, so `import common` finds this file.
 """
 
 import datetime
 import fcntl
+import json
 import os
 import pathlib
+import re
 import shlex
 import statistics
 import subprocess
@@ -17,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-RESULTS = pathlib.Path(__file__).with_name("RESULTS.md")
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -67,8 +68,7 @@ def git_commit() -> str:
     """Short commit of the checkout, '+dirty' when qjax/ or benchmarks/ differ from it; 'unknown' without git.
 
     $QJAX_COMMIT, when set, is returned instead: a copy of the working tree sent to another machine can carry a
-    stale .git (the device copies reported the session's first commit for every later one), so a script run there
-    should pass the commit it was sent from (`QJAX_COMMIT=$(git rev-parse --short HEAD)` where it is written)."""
+    stale .git, so the runner there passes the commit the copy was made from."""
     if os.environ.get("QJAX_COMMIT"):
         return os.environ["QJAX_COMMIT"]
     try:
@@ -85,16 +85,54 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
-def append_results(title: str, report: str) -> None:
-    """Appends `report` under a heading with the device, UTC date, jax version, commit and command line."""
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    heading = f"## {title} — {device_kind()} — {stamp} — jax {jax.__version__} — code at {git_commit()}"
-    command = "python " + " ".join(shlex.quote(a) for a in [f"benchmarks/{pathlib.Path(sys.argv[0]).name}",
-                                                            *sys.argv[1:]])
-    with RESULTS.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # device_run.sh lanes finish benchmarks at the same time
-        f.write(f"\n{heading}\n\n`{command}`\n\n{report}")
-    print(f"appended to {RESULTS}")
+def parse_tables(report: str) -> tuple[list[dict], str]:
+    """The markdown tables of `report` as {"columns": [...], "rows": [[...], ...]}, and the rest of its text."""
+    tables, notes, lines = [], [], report.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and re.fullmatch(r"\|[\s:|-]+\|?", lines[i + 1].strip()):
+            cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]  # noqa: E731
+            table = {"columns": cells(lines[i]), "rows": []}
+            i += 2
+            while i < len(lines) and lines[i].startswith("|"):
+                table["rows"].append(cells(lines[i]))
+                i += 1
+            tables.append(table)
+        else:
+            notes.append(lines[i])
+            i += 1
+    return tables, "\n".join(notes).strip()
+
+
+def record_results(title: str, report: str) -> None:
+    """Adds `report` (markdown: tables and notes) as a section of this suite's JSON results, with the device, UTC
+    date, jax version, commit and command line.
+
+    The file is $QJAX_RESULTS_DIR/$QJAX_SUITE.json (`python -m benchmarks run` sets both; run alone, a script
+    writes runs/benchmarks/<script>.json). Nothing tracked by git is written: `python -m benchmarks publish`
+    copies a run's results into benchmarks/results/ and regenerates benchmarks/README.md from them."""
+    script = pathlib.Path(sys.argv[0]).name
+    out_dir = pathlib.Path(os.environ.get("QJAX_RESULTS_DIR", REPO / "runs" / "benchmarks"))
+    suite = os.environ.get("QJAX_SUITE", script.removesuffix(".py"))
+    tables, notes = parse_tables(report)
+    section = {
+        "title": title, "device": device_kind(), "platform": jax.default_backend(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "jax": jax.__version__, "commit": git_commit(),
+        "command": "python " + " ".join(shlex.quote(a) for a in [f"benchmarks/{script}", *sys.argv[1:]]),
+        "tables": tables, "notes": notes,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{suite}.json"
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # a suite's scripts may finish at the same time on several GPUs
+        f.seek(0)
+        results = json.loads(f.read() or json.dumps({"suite": suite, "sections": []}))
+        results["sections"].append(section)
+        f.seek(0)
+        f.truncate()
+        json.dump(results, f, indent=1)
+    print(f"recorded in {path}")
 
 
 def recipe_variant(name: str):

@@ -18,7 +18,7 @@ any run trains). A recipe written RECIPE@LR (its workdir named so) trains at pea
 the schedule's shape unchanged (BitNet b1.58 trains at a higher LR than its full-precision baseline:
 configs/llama_bitnet.py).
 Prints the final eval loss per recipe and its relative difference to bf16 (target: within 1%), appends the table to
-RESULTS.md, and plots the train and eval loss curves to benchmarks/convergence.png (GPT-2:
+the results JSON, and plots the train and eval loss curves to benchmarks/convergence.png (GPT-2:
 benchmarks/convergence_gpt2.png). With several --seeds each recipe runs under each seed (init, data order,
 stochastic rounding; seed s > 0 in the workdir <recipe>-seed<s>) and the difference to bf16 is taken per seed,
 against bf16's run of the same seed, then averaged: mean and standard error over seeds (one run per recipe cannot
@@ -34,7 +34,7 @@ import pathlib
 import statistics
 import sys
 
-from common import REPO, append_results, recipe_variant
+from common import REPO, record_results, recipe_variant
 
 sys.path.insert(0, str(REPO))  # the configs/ package
 from configs import gpt2_base, llama_base  # noqa: E402
@@ -57,7 +57,7 @@ def main():
     parser.add_argument("--lr", type=float)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per recipe and seed")
     parser.add_argument("--workdir", default=str(REPO / "runs" / "convergence"))
-    parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--png", help="where the curves go (default: benchmarks/convergence.png, GPT-2's "
                                       "benchmarks/convergence_gpt2.png)")
     args = parser.parse_args()
@@ -130,8 +130,8 @@ def main():
     png = pathlib.Path(args.png or REPO / "benchmarks" / png_name)
     print(f"wrote {plot_runs(workdirs, str(png), f'{label} {size} on Shakespeare: ' + ' vs '.join(args.recipes))}")
     report += f"\nLoss curves: benchmarks/{png.name}\n"
-    if not args.no_append:
-        append_results("convergence" if args.model == "llama" else f"convergence, {label}", report)
+    if not args.no_record:
+        record_results("convergence" if args.model == "llama" else f"convergence, {label}", report)
 
 
 def check_same_recipe(workdir: pathlib.Path, recipe) -> None:

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs import llama_finetune  # noqa: E402
 from qjax import models  # noqa: E402
 from qjax.train import train  # noqa: E402
-from common import append_results  # noqa: E402
+from common import record_results  # noqa: E402
 
 
 def write_task(path, num_examples, seed=0):
@@ -43,7 +43,7 @@ def main():
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch_size", type=int, default=32)
-    parser.add_argument("--write", action="store_true", help="append to RESULTS.md even off a GPU")
+    parser.add_argument("--write", action="store_true", help="record results even off a GPU")
     args = parser.parse_args()
 
     work = tempfile.mkdtemp(prefix="qjax_finetune_")
@@ -78,7 +78,7 @@ def main():
               f"batch {args.batch_size} x 32 byte tokens; wall time includes compilation.\n")
     print(report)
     if jax.default_backend() == "gpu" or args.write:
-        append_results("Fine-tuning from an HF checkpoint (reverse-a-word JSONL)", report)
+        record_results("Fine-tuning from an HF checkpoint (reverse-a-word JSONL)", report)
     return 0 if ok else 1
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qjax import models  # noqa: E402
-from common import append_results, snr_db  # noqa: E402
+from common import record_results, snr_db  # noqa: E402
 
 
 def _median_s(fn, reps):
@@ -64,7 +64,7 @@ def main():
     parser.add_argument("--prompt_len", type=int, default=128)
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--write", action="store_true", help="append to RESULTS.md even off a GPU")
+    parser.add_argument("--write", action="store_true", help="record results even off a GPU")
     args = parser.parse_args()
     if args.rows[0] != "bf16":
         args.rows = ["bf16"] + [r for r in args.rows if r != "bf16"]  # the baseline of the SNR column
@@ -90,7 +90,7 @@ def main():
                                  "new tokens; decode = generate(N) - generate(1).\n")
     print(report)
     if on_gpu or args.write:
-        append_results(f"Generation: prefill and decode, Llama {args.size}", report)
+        record_results(f"Generation: prefill and decode, Llama {args.size}", report)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ bandwidth against a copy.
 Each kernel's output is checked against its reference before it is timed (GEMM: relative error column; quantize:
 the kernels' GPU tests in tests/kernels; SwiGLU and RMSNorm: codes and scales against the reference); rmsnorm also
 times the norm's backward, which stays XLA's. Prints tables (swiglu and rmsnorm also append theirs to
-benchmarks/RESULTS.md); the end-to-end numbers are benchmarks/matmul.py and linear.py.
+the results JSON); the end-to-end numbers are benchmarks/matmul.py and linear.py.
 """
 
 import argparse
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-import common  # benchmarks/: timing helpers and RESULTS.md
+import common  # benchmarks/: timing helpers and the results JSON
 import stochastic_cast_mgpu  # benchmarks/: the standalone SR cast kernel, outside the library
 from qjax import dispatch, prologue, stochastic
 from qjax.kernels import gemm_config_mgpu as gemm_config
@@ -199,7 +199,7 @@ def swiglu_table(argv):
     """GPU: the fused SwiGLU kernels of the data-flow recipes (qjax.kernels.swiglu_mgpu) against XLA's composition
     (SwiGLU + prologue.save forward, prologue.restore + SwiGLU's backward) and a copy, at the 1.1B Llama's input.
 
-    python benchmarks/kernels.py swiglu [--shapes 16384x5632] [--tiles 2048 4096 8192] [--interpret] [--no-append]
+    python benchmarks/kernels.py swiglu [--shapes 16384x5632] [--tiles 2048 4096 8192] [--interpret] [--no-record]
 
     Shapes are tokens x F (gate_up is tokens x 2F, bf16). Timed as `kernels.py quantize`: one jit of --batch calls
     on distinct inputs, --calls back to back, median of --rounds, per call. GB/s: the bytes a direction must move
@@ -217,7 +217,7 @@ def swiglu_table(argv):
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--interpret", action="store_true", help="CPU smoke test of this script (times meaningless)")
-    parser.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
+    parser.add_argument("--no-record", action="store_true", help="print only, do not record results")
     args = parser.parse_args(argv)
     if jax.devices()[0].platform != "gpu" and not args.interpret:
         sys.exit("the benchmark needs a Hopper GPU (or --interpret with small --shapes, e.g. 8x256)")
@@ -277,8 +277,8 @@ def swiglu_table(argv):
                     print(rows[-1], flush=True)
                 except Exception as e:
                     print(f"{shape} {saved_name} {name}: FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
-    if not args.interpret and not args.no_append:
-        common.append_results("Fused SwiGLU kernels (data flow)", "\n".join(rows[2:]) + "\n\n" + rows[0] + "\n")
+    if not args.interpret and not args.no_record:
+        common.record_results("Fused SwiGLU kernels (data flow)", "\n".join(rows[2:]) + "\n\n" + rows[0] + "\n")
 
 
 def rmsnorm_table(argv):
@@ -302,7 +302,7 @@ def rmsnorm_table(argv):
     parser.add_argument("--rows-per-program", type=int, nargs="+", default=[rmsnorm_mgpu.ROWS_PER_PROGRAM],
                         help="kernel rows for each of these (rmsnorm_mgpu's tuning knob)")
     parser.add_argument("--interpret", action="store_true", help="CPU smoke test of this script (times meaningless)")
-    parser.add_argument("--no-append", action="store_true", help="print only, do not append to RESULTS.md")
+    parser.add_argument("--no-record", action="store_true", help="print only, do not record results")
     args = parser.parse_args(argv)
     if jax.devices()[0].platform != "gpu" and not args.interpret:
         sys.exit("the benchmark needs a Hopper GPU (or --interpret with small --shapes, e.g. 64x256)")
@@ -359,8 +359,8 @@ def rmsnorm_table(argv):
                 line = f"| {shape} | {name} | FAILED: {type(e).__name__}: {str(e)[:300]} | | | |"
             lines.append(line)
             print(line, flush=True)
-    if not args.interpret and not args.no_append:  # CPU times are no results
-        common.append_results("Fused RMSNorm kernel (norm + 8-bit save; XLA's backward from the codes)",
+    if not args.interpret and not args.no_record:  # CPU times are no results
+        common.record_results("Fused RMSNorm kernel (norm + 8-bit save; XLA's backward from the codes)",
                               "\n".join(lines) + "\n")
 
 

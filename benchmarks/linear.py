@@ -3,8 +3,8 @@
   python benchmarks/linear.py                 # GPU: M=16384, (K, N) in (4096, 4096), (4096, 14336), (14336, 4096)
   python benchmarks/linear.py --small         # CPU-sized shapes (the default when no GPU is present)
 
-Prints a table of milliseconds per step and speedup vs bf16, and appends it to benchmarks/RESULTS.md with the
-device, date, jax version and commit (--no-append to skip). A step's time is the median over --reps samples after
+Prints a table of milliseconds per step and speedup vs bf16, and appends it to the results JSON with the
+device, date, jax version and commit (--no-record to skip). A step's time is the median over --reps samples after
 warm-up, each --inner steps queued back to back and one wait: a ~2 ms step waited for one at a time also times the
 host's dispatch and wake-up, which varied by ~10% between machines.
 
@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import qjax  # noqa: E402
-from common import append_results, device_kind, time_ms  # noqa: E402
+from common import record_results, device_kind, time_ms  # noqa: E402
 from torch_peer import run_torch_peer  # noqa: E402  (imports no torch)
 
 TN = (((1,), (1,)), ((), ()))
@@ -130,7 +130,7 @@ def main():
     parser.add_argument("--inner", type=int, default=10, help="steps queued back to back per timed sample")
     parser.add_argument("--shapes", nargs="*", help="K x N pairs, e.g. 4096x14336 (default: the three GPU shapes)")
     parser.add_argument("--recipes", nargs="*", help="recipe names to time (default: all; bf16 always runs)")
-    parser.add_argument("--no-append", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    parser.add_argument("--no-record", action="store_true", help="do not record results")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
                         help="torch/torchao side-by-side table (default: on when the peer interpreter has torch)")
     parser.add_argument("--peer-python", help="interpreter with torch + torchao (default $QJAX_TORCH_PYTHON or this)")
@@ -152,8 +152,8 @@ def main():
         side_by_side = peer_table(rows, peer, shapes)
         print("\n" + side_by_side)
         report += "\nqjax vs torch.compile + torchao, each against its own bf16:\n\n" + side_by_side
-    if not args.no_append:
-        append_results("linear fwd+bwd", report)
+    if not args.no_record:
+        record_results("linear fwd+bwd", report)
     if args.peer and "error" in peer:  # asked for explicitly: keep the JAX table, then fail loudly
         raise SystemExit(f"torch peer failed: {peer['error']}")
 

@@ -1,7 +1,7 @@
 """Square GEMM throughput (TFLOP/s) per operand format and layout: the seed's matmul table.
 
   python benchmarks/matmul.py                       # GPU: sizes 1024..8192, every row, three layouts
-  python benchmarks/matmul.py --small --no-append   # CPU smoke test (sizes 128, 256)
+  python benchmarks/matmul.py --small --no-record   # CPU smoke test (sizes 128, 256)
   python benchmarks/matmul.py --rows int8 int8_row_kernel --sizes 8192 --layouts TN
 
 Rows (ids for --rows):
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from common import append_results, device_kind, snr_db, time_ms
+from common import record_results, device_kind, snr_db, time_ms
 from qjax.kernels.scaled_matmul import scaled_matmul
 from qjax.quantize import QuantSpec, quantize
 
@@ -190,7 +190,7 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--min-snr", type=float, default=30.0, help="dB a cell must reach against its reference")
-    parser.add_argument("--no-append", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    parser.add_argument("--no-record", action="store_true", help="do not record results")
     args = parser.parse_args()
     gpu = jax.default_backend() == "gpu"
     small = args.small or not gpu
@@ -209,8 +209,8 @@ def main():
     tflops, snrs = run(rows, args.layouts, sizes, reps, args.warmup, args.min_snr, interpret=not gpu)
     report = table(tflops, snrs, sizes)
     print("\n" + report)
-    if not args.no_append:
-        append_results("matmul TFLOP/s", report)
+    if not args.no_record:
+        record_results("matmul TFLOP/s", report)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Peak device memory and tokens/s of a Llama train step per configuration, beside qjax's analytical estimate.
 
-  python benchmarks/memory.py                     # on a GPU: every row (8b, 1b, the torch peer); appends to RESULTS.md
+  python benchmarks/memory.py                     # on a GPU: every row (8b, 1b, the torch peer); records its results
   python benchmarks/memory.py --rows 8b_bf16 8b_int8 8b_torch --memory-limit-gb 80   # as on an 80 GB GPU
   python benchmarks/memory.py --small             # every row on the tiny preset (the default without a GPU)
 
@@ -235,7 +235,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--memory-limit-gb", type=float, help="cap every row at this many GB (default: none)")
-    parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -249,7 +249,7 @@ def main():
         return
     import jax
 
-    from common import append_results, device_kind
+    from common import record_results, device_kind
 
     args.small = args.small or jax.default_backend() != "gpu"
     if args.memory_limit_gb is not None:
@@ -265,8 +265,8 @@ def main():
     results += [run_peer(row, args) for row in args.rows if row in PEER_ROWS]
     report = table(results, args)
     print("\n" + report)
-    if not args.no_append and not args.small:
-        append_results("Llama train step: peak memory and tokens/s against the estimate", report)
+    if not args.no_record and not args.small:
+        record_results("Llama train step: peak memory and tokens/s against the estimate", report)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Optimizer-state memory and step time of qjax.optim's low-bit AdamW against fp32-state optax.adamw.
 
-  python benchmarks/optim.py            # TinyLlama-shaped 1.1B float32 pytree (GPU); appends to benchmarks/RESULTS.md
+  python benchmarks/optim.py            # TinyLlama-shaped 1.1B float32 pytree (GPU); records its results
   python benchmarks/optim.py --small    # a 2-layer d=256 pytree (auto-on without a GPU); prints only, unless --write
   python benchmarks/optim.py --rows optax fp8_kernel    # some rows only (optax.adamw always runs first: the baseline)
 
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qjax import optim  # noqa: E402
 from qjax.dispatch import on_hopper_gpu  # noqa: E402
 from qjax.optim import blockwise  # noqa: E402
-from common import append_results  # noqa: E402
+from common import record_results  # noqa: E402
 
 
 ROWS = ("optax", "8bit", "8bit_kernel", "4bit", "4bit_kernel", "fp8", "fp8_kernel", "fp8_dre", "fp8_dre_kernel",
@@ -135,7 +135,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5,
                         help="rounds of each row alternated with optax.adamw (so that clock drift hits both alike)")
     parser.add_argument("--dump-hlo", help="directory to write each row's optimized HLO to")
-    parser.add_argument("--write", action="store_true", help="append to RESULTS.md even with --small / no GPU")
+    parser.add_argument("--write", action="store_true", help="record results even with --small / no GPU")
     parser.add_argument("--rows", nargs="+", choices=ROWS, help=f"rows to run (default: all): {' '.join(ROWS)}")
     args = parser.parse_args()
     on_gpu = jax.default_backend() == "gpu"
@@ -225,7 +225,7 @@ def main():
     text = "\n".join(table) + "\n"
     print(text)
     if (on_gpu and not args.small) or args.write:
-        append_results("optim: AdamW state bytes and step time" + (" (small pytree)" if small else ""), text)
+        record_results("optim: AdamW state bytes and step time" + (" (small pytree)" if small else ""), text)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from qjax import optim  # noqa: E402
 from qjax.dispatch import on_hopper_gpu  # noqa: E402
 from qjax.train import sharding as train_sharding  # noqa: E402
 from qjax.train.mesh import FSDP_AXIS  # noqa: E402
-from common import append_results  # noqa: E402
+from common import record_results  # noqa: E402
 from optim import TimedLoop, llama_shapes  # noqa: E402
 
 # benchmarks/optim.py's names -> the model's param paths, whose names the train step's sharding rules read
@@ -73,7 +73,7 @@ def main():
     parser.add_argument("--layers", type=int, default=8, help="Llama-3-8B-shaped layers (the full model has 32)")
     parser.add_argument("--iters", type=int, default=5, help="timed steps per optimizer per round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each row alternating with the baseline")
-    parser.add_argument("--write", action="store_true", help="append to RESULTS.md even with --small / no GPU")
+    parser.add_argument("--write", action="store_true", help="record results even with --small / no GPU")
     args = parser.parse_args()
     small = args.small or not on_hopper_gpu()
     shapes = (llama_shapes(d=256, layers=2, heads=4, kv_heads=2, ffn=1024, vocab=2048) if small else
@@ -106,7 +106,7 @@ def main():
                                  f"of {args.iters} steps.\n")
     print(report)
     if not small or args.write:
-        append_results("AdamW step under an FSDP mesh (benchmarks/optim_mesh.py)", report)
+        record_results("AdamW step under an FSDP mesh (benchmarks/optim_mesh.py)", report)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ grouped GEMM at full efficiency would cost, the roofline), "bf16 (XLA)" (lax.rag
 (qjax.ragged_dot recipe "bf16": JAX's Mosaic GPU grouped kernels on a Hopper GPU, the baseline; lax.ragged_dot
 elsewhere), and qjax.ragged_dot per recipe ("<recipe> 1wg": its grouped kernels with one compute warpgroup, not the
 default two).
-Prints milliseconds per step and the speedup over "bf16", and appends the table to benchmarks/RESULTS.md
-(--no-append to skip). A step's time is the median over --reps samples after warm-up, each --inner steps queued
+Prints milliseconds per step and the speedup over "bf16", and appends the table to the results JSON
+(--no-record to skip). A step's time is the median over --reps samples after warm-up, each --inner steps queued
 back to back.
 """
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import qjax
-from common import append_results, device_kind, time_ms
+from common import record_results, device_kind, time_ms
 from profile_train import device_events, print_report
 from qjax.kernels import grouped_matmul_mgpu
 
@@ -92,7 +92,7 @@ def main():
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--inner", type=int, default=2, help="steps queued back to back per timed sample")
-    parser.add_argument("--no-append", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    parser.add_argument("--no-record", action="store_true", help="do not record results")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
                         help="also profile --inner steps of each row on a GPU: time by category and the TOP ops")
     args = parser.parse_args()
@@ -151,8 +151,8 @@ def main():
               f"{'qjax.kernels.grouped_matmul_mgpu' if qjax.dispatch.kernel_mode()[0] else 'XLA'}. {flops}.\n")
     report += "".join(f"\n{name} failed: {why}\n" for name, why in failures.items())
     print("\n" + report)
-    if not args.no_append:
-        append_results("ragged_dot (MoE grouped GEMM) fwd+bwd", report)
+    if not args.no_record:
+        record_results("ragged_dot (MoE grouped GEMM) fwd+bwd", report)
 
 
 if __name__ == "__main__":

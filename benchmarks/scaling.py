@@ -20,7 +20,7 @@ gathers floats. `--baselines` adds one-device rows of those recipes at the mesh 
 scaling): "vs 1 device" is tokens/s per device over the baseline's tokens/s. Baselines run side by side, one per
 GPU (CUDA_VISIBLE_DEVICES), since nothing connects them. tokens/s is the global rate, --steps steps queued back to
 back, median of 3 rounds; peak GB is the largest `peak_bytes_in_use` over the devices ("–" where the platform does
-not report it, e.g. the CPU). Rows finished before a SIGTERM (a `timeout`) are still appended to RESULTS.md.
+not report it, e.g. the CPU). Rows finished before a SIGTERM (a `timeout`) are still recorded.
 """
 
 import os
@@ -236,7 +236,7 @@ def main():
     parser.add_argument("--xla-flags", action="append", default=[], help="a flag added to every row's XLA_FLAGS "
                         "(written --xla-flags=..., once per flag), e.g. --xla-flags=--xla_gpu_enable_pipelined_all_"
                         "gather=true")
-    parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.seq = args.seq or (32 if args.size == "tiny" else 2048)
@@ -258,11 +258,11 @@ def main():
         if results:
             report = table(results, args)
             print("\n" + report, flush=True)
-            if not args.no_append:
+            if not args.no_record:
                 if args.cpu_devices:
                     os.environ.update(JAX_PLATFORMS="cpu")
-                from common import append_results
-                append_results(f"Llama {args.size} scaling over a mesh", report)
+                from common import record_results
+                record_results(f"Llama {args.size} scaling over a mesh", report)
 
 
 if __name__ == "__main__":

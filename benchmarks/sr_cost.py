@@ -1,6 +1,6 @@
 """Where the stochastic-rounding time of the fused quantize kernel goes (a diagnosis, not a library path).
 
-    python benchmarks/sr_cost.py [--shapes 16384x2048 16384x5632]    # GPU; appends a table to RESULTS.md
+    python benchmarks/sr_cost.py [--shapes 16384x2048 16384x5632]    # GPU; appends a table to the results JSON
     python benchmarks/sr_cost.py --interpret --shapes 256x256        # CPU smoke test (times meaningless)
 
 The int8 row pair (`quantize_mgpu.quantize_pair_kernel`, amax + tile kernels, both sides stochastic, as
@@ -95,7 +95,7 @@ def main():
         "call; both sides of the SR rows round stochastically. Only the first two rows are the library's numerics; "
         "the others swap the kernel's bits at trace time to attribute the cost (benchmarks/sr_cost.py).")
     if not args.interpret:
-        common.append_results("Stochastic rounding cost in the quantize kernel", report + "\n")
+        common.record_results("Stochastic rounding cost in the quantize kernel", report + "\n")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """The torch peer of benchmarks/scaling.py: Hugging Face LlamaForCausalLM (TinyLlama 1.1B shape) trained with FSDP2
 (`fully_shard`) over N GPUs, bf16 vs torchao float8 tensorwise with float8 weight all-gathers.
 
-  python benchmarks/torch_fsdp_peer.py                            # on every GPU: table, appended to RESULTS.md
+  python benchmarks/torch_fsdp_peer.py                            # on every GPU: table, recorded
   python benchmarks/torch_fsdp_peer.py --dry-run                  # anywhere, no torch needed: the plan it runs
-  python benchmarks/torch_fsdp_peer.py --nproc 2 --cpu --small --no-compile --no-append   # CPU check (gloo)
+  python benchmarks/torch_fsdp_peer.py --nproc 2 --cpu --small --no-compile --no-record   # CPU check (gloo)
 
 Each variant runs in its own `python -m torch.distributed.run --nproc_per_node=N` (torchrun), so its peak memory
 and compile caches are its own and a failure loses only its row; rank 0 prints one JSON line, which this launcher
@@ -203,7 +203,7 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per variant")
     parser.add_argument("--dry-run", action="store_true", help="print the torchrun commands and the shape; run none")
-    parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--rank-variant", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.small:
@@ -243,11 +243,11 @@ def main():
     results = [run_variant(args, variant) for variant in args.variants]
     report = table(results, args)
     print("\n" + report, flush=True)
-    if not args.no_append:
+    if not args.no_record:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # common.py names the device through jax
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from common import append_results
-        append_results(f"torch FSDP2 peer, Llama {args.dim}d x {args.layers} layers, {args.nproc} GPUs", report)
+        from common import record_results
+        record_results(f"torch FSDP2 peer, Llama {args.dim}d x {args.layers} layers, {args.nproc} GPUs", report)
 
 
 if __name__ == "__main__":

@@ -278,7 +278,7 @@ def parse_args():
     parser.add_argument("--peer-variants", nargs="+", default=list(PEER_VARIANTS), choices=PEER_VARIANTS,
                         help="torch peer variants to run (each compiles for minutes on the 1b model)")
     parser.add_argument("--peer-python", help="interpreter with torch + torchao (default $QJAX_TORCH_PYTHON or this)")
-    parser.add_argument("--no-append", action="store_true")
+    parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -293,7 +293,7 @@ def main():
         return
     import jax
 
-    from common import append_results, device_kind
+    from common import record_results, device_kind
     from torch_peer import run_torch_peer
 
     small = resolve_model_args(args)
@@ -309,8 +309,8 @@ def main():
                               warmup=args.warmup, small=small, variants=list(args.peer_variants), **shape)
     report = table(results, peer, args)
     print("\n" + report)
-    if not args.no_append:
-        append_results(f"Llama {args.size} train step", report)
+    if not args.no_record:
+        record_results(f"Llama {args.size} train step", report)
 
 
 if __name__ == "__main__":
