@@ -35,7 +35,7 @@ train: data
 test: $(VENV)/.installed
 	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2
 
-train-args:  # the default run's overrides on this machine (benchmarks/device_run.sh runs them on the GPU)
+train-args:  # the default run's overrides on this machine
 	@echo $(TRAIN_ARGS)
 
 bench: $(VENV)/.installed

@@ -20,7 +20,7 @@ probabilities in the backward one (batch, kv head) at a time; --attention xla ke
 GPU it names what the CPU cannot show). --residuals prints what the loss's vjp saves
 (`jax._src.ad_checkpoint.saved_residuals` over the whole model, LM head and loss included), grouped by source, at the
 smallest depth. The residuals column sums them at every depth: unlike the compiled peak, they are the same on every
-backend (benchmarks/NOTES.md, "Data flow, where the peak memory goes"). A memory-usage report on the GPU:
+backend (docs/performance.md). A memory-usage report on the GPU:
   python benchmarks/peak_memory.py --layers 22 --memory-report /tmp/reports   # attention: cuDNN's (auto)
 """
 

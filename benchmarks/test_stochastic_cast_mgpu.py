@@ -53,7 +53,7 @@ def _assert_same(got, want, compiled):
 
 def _check(x, target):
     compiled = on_hopper_gpu()
-    # Jitted: run eagerly, interpreted kernels can deadlock with the next eager op (benchmarks/NOTES.md).
+    # Jitted: run eagerly, interpreted kernels can deadlock with the next eager op.
     got = jax.jit(lambda x: stochastic_cast_mgpu.stochastic_cast(x, target, SEED,
                                                                  interpret=None if compiled else True))(x)
     want = jax.jit(lambda x: stochastic.stochastic_round_with_seed(x, target, SEED))(x)
