@@ -88,8 +88,9 @@ def _g_stats(g, layout, spec):
 
 
 def is_collecting(module: nn.Module) -> bool:
-    """Whether `module` is applied with the health collection mutable (module docstring)."""
-    return module.is_mutable_collection(COLLECTION)
+    """Whether `module` is applied (not initialized: init makes every collection mutable) with the health
+    collection mutable (module docstring)."""
+    return module.is_mutable_collection(COLLECTION) and not module.is_initializing()
 
 
 def observe_gemm(module: nn.Module, recipe: recipes_lib.Recipe, lhs, rhs, dimension_numbers, out) -> jax.Array:
