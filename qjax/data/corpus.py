@@ -31,7 +31,8 @@ from qjax.data import text
 
 VAL_BLOCK = 4096  # tokens per block of val.bin's interleaving (longer than the eval windows of the small configs)
 _HEADING = re.compile(r"=== (.+?) ===\n?")
-_ENCODE_LINES, _ENCODE_BATCH = 1024, 64  # BPE encodes batches of 64 chunks of 1024 lines, in parallel
+_ENCODE_CHARS, _ENCODE_BATCH = 1 << 18, 32  # BPE encodes batches of 32 chunks of whole lines (~256k characters
+# each) in parallel: a section of a few very long lines (sotu: one address a line) still spreads over the cores
 
 
 def _open_text(path: pathlib.Path):
@@ -101,12 +102,13 @@ def _bpe_tokens(path: pathlib.Path, tokenizer) -> np.ndarray:
         chunks.clear()
 
     with open(path, encoding="utf-8", newline="") as f:
-        lines = []
+        lines, size = [], 0
         for line in f:
             lines.append(line)
-            if len(lines) == _ENCODE_LINES:
+            size += len(line)
+            if size >= _ENCODE_CHARS:
                 chunks.append("".join(lines))
-                lines = []
+                lines, size = [], 0
                 if len(chunks) == _ENCODE_BATCH:
                     flush()
         if lines:
