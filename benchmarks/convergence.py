@@ -26,6 +26,19 @@ resolve 1% where bf16's own final eval loss moves by about that much between run
 runs. Runs of different seeds can train in separate processes (one GPU each) and a last call with all the seeds
 reuses them to write the table.
 Needs the corpus: `make data` (or python -m qjax.data.prepare shakespeare --out data/shakespeare).
+
+The mixed corpus (--corpus mixed: ../shared/corpus/mixed-english.txt.xz, 102 MB of English in seven sections, a
+slice of each held out; `qjax.data.corpus`) trains on 16k-token BPE shards, prepared from --corpus-file into
+data/mixed-english-bpe16k on first use (a few minutes; carry the .xz to the device, not the shards):
+
+  python benchmarks/convergence.py --corpus mixed --size 125m --seq-len 1024 --batch-size 32 --tokens 250e6 \
+      --recipes bf16 int8_rowwise fp8_rowwise --recipe-seeds bf16=0,1,2 --seeds 0 1 --time-budget 540 --no-append
+
+--tokens sets the steps from a token budget; --recipe-seeds gives an entry its own seeds (bitnet_b158=0);
+--time-budget SECONDS trains until the next checkpoint would pass it, then exits with status 75: the same command
+again resumes every run from its checkpoint and, once all are done, writes the table (so runs longer than one device
+call finish over several). The table gives each recipe's final eval loss (mean ± s.e. over its seeds: bf16's row is
+the seed spread the gaps are read against) and its gap to bf16 in %.
 """
 
 import argparse
@@ -33,17 +46,24 @@ import math
 import pathlib
 import statistics
 import sys
+import time
 
 from common import REPO, record_results, recipe_variant
 
 sys.path.insert(0, str(REPO))  # the configs/ package
 from configs import gpt2_base, llama_base  # noqa: E402
 import qjax  # noqa: E402
+from qjax.data import corpus as corpus_lib, text as text_lib  # noqa: E402
 from qjax.train import train  # noqa: E402
 from qjax.train.plot import curves as read_curves, plot_runs  # noqa: E402
 
 RECIPES = ("bf16", "int8_rowwise", "fp8_tensorwise")
 MODELS = {"llama": (llama_base, "Llama", "convergence.png"), "gpt2": (gpt2_base, "GPT-2", "convergence_gpt2.png")}
+# corpus -> (token shards under REPO/data, label, workdir tag suffix)
+CORPORA = {"shakespeare": ("shakespeare", "Shakespeare bytes", ""),
+           "mixed": ("mixed-english-bpe16k", "mixed English (BPE 16k)", "-mixed")}
+MIXED_VOCAB, MIXED_VAL_FRACTION = 16384, 0.01
+TIME_BUDGET_EXIT = 75  # --time-budget ran out: run the command again to resume (EX_TEMPFAIL)
 
 
 def main():
@@ -56,6 +76,14 @@ def main():
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--lr", type=float)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per recipe and seed")
+    parser.add_argument("--recipe-seeds", nargs="*", default=[], metavar="ENTRY=S,S",
+                        help="an entry's own seeds instead of --seeds, e.g. bf16=0,1,2 bitnet_b158=0")
+    parser.add_argument("--corpus", choices=list(CORPORA), default="shakespeare")
+    parser.add_argument("--corpus-file", help="--corpus mixed: the .xz (default: data/mixed-english.txt.xz, else "
+                                              "../shared/corpus/mixed-english.txt.xz)")
+    parser.add_argument("--tokens", type=float, help="token budget per run: steps = tokens / (batch x seq)")
+    parser.add_argument("--time-budget", type=float, help="seconds; stop at the last checkpoint before it and exit "
+                                                          f"{TIME_BUDGET_EXIT} (run again to resume)")
     parser.add_argument("--workdir", default=str(REPO / "runs" / "convergence"))
     parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--png", help="where the curves go (default: benchmarks/convergence.png, GPT-2's "
@@ -77,20 +105,36 @@ def main():
 
     if not args.recipes:
         parser.error("--recipes needs at least one recipe, e.g. --recipes bf16 int8_dataflow")
-    if min(args.seeds) < 0 or len(set(args.seeds)) < len(args.seeds):
-        parser.error(f"--seeds must be distinct non-negative integers, got {args.seeds}")
+    seeds_of = {entry: args.seeds for entry in entries}
+    for item in args.recipe_seeds:
+        entry, _, seeds = item.partition("=")
+        try:
+            seeds_of[entry] = [int(seed) for seed in seeds.split(",")]
+        except ValueError:
+            parser.error(f"--recipe-seeds {item}: write ENTRY=S,S,... with integer seeds, e.g. bf16=0,1,2")
+        if entry not in entries:
+            parser.error(f"--recipe-seeds {item}: {entry!r} is not one of --recipes")
+    for entry, seeds in seeds_of.items():
+        if min(seeds) < 0 or len(set(seeds)) < len(seeds):
+            parser.error(f"the seeds of {entry} must be distinct non-negative integers, got {seeds}")
+    shards, corpus_label, corpus_tag = CORPORA[args.corpus]
+    data_path = REPO / "data" / shards
+    if args.corpus == "mixed":
+        prepare_mixed(data_path, args.corpus_file)
     runs = []  # (entry, seed, name, config, workdir), every workdir checked before any run trains
     for entry, (recipe, recipe_lr) in entries.items():
-        for seed in args.seeds:
+        for seed in seeds_of[entry]:
             config = base_config.get_config()
             config.seed = seed
             if recipe not in qjax.RECIPES:  # a benchmarks variant (common.recipe_variant): the Recipe itself
                 del config.recipe
             config.recipe = recipe if recipe in qjax.RECIPES else recipe_variant(recipe)
-            config.data.path = str(REPO / "data" / "shakespeare")
+            config.data.path = str(data_path)
             for field, value in (("steps", args.steps), ("seq_len", args.seq_len), ("batch_size", args.batch_size)):
                 if value is not None:
                     setattr(config, field, value)
+            if args.tokens:
+                config.steps = max(round(args.tokens / (config.batch_size * config.seq_len)), 1)
             if args.size:
                 config.model.size = args.size
             if args.lr:
@@ -101,37 +145,76 @@ def main():
             # One workdir per recipe, seed and run shape: a finished run with the same settings is reused, never a
             # different one.
             tag = (f"{args.model}-{config.model.size}-steps{config.steps}-b{config.batch_size}-t{config.seq_len}"
-                   f"-lr{config.optimizer.lr:g}")
+                   f"-lr{config.optimizer.lr:g}{corpus_tag}")
             name = entry if seed == 0 else f"{entry}-seed{seed}"  # the name labels its curves in the PNG
             workdir = pathlib.Path(args.workdir) / tag / name
             check_same_recipe(workdir, qjax.recipe(config.recipe))
             runs.append((entry, seed, name, config, workdir))
 
-    workdirs, finals = [], {}  # finals: entry -> [(final step, final eval loss) per seed]
+    deadline = time.monotonic() + args.time_budget if args.time_budget else math.inf
+    workdirs, finals = [], {}  # finals: entry -> {seed: (final step, final eval loss)}
     for entry, seed, name, config, workdir in runs:
         print(f"== {name} -> {workdir}", flush=True)
-        train(config, str(workdir))
-        if seed == args.seeds[0]:
+        if not train_in_chunks(config, workdir, deadline):
+            print(f"time budget of {args.time_budget:g} s reached: run the same command again to resume", flush=True)
+            sys.exit(TIME_BUDGET_EXIT)
+        if seed == seeds_of[entry][0]:
             workdirs.append(str(workdir))
-        finals.setdefault(entry, []).append(read_curves(str(workdir))[1][-1])
+        finals.setdefault(entry, {})[seed] = read_curves(str(workdir))[1][-1]
 
     lines = table(finals)
     config = base_config.get_config()
     size = args.size or config.model.size
-    seeds = (f"seed {args.seeds[0]}, the same data order per recipe" if len(args.seeds) == 1 else
-             f"seeds {', '.join(map(str, args.seeds))} per recipe, each seed's init and data order shared by the "
-             "recipes")
-    note = (f"{label} {size}, Shakespeare bytes, steps {args.steps or config.steps}, batch "
+    steps = runs[0][3].steps
+    seeds = (f"seed {args.seeds[0]}, the same data order per recipe" if len(args.seeds) == 1 and not args.recipe_seeds
+             else "seeds per recipe as listed, each seed's init and data order shared by the recipes")
+    note = (f"{label} {size}, {corpus_label}, steps {steps}, batch "
             f"{args.batch_size or config.batch_size} x seq {args.seq_len or config.seq_len}, peak lr "
             f"{args.lr or config.optimizer.lr:g} (RECIPE@LR: LR), {seeds}; eval loss = mean over the config's eval "
             "batches.")
     report = "\n".join(lines) + "\n\n" + note + "\n"
     print("\n" + report)
-    png = pathlib.Path(args.png or REPO / "benchmarks" / png_name)
-    print(f"wrote {plot_runs(workdirs, str(png), f'{label} {size} on Shakespeare: ' + ' vs '.join(args.recipes))}")
+    png = pathlib.Path(args.png or REPO / "benchmarks" / (png_name if args.corpus == "shakespeare" else
+                                                         png_name.replace(".png", f"_{args.corpus}.png")))
+    print(f"wrote {plot_runs(workdirs, str(png), f'{label} {size} on {corpus_label}: ' + ' vs '.join(args.recipes))}")
     report += f"\nLoss curves: benchmarks/{png.name}\n"
     if not args.no_record:
         record_results("convergence" if args.model == "llama" else f"convergence, {label}", report)
+
+
+def prepare_mixed(out: pathlib.Path, corpus_file: str | None) -> None:
+    """The mixed corpus's BPE shards in `out`, prepared from its .xz unless already there."""
+    if text_lib.shards_are_valid(out):
+        return
+    candidates = [pathlib.Path(corpus_file)] if corpus_file else [
+        REPO / "data" / "mixed-english.txt.xz", REPO.parent / "shared" / "corpus" / "mixed-english.txt.xz"]
+    source = next((c for c in candidates if c.is_file()), None)
+    if source is None:
+        sys.exit(f"error: no {' or '.join(map(str, candidates))}: pass --corpus-file PATH/mixed-english.txt.xz")
+    print(f"preparing {out} from {source} (BPE {MIXED_VOCAB}, {MIXED_VAL_FRACTION:.0%} of each section held out)",
+          flush=True)
+    meta = corpus_lib.prepare_corpus(source, out, tokenizer="bpe", val_fraction=MIXED_VAL_FRACTION,
+                                     bpe_vocab_size=MIXED_VOCAB)
+    print(f"  {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens in {meta['seconds']:.0f} s",
+          flush=True)
+
+
+def train_in_chunks(config, workdir: pathlib.Path, deadline: float, clock=time.monotonic) -> bool:
+    """Trains the run in `workdir` (resuming from its checkpoint) up to config.steps, checkpoint_every steps per
+    `train` call, and stops before a chunk that, timed like the last, would end after `deadline` (a `clock()`
+    time). Returns whether the run is complete. A stopped run resumes from its last checkpoint, bit for bit."""
+    chunk = config.checkpoint_every or config.steps
+    logged = read_curves(str(workdir))[0] if (workdir / "metrics.jsonl").exists() else []
+    done, seconds = (logged[-1][0] if logged else 0), 0.0
+    while True:
+        stop_at = min((done // chunk + 1) * chunk, config.steps)
+        if clock() + seconds > deadline:
+            return False
+        start = clock()
+        train(config, str(workdir), stop_at=stop_at)
+        seconds, done = clock() - start, stop_at
+        if done >= config.steps:
+            return True
 
 
 def check_same_recipe(workdir: pathlib.Path, recipe) -> None:
@@ -150,27 +233,34 @@ def check_same_recipe(workdir: pathlib.Path, recipe) -> None:
 
 
 def table(finals: dict) -> list[str]:
-    """Markdown rows of the final eval losses, finals: entry -> [(step, loss) per seed, in one order]. One seed: the
-    loss and its relative difference to bf16's. Several: the mean loss, each seed's difference to bf16's run of the
-    same seed, and their mean ± standard error (s.e. = sample standard deviation / sqrt(seeds))."""
-    base = finals.get("bf16")
-    n_seeds = len(next(iter(finals.values())))
-    if n_seeds == 1:
+    """Markdown rows of the final eval losses, finals: entry -> {seed: (step, loss)}. All entries with one seed, the
+    same: the loss and its relative difference to bf16's. Otherwise: the loss's mean ± standard error over the
+    entry's seeds (bf16's row: the seed spread), each seed's difference to bf16's run of the same seed, and their
+    mean ± standard error (s.e. = sample standard deviation / sqrt(seeds); "–" for one seed)."""
+    base = finals.get("bf16", {})
+
+    def mean_se(xs, fmt, unit=""):
+        se = f" ± {statistics.stdev(xs) / math.sqrt(len(xs)):{fmt.lstrip('+')}}{unit}" if len(xs) > 1 else ""
+        return f"{statistics.mean(xs):{fmt}}{unit}{se}"
+
+    if all(len(runs) == 1 for runs in finals.values()) and len({s for r in finals.values() for s in r}) == 1:
         lines = ["| recipe | final step | final eval loss | vs bf16 |", "|---|---:|---:|---:|"]
-        for entry, [(step, loss)] in finals.items():
-            rel = f"{(loss - base[0][1]) / base[0][1] * 100:+.2f}%" if base else "–"
+        for entry, runs in finals.items():
+            [(step, loss)] = runs.values()
+            b = next(iter(base.values()))[1] if base else None
+            rel = f"{(loss - b) / b * 100:+.2f}%" if b else "–"
             lines.append(f"| {entry} | {step} | {loss:.4f} | {rel} |")
         return lines
-    lines = ["| recipe | final step | final eval loss, mean | vs bf16 per seed | vs bf16, mean ± s.e. |",
-             "|---|---:|---:|---|---:|"]
+    lines = ["| recipe | seeds | final step | final eval loss, mean ± s.e. | vs bf16 per seed | vs bf16, mean ± s.e. |",
+             "|---|---|---:|---:|---|---:|"]
     for entry, runs in finals.items():
-        losses = [loss for _, loss in runs]
-        per_seed, summary = "–", "–"
-        if base:
-            rel = [(loss - b) / b * 100 for loss, (_, b) in zip(losses, base, strict=True)]
-            per_seed = ", ".join(f"{r:+.2f}%" for r in rel)
-            summary = f"{statistics.mean(rel):+.2f}% ± {statistics.stdev(rel) / math.sqrt(len(rel)):.2f}%"
-        lines.append(f"| {entry} | {runs[-1][0]} | {statistics.mean(losses):.4f} | {per_seed} | {summary} |")
+        losses = [loss for _, loss in runs.values()]
+        paired = [(loss - base[seed][1]) / base[seed][1] * 100 for seed, (_, loss) in runs.items() if seed in base]
+        per_seed = ", ".join(f"{r:+.2f}%" for r in paired) or "–"
+        summary = mean_se(paired, "+.2f", "%") if paired else "–"
+        step = list(runs.values())[-1][0]
+        lines.append(f"| {entry} | {', '.join(map(str, runs))} | {step} | {mean_se(losses, '.4f')} | {per_seed} | "
+                     f"{summary} |")
     return lines
 
 

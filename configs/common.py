@@ -34,4 +34,7 @@ def add_optimizer_and_loop(config: config_dict.ConfigDict, *, lr: float, b2: flo
     config.checkpoint_every = 100  # steps between checkpoints (0: only at the end)
     config.keep_checkpoints = 3  # newest checkpoints kept
     config.seed = 0  # seed of init, data order and stochastic rounding
+    config.health_every = 0  # steps between quantization health stats of every quantized GEMM operand (0: off)
+    config.health_saturation_warn = 0.05  # warn when an operand's share of codes at the format's max exceeds this
+    config.health_amax_growth_warn = 10.0  # warn when an operand's amax grows past this many times its first
     return config

@@ -40,6 +40,7 @@ def get_config() -> config_dict.ConfigDict:
         "remat": placeholder(bool),  # recompute each block in the backward pass: less activation memory
         "recompute_attention": placeholder(bool),  # recompute norm, qkv, RoPE, attention in the backward (None: no)
         "attention": placeholder(str),  # auto (cuDNN flash attention on GPU where it applies), xla or cudnn
+        "smooth_swiglu": placeholder(bool),  # Smooth-SwiGLU outlier guard before down_proj's quantization (None: off)
     })
     config.recipe = "bf16"  # how GEMMs are quantized: a name from qjax.RECIPES, e.g. int8_rowwise, fp8_tensorwise
     config.keep_high_precision = placeholder(tuple)  # regexes of layer names kept in bf16 (None: ('lm_head',))

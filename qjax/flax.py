@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import flax.linen as nn
 
+from qjax import health
 from qjax import recipes as recipes_lib
 from qjax.dot_general import dot_general
 from qjax.optim import int8_params
@@ -63,7 +64,8 @@ class DotGeneral(nn.Module):
     stochastic rounding then need `rngs={"quant": key}` in `apply`. The rhs may be an int8 weight-only parameter
     (`qjax.optim.Int8Param`, passed through by `nn.Dense(promote_dtype=qjax.optim.int8_params.promote_dtype)`): a
     forward that reads the weight as int8 rows runs on its stored codes, otherwise on its dequantized values. Inside
-    `weight_shardings(lookup)`, the kernel's sharding comes from lookup(the parent layer's path).
+    `weight_shardings(lookup)`, the kernel's sharding comes from lookup(the parent layer's path). Applied with the
+    "health" collection mutable, it reports its operands' quantization health (`qjax.health`).
     """
 
     recipe: Any
@@ -81,8 +83,11 @@ class DotGeneral(nn.Module):
             recipe = dataclasses.replace(recipe, recompute_weight_codes=False)
         lookup = _WEIGHT_SHARDINGS.get()
         sharding = None if lookup is None else lookup("/".join(self.path[:-1]))
-        return dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, key=key,
-                           sharding=sharding, rhs_quantized=rhs_quantized)
+        out = dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, key=key,
+                          sharding=sharding, rhs_quantized=rhs_quantized)
+        if health.is_collecting(self):  # only when asked: nothing is traced otherwise (qjax.health)
+            out = health.observe_gemm(self, recipe, lhs, rhs, dimension_numbers, out)
+        return out
 
 
 def einsum(subscripts: str, lhs, rhs, *, recipe, key=None, precision=None, preferred_element_type=None):

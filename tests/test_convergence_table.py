@@ -2,6 +2,7 @@
 gives each recipe's difference to bf16; several give each seed's difference to bf16's run of the same seed and their
 mean ± standard error."""
 
+import math
 import os
 import sys
 
@@ -13,20 +14,48 @@ from common import recipe_variant  # noqa: E402
 
 
 def test_one_seed():
-    rows = convergence.table({"bf16": [(750, 2.0)], "int8_dataflow": [(750, 2.02)]})
+    rows = convergence.table({"bf16": {0: (750, 2.0)}, "int8_dataflow": {0: (750, 2.02)}})
     assert rows[2] == "| bf16 | 750 | 2.0000 | +0.00% |"
     assert rows[3] == "| int8_dataflow | 750 | 2.0200 | +1.00% |"
 
 
 def test_seeds_are_paired_with_bf16():
-    # seed 1's bf16 run is 2% worse; the recipe tracks it: per seed +1% and +0%, mean 0.5%, s.e. 0.5%
-    rows = convergence.table({"bf16": [(10, 2.0), (10, 2.04)], "fp8_dataflow": [(10, 2.02), (10, 2.04)]})
-    assert rows[2] == "| bf16 | 10 | 2.0200 | +0.00%, +0.00% | +0.00% ± 0.00% |"
-    assert rows[3] == "| fp8_dataflow | 10 | 2.0300 | +1.00%, +0.00% | +0.50% ± 0.50% |"
+    # seed 1's bf16 run is 2% worse; the recipe tracks it: per seed +1% and +0%, mean 0.5%, s.e. 0.5%; bf16's loss
+    # row gives the seed spread (s.e. 0.02)
+    rows = convergence.table({"bf16": {0: (10, 2.0), 1: (10, 2.04)}, "fp8_dataflow": {0: (10, 2.02), 1: (10, 2.04)}})
+    assert rows[2] == "| bf16 | 0, 1 | 10 | 2.0200 ± 0.0200 | +0.00%, +0.00% | +0.00% ± 0.00% |"
+    assert rows[3] == "| fp8_dataflow | 0, 1 | 10 | 2.0300 ± 0.0100 | +1.00%, +0.00% | +0.50% ± 0.50% |"
+
+
+def test_recipes_with_their_own_seeds():
+    # bf16 under three seeds, bitnet under one: paired with bf16's seed 0 alone, no s.e.
+    rows = convergence.table({"bf16": {0: (10, 2.0), 1: (10, 2.04), 2: (10, 2.02)}, "bitnet_b158": {0: (10, 2.04)}})
+    assert rows[2] == "| bf16 | 0, 1, 2 | 10 | 2.0200 ± 0.0115 | +0.00%, +0.00%, +0.00% | +0.00% ± 0.00% |"
+    assert rows[3] == "| bitnet_b158 | 0 | 10 | 2.0400 | +2.00% | +2.00% |"
 
 
 def test_no_bf16_baseline():
-    assert convergence.table({"int8_rowwise": [(5, 3.0), (5, 3.1)]})[2] == "| int8_rowwise | 5 | 3.0500 | – | – |"
+    row = convergence.table({"int8_rowwise": {0: (5, 3.0), 1: (5, 3.1)}})[2]
+    assert row == "| int8_rowwise | 0, 1 | 5 | 3.0500 ± 0.0500 | – | – |"
+
+
+def test_a_suite_run_stopped_mid_way_resumes_to_the_same_curve(tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "train"))
+    from train_helpers import tiny_llama_config  # noqa: PLC0415
+
+    from qjax.data import prepare_text  # noqa: PLC0415
+    from qjax.train.plot import curves  # noqa: PLC0415
+
+    (tmp_path / "c.txt").write_text("the cat sat on the mat. a dog ran in the park. " * 200)
+    prepare_text([tmp_path / "c.txt"], tmp_path / "tokens", val_fraction=0.1)
+    config = tiny_llama_config(str(tmp_path / "tokens"))  # 6 steps, checkpoints every 2
+    assert convergence.train_in_chunks(config, tmp_path / "whole", math.inf)
+    # a clock that passes the deadline once the first chunk has run: the run stops at step 2, like a device call
+    ticks = iter([0.0, 0.0, 100.0, 100.0])
+    assert not convergence.train_in_chunks(config, tmp_path / "split", 50.0, clock=lambda: next(ticks))
+    assert curves(str(tmp_path / "split"))[0][-1][0] == 2
+    assert convergence.train_in_chunks(config, tmp_path / "split", math.inf)  # the next call resumes
+    assert curves(str(tmp_path / "split")) == curves(str(tmp_path / "whole"))
 
 
 def test_recipe_variant_names():

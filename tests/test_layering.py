@@ -23,7 +23,7 @@ LAYERS = [
     (r"qjax\.kernels(\..*_mgpu)?", "kernels", 1),
     (r"qjax\.data(\..*)?", "data", 1),
     (r"qjax\.dispatch", "dispatch", 2),
-    (r"qjax\.(recipes|weight_sharding|dot_general|prologue|ragged_dot|flax)", "ops", 3),
+    (r"qjax\.(recipes|weight_sharding|dot_general|prologue|ragged_dot|flax|health)", "ops", 3),
     (r"qjax\.optim(\..*)?", "ops", 3),
     (r"qjax", "api", 4),
     (r"qjax\.models(\..*)?", "models", 5),

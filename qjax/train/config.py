@@ -68,6 +68,13 @@ def check_config(config) -> None:
     for name in ("eval_every", "eval_batches", "checkpoint_every"):
         _positive_int(config, name, minimum=0)  # 0 turns it off
     _positive_int(config, "seed", minimum=0)
+    if config.get("health_every") is not None:
+        _positive_int(config, "health_every", minimum=0)  # 0 turns it off
+        saturation, growth = config.get("health_saturation_warn"), config.get("health_amax_growth_warn")
+        if not (isinstance(saturation, (int, float)) and 0 < saturation <= 1):
+            raise ConfigError(f"config.health_saturation_warn must be a fraction in (0, 1], got {saturation!r}")
+        if not (isinstance(growth, (int, float)) and growth > 1):
+            raise ConfigError(f"config.health_amax_growth_warn must be a ratio > 1, got {growth!r}")
     min_features = config.get("min_features")
     if min_features is not None:
         _positive_int(config, "min_features", minimum=0)

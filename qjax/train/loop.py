@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from qjax import data as data_lib
+from qjax import health as health_lib
 from qjax.models import num_params
 from qjax.train import header
 from qjax.train import memory
@@ -108,6 +109,8 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
     dataset = make_dataset(config)
     task = _task_for(config, dataset)
     init_state, train_step = make_train_step(config, task, mesh)
+    health_every = config.get("health_every") or 0  # 0: the plain step only, nothing of qjax.health traced
+    health_step = make_train_step(config, task, mesh, health=True)[1] if health_every else None
     # Before anything compiles: a run that cannot fit fails now, with the fix, not after minutes in XLA.
     memory_estimate = memory.check_fits(config, task, jax.eval_shape(init_state), mesh)
     eval_step = make_eval_step(task, mesh)
@@ -171,17 +174,33 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
         if task.init_note and not resumed:  # a resumed run's params come from its checkpoint, not init_from
             print(f"  {task.init_note}", file=stream, flush=True)
 
+        monitor = saturation = None
+        if health_every:  # a resumed run's amax growth stays relative to the run's first measurement
+            monitor = health_lib.HealthMonitor(config.health_saturation_warn, config.health_amax_growth_warn,
+                                               health_lib.initial_amax(workdir_lib.read_metrics(workdir)))
         train_record = eval_record = None
         pending: list[Any] = []
         for step in range(start, end):
-            state, metrics = train_step(state, dataset.batch(step))
             done = step + 1
+            if health_every and done % health_every == 0:
+                state, metrics = health_step(state, dataset.batch(step))
+                stats = jax.device_get(metrics.pop("health"))
+                row, warning = monitor.update(done, health_lib.flatten(stats["sown"], stats["probes"]))
+                meter.health(done, row)
+                saturation = row["health_saturation_max"]
+                if warning:
+                    say(warning)
+            else:
+                state, metrics = train_step(state, dataset.batch(step))
             pending.append(metrics)
             if done == start + 1:  # time from here on: the first step includes compilation
                 jax.block_until_ready(metrics)
                 meter.mark(done)
             if done % config.log_every == 0 or done == end:
-                train_record = meter.train(done, _mean_metrics(pending))
+                means = _mean_metrics(pending)
+                if saturation is not None:  # the latest health measurement's worst operand, for the progress line
+                    means["health_saturation_max"] = saturation
+                train_record = meter.train(done, means)
                 pending = []
                 check_finite(done, "loss", train_record["loss"])
                 check_finite(done, "grad_norm", train_record["grad_norm"])

@@ -69,6 +69,8 @@ def format_progress(record: dict, total_steps: int, unit: str) -> str:
         parts.append(f"{record['throughput']:,.0f} {short}/s")
     if "throughput" in record:  # "n/a": no peak FLOP/s known for this device (e.g. a CPU), so no MFU
         parts.append(f"MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else "MFU n/a")
+    if "health_saturation_max" in record:  # the worst quantized operand's saturated codes (qjax.health)
+        parts.append(f"sat {100 * record['health_saturation_max']:.2f}%")
     memory = record.get("peak_memory_bytes")  # "n/a": the backend does not report it (e.g. a CPU)
     parts.append(f"mem {memory / 2**30:.1f} GiB" if memory is not None else "mem n/a")
     if "eta_s" in record:
@@ -122,7 +124,7 @@ class ProgressMeter:
         if self._writer is not None:
             for key, value in record.items():
                 if key not in ("step", "time") and isinstance(value, (int, float)):
-                    tag = f"{prefix}/{key.removeprefix('eval_')}"
+                    tag = key if prefix is None else f"{prefix}/{key.removeprefix('eval_')}"
                     self._writer.add_scalar(tag, value, global_step=record["step"], walltime=record["time"])
             self._writer.flush()  # a few bytes per log point; a killed run keeps its curves
 
@@ -153,6 +155,12 @@ class ProgressMeter:
         self._mark_step, self._mark_time = step, now
         self._write(record, "train")
         print(format_progress(record, self.total_steps, self.unit), file=self.stream, flush=True)
+        return record
+
+    def health(self, step: int, row: dict) -> dict:
+        """Record a quantization health row (`qjax.health.HealthMonitor.update`; its keys are the TensorBoard tags)."""
+        record = {"step": step, **row, "time": time.time()}
+        self._write(record, None)
         return record
 
     def eval(self, step: int, metrics: dict) -> dict:

@@ -68,12 +68,19 @@ def _int8_dtype(task: Task):
     return jnp.dtype(task.model_config.compute_dtype)
 
 
-def _loss_and_grads(task: Task, params, batch: dict, key: jax.Array, accum: int, mesh):
+def _loss_and_grads(task: Task, params, batch: dict, key: jax.Array, accum: int, mesh, probes=None, loss_fn=None):
     """Mean loss, aux metrics and gradients (params' dtypes; the compute dtype for int8 weight-only params, with
-    respect to their dequantized values) over `batch`, in `accum` micro-batches."""
+    respect to their dequantized values) over `batch`, in `accum` micro-batches. With `probes` (quantization
+    health, `Task.health_probes`): aux["health"] = {"sown": x and w stats, "probes": g stats}, means over the
+    micro-batches. loss_fn: differentiated instead of task.loss (same signature)."""
+    if probes is not None:  # the probes are differentiated beside the params: their gradient is the g stats
+        loss, aux, (grads, probe_grads) = _loss_and_grads(
+            task, (params, probes), batch, key, accum, mesh,
+            loss_fn=lambda both, b, k: task.loss(both[0], b, k, probes=both[1]))
+        return loss, {**aux, "health": {"sown": aux["health"], "probes": probe_grads}}, grads
     # jax.value_and_grad where no param is int8; int8 weights' gradients in the compute dtype the model multiplies
     # them in (exact, half float32's bytes)
-    grad_fn = qoptim.int8_value_and_grad(task.loss, has_aux=True, grad_dtype=_int8_dtype(task))
+    grad_fn = qoptim.int8_value_and_grad(loss_fn or task.loss, has_aux=True, grad_dtype=_int8_dtype(task))
     if accum == 1:
         (loss, aux), grads = grad_fn(params, batch, jax.random.fold_in(key, 0))
         return loss, aux, grads
@@ -97,7 +104,7 @@ def _loss_and_grads(task: Task, params, batch: dict, key: jax.Array, accum: int,
     return loss * scale, jax.tree.map(lambda a: a * scale, aux), grads
 
 
-def make_train_step(config, task: Task | None = None, mesh=None) -> tuple[Callable, Callable]:
+def make_train_step(config, task: Task | None = None, mesh=None, *, health: bool = False) -> tuple[Callable, Callable]:
     """(init_state, train_step) for a training config, both jitted with the mesh's shardings.
 
     Args:
@@ -113,16 +120,20 @@ def make_train_step(config, task: Task | None = None, mesh=None) -> tuple[Callab
         (numpy arrays are put on the mesh split over "data" x "fsdp"); `state` is donated. metrics: float32 () arrays
         "loss" (mean over the batch), "grad_norm" (global norm before clipping), "lr" (this step's), plus the
         task's aux metrics ("accuracy" for images).
+      health: the train step also measures quantization health (`qjax.health`): metrics["health"] = {"sown": x
+        and w stats, "probes": g stats}, trees of float32 (3,) (`qjax.health.flatten` names them). The same update
+        of the state; a separate jitted function, so the plain step traces none of it.
     """
     task = make_task(config) if task is None else task
     if mesh is None:
         mesh = mesh_lib.mesh_from_config(config.mesh) if "mesh" in config else mesh_lib.make_mesh()
     mesh_lib.check_batch_size(config.batch_size, config.grad_accum_steps, mesh)
-    return _build_train_step(ml_collections.FrozenConfigDict(config), task, mesh)
+    return _build_train_step(ml_collections.FrozenConfigDict(config), task, mesh, health)
 
 
 @functools.lru_cache(maxsize=8)
-def _build_train_step(config: ml_collections.FrozenConfigDict, task: Task, mesh) -> tuple[Callable, Callable]:
+def _build_train_step(config: ml_collections.FrozenConfigDict, task: Task, mesh,
+                      health: bool = False) -> tuple[Callable, Callable]:
     accum = config.grad_accum_steps
     optimizer = make_optimizer(config.optimizer, config.steps)
     replicated, batch_sharding = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)
@@ -146,8 +157,9 @@ def _build_train_step(config: ml_collections.FrozenConfigDict, task: Task, mesh)
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         step_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.step)
+        probes = task.health_probes() if health else None
         with mesh_lib.tracing_on(mesh), weight_shardings(lookup):  # quantized GEMMs per device (qjax.dot_general)
-            loss, aux, grads = _loss_and_grads(task, state.params, batch, step_key, accum, mesh)
+            loss, aux, grads = _loss_and_grads(task, state.params, batch, step_key, accum, mesh, probes)
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)  # reduce-scattered onto the shards
         with mesh_lib.tracing_on(mesh):  # the fused AdamW step per device (qjax.optim.apply_gradients)
             params, opt_state = optimizer.step(grads, state.opt_state, state.params, param_specs=param_specs,

@@ -32,7 +32,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from qjax import dispatch, models
+from qjax import dispatch, health, models
 from qjax.models import hf_checkpoint, hf_vit
 from qjax.optim import int8_params
 from qjax.train.config import ConfigError
@@ -111,16 +111,37 @@ class Task:
             lambda path, p: int8_params.quantize_int8_param(p) if path[-1].key == "kernel" else p.astype(compute),
             params)
 
-    def loss(self, params, batch: dict, key: jax.Array) -> tuple[jax.Array, dict]:
+    def _apply(self, params, inputs, key, probes=None, mutable=("losses",)):
+        # A language model's head runs inside the loss, over chunks of positions (`models.lm_head_loss`): the model
+        # returns the hidden states, and the full float32 logits and their gradient never exist.
+        variables = {"params": params} if probes is None else {"params": params, health.PROBES: probes}
+        return self.model.apply(variables, inputs, rngs={"quant": key}, mutable=list(mutable),
+                                **({"return_hidden": True} if self.kind == "lm" else {}))
+
+    def health_probes(self):
+        """Zeros for the model's gradient probes (`qjax.health`): the `probes` argument of `loss`."""
+        inputs = self.dummy_batch(1)[self.input_key()]
+
+        def probes():
+            params = self.init(jax.random.key(0))
+            return self._apply(params, inputs, jax.random.key(0), mutable=(health.COLLECTION, health.PROBES))[1]
+
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(probes).get(health.PROBES, {}))
+
+    def loss(self, params, batch: dict, key: jax.Array, probes=None) -> tuple[jax.Array, dict]:
         """(mean loss float32 (), aux dict of float32 () metrics) of `params` on one batch; `key` feeds "quant".
         A mixture-of-experts Llama's loss includes its layers' load-balancing losses, also reported as the metric
-        "moe_aux_loss"."""
-        lm = self.kind == "lm"
-        # A language model's head runs inside the loss, over chunks of positions (`models.lm_head_loss`): the full
-        # float32 logits and their gradient never exist.
-        out, state = self.model.apply({"params": params}, batch[self.input_key()], rngs={"quant": key},
-                                      mutable=["losses"], **({"return_hidden": True} if lm else {}))
-        if lm:
+        "moe_aux_loss". With `probes` (`health_probes()`) the model measures its quantization health: aux["health"]
+        holds the sown x and w stats, and the gradient with respect to `probes` the g stats (`qjax.health`)."""
+        mutable = ("losses",) if probes is None else ("losses", health.COLLECTION)
+        out, state = self._apply(params, batch[self.input_key()], key, probes, mutable)
+        loss, aux = self._loss_of(out, state, params, batch, key)
+        if probes is not None:
+            aux = {**aux, "health": state.get(health.COLLECTION, {})}
+        return loss, aux
+
+    def _loss_of(self, out, state, params, batch, key):
+        if self.kind == "lm":
             # instruction data ("loss_mask"): the answer tokens only
             loss = models.lm_head_loss(self.model_config, params, out, batch["targets"], batch.get("loss_mask"),
                                        jax.random.fold_in(key, 1))  # a stochastic head's own stream
@@ -148,7 +169,7 @@ def _model_overrides(config) -> dict:
 
 
 _NUMERICS_FIELDS = ("recipe", "keep_high_precision", "min_features", "compute_dtype", "param_dtype", "remat",
-                    "recompute_attention", "attention")
+                    "recompute_attention", "attention", "smooth_swiglu")
 
 
 def _check_no_shape(init_from: str, overrides: dict) -> None:

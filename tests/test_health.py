@@ -1,0 +1,218 @@
+"""Quantization health (qjax.health): exact stats on hand-built tensors, the g probe, nothing traced when off, the
+warnings, the train loop's rows; and the Smooth-SwiGLU guard (qjax.models.layers.SmoothedDense)."""
+
+import json
+import math
+import pathlib
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import qjax
+from qjax import health
+from qjax.models import Llama, layers, llama_config
+from qjax.qtensor import QuantSpec
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_int8_row_stats_count_saturated_and_flushed_codes():
+    # row 0: scale 1 -> codes 127, -127, 0 (0.4 flushed), 0 (a zero, not counted as flushed)
+    # row 1: scale 4/127 -> codes 32, 64, 95, 127
+    x = jnp.array([[127.0, -127.0, 0.4, 0.0], [1.0, 2.0, 3.0, 4.0]])
+    amax, saturated, underflow = np.asarray(health.operand_stats(x, QuantSpec("int8", "row")))
+    assert amax == 127.0
+    assert saturated == 3 / 8
+    assert underflow == pytest.approx(1 / 7, rel=1e-6)
+
+
+def test_e4m3_tensor_stats_count_subnormal_codes_as_flushed():
+    # scale 448 / 448 = 1: 2^-7 becomes a subnormal code (e4m3's smallest normal is 2^-6), 2^-10 rounds to zero
+    x = jnp.array([448.0, 448.0, 1.0, 2.0**-7, 2.0**-10, 0.0, -448.0, 3.0])
+    amax, saturated, underflow = np.asarray(health.operand_stats(x, QuantSpec("e4m3", "tensor")))
+    assert (amax, saturated) == (448.0, 3 / 8)
+    assert underflow == pytest.approx(2 / 7, rel=1e-6)
+
+
+def test_stochastic_spec_is_measured_by_its_nearest_codes_and_nan_stays_visible():
+    x = jax.random.normal(jax.random.key(0), (16, 64))
+    sr, nearest = QuantSpec("e5m2", "row", stochastic=True), QuantSpec("e5m2", "row")
+    np.testing.assert_array_equal(health.operand_stats(x, sr), health.operand_stats(x, nearest))
+    assert math.isnan(float(health.operand_stats(x.at[3, 5].set(jnp.nan), nearest)[0]))
+
+
+class _Linear(nn.Module):
+    recipe: str
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, use_bias=False, dot_general_cls=lambda: qjax.DotGeneral(recipe=self.recipe),
+                        name="proj")(x)
+
+
+def test_probe_gradient_is_the_stats_of_the_output_gradient():
+    model = _Linear("fp8_tensorwise")
+    x = jax.random.normal(jax.random.key(1), (4, 6, 16))
+    c = jax.random.normal(jax.random.key(2), (4, 6, 8)) * 1e-3  # the output's cotangent, g
+    params = model.init(jax.random.key(0), x)["params"]
+    probes = model.apply({"params": params}, x, mutable=[health.COLLECTION, health.PROBES])[1][health.PROBES]
+
+    def loss(probes):
+        out, state = model.apply({"params": params, health.PROBES: probes}, x, mutable=[health.COLLECTION])
+        return jnp.sum(out * c), state
+
+    probe_grads, state = jax.grad(loss, has_aux=True)(probes)
+    stats = health.flatten(state[health.COLLECTION], probe_grads)
+    assert sorted(stats) == ["proj/g", "proj/w", "proj/x"]
+    recipe = qjax.recipe("fp8_tensorwise")
+    np.testing.assert_array_equal(stats["proj/g"], health.operand_stats(c.reshape(-1, 8), recipe.dgrad.lhs))
+    np.testing.assert_array_equal(stats["proj/x"], health.operand_stats(x.reshape(-1, 16), recipe.fwd.lhs))
+    np.testing.assert_array_equal(stats["proj/w"], health.operand_stats(params["proj"]["kernel"].T,
+                                                                        recipe.fwd.rhs))
+
+
+def _loss_jaxpr(config, tokens):
+    model = Llama(config)
+    params = model.init(jax.random.key(0), tokens)["params"]
+    return str(jax.make_jaxpr(lambda p: jax.grad(lambda q: model.apply({"params": q}, tokens).mean())(p))(params))
+
+
+def test_nothing_is_traced_when_health_is_off(monkeypatch):
+    config = llama_config("tiny", recipe="int8_dataflow", n_layers=1)  # a fused PrologueDense and plain Dense
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    before = _loss_jaxpr(config, tokens)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("qjax.health traced with the health collection off")
+
+    monkeypatch.setattr(health, "observe_gemm", fail)
+    monkeypatch.setattr(health, "operand_stats", fail)
+    assert _loss_jaxpr(config, tokens) == before  # the same program, and no health code ran while tracing it
+
+
+def test_monitor_warns_once_on_an_outlier_channel_not_on_clean_data():
+    spec = QuantSpec("e4m3", "tensor")
+    clean = jax.random.normal(jax.random.key(3), (256, 8))
+    outlier = clean.at[:, 5].set(1000.0)  # one channel far above the rest: every one of its codes at 448
+    lines = []
+    monitor = health.HealthMonitor(saturation_warn=0.05, amax_growth_warn=10.0)
+    for step, x in ((1, clean), (2, clean), (3, outlier), (4, outlier)):
+        row, warning = monitor.update(step, {"layers_0/mlp/down_proj/x": np.asarray(health.operand_stats(x, spec))})
+        lines.append(warning)
+    assert lines[:2] == [None, None]
+    assert lines[2].startswith("quantization health warning @ step 3: layers_0/mlp/down_proj/x saturation 12.50%")
+    assert "amax x" in lines[2]  # the channel's 1000 against a clean amax of about 3.5
+    assert lines[3] is None  # still over: said once
+    assert row["health_saturation_max"] == 0.125 and row["health/layers_0/mlp/down_proj/x/amax_growth"] > 10
+
+
+def test_initial_amax_of_a_resumed_run_is_its_first_measurement():
+    rows = [{"step": 2, "loss": 1.0}, {"step": 2, "health/a/x/amax": 3.0}, {"step": 4, "health/a/x/amax": 5.0}]
+    assert health.initial_amax(rows) == {"a/x": 3.0}
+    row, _ = health.HealthMonitor(0.05, 10.0, health.initial_amax(rows)).update(6, {"a/x": np.array([6.0, 0, 0])})
+    assert row["health/a/x/amax_growth"] == 2.0
+
+
+def test_model_warns_when_an_outlier_channel_is_injected():
+    config = llama_config("tiny", recipe="fp8_tensorwise", n_layers=1, compute_dtype="float32")
+    model, tokens = Llama(config), jax.random.randint(jax.random.key(4), (2, 32), 0, 256)
+    params = model.init(jax.random.key(0), tokens)["params"]
+
+    def stats(params):
+        state = model.apply({"params": params}, tokens, mutable=[health.COLLECTION])[1]
+        return health.flatten(state[health.COLLECTION])
+
+    monitor = health.HealthMonitor(0.05, 10.0)
+    assert monitor.update(1, stats(params))[1] is None
+    assert monitor.update(2, stats(params))[1] is None
+    # up's channel 3 of the SwiGLU x1000: the down projection's input gets an outlier channel
+    kernel = params["layers_0"]["mlp"]["gate_up_proj"]["kernel"]
+    injected = jax.tree.map(lambda p: p, params)
+    injected["layers_0"]["mlp"]["gate_up_proj"]["kernel"] = kernel.at[:, config.ffn_dim + 3].multiply(1000.0)
+    warning = monitor.update(3, stats(injected))[1]
+    assert warning is not None and "layers_0/mlp/down_proj/x amax x" in warning
+
+
+def test_train_writes_health_rows_and_stays_quiet_on_a_clean_run(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "tests" / "train"))
+    sys.path.insert(0, str(ROOT))
+    from train_helpers import tiny_llama_config  # noqa: PLC0415
+
+    from qjax.data import prepare_text  # noqa: PLC0415
+    from qjax.train import train  # noqa: PLC0415
+
+    (tmp_path / "c.txt").write_text("the cat sat on the mat. a dog ran in the park. " * 200)
+    prepare_text([tmp_path / "c.txt"], tmp_path / "tokens", val_fraction=0.1)
+    config = tiny_llama_config(str(tmp_path / "tokens"), recipe="fp8_tensorwise", health_every=2, steps=4,
+                               eval_every=0)
+    train(config, str(tmp_path / "run"))
+    out = capsys.readouterr().out
+    assert "warning" not in out
+    progress = [line for line in out.splitlines() if line.startswith("step ")]
+    assert progress and all(" sat " in line for line in progress)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    health_rows = [r for r in rows if "health_saturation_max" in r and "loss" not in r]
+    assert [r["step"] for r in health_rows] == [2, 4]
+    keys = set(health_rows[0])
+    for operand in ("x", "w", "g"):
+        for stat in (*health.STATS, "amax_growth"):
+            assert f"health/layers_0/mlp/down_proj/{operand}/{stat}" in keys
+    assert health_rows[0]["health/layers_0/attn/qkv_proj/x/amax_growth"] == 1.0
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8_tensorwise"])
+def test_smooth_swiglu_matches_the_unguarded_model(recipe):
+    # bf16: the same function up to float rounding, forward and gradients. fp8_tensorwise: the guard changes only
+    # how down_proj's operands are quantized, so the outputs stay close.
+    tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, 256)
+    kwargs = dict(recipe=recipe, n_layers=1, compute_dtype="float32")
+    plain, guarded = Llama(llama_config("tiny", **kwargs)), Llama(llama_config("tiny", smooth_swiglu=True, **kwargs))
+    params = plain.init(jax.random.key(0), tokens)["params"]
+    assert jax.tree.structure(params) == jax.tree.structure(guarded.init(jax.random.key(0), tokens)["params"])
+
+    def loss(model, p):
+        return jnp.mean(model.apply({"params": p}, tokens) ** 2)
+
+    (l0, g0), (l1, g1) = (jax.value_and_grad(lambda p: loss(m, p))(params) for m in (plain, guarded))
+    if recipe == "bf16":
+        np.testing.assert_allclose(l1, l0, rtol=1e-5)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max())),
+                     g1, g0)
+        return
+    np.testing.assert_allclose(l1, l0, rtol=2e-2)
+    flat0, flat1 = (jnp.concatenate([g.ravel() for g in jax.tree.leaves(g)]) for g in (g0, g1))
+    assert float(flat0 @ flat1 / jnp.linalg.norm(flat0) / jnp.linalg.norm(flat1)) > 0.99
+
+
+def test_smoothed_dense_equals_dense_in_bf16_and_removes_an_outlier_channel():
+    x = jax.random.normal(jax.random.key(6), (64, 32), jnp.bfloat16).at[:, 7].multiply(300)
+    init = nn.initializers.normal(0.02)
+
+    class Pair(nn.Module):
+        recipe: str
+
+        @nn.compact
+        def __call__(self, x):
+            r = qjax.recipe(self.recipe)
+            plain = nn.Dense(16, use_bias=False, dtype=jnp.bfloat16, kernel_init=init,
+                             dot_general_cls=lambda: qjax.DotGeneral(recipe=r), name="plain")
+            y0 = plain(x)
+            y1 = layers.SmoothedDense(16, r, init, jnp.bfloat16, jnp.float32, name="smooth")(x)
+            return y0, y1
+
+    model = Pair("bf16")
+    params = model.init(jax.random.key(0), x)["params"]
+    params["smooth"] = params["plain"]
+    y0, y1 = model.apply({"params": params}, x)
+    np.testing.assert_allclose(np.float32(y1), np.float32(y0), rtol=2e-2, atol=2e-2 * float(jnp.abs(y0).max()))
+    grads = [jax.grad(lambda x_: jnp.sum(model.apply({"params": params}, x_)[i].astype(jnp.float32)))(x)
+             for i in (0, 1)]
+    np.testing.assert_allclose(np.float32(grads[1]), np.float32(grads[0]), rtol=2e-2, atol=1e-3)
+    # under fp8 tensor scales the outlier channel flushes the others' codes; the guard's operand has no outlier
+    state = Pair("fp8_tensorwise").apply({"params": params}, x, mutable=[health.COLLECTION])[1]
+    stats = health.flatten(state[health.COLLECTION])
+    assert stats["plain/x"][2] > 0.01 and stats["smooth/x"][2] == 0.0
