@@ -32,7 +32,7 @@ slice of each held out; `qjax.data.corpus`) trains on 16k-token BPE shards, prep
 data/mixed-english-bpe16k on first use (a few minutes; carry the .xz to the device, not the shards):
 
   python benchmarks/convergence.py --corpus mixed --size 125m --seq-len 1024 --batch-size 32 --tokens 250e6 \
-      --recipes bf16 int8_rowwise fp8_rowwise --recipe-seeds bf16=0,1,2 --seeds 0 1 --time-budget 540 --no-append
+      --recipes bf16 int8_rowwise fp8_rowwise --recipe-seeds bf16=0,1,2 --seeds 0 1 --time-budget 540 --no-record
 
 --tokens sets the steps from a token budget; --recipe-seeds gives an entry its own seeds (bitnet_b158=0);
 --time-budget SECONDS trains until the next checkpoint would pass it, then exits with status 75: the same command
