@@ -72,6 +72,8 @@ def suites(gpus: int) -> dict[str, tuple[str, list[list[str]]]]:
             ["benchmarks/convergence.py", "--recipes", "bf16", "int8_rowwise", "fp8_rowwise", "int8_dataflow",
              "--size", "125m", "--seq-len", "1024", "--batch-size", "32", "--steps", "750", "--lr", "6e-4",
              "--workdir", "/tmp/convergence"]]),
+        "health": ("what the quantization health metrics cost the 1.1B train step", [
+            ["benchmarks/health_cost.py", "--recipes", "int8_rowwise", "fp8_tensorwise"]]),
         "gpu-tests": ("every GPU-marked test, compiled", [
             ["make", "-s", "test-gpu"]]),
     }

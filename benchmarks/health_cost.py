@@ -13,7 +13,7 @@ default) and 100. The plain step is the program without the feature (nothing of 
 import argparse
 import sys
 
-from common import REPO, time_ms
+from common import REPO, device_kind, record_results, time_ms
 from train import TINYLLAMA
 
 sys.path.insert(0, str(REPO))  # the configs/ package
@@ -33,8 +33,8 @@ def main():
     from qjax.train import make_task, make_train_step  # noqa: PLC0415
 
     small = args.small or jax.default_backend() != "gpu"
-    print("| recipe | plain step ms | measuring step ms | health_every=1 | =25 | =100 |")
-    print("|---|---:|---:|---:|---:|---:|")
+    rows = ["| recipe | plain step ms | measuring step ms | health_every=1 | =25 | =100 |", "|---|---:|---:|---:|---:|---:|"]
+    print("\n".join(rows))
     for recipe in args.recipes:
         config = llama_base.get_config()
         config.model.size = "tiny" if small else "1b"
@@ -60,7 +60,11 @@ def main():
             del holder
         plain, measuring = times
         cost = lambda every: f"{(measuring - plain) / (every * plain) * 100:+.2f}%"  # noqa: E731
-        print(f"| {recipe} | {plain:.1f} | {measuring:.1f} | {cost(1)} | {cost(25)} | {cost(100)} |", flush=True)
+        rows.append(f"| {recipe} | {plain:.1f} | {measuring:.1f} | {cost(1)} | {cost(25)} | {cost(100)} |")
+        print(rows[-1], flush=True)
+    if not small:  # CPU times are no results
+        shape = "Llama 1.1B, batch 8 x 2048, optax AdamW"
+        record_results("Quantization health metrics: train step cost", "\n".join(rows) + f"\n\n{shape}, {device_kind()}.\n")
 
 
 if __name__ == "__main__":
