@@ -14,8 +14,9 @@ operands, or a block-scaled recipe whose shape (tokens, in and out features) doe
 `qjax.report` lists each layer's outcome and why.
 
 What is quantized: the GEMMs of weights, a `lax.dot_general` or two-operand `jnp.einsum` whose second operand has
-the shape of a parameter of the module calling it (nn.Dense, nn.DenseGeneral, nn.Einsum, or a hand-written layer's
-`jnp.einsum("btd,df->btf", x, self.param(...))`). Products of two activations (attention scores) stay as they are.
+the shape of a parameter of the module calling it, or of one slice of it along its leading dims (nn.Dense,
+nn.DenseGeneral, nn.Einsum, a hand-written `jnp.einsum("btd,df->btf", x, self.param(...))`, a layer of stacked
+weights under jax.lax.scan). Products of two activations (attention scores) stay as they are.
 
 Mechanism, linen: while a method of the returned module runs, `nn.intercept_methods` (Flax's documented hook
 around every module method) tracks which module is running, and `jax.lax.dot_general` / `jax.numpy.einsum` are
@@ -278,10 +279,12 @@ _PATCH_LOCK = threading.Lock()
 _PATCH_DEPTH = 0
 
 
-def _own_param_shapes(module: nn.Module) -> set:
-    """Shapes of the params `module` itself holds (not its children's)."""
+def _weight_shapes(module: nn.Module) -> set:
+    """Shapes of the params `module` itself holds (not its children's), and of their slices along leading dims
+    (one layer of stacked weights that the module scans over)."""
     params = module.variables.get("params", {}) if module.scope is not None else {}
-    return {tuple(jnp.shape(nn.meta.unbox(v))) for v in params.values() if not isinstance(v, Mapping)}
+    shapes = [tuple(jnp.shape(nn.meta.unbox(v))) for v in params.values() if not isinstance(v, Mapping)]
+    return {shape[i:] for shape in shapes for i in range(max(len(shape) - 1, 1))}
 
 
 def _intercepted(run, original):
@@ -303,7 +306,7 @@ def _intercepted(run, original):
             return original(*args, **kwargs)
         lhs, rhs = operands
         relative = "/".join(path[len(state.root):])
-        if tuple(jnp.shape(rhs)) not in _own_param_shapes(module):  # no weight: e.g. attention scores
+        if tuple(jnp.shape(rhs)) not in _weight_shapes(module):  # no weight: e.g. attention scores
             op = "dot_general" if run is run_dot_general else f"einsum {args[0]}"
             with _recorded(relative, op, lhs, rhs, Decision(None, f"not a weight GEMM: the rhs is not a param of "
                                                                   f"{relative or 'the model'}")):
