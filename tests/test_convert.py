@@ -191,3 +191,222 @@ def test_jax_lax_scan_over_stacked_weights():
     assert_bit_identical(loss_and_grads(qmodel, params), loss_and_grads(explicit, params))
     [row] = qjax.report(qmodel, params, X)
     assert row.quantized and row.rhs_shape == (128, 128)
+
+
+# --- NNX -------------------------------------------------------------------------------------------------------------
+
+class NnxModel(nnx.Module):
+    """nnx.Linear, nnx.LinearGeneral and nnx.Einsum; with `recipe`, the explicit form (their dot_general /
+    einsum_op given qjax's)."""
+
+    def __init__(self, rngs, recipe=None):
+        dot = {} if recipe is None else {"dot_general": qjax.make_dot_general(recipe)}
+        ein = {} if recipe is None else {"einsum_op": lambda s, a, b, precision=None, out_sharding=None, **kw:
+                                         qjax.einsum(s, a, b, recipe=recipe, precision=precision, **kw)}
+        self.up = nnx.Linear(128, 256, rngs=rngs, **dot)
+        self.mix = nnx.LinearGeneral(256, (2, 64), rngs=rngs, **dot)
+        self.out = nnx.Einsum("btd,de->bte", (128, 128), (128,), rngs=rngs, **ein)
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.up(x))
+        return self.out(self.mix(h).reshape(*x.shape[:-1], 128))
+
+
+def nnx_loss_and_grads(model, lower=False):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    fn = jax.jit(jax.value_and_grad(lambda p: jnp.sum(nnx.merge(graphdef, p, rest)(X) ** 2)))
+    return fn.lower(params) if lower else fn(params)
+
+
+def test_nnx_model_is_bit_identical_to_explicit_layers():
+    model = NnxModel(nnx.Rngs(0))
+    qmodel = qjax.quantize_model(model, RECIPE)
+    assert_bit_identical(nnx.state(qmodel, nnx.Param), nnx.state(model, nnx.Param))
+    assert model.up.dot_general is jax.lax.dot_general  # the original is left as it was
+    explicit = NnxModel(nnx.Rngs(0), recipe=RECIPE)
+    assert_bit_identical(nnx_loss_and_grads(qmodel), nnx_loss_and_grads(explicit))
+    assert eight_bit_dots(nnx_loss_and_grads(qmodel, lower=True)) == 3 * 3 - 1  # up's dgrad: no gradient needed
+    assert eight_bit_dots(nnx_loss_and_grads(model, lower=True)) == 0
+    rows = qjax.report(qmodel, None, X)
+    assert [(r.path, r.recipe, r.eight_bit) for r in rows] == [(p, RECIPE, ("fwd", "dgrad", "wgrad"))
+                                                               for p in ("up", "mix", "out")]
+
+
+def test_nnx_stochastic_rounding_draws_from_the_rngs_stream():
+    sr = qjax.with_stochastic_gradients(qjax.recipe(RECIPE))
+    with pytest.raises(ValueError, match=r"pass rngs=nnx.Rngs\(quantize=key\)"):
+        qjax.quantize_model(NnxModel(nnx.Rngs(0)), sr)
+    qmodel = qjax.quantize_model(NnxModel(nnx.Rngs(0)), sr, rngs=nnx.Rngs(quantize=3))
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(X) ** 2)))
+    first, second = grads(qmodel), grads(qmodel)  # the stream advances between steps
+    assert not np.array_equal(first["up"]["kernel"][...], second["up"]["kernel"][...])
+
+
+def test_nnx_without_layers_to_convert():
+    class NoLayers(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((4, 4)))
+
+    with pytest.raises(ValueError, match="has no nnx.Linear, nnx.LinearGeneral or nnx.Einsum"):
+        qjax.quantize_model(NoLayers(), RECIPE)
+
+
+# --- rules, skip, min_features, and the report against the lowered program ---------------------------------------
+
+class Named(nn.Module):
+    """Layers named as a transformer's, of several widths."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(128, name="attn_q")(x)
+        h = nn.Dense(256, name="mlp_up")(x)
+        x = x + nn.Dense(128, name="mlp_down")(h)
+        x = x + nn.Dense(128, name="gate")(nn.Dense(64, name="small")(x))
+        return nn.Dense(128, name="lm_head")(x)
+
+
+def test_rules_order_skip_min_features_and_report_against_hlo():
+    params = jax.jit(Named().init)(jax.random.key(0), X)
+    rules = [("attn", None), ("mlp_up", "fp8_rowwise"), ("", RECIPE)]
+    qmodel = qjax.quantize_model(Named(), rules, skip=("lm_head",), min_features=100)
+    rows = {r.path: r for r in qjax.report(qmodel, params, X)}
+    assert {p: (r.recipe, r.reason) for p, r in rows.items()} == {
+        "attn_q": (None, "rule 'attn' -> None"), "mlp_up": ("fp8_rowwise", ""), "mlp_down": (RECIPE, ""),
+        "small": (None, "min_features: in 128 or out 64 < 100"), "gate": (None, "min_features: in 64 or out 128 < 100"),
+        "lm_head": (None, "skip 'lm_head'")}
+    # attn_q, the first layer, runs in high precision, so every quantized layer's dgrad is needed: the report's
+    # 8-bit GEMMs are the lowered program's 8-bit dots
+    assert sum(len(r.eight_bit) for r in rows.values()) == eight_bit_dots(lowered_grad(qmodel, params)) == 6
+    # first match wins: the catch-all before "attn" quantizes attn_q too
+    rows = {r.path: r for r in qjax.report(qjax.quantize_model(Named(), [("", RECIPE), ("attn", None)]), params, X)}
+    assert rows["attn_q"].recipe == RECIPE and rows["small"].recipe == RECIPE
+
+
+def test_report_lists_gemms_it_did_not_intercept():
+    class MatMul(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(128, name="dense")(x) @ self.param("w", nn.initializers.lecun_normal(), (128, 128))
+
+    params = jax.jit(MatMul().init)(jax.random.key(0), X)
+    rows = qjax.report(qjax.quantize_model(MatMul(), RECIPE), params, X)
+    assert [(r.path, r.op, r.quantized) for r in rows] == [("dense", "dot_general", True),
+                                                           ("", "not intercepted", False)]
+    assert rows[1].high_precision == ("3 dots",) and "not intercepted" in rows[1].reason
+    assert "not intercepted" in str(rows) and "1 of 2 GEMM calls" in str(rows)
+
+
+def test_strict_names_an_untileable_layer():
+    class Odd(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(100, name="odd")(x)
+
+    params = jax.jit(Odd().init)(jax.random.key(0), X)
+    qmodel = qjax.quantize_model(Odd(), "int8_blockwise")
+    [row] = qjax.report(qmodel, params, X)
+    assert row.recipe is None and row.reason.startswith("not tileable: int8_blockwise's")
+    with pytest.raises(ValueError, match=r"odd \(lhs \(2, 64, 128\), rhs \(128, 100\)\) would run in high "
+                                         r"precision: not tileable.*skip it \(skip=\('odd',\)\), or pad"):
+        qjax.report(qmodel, params, X, strict=True)
+    qjax.report(qjax.quantize_model(Odd(), "int8_blockwise", skip=("odd",)), params, X, strict=True)  # skipped: ok
+
+
+# --- bad input -------------------------------------------------------------------------------------------------------
+
+def test_unknown_recipe_lists_the_valid_names():
+    with pytest.raises(ValueError, match="unknown recipe 'int9'; valid names: bf16, int8_rowwise"):
+        qjax.quantize_model(Mlp(), "int9")
+    with pytest.raises(ValueError, match="unknown recipe 'int9'"):
+        qjax.quantize_model(Mlp(), [("up", "int9")])
+
+
+def test_bad_rules():
+    with pytest.raises(ValueError, match="is not a valid module-path regex"):
+        qjax.quantize_model(Mlp(), [("up(", RECIPE)])
+    with pytest.raises(TypeError, match="each rule is"):
+        qjax.quantize_model(Mlp(), [RECIPE])
+    with pytest.raises(ValueError, match="min_features must be an int >= 0"):
+        qjax.quantize_model(Mlp(), RECIPE, min_features=-1)
+    with pytest.raises(TypeError, match="rngs= is for NNX models"):
+        qjax.quantize_model(Mlp(), RECIPE, rngs=nnx.Rngs(0))
+
+
+def test_a_rule_that_matches_no_module_warns_once():
+    qmodel = qjax.quantize_model(Mlp(), [("attention", None), ("", RECIPE)], skip=("embed",))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.eval_shape(qmodel.init, jax.random.key(0), X)
+        jax.eval_shape(qmodel.init, jax.random.key(0), X)
+    assert [str(w.message) for w in caught] == ["qjax.quantize_model: rule 'attention' matches no module of Mlp",
+                                                "qjax.quantize_model: skip 'embed' matches no module of Mlp"]
+
+
+def test_a_model_without_dot_general():
+    class Elementwise(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return x * self.param("scale", nn.initializers.ones, (x.shape[-1],))
+
+    with pytest.raises(ValueError, match="Elementwise called no jax.lax.dot_general or jnp.einsum"):
+        qjax.quantize_model(Elementwise(), RECIPE).init(jax.random.key(0), X)
+
+
+def test_stochastic_rounding_draws_from_the_quantize_stream():
+    sr = qjax.with_stochastic_gradients(qjax.recipe(RECIPE))
+    qmodel = qjax.quantize_model(Mlp(), sr)
+    params = jax.jit(qmodel.init)(jax.random.key(0), X)  # init: a fixed key
+    with pytest.raises(ValueError, match=r"layer 'up' rounds stochastically: pass rngs=\{'quantize': key\}"):
+        loss_and_grads(qmodel, params)
+    a, b, c = (loss_and_grads(qmodel, params, rngs={"quantize": jax.random.key(k)}) for k in (1, 1, 2))
+    assert_bit_identical(a, b)
+    assert not np.array_equal(a[1]["params"]["up"]["kernel"], c[1]["params"]["up"]["kernel"])
+
+
+def test_interception_is_scoped():
+    qmodel = qjax.quantize_model(Mlp(), RECIPE)
+    jax.eval_shape(qmodel.init, jax.random.key(0), X)
+    assert jax.lax.dot_general is qjax.convert._LAX_DOT_GENERAL and jnp.einsum is qjax.convert._JNP_EINSUM
+
+
+# --- a 2x2 mesh with FSDP --------------------------------------------------------------------------------------------
+
+MESH_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    import qjax
+    from qjax.flax import weight_shardings
+    from qjax.train import mesh as mesh_lib, sharding
+    sys.path.insert(0, "tests")
+    from test_convert import Mlp, RECIPE, assert_bit_identical
+
+    mesh = mesh_lib.make_mesh(data=2, fsdp=2)
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (8, 16, 128)), mesh_lib.batch_sharding(mesh))
+    params = jax.jit(Mlp().init)(jax.random.key(0), x[:1])["params"]
+    params = jax.device_put(params, sharding.named(sharding.param_specs(params, mesh), mesh))
+    assert params["up"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
+    lookup = sharding.layer_sharding(params, mesh)
+
+    def step(model):
+        def loss(p):
+            with mesh_lib.tracing_on(mesh), weight_shardings(lookup):
+                return jnp.sum(model.apply({"params": p}, x) ** 2)
+        return jax.jit(jax.value_and_grad(loss))
+
+    converted, explicit = step(qjax.quantize_model(Mlp(), RECIPE)), step(Mlp(recipe=RECIPE))
+    assert_bit_identical(converted(params), explicit(params))
+    text = converted.lower(params).as_text()
+    gathers = [line for line in text.splitlines() if "all_gather" in line]
+    assert gathers and all("xi8>" in line or "xf32>" in line for line in gathers), gathers
+    assert any("xi8>" in line for line in gathers)  # the weights travel as int8 codes
+    print("mesh ok")
+""")
+
+
+def test_fsdp_on_a_2x2_cpu_mesh():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=root)
+    assert out.returncode == 0, out.stdout + out.stderr[-5000:]
+    assert out.stdout.split() == ["mesh", "ok"], out.stdout
