@@ -1,4 +1,4 @@
-"""`qjax.report` (this module: qjax.gemm_report): which GEMMs of a training step actually run in 8 bits, and why the others do not.
+"""`qjax.report`: which GEMMs of a training step actually run in 8 bits, and why the others do not.
 
   rows = qjax.report(qmodel, variables, x)            # linen: variables as for apply; NNX: qjax.report(qmodel, None, x)
   print(rows)                                         # a table: module path, shapes, recipe, 8-bit GEMMs, why not
@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from qjax import convert
+from qjax import gemm_rules
 
 _ROLES = ("fwd", "dgrad", "wgrad")
 _EIGHT_BIT = ("int8", "uint8", "float8_e4m3fn", "float8_e5m2", "float8_e4m3", "float8_e4m3b11fnuz",
@@ -121,7 +121,7 @@ def _roles(n: int) -> list[str]:
     return (["fwd"] * max(n - 2, 1) + ["dgrad", "wgrad"])[:n]
 
 
-def _row(record: convert.CallRecord, gemms: list[_Gemm]) -> GemmRow:
+def _row(record: gemm_rules.CallRecord, gemms: list[_Gemm]) -> GemmRow:
     decision, recipe = record.decision, record.decision.recipe
     assigned = decision.assigned.name if decision.assigned is not None else None
     if recipe is None:
@@ -196,11 +196,11 @@ def report(qmodel, params, *args, strict: bool = False, **kwargs) -> Report:
     """
     loss, differentiated = _loss(qmodel, params, args, kwargs)
     records = []
-    token = convert.RECORDS.set(records)
+    token = gemm_rules.RECORDS.set(records)
     try:
         jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(differentiated)
     finally:
-        convert.RECORDS.reset(token)
+        gemm_rules.RECORDS.reset(token)
     gemms = _gemms(jaxpr.jaxpr, [])
     if not gemms:
         raise ValueError(f"qjax.report: the traced step of {type(qmodel).__name__} has no dot_general at all")

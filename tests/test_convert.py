@@ -366,7 +366,7 @@ def test_stochastic_rounding_draws_from_the_quantize_stream():
 def test_interception_is_scoped():
     qmodel = qjax.quantize_model(Mlp(), RECIPE)
     jax.eval_shape(qmodel.init, jax.random.key(0), X)
-    assert jax.lax.dot_general is qjax.convert._LAX_DOT_GENERAL and jnp.einsum is qjax.convert._JNP_EINSUM
+    assert jax.lax.dot_general is qjax.gemm_rules.LAX_DOT_GENERAL and jnp.einsum is qjax.gemm_rules.JNP_EINSUM
 
 
 # --- a 2x2 mesh with FSDP --------------------------------------------------------------------------------------------
