@@ -70,7 +70,7 @@ class Report(list):
                              " ".join(r.high_precision) or "-", r.reason + (f" ({r.calls} calls)" if r.calls > 1
                                                                              else "")) for r in self]
         widths = [max(len(line[i]) for line in lines) for i in range(len(header) - 1)]
-        text = ["  ".join(c.ljust(w) for c, w in zip(line, widths)) + "  " + line[-1] for line in lines]
+        text = [("  ".join(c.ljust(w) for c, w in zip(line, widths)) + "  " + line[-1]).rstrip() for line in lines]
         quantized = sum(r.quantized for r in self)
         return "\n".join(text + [f"{quantized} of {len(self)} GEMM calls run every GEMM their recipe quantizes "
                                  "in 8 bits"])
@@ -133,14 +133,18 @@ def _row(record: gemm_rules.CallRecord, gemms: list[_Gemm]) -> GemmRow:
     eight = tuple(r for r in _ROLES if r in ran and ran[r] is None)
     high = tuple(r for r in _ROLES if ran.get(r) is not None)
     fallen = [r for r in high if getattr(recipe, r) is not None]
-    reason = ""
-    if fallen:
+    reason, fix = "", decision.fix
+    if fallen and any(getattr(recipe, r).lhs.granularity == "1x32" for r in fallen):
+        reason = (f"{' '.join(fallen)} lowered to {ran[fallen[0]][0]} dots: MX (1x32) blocks have no Hopper "
+                  f"GEMM, so {recipe.name} runs an exact float GEMM on its 8-bit codes")
+        fix = f"use an fp8 recipe with row or 128-block scales for 8-bit GEMMs, or skip it (skip=({record.path!r},))"
+    elif fallen:
         reason = (f"{' '.join(fallen)} lowered to {ran[fallen[0]][0]} dots: the {recipe.backend} backend on "
                   f"{jax.default_backend()} emulates {recipe.name} (dequantize, then a float GEMM)")
-        decision = dataclasses.replace(decision, fix="run it where the Pallas kernels run this recipe (a Hopper "
-                                                     "GPU), or skip it")
+        fix = (f"run it where the Pallas kernels run {recipe.name} (backend 'auto' or 'pallas' on a Hopper GPU), "
+               f"or skip it (skip=({record.path!r},))")
     return GemmRow(record.path, record.op, record.lhs_shape, record.rhs_shape, recipe.name, eight, high, reason,
-                   assigned=assigned, fix=decision.fix)
+                   assigned=assigned, fix=fix)
 
 
 def _unclaimed_row(path: str, gemms: list[_Gemm]) -> GemmRow:
