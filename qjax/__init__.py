@@ -7,6 +7,8 @@ Public API:
   einsum(subscripts, lhs, rhs, recipe=, key=)              quantized two-operand einsum
   ragged_dot(lhs, rhs, group_sizes, recipe=, key=)         quantized lax.ragged_dot (mixture-of-experts GEMMs)
   make_dot_general(recipe), DotGeneral, recipe_for_layer   Flax integration
+  quantize_model(model, rules, skip=, min_features=)       quantize an unmodified Flax model (linen or NNX)
+  report(qmodel, variables, *inputs, strict=)              which GEMMs of a traced step run in 8 bits, and why not
   quantize, dequantize, QTensor                            reference quantization (tensor/row/1x128/128x128)
   stochastic_round(x, dtype, key)                          unbiased rounding to bf16 / fp8 / int8
   optim                                                    low-bit AdamW, bf16 + SR params, INT8 weight-only params
@@ -17,8 +19,10 @@ Public API:
 import importlib
 
 from qjax import optim
+from qjax.convert import quantize_model
 from qjax.dot_general import dot_general
 from qjax.flax import DotGeneral, einsum, make_dot_general, recipe_for_layer
+from qjax.gemm_report import report
 from qjax.qtensor import QTensor, QuantSpec, dequantize
 from qjax.quantize import quantize
 from qjax.ragged_dot import ragged_dot
@@ -28,8 +32,8 @@ from qjax.weight_sharding import WeightSharding
 
 __all__ = [
     "DotGeneral", "GemmSpec", "QTensor", "QuantSpec", "RECIPES", "Recipe", "dequantize", "dot_general", "einsum",
-    "make_dot_general", "optim", "quantize", "ragged_dot", "recipe", "recipe_for_layer", "stochastic_round",
-    "with_stochastic_gradients", "WeightSharding",
+    "make_dot_general", "optim", "quantize", "quantize_model", "ragged_dot", "recipe", "recipe_for_layer", "report",
+    "stochastic_round", "with_stochastic_gradients", "WeightSharding",
 ]
 
 # Subpackages imported on first attribute access, so `import qjax` stays light (no flax model, orbax or data code)

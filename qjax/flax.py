@@ -39,6 +39,13 @@ def weight_shardings(lookup: Callable[[str], WeightSharding | None]):
         _WEIGHT_SHARDINGS.reset(token)
 
 
+def layer_weight_sharding(layer: str) -> WeightSharding | None:
+    """How the kernel of `layer` (a module path) lies on the mesh, per the enclosing `weight_shardings` lookup;
+    None outside one."""
+    lookup = _WEIGHT_SHARDINGS.get()
+    return None if lookup is None else lookup(layer)
+
+
 def make_dot_general(recipe, key=None):
     """A `lax.dot_general`-compatible function quantized per `recipe`, for `nn.Dense(dot_general=...)`.
 
@@ -81,8 +88,7 @@ class DotGeneral(nn.Module):
             rhs, rhs_quantized = int8_params.weight_operands(recipe, lhs, rhs, dimension_numbers)
             # rhs is now a dequantized copy, not the param: saving it would cost more than its codes
             recipe = dataclasses.replace(recipe, recompute_weight_codes=False)
-        lookup = _WEIGHT_SHARDINGS.get()
-        sharding = None if lookup is None else lookup("/".join(self.path[:-1]))
+        sharding = layer_weight_sharding("/".join(self.path[:-1]))
         out = dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type, recipe=recipe, key=key,
                           sharding=sharding, rhs_quantized=rhs_quantized)
         if health.is_collecting(self):  # only when asked: nothing is traced otherwise (qjax.health)

@@ -25,6 +25,7 @@ LAYERS = [
     (r"qjax\.dispatch", "dispatch", 2),
     (r"qjax\.(recipes|weight_sharding|dot_general|prologue|ragged_dot|flax|health)", "ops", 3),
     (r"qjax\.optim(\..*)?", "ops", 3),
+    (r"qjax\.(gemm_rules|convert|gemm_report)", "convert", 3.5),  # quantize_model: above the ops it wraps
     (r"qjax", "api", 4),
     (r"qjax\.models(\..*)?", "models", 5),
     (r"qjax\.train(\..*)?", "train", 6),
