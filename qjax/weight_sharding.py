@@ -1,6 +1,6 @@
 """How a quantized GEMM's weight lies on the mesh (FSDP, tensor parallelism): `WeightSharding`, and the per-device
-form of the quantized GEMM for a weight stored split (`qjax.linear_core`'s module docstring says what happens to codes, scales and
-gradients). Layouts are `qjax.linear_core`'s (B?, rows, K) views; the GEMM itself is `linear_core.linear_parts`.
+form of the GEMM for a weight stored split (`qjax.linear_core`'s module docstring says what happens to codes, scales
+and gradients). Layouts are `linear_core.Layout`'s (B?, rows, K) views; the GEMM itself is `linear_core.linear_parts`.
 """
 
 import dataclasses
