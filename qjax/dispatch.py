@@ -34,8 +34,7 @@ from qjax import numerics
 from qjax.kernels import quantize_mgpu, rmsnorm_mgpu, scaled_matmul, scaled_matmul_mgpu, swiglu_mgpu
 from qjax.qtensor import QTensor, QuantSpec
 from qjax.quantize import quantize_pair_reference
-
-BACKENDS = ("auto", "xla", "pallas")
+from qjax.recipes import BACKENDS
 FORCED_MODES = ("kernel", "interpret", "reference")
 # A context variable, not a global: each thread (and asyncio task) sees only its own `force`.
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("qjax_dispatch_forced", default=None)

@@ -16,8 +16,9 @@ Change a recipe with `dataclasses.replace`, e.g. int8 in the forward GEMM only:
 
 import dataclasses
 
-from qjax.dispatch import BACKENDS
 from qjax.qtensor import QuantSpec
+
+BACKENDS = ("auto", "xla", "pallas")  # the values of `Recipe.backend` (`qjax.dispatch` runs them)
 
 
 @dataclasses.dataclass(frozen=True)
