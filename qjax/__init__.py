@@ -9,14 +9,14 @@ Public API:
   make_dot_general(recipe), DotGeneral, recipe_for_layer   Flax integration
   quantize, dequantize, QTensor                            reference quantization (tensor/row/1x128/128x128)
   stochastic_round(x, dtype, key)                          unbiased rounding to bf16 / fp8 / int8
-  optim                                                    low-bit AdamW, bf16 + SR params, INT8 weight-only params
-  models, data, train                                      Llama / ViT, datasets, the training loop (imported on
-                                                           first use: `import qjax` then `qjax.train.make_mesh()`)
+  int8_params                                              INT8 weight-only parameters (Int8Param, its Flax glue)
+  optim, models, data, train                               low-bit AdamW, Llama / ViT, datasets, the training loop
+                                                           (imported on first use: `qjax.optim.adamw_8bit(...)`)
 """
 
 import importlib
 
-from qjax import optim
+from qjax import int8_params
 from qjax.dot_general import dot_general
 from qjax.flax import DotGeneral, einsum, make_dot_general, recipe_for_layer
 from qjax.qtensor import QTensor, QuantSpec, dequantize
@@ -28,13 +28,13 @@ from qjax.weight_sharding import WeightSharding
 
 __all__ = [
     "DotGeneral", "GemmSpec", "QTensor", "QuantSpec", "RECIPES", "Recipe", "dequantize", "dot_general", "einsum",
-    "make_dot_general", "optim", "quantize", "ragged_dot", "recipe", "recipe_for_layer", "stochastic_round",
-    "with_stochastic_gradients", "WeightSharding",
+    "int8_params", "make_dot_general", "optim", "quantize", "ragged_dot", "recipe", "recipe_for_layer",
+    "stochastic_round", "with_stochastic_gradients", "WeightSharding",
 ]
 
-# Subpackages imported on first attribute access, so `import qjax` stays light (no flax model, orbax or data code)
-# and `qjax.train` can import `qjax` without a circle.
-_LAZY_SUBMODULES = ("data", "models", "train")
+# Subpackages imported on first attribute access, so `import qjax` stays light (no optimizer, model, orbax or data
+# code) and the layers above the core (optim, models, train) can import `qjax` without a circle.
+_LAZY_SUBMODULES = ("data", "models", "optim", "train")
 
 
 def __getattr__(name):

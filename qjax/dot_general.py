@@ -69,7 +69,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         docstring); None: rhs whole on every device.
       rhs_quantized: optional `QTensor`, rhs already quantized as the forward GEMM reads it: (N, K) codes in the
         recipe's fwd.rhs format and granularity (row or tensor, nearest rounding), e.g. an int8 weight-only
-        parameter's stored codes and scales (`qjax.optim.Int8Param.forward_operand`). The forward GEMM then runs
+        parameter's stored codes and scales (`qjax.int8_params.Int8Param.forward_operand`). The forward GEMM then runs
         on them instead of quantizing rhs; rhs (the same weight, dequantized) still feeds dgrad and receives the
         gradient. Ignored by recipes that leave every GEMM in high precision; with it, `sharding` is not used
         (XLA gathers the weight).

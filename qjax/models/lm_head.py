@@ -30,7 +30,7 @@ import optax
 
 import qjax
 from qjax.models import layers
-from qjax.optim.int8_params import Int8Param
+from qjax.int8_params import Int8Param
 
 CHUNK_ELEMENTS = 2**25  # logits per chunk (tokens x vocab): 128 MiB in float32
 

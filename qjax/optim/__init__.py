@@ -14,7 +14,7 @@ Public API:
   CodebookState, Fp8State, Fp8ExpandedState quantized state tensors (pytrees: orbax and sharding work)
   apply_updates_sr(params, updates, key)    bf16 params + stochastic rounding (no fp32 master copy)
   Int8Param, Int8Dense, to_int8_params, dequantize_params, int8_value_and_grad, apply_updates_int8,
-  has_int8_params                           INT8 weight-only training (int8_params.promote_dtype: for nn.Dense)
+  has_int8_params                           INT8 weight-only training (the param type is qjax.int8_params')
   blockwise, adam, adamw, fused_adam        modules: block quantization, Adam core, AdamWs, the fused step (its kernel
                                             is qjax.kernels.adam_step_mgpu; the code books are qjax.codebooks)
 """
@@ -24,9 +24,9 @@ from qjax.optim.adam import QuantizedAdamState, StateConfig, scale_by_quantized_
 from qjax.optim.adamw import (FusedTransformation, adamw_4bit, adamw_8bit, adamw_fp8, apply_gradients, chain_fused,
                               quantized_adamw)
 from qjax.optim.blockwise import CodebookState, Fp8ExpandedState, Fp8State
-from qjax.optim.int8_params import (Int8Dense, Int8Param, apply_updates_int8, dequantize_params, has_int8_params,
-                                    int8_value_and_grad, to_int8_params)
-from qjax.optim.sr_params import apply_updates_sr
+from qjax.int8_params import (Int8Dense, Int8Param, dequantize_params, has_int8_params, int8_value_and_grad,
+                               to_int8_params)
+from qjax.optim.sr_params import apply_updates_int8, apply_updates_sr
 
 __all__ = [
     "CodebookState", "Fp8ExpandedState", "Fp8State", "FusedTransformation", "Int8Dense", "Int8Param",
