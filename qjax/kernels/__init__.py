@@ -14,7 +14,8 @@
   grouped_bf16_mgpu.py    JAX's own bf16 grouped kernels, wrapped for qjax.ragged_dot; reference: lax.ragged_dot
 
 Kernel files are leaves: they import the numerics layer (`qjax.numerics`, `qjax.stochastic`, `qjax.formats`,
-`qjax.qtensor`, `qjax.codebooks`), each other's tile helpers and jax, nothing above. Which of a kernel and its
+`qjax.qtensor`, and the optimizer's `qjax.optim.adam_math` and `qjax.optim.codebooks`), each other's tile helpers and
+jax, nothing above. Which of a kernel and its
 reference runs is decided in `qjax.dispatch` (docs/design.md, "Layers").
 """
 
