@@ -225,16 +225,13 @@ def linear_parts(layout: Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtyp
                 w_res = quantize_w(rhs_nk(w_res), None, operand_spec(dgrad, "rhs"), seeds)[1]
                 w_res = gather(w_res, sharding.fsdp, 1 - fsdp_n, ternary=_is_ternary(operand_spec(dgrad, "rhs")))
             dx = gemm(gq_dgrad, w_res, lhs_dtype, precise_accumulation=True)
-        # wgrad is computed as dw^T = x^T g, (K, M) x (N, M) -> (K, N): the layout of a Dense kernel (in, out), so
-        # the gradient reaches the optimizer untransposed (as g^T x -> (N, K), XLA fused the transpose into every
-        # weight's AdamW update, which then read params and moments transposed: benchmarks/NOTES.md). The GEMM's two
-        # operands play symmetric roles.
+        # wgrad as dw^T = x^T g, (K, M) x (N, M) -> (K, N): a Dense kernel's (in, out) layout, so the optimizer
+        # reads the gradient untransposed (the GEMM's two operands play symmetric roles).
         if wgrad is None:
             dw = _high_precision_matmul(layout.lhs_km(x_res), _swap_last(g_mn), rhs_dtype, precision)
         else:
             if not isinstance(x_res, QTensor):  # lhs itself, recomputed by the caller: its wgrad codes now. Both
-                # layouts from one read, the forward's dropped: the fused kernel, where the transposed layout
-                # alone runs XLA's quantization (slower on the GPU: benchmarks/NOTES.md).
+                # layouts from one read, the forward's dropped: the transposed layout alone has no fused kernel.
                 x_res = quantize_lhs(layout.lhs_mk(x_res), seeds, operand_spec(wgrad, "rhs"))[1]
             dw = gemm(x_res, gq_wgrad, rhs_dtype, precise_accumulation=True)
         dx = layout.lhs_from_mk(varying(dx, vma))

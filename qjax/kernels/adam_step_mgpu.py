@@ -32,8 +32,7 @@ is not a multiple); one program per tile, with no shared memory but the code tab
 Register layout: one TILED layout for every (R, B) array: each of the 4 warps owns whole rows, its 32 lanes hold 4
 consecutive columns each (128 columns per register sweep), so a warp's loads and stores are contiguous runs
 (coalesced) and the per-row amax is a warp shuffle reduction, never cross-warp. No TMA pipeline: many small
-register-only programs hide the memory latency through occupancy, faster than staging tiles through SMEM
-(benchmarks/NOTES.md).
+register-only programs hide the memory latency through occupancy, faster than staging tiles through SMEM.
 
 Bit-exactness: under the CPU interpreter the kernel's XLA ops equal the jitted reference bit for bit. Compiled on a
 GPU, XLA and Mosaic GPU may contract a*b+c into FMAs differently, so values can differ by an ulp and, rarely, a code
@@ -61,8 +60,7 @@ from qjax.kernels import NO_AUTO_BARRIERS, load_from_gmem, resolve_interpret
 from qjax.optim import adam_math, codebooks
 from qjax.optim.adam_math import FP8_STATE_FORMATS  # e4m3 states: no code table
 
-# Elements per program: chosen by the tile-size sweep recorded in benchmarks/NOTES.md.
-_TILE_ELEMENTS = 2048
+_TILE_ELEMENTS = 2048  # elements per program: a tuning knob (the fastest of a sweep); results do not depend on it
 _LANE_COLUMNS = 128  # a warp sweeps 32 lanes x 4 columns per register
 ROW_MULTIPLE = 4  # the warps: a tensor's block count must be a multiple (no padding pass)
 _MAX_BLOCK = 256  # a tile holds at least a row per warp (4 x 256 <= _TILE_ELEMENTS)
