@@ -34,7 +34,7 @@ from jax import lax
 import qjax
 from common import record_results, device_kind, time_ms
 from profile_train import device_events, print_report
-from qjax.kernels import grouped_matmul_mgpu
+from qjax.kernels import grouped_config_mgpu, grouped_matmul_mgpu
 
 RECIPES = ["int8_rowwise", "fp8_rowwise"]
 
@@ -118,13 +118,13 @@ def main():
             warpgroups = int(wgs[:-2]) if wgs.endswith("wg") else 2
             # the grouped kernels' config is read when the step is traced (its first, warm-up call)
             # (promoting fp8 GEMMs, the dgrad and wgrad, on two warpgroups take 64-row halves: registers)
-            configs = dict(DEFAULT_CONFIG=dataclasses.replace(grouped_matmul_mgpu.DEFAULT_CONFIG,
+            configs = dict(DEFAULT_CONFIG=dataclasses.replace(grouped_config_mgpu.DEFAULT_CONFIG,
                                                               compute_warpgroups=warpgroups),
-                           PROMOTE_CONFIG=dataclasses.replace(grouped_matmul_mgpu.PROMOTE_CONFIG,
+                           PROMOTE_CONFIG=dataclasses.replace(grouped_config_mgpu.PROMOTE_CONFIG,
                                                               compute_warpgroups=warpgroups,
                                                               tile_m=64 if warpgroups == 2 else 128))
             try:  # XLA may not lower an 8-bit ragged_dot on this GPU: record that and go on
-                with mock.patch.multiple(grouped_matmul_mgpu, **configs):
+                with mock.patch.multiple(grouped_config_mgpu, **configs):
                     step = make_step(recipe)
                     ms = time_ms(step, data, args.warmup, reps, inner)
             except Exception as e:  # noqa: BLE001

@@ -11,14 +11,14 @@ Public API:
   report(qmodel, variables, *inputs, strict=)              which GEMMs of a traced step run in 8 bits, and why not
   quantize, dequantize, QTensor                            reference quantization (tensor/row/1x128/128x128)
   stochastic_round(x, dtype, key)                          unbiased rounding to bf16 / fp8 / int8
-  optim                                                    low-bit AdamW, bf16 + SR params, INT8 weight-only params
-  models, data, train                                      Llama / ViT, datasets, the training loop (imported on
-                                                           first use: `import qjax` then `qjax.train.make_mesh()`)
+  int8_params                                              INT8 weight-only parameters (Int8Param, its Flax glue)
+  optim, models, data, train                               low-bit AdamW, Llama / ViT, datasets, the training loop
+                                                           (imported on first use: `qjax.optim.adamw_8bit(...)`)
 """
 
 import importlib
 
-from qjax import optim
+from qjax import int8_params
 from qjax.convert import quantize_model
 from qjax.dot_general import dot_general
 from qjax.flax import DotGeneral, einsum, make_dot_general, recipe_for_layer
@@ -32,13 +32,14 @@ from qjax.weight_sharding import WeightSharding
 
 __all__ = [
     "DotGeneral", "GemmSpec", "QTensor", "QuantSpec", "RECIPES", "Recipe", "dequantize", "dot_general", "einsum",
-    "make_dot_general", "optim", "quantize", "quantize_model", "ragged_dot", "recipe", "recipe_for_layer", "report",
+    "int8_params", "make_dot_general", "optim", "quantize", "quantize_model", "ragged_dot", "recipe",
+    "recipe_for_layer", "report",
     "stochastic_round", "with_stochastic_gradients", "WeightSharding",
 ]
 
-# Subpackages imported on first attribute access, so `import qjax` stays light (no flax model, orbax or data code)
-# and `qjax.train` can import `qjax` without a circle.
-_LAZY_SUBMODULES = ("data", "models", "train")
+# Subpackages imported on first attribute access, so `import qjax` stays light (no optimizer, model, orbax or data
+# code) and the layers above the core (optim, models, train) can import `qjax` without a circle.
+_LAZY_SUBMODULES = ("data", "models", "optim", "train")
 
 
 def __getattr__(name):

@@ -84,6 +84,10 @@ def _weight_shapes(module: nn.Module) -> set:
     return {shape[i:] for shape in shapes for i in range(max(len(shape) - 1, 1))}
 
 
+# Callers whose GEMMs are never rerouted: jax itself, and qjax (its own dot_general calls lax inside)
+_PASS_THROUGH = frozenset({"jax", __name__.split(".")[0]})
+
+
 def _intercepted(run, original):
     """A stand-in for jax.lax.dot_general / jnp.einsum: `run` for a weight GEMM of the running quantized linen
     model's modules, `original` for anything else (module docstring)."""
@@ -92,7 +96,7 @@ def _intercepted(run, original):
     def hook(*args, **kwargs):
         state, module = _ACTIVE.get(), _MODULE.get()
         caller = sys._getframe(1).f_globals.get("__name__", "")
-        if state is None or module is None or caller.split(".")[0] in ("jax", "qjax"):
+        if state is None or module is None or caller.split(".")[0] in _PASS_THROUGH:
             return original(*args, **kwargs)
         path = tuple(module.path) if module.scope is not None else ()
         if path[:len(state.root)] != state.root:

@@ -3,7 +3,7 @@
   op                  kernel                                       reference
   quantize_pair       kernels.quantize_mgpu.quantize_pair_kernel   quantize.quantize_pair_reference
   RMSNorm + saved copy  kernels.rmsnorm_mgpu (forward; the backward  models.ops.rms_norm_prologue's composition
-                      is XLA's, which measured faster)             (passed in)
+                      is XLA's, which is faster)                  (passed in)
   quantized_matmul    kernels.scaled_matmul_mgpu.scaled_matmul_kernel  kernels.scaled_matmul.scaled_matmul
   fused AdamW step    kernels.adam_step_mgpu (via optim.fused_adam)   optim.fused_adam.fused_step_reference
   SwiGLU + saved copy kernels.swiglu_mgpu                          models.ops.SWIGLU's composition (passed in)
@@ -34,8 +34,7 @@ from qjax import numerics
 from qjax.kernels import quantize_mgpu, rmsnorm_mgpu, scaled_matmul, scaled_matmul_mgpu, swiglu_mgpu
 from qjax.qtensor import QTensor, QuantSpec
 from qjax.quantize import quantize_pair_reference
-
-BACKENDS = ("auto", "xla", "pallas")
+from qjax.recipes import BACKENDS
 FORCED_MODES = ("kernel", "interpret", "reference")
 # A context variable, not a global: each thread (and asyncio task) sees only its own `force`.
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("qjax_dispatch_forced", default=None)
@@ -188,7 +187,7 @@ def quantized_matmul(a: QTensor, b: QTensor, out_dtype, *, precise_accumulation:
     """(B?, M, K) x (B?, N, K) QTensors -> (B?, M, N) of out_dtype: the Mosaic GPU GEMM where `backend` selects it
     and it supports the case (2-D operands), else the reference `scaled_matmul` (equal to float32 rounding).
     precise_accumulation as in `scaled_matmul`; the kernel then promotes its fp8 partial sums to float32 every 128
-    of K (benchmarks/NOTES.md compares it with cuBLAS at Precision.HIGHEST)."""
+    of K, as cuBLAS does at Precision.HIGHEST."""
     run_kernel, interpret = kernel_mode(backend)
     if run_kernel:
         reason = "batched operands" if a.data.ndim != 2 else scaled_matmul_mgpu.supports(a, b, out_dtype)

@@ -1,249 +1,24 @@
 """`qjax.dot_general`: a drop-in for `jax.lax.dot_general` whose forward, dgrad and wgrad GEMMs are quantized.
 
-Any dot_general is first viewed as a batched "TN" GEMM, both operands laid out contracting-dimension-last:
-  lhs -> (B?, M, K), rhs -> (B?, N, K), out (B?, M, N)      (B? present only when there are batch dims)
-which is the layout cuBLAS runs 8-bit GEMMs fastest in (docs/design.md, "Recipes"). Each operand is quantized in
-the layout its GEMM reads (see `qjax.recipes`), the GEMM runs on the 8-bit codes (int8 -> int32, fp8 -> f32), and
-the scales are applied after it. The custom VJP saves only the quantized operands the backward GEMMs need, already
-in their layout: w as (K, N) for dgrad and x as (K, M) for wgrad. Each input is quantized once for both GEMMs that
-read it (`qjax.dispatch.quantize_pair`), and every GEMM goes through `qjax.dispatch.quantized_matmul`: the Pallas
-kernels where the recipe's backend selects them, XLA otherwise (block-scaled recipes then run the reference
-dequantize + f32 GEMM: exact, slow).
-
-Under a mesh (set while tracing: `jax.set_mesh(mesh)` or `jax.sharding.use_abstract_mesh(mesh.abstract_mesh)`; qjax's
-train step does it), a GEMM whose lhs leads with a free dimension divisible by the mesh size runs per device: the
-custom VJP sits inside `jax.shard_map` with lhs split along that dimension over every mesh axis and rhs whole, so the
-kernels (custom calls XLA cannot partition) see device-local arrays. Scales that span tokens (tensor scales, the
-per-feature scales of x and g for wgrad) take their amax over all devices (`lax.pmax`), so they equal the unsharded
-ones; the weight gradient's partial sums are added over devices by the transpose of the rhs's `lax.pcast`.
-Stochastic rounding draws per-device streams (the seed offset by the device index), not the unsharded bits.
-
-A weight stored split over the mesh (FSDP, tensor parallelism) is described by a `WeightSharding` (`sharding=`;
-`qjax.DotGeneral` takes it from `qjax.flax.weight_shardings` by layer name). The GEMM then runs per device with the
-weight's shard: it is quantized on its shard (amax reduced over the mesh axes a scale spans, so codes and scales are
-the unsharded ones), and the 8-bit codes and their scales are all-gathered over the FSDP axis (int8 / float8 in
-the HLO, ternary codes packed 4 per byte as uint8; never bf16) before the forward and dgrad GEMMs; the weight
-gradient is reduce-scattered back onto the shard.
-Along the tensor axis the weight stays split (Megatron): column-parallel layers (`tensor_dim="n"`) produce output
-features split over it (the lhs' gradient summed over it), row-parallel ones (`tensor_dim="k"`) read lhs features
-split over it and sum their outputs over it. The gathered dgrad-layout codes are saved for the backward GEMM (one
-byte per weight element of the layer, as FSDP without resharding after the forward).
+The GEMM halves, operand layouts and mesh path are `qjax.linear_core`'s (its docstring: the TN views, what the custom
+VJP saves, how the GEMM runs per device under a mesh and with a `WeightSharding`). This module wraps them in one
+custom VJP per static configuration and checks the arguments.
 """
 
-import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from qjax import dispatch, stochastic
 from qjax import recipes as recipes_lib
-from qjax.kernels.scaled_matmul import contract_last
-from qjax.qtensor import QTensor, QuantSpec
-from qjax.weight_sharding import WeightSharding, gather, per_device_sharded, sharded_layout, varying
-
-# Operand slots in the uint32 seed vector: one independent stochastic-rounding stream per quantized operand.
-_FWD_LHS, _FWD_RHS, _DGRAD_LHS, _DGRAD_RHS, _WGRAD_LHS, _WGRAD_RHS = range(6)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """Static permutations between a dot_general's operands and the canonical (B?, rows, K) views."""
-
-    lhs_shape: tuple[int, ...]
-    rhs_shape: tuple[int, ...]
-    lhs_contract: tuple[int, ...]
-    rhs_contract: tuple[int, ...]
-    lhs_batch: tuple[int, ...]
-    rhs_batch: tuple[int, ...]
-
-    @property
-    def lhs_free(self):
-        return tuple(d for d in range(len(self.lhs_shape)) if d not in self.lhs_contract + self.lhs_batch)
-
-    @property
-    def rhs_free(self):
-        return tuple(d for d in range(len(self.rhs_shape)) if d not in self.rhs_contract + self.rhs_batch)
-
-    def _size(self, shape, dims):
-        return math.prod(shape[d] for d in dims)
-
-    @property
-    def batch(self):
-        return (self._size(self.lhs_shape, self.lhs_batch),) if self.lhs_batch else ()
-
-    @property
-    def m(self):
-        return self._size(self.lhs_shape, self.lhs_free)
-
-    @property
-    def n(self):
-        return self._size(self.rhs_shape, self.rhs_free)
-
-    @property
-    def k(self):
-        return self._size(self.lhs_shape, self.lhs_contract)
-
-    def lhs_mk(self, lhs):
-        return lhs.transpose(self.lhs_batch + self.lhs_free + self.lhs_contract).reshape(*self.batch, self.m, self.k)
-
-    def lhs_km(self, lhs):
-        return lhs.transpose(self.lhs_batch + self.lhs_contract + self.lhs_free).reshape(*self.batch, self.k, self.m)
-
-    def rhs_nk(self, rhs):
-        return rhs.transpose(self.rhs_batch + self.rhs_free + self.rhs_contract).reshape(*self.batch, self.n, self.k)
-
-    def rhs_kn(self, rhs):
-        return rhs.transpose(self.rhs_batch + self.rhs_contract + self.rhs_free).reshape(*self.batch, self.k, self.n)
-
-    def out_shape(self):
-        return (tuple(self.lhs_shape[d] for d in self.lhs_batch) + tuple(self.lhs_shape[d] for d in self.lhs_free)
-                + tuple(self.rhs_shape[d] for d in self.rhs_free))
-
-    def out_mn(self, out):
-        return out.reshape(*self.batch, self.m, self.n)
-
-    def _unview(self, x, shape, perm):
-        x = x.reshape(tuple(shape[d] for d in perm))
-        return x.transpose(tuple(perm.index(d) for d in range(len(shape))))
-
-    def lhs_from_mk(self, x):
-        return self._unview(x, self.lhs_shape, self.lhs_batch + self.lhs_free + self.lhs_contract)
-
-    def rhs_from_kn(self, x):
-        return self._unview(x, self.rhs_shape, self.rhs_batch + self.rhs_contract + self.rhs_free)
-
-
-def _swap_last(x):
-    return jnp.swapaxes(x, -1, -2)
-
-
-def _high_precision_matmul(a, b, out_dtype, precision):
-    """(B?, M, K) x (B?, N, K) -> (B?, M, N) in the operands' (promoted) dtype, no quantization."""
-    dtype = jnp.promote_types(a.dtype, b.dtype)
-    return lax.dot_general(a.astype(dtype), b.astype(dtype), contract_last(a.ndim), precision,
-                           preferred_element_type=out_dtype)
-
-
-def _spec(gemm: recipes_lib.GemmSpec | None, side: str) -> QuantSpec | None:
-    return None if gemm is None else getattr(gemm, side)
-
-
-def _is_ternary(spec: QuantSpec | None) -> bool:
-    return spec is not None and spec.dtype == "ternary"
+from qjax.linear_core import Layout, device_axes, layout_from, linear_parts, operand_seeds, operand_spec, per_device
+from qjax.qtensor import QTensor
+from qjax.weight_sharding import WeightSharding, per_device_sharded, sharded_layout
 
 
 @functools.lru_cache(maxsize=None)
-def linear_parts(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision,
-                 token_axes: tuple[str, ...] = (), sharding: WeightSharding | None = None):
-    """The quantized GEMM's two halves for one static configuration, for custom VJPs built around it:
-
-      forward(lhs, rhs, seeds, rhs_q, with_residuals) -> (out, (w_res, x_res))   the forward GEMM, and (with
-                 residuals) what the backward GEMMs read, quantized in their layouts; rhs_q: None, or the forward
-                 GEMM's rhs already quantized (`dot_general`'s rhs_quantized; not with an FSDP `sharding`)
-      backward((w_res, x_res, seeds), g) -> (dlhs, drhs)                  dgrad and wgrad; x_res: forward's, or
-                 lhs itself where a caller recomputed it instead of saving its wgrad codes (`qjax.prologue`),
-                 which backward then quantizes for wgrad as forward does (same specs and seeds)
-
-    token_axes: inside `_per_device`, the mesh axes the token rows (M) of x and g are split over (module docstring).
-    sharding: inside `_per_device_sharded`, how rhs (then its 2-D local shard) is split; `layout` describes the
-    per-device GEMM (lhs local, rhs gathered over `sharding.fsdp`).
-    """
-    gemm = functools.partial(dispatch.quantized_matmul, backend=recipe.backend)
-    quantize_both = functools.partial(dispatch.quantize_pair, backend=recipe.backend)
-    fwd, dgrad, wgrad = recipe.fwd, recipe.dgrad, recipe.wgrad
-    sharding = sharding or WeightSharding(token_axes)
-    x_k_axes, g_n_axes = sharding.lhs_k_axes(), sharding.out_n_axes()
-    w_n_axes, w_k_axes = sharding.axes("n"), sharding.axes("k")
-    fsdp_n = 0 if sharding.fsdp_dim == "n" else 1  # the gathered dim of w as (N, K); as (K, N) it is 1 - fsdp_n
-    vma = tuple(token_axes) + ((sharding.tensor,) if sharding.tensor else ())
-
-    def rhs_nk(rhs):
-        return layout.rhs_nk(rhs) if sharding.fsdp is None else (rhs if layout.rhs_contract == (1,) else rhs.T)
-
-    def quantize_lhs(x, seeds, x_spec_t):
-        """x as (M, K) -> (forward codes, wgrad codes as (K, M) per x_spec_t or None), from one read of x."""
-        return quantize_both(x, _spec(fwd, "lhs"), x_spec_t, seeds[_FWD_LHS], seeds[_WGRAD_RHS],
-                             operands=("forward lhs x as (M, K)", "wgrad rhs x as (K, M), M = tokens"),
-                             row_axes=token_axes, col_axes=x_k_axes)
-
-    def quantize_w(w, w_spec, w_spec_t, seeds):
-        """w as (N, K) -> (forward codes per w_spec, dgrad codes as (K, N) per w_spec_t), either None."""
-        return quantize_both(w, w_spec, w_spec_t, seeds[_FWD_RHS], seeds[_DGRAD_RHS],
-                             operands=("forward rhs w as (N, K)", "dgrad rhs w as (K, N)"),
-                             row_axes=w_n_axes, col_axes=w_k_axes)
-
-    def forward_gemm(lhs, rhs, seeds, rhs_q, with_residuals):
-        """out, and (with_residuals) what the backward GEMMs read of w and x: quantized in their layouts, or the
-        originals for GEMMs in high precision. Each input is quantized once for both GEMMs that read it."""
-        x, w = layout.lhs_mk(lhs), rhs_nk(rhs)
-        x_spec_t = _spec(wgrad, "rhs") if with_residuals else None
-        w_spec_t = _spec(dgrad, "rhs") if with_residuals else None
-        xq, x_res = quantize_lhs(x, seeds, x_spec_t)
-        w_spec = _spec(fwd, "rhs") if rhs_q is None else None
-        recompute_w = recipe.recompute_weight_codes and rhs_q is None
-        wq, w_res = quantize_w(w, w_spec, None if recompute_w else w_spec_t, seeds)
-        wq = wq if rhs_q is None else rhs_q
-        # FSDP: the codes (or, for a GEMM in high precision, the weight itself) are gathered, not the float weight.
-        wq = gather(w if fwd is None else wq, sharding.fsdp, fsdp_n, ternary=_is_ternary(_spec(fwd, "rhs")))
-        if fwd is None:
-            out = _high_precision_matmul(x, wq, out_dtype, precision)
-        else:
-            out = varying(gemm(xq, wq, out_dtype), vma)
-        if recipe.dgrad_reads_forward_weight:  # the forward's (gathered) ternary codes, dequantized in backward
-            w_res = wq
-        elif recompute_w and with_residuals:  # the param itself, live anyway: backward quantizes it again
-            w_res = rhs
-        elif w_spec_t is None:  # dgrad in high precision reads w as (K, N): the weight itself, gathered under FSDP
-            w_res = rhs if sharding.fsdp is None else gather(_swap_last(w), sharding.fsdp, 1 - fsdp_n)
-        else:
-            w_res = gather(w_res, sharding.fsdp, 1 - fsdp_n, ternary=_is_ternary(w_spec_t))
-        residuals = (w_res, lhs if x_spec_t is None else x_res)
-        return out.reshape(layout.out_shape()), residuals
-
-    def backward(residuals, g):
-        w_res, x_res, seeds = residuals
-        g_mn = layout.out_mn(g)
-        gq_dgrad, gq_wgrad = quantize_both(g_mn, _spec(dgrad, "lhs"), _spec(wgrad, "lhs"), seeds[_DGRAD_LHS],
-                                           seeds[_WGRAD_LHS], operands=("dgrad lhs g as (M, N)",
-                                                                        "wgrad lhs g as (N, M)"),
-                                           row_axes=token_axes, col_axes=g_n_axes)
-        if recipe.dgrad_reads_forward_weight:  # (B?, N, K) forward codes -> (B?, K, N) weight in rhs' dtype
-            dx = _high_precision_matmul(g_mn, _swap_last(w_res.dequantize(rhs_dtype)), lhs_dtype, precision)
-        elif dgrad is None:
-            w_kn = layout.rhs_kn(w_res) if sharding.fsdp is None else w_res
-            dx = _high_precision_matmul(g_mn, w_kn, lhs_dtype, precision)
-        else:
-            if not isinstance(w_res, QTensor):  # the param (Recipe.recompute_weight_codes): its dgrad codes now
-                w_res = quantize_w(rhs_nk(w_res), None, _spec(dgrad, "rhs"), seeds)[1]
-                w_res = gather(w_res, sharding.fsdp, 1 - fsdp_n, ternary=_is_ternary(_spec(dgrad, "rhs")))
-            dx = gemm(gq_dgrad, w_res, lhs_dtype, precise_accumulation=True)
-        # wgrad is computed as dw^T = x^T g, (K, M) x (N, M) -> (K, N): the layout of a Dense kernel (in, out), so
-        # the gradient reaches the optimizer untransposed (as g^T x -> (N, K), XLA fused the transpose into every
-        # weight's AdamW update, which then read params and moments transposed: benchmarks/NOTES.md). The GEMM's two
-        # operands play symmetric roles.
-        if wgrad is None:
-            dw = _high_precision_matmul(layout.lhs_km(x_res), _swap_last(g_mn), rhs_dtype, precision)
-        else:
-            if not isinstance(x_res, QTensor):  # lhs itself, recomputed by the caller: its wgrad codes now. Both
-                # layouts from one read, the forward's dropped: the fused kernel, where the transposed layout
-                # alone runs XLA's quantization (slower on the GPU: benchmarks/NOTES.md).
-                x_res = quantize_lhs(layout.lhs_mk(x_res), seeds, _spec(wgrad, "rhs"))[1]
-            dw = gemm(x_res, gq_wgrad, rhs_dtype, precise_accumulation=True)
-        dx = layout.lhs_from_mk(varying(dx, vma))
-        if sharding.fsdp is None:
-            return dx, layout.rhs_from_kn(varying(dw, vma))
-        # FSDP: each device keeps its shard of the weight gradient summed over the devices of the gather
-        dw = lax.psum_scatter(dw, sharding.fsdp, scatter_dimension=1 - fsdp_n, tiled=True)
-        return dx, varying(dw if layout.rhs_contract == (0,) else dw.T, vma)
-
-    return forward_gemm, backward
-
-
-@functools.lru_cache(maxsize=None)
-def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision,
+def _quantized_dot(layout: Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_dtype, precision,
                    token_axes: tuple[str, ...] = (), sharding: WeightSharding | None = None):
     """The custom_vjp function (lhs, rhs, seeds, rhs_q) -> out for one static configuration (`linear_parts`)."""
     forward_gemm, backward = linear_parts(layout, recipe, out_dtype, lhs_dtype, rhs_dtype, precision, token_axes,
@@ -261,78 +36,9 @@ def _quantized_dot(layout: _Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_d
     return quantized_dot
 
 
-def _layout_from(lhs_shape, rhs_shape, dimension_numbers) -> _Layout:
-    """Validates dimension_numbers against the shapes (ValueError naming the problem) and builds the layout."""
-    try:
-        (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-        lhs_contract, rhs_contract, lhs_batch, rhs_batch = (
-            tuple(int(d) for d in dims) for dims in (lhs_contract, rhs_contract, lhs_batch, rhs_batch))
-    except (TypeError, ValueError):
-        raise ValueError("dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), "
-                         f"got {dimension_numbers!r}") from None
-    for name, shape, contract, batch in (("lhs", lhs_shape, lhs_contract, lhs_batch),
-                                         ("rhs", rhs_shape, rhs_contract, rhs_batch)):
-        dims = contract + batch
-        if any(d < 0 or d >= len(shape) for d in dims) or len(set(dims)) != len(dims):
-            raise ValueError(f"{name} contracting {contract} / batch {batch} dims must be distinct dims of its "
-                             f"shape {shape}")
-    for kind, lhs_dims, rhs_dims in (("contracting", lhs_contract, rhs_contract), ("batch", lhs_batch, rhs_batch)):
-        if len(lhs_dims) != len(rhs_dims):
-            raise ValueError(f"lhs has {len(lhs_dims)} {kind} dims but rhs has {len(rhs_dims)}")
-        for ld, rd in zip(lhs_dims, rhs_dims):
-            if lhs_shape[ld] != rhs_shape[rd]:
-                raise ValueError(f"{kind} dimension sizes differ: lhs dim {ld} of shape {lhs_shape} has "
-                                 f"{lhs_shape[ld]}, rhs dim {rd} of shape {rhs_shape} has {rhs_shape[rd]}")
-    return _Layout(tuple(lhs_shape), tuple(rhs_shape), lhs_contract, rhs_contract, lhs_batch, rhs_batch)
-
-
-def _device_axes(recipe: recipes_lib.Recipe, layout: _Layout) -> tuple[str, ...]:
-    """The context mesh's axes to run this GEMM per device over (module docstring), or () to leave it to XLA: no
-    mesh or one device, the XLA backend, already inside a shard_map, batch dims, a lhs whose dim 0 is contracted or
-    not divisible by the mesh size, or per-device token counts that would split 128-row scale blocks."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if recipe.backend == "xla" or mesh.empty or mesh.size == 1 or mesh.manual_axes or layout.lhs_batch:
-        return ()
-    if 0 in layout.lhs_contract or layout.lhs_shape[0] % mesh.size:
-        return ()
-    if recipe.is_block_scaled and (layout.m // mesh.size) % 128:
-        return ()
-    return tuple(mesh.axis_names)
-
-
-def _per_device(fn, axes: tuple[str, ...], n_extra: int = 0):
-    """fn (lhs, *weights, seeds, *extra) -> out, run inside `jax.shard_map` over the context mesh: lhs and out
-    split along dim 0 over `axes`; the weights, seeds and the last `n_extra` arguments (e.g. `dot_general`'s
-    rhs_quantized, no gradient) whole (module docstring)."""
-
-    def body(lhs, *args):
-        n_weights = len(args) - n_extra - 1
-        weights, seeds, extra = args[:n_weights], args[n_weights], args[n_weights + 1:]
-        device = lax.axis_index(axes).astype(jnp.uint32)
-        seeds = seeds + device * jnp.uint32(0x9E3779B9)  # distinct stochastic-rounding streams per device
-        # The weights vary per device inside: their cotangents (per-device partial gradients) are summed by the
-        # transpose of this cast.
-        return fn(lhs, *[lax.pcast(w, axes, to="varying") for w in weights], seeds, *extra)
-
-    split = jax.sharding.PartitionSpec(axes)
-    whole = jax.sharding.PartitionSpec()
-    return lambda *args: jax.shard_map(body, in_specs=(split,) + (whole,) * (len(args) - 1), out_specs=split)(*args)
-
-
-def _seeds(recipe: recipes_lib.Recipe, key) -> jax.Array:
-    if key is not None:
-        stochastic.key_to_seed(key)  # validates the key type even where the recipe does not use it
-    if not recipe.needs_key:
-        return jnp.zeros((6,), jnp.uint32)
-    if key is None:
-        raise ValueError(f"recipe {recipe.name!r} uses stochastic rounding: pass key=jax.random.key(...) "
-                         "(a fresh key per step), or use a recipe without stochastic rounding")
-    return jax.random.bits(key, (6,), jnp.uint32)
-
-
-def _check_rhs_quantized(rhs_q, recipe: recipes_lib.Recipe, layout: _Layout) -> None:
+def _check_rhs_quantized(rhs_q, recipe: recipes_lib.Recipe, layout: Layout) -> None:
     """ValueError unless rhs_q can stand in for the forward GEMM's quantization of rhs."""
-    spec = _spec(recipe.fwd, "rhs")
+    spec = operand_spec(recipe.fwd, "rhs")
     if not isinstance(rhs_q, QTensor):
         raise TypeError(f"rhs_quantized must be a qjax.QTensor, got {type(rhs_q).__name__}")
     if spec is None or spec.stochastic or spec.is_block_scaled:
@@ -363,7 +69,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         docstring); None: rhs whole on every device.
       rhs_quantized: optional `QTensor`, rhs already quantized as the forward GEMM reads it: (N, K) codes in the
         recipe's fwd.rhs format and granularity (row or tensor, nearest rounding), e.g. an int8 weight-only
-        parameter's stored codes and scales (`qjax.optim.Int8Param.forward_operand`). The forward GEMM then runs
+        parameter's stored codes and scales (`qjax.int8_params.Int8Param.forward_operand`). The forward GEMM then runs
         on them instead of quantizing rhs; rhs (the same weight, dequantized) still feeds dgrad and receives the
         gradient. Ignored by recipes that leave every GEMM in high precision; with it, `sharding` is not used
         (XLA gathers the weight).
@@ -375,7 +81,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     """
     recipe = recipes_lib.recipe(recipe)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-    layout = _layout_from(lhs.shape, rhs.shape, dimension_numbers)
+    layout = layout_from(lhs.shape, rhs.shape, dimension_numbers)
     if recipe.is_high_precision or lhs.size == 0 or rhs.size == 0:  # nothing to quantize in an empty operand
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
     for name, array in (("lhs", lhs), ("rhs", rhs)):
@@ -385,16 +91,15 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     if rhs_quantized is not None:
         _check_rhs_quantized(rhs_quantized, recipe, layout)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
-    seeds = _seeds(recipe, key)
+    seeds = operand_seeds(recipe, key)
     local = None if sharding is None or rhs_quantized is not None else sharded_layout(recipe, layout, sharding)
     if local is not None:
         fn = _quantized_dot(local, recipe, out_dtype, lhs.dtype, rhs.dtype, precision, sharding.tokens, sharding)
         return per_device_sharded(fn, sharding, layout)(lhs, rhs, seeds)
-    axes = _device_axes(recipe, layout)
+    axes = device_axes(recipe, layout)
     if not axes:
         return _quantized_dot(layout, recipe, out_dtype, lhs.dtype, rhs.dtype, precision)(lhs, rhs, seeds,
                                                                                            rhs_quantized)
-    devices = jax.sharding.get_abstract_mesh().size
-    local = dataclasses.replace(layout, lhs_shape=(layout.lhs_shape[0] // devices, *layout.lhs_shape[1:]))
+    local = layout.split_rows(jax.sharding.get_abstract_mesh().size)
     fn = _quantized_dot(local, recipe, out_dtype, lhs.dtype, rhs.dtype, precision, axes)
-    return _per_device(fn, axes, n_extra=1)(lhs, rhs, seeds, rhs_quantized)
+    return per_device(fn, axes, n_extra=1)(lhs, rhs, seeds, rhs_quantized)

@@ -18,9 +18,9 @@ from typing import Any, Callable
 import flax.linen as nn
 
 from qjax import health
+from qjax import int8_params
 from qjax import recipes as recipes_lib
 from qjax.dot_general import dot_general
-from qjax.optim import int8_params
 from qjax.weight_sharding import WeightSharding
 
 _WEIGHT_SHARDINGS: contextvars.ContextVar = contextvars.ContextVar("qjax_weight_shardings", default=None)
@@ -69,7 +69,7 @@ class DotGeneral(nn.Module):
 
     Use as nn.Dense(..., dot_general_cls=functools.partial(qjax.DotGeneral, recipe="int8_rowwise")); recipes with
     stochastic rounding then need `rngs={"quant": key}` in `apply`. The rhs may be an int8 weight-only parameter
-    (`qjax.optim.Int8Param`, passed through by `nn.Dense(promote_dtype=qjax.optim.int8_params.promote_dtype)`): a
+    (`qjax.int8_params.Int8Param`, passed through by `nn.Dense(promote_dtype=qjax.int8_params.promote_dtype)`): a
     forward that reads the weight as int8 rows runs on its stored codes, otherwise on its dequantized values. Inside
     `weight_shardings(lookup)`, the kernel's sharding comes from lookup(the parent layer's path). Applied with the
     "health" collection mutable, it reports its operands' quantization health (`qjax.health`).

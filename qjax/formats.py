@@ -45,10 +45,6 @@ TERNARY = Format("ternary", jnp.dtype(jnp.int8), 1.0, 0, 0)
 FORMATS = {f.name: f for f in (INT8, TERNARY, E4M3, E5M2, BF16)}
 _BY_DTYPE = {f.dtype: f for f in (INT8, E4M3, E5M2, BF16)}  # jnp.int8 means int8, never ternary
 
-# Optimizer-state formats stored as e4m3 codes with per-block scales, no code book (`qjax.optim.blockwise`; the
-# fused AdamW step kernel reads and writes them): plain, and with COAT's dynamic range expansion.
-FP8_STATE_FORMATS = ("e4m3", "e4m3_dre")
-
 
 def get_format(name_or_dtype) -> Format:
     """Returns the `Format` for a name ("int8", "ternary", "e4m3", "e5m2", "bf16") or a dtype (jnp.int8,

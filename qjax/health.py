@@ -37,7 +37,7 @@ import numpy as np
 
 from qjax import numerics
 from qjax import recipes as recipes_lib
-from qjax.dot_general import _layout_from
+from qjax.linear_core import layout_from
 from qjax.qtensor import QuantSpec
 from qjax.quantize import quantize_with_seed
 
@@ -97,7 +97,7 @@ def observe_gemm(module: nn.Module, recipe: recipes_lib.Recipe, lhs, rhs, dimens
     """Sows the x and w stats of a GEMM of `module` (lhs . rhs per dimension_numbers, quantized per recipe) into
     the health collection, and returns out with a g probe (`gradient_probe`, probe variable "g" of `PROBES`).
     Operands a recipe leaves in high precision are not measured. Call only where `is_collecting(module)`."""
-    layout = _layout_from(lhs.shape, rhs.shape, dimension_numbers)
+    layout = layout_from(lhs.shape, rhs.shape, dimension_numbers)
     keep_last = lambda _, value: value  # noqa: E731 (a layer called again in one apply reports its last call)
     if recipe.fwd is not None:
         module.sow(COLLECTION, "x", operand_stats(layout.lhs_mk(lhs), recipe.fwd.lhs), reduce_fn=keep_last)

@@ -16,7 +16,7 @@ gate and up) is saved by the op, in the compute dtype. Here the op and the GEMM 
 
 so a norm + linear saves an 8-bit copy of the norm's input beside the GEMM's 8-bit copy of its output, and
 SwiGLU + linear an 8-bit copy of gate and up. The GEMMs are those of `qjax.dot_general`
-(`dot_general.linear_parts`): same quantization, kernels and mesh path.
+(`linear_core.linear_parts`): same quantization, kernels and mesh path.
 
 `Recipe.recompute_prologue_output` (opt-in) drops the GEMM's 8-bit wgrad copy of y from what is saved: the backward
 recomputes y = op.forward(x') and hands it to the GEMM's backward, which quantizes it for wgrad with the recipe's
@@ -32,8 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from qjax import recipes as recipes_lib
-# dot_general's own GEMM halves, layout and mesh helpers: this module is its fused variant.
-from qjax.dot_general import _device_axes, _layout_from, _per_device, _seeds, linear_parts
+from qjax.linear_core import device_axes, layout_from, linear_parts, operand_seeds, per_device
 from qjax.qtensor import QTensor, QuantSpec
 from qjax.quantize import quantize_with_seed
 from qjax.weight_sharding import varying
@@ -113,12 +112,11 @@ def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *
         raise ValueError(f"{layer}: kernel must be (features_in, features_out) = ({y.shape[-1]}, N), got "
                          f"{kernel.shape}")
     check_saved_group(recipe, x.shape[-1], f"{layer} input")
-    layout = _layout_from(y.shape, kernel.shape, (((y.ndim - 1,), (0,)), ((), ())))
+    layout = layout_from(y.shape, kernel.shape, (((y.ndim - 1,), (0,)), ((), ())))
     out_dtype = y.dtype if recipe.recompute_weight_codes else jnp.result_type(y.dtype, kernel.dtype)
-    axes, seeds = _device_axes(recipe, layout), _seeds(recipe, key)
+    axes, seeds = device_axes(recipe, layout), operand_seeds(recipe, key)
     if axes:
-        devices = jax.sharding.get_abstract_mesh().size
-        layout = dataclasses.replace(layout, lhs_shape=(layout.lhs_shape[0] // devices, *layout.lhs_shape[1:]))
+        layout = layout.split_rows(jax.sharding.get_abstract_mesh().size)
     gemm_forward, gemm_backward = linear_parts(layout, recipe, out_dtype, y.dtype, kernel.dtype, None, axes)
 
     def fwd(x, *rest):
@@ -154,5 +152,5 @@ def prologue_dot(op: Prologue, x: jax.Array, params: tuple, kernel: jax.Array, *
 
     fused.defvjp(fwd, bwd)
     if axes:
-        return _per_device(fused, axes)(x, *params, kernel, seeds)
+        return per_device(fused, axes)(x, *params, kernel, seeds)
     return fused(x, *params, kernel, seeds)

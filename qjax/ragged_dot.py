@@ -40,13 +40,13 @@ from jax import lax
 
 from qjax import dispatch, numerics
 from qjax import recipes as recipes_lib
-from qjax.dot_general import _seeds
 from qjax.kernels import grouped_bf16_mgpu, grouped_contract_mgpu, grouped_matmul_mgpu
 from qjax.kernels.scaled_matmul import dequantize_for_gemm
+from qjax.linear_core import (DGRAD_LHS, DGRAD_RHS, FWD_LHS, FWD_RHS, WGRAD_LHS, WGRAD_RHS, operand_seeds,
+                              operand_spec)
 from qjax.numerics import INT32_SAFE_K
 from qjax.qtensor import QTensor
 
-_FWD_LHS, _FWD_RHS, _DGRAD_LHS, _DGRAD_RHS, _WGRAD_LHS, _WGRAD_RHS = range(6)  # seed slots, as in dot_general
 
 # (rows, K) x (G, rows', K) -> (rows, rows'), rows ragged over the groups: the forward and dgrad GEMMs.
 _RAGGED_ROWS = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
@@ -154,18 +154,17 @@ def _quantized_ragged_dot(recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_
     """The custom_vjp function (x, w, group_sizes, seeds) -> out for one static configuration."""
     quantize_both = functools.partial(dispatch.quantize_pair, backend=recipe.backend)
     fwd, dgrad, wgrad = recipe.fwd, recipe.dgrad, recipe.wgrad
-    spec = lambda gemm, side: None if gemm is None else getattr(gemm, side)
 
     def forward_gemm(x, w, group_sizes, seeds, with_residuals):
         rows, group_ids = jnp.sum(group_sizes), _rows_and_groups(x.shape[0], group_sizes)[1]
-        x_spec_t = spec(wgrad, "rhs") if with_residuals else None
-        w_spec_t = spec(dgrad, "rhs") if with_residuals else None
-        xq, x_res = quantize_both(x, spec(fwd, "lhs"), x_spec_t, seeds[_FWD_LHS], seeds[_WGRAD_RHS],
+        x_spec_t = operand_spec(wgrad, "rhs") if with_residuals else None
+        w_spec_t = operand_spec(dgrad, "rhs") if with_residuals else None
+        xq, x_res = quantize_both(x, operand_spec(fwd, "lhs"), x_spec_t, seeds[FWD_LHS], seeds[WGRAD_RHS],
                                   operands=("ragged forward lhs x as (M, K)", "ragged wgrad lhs x as (K, M)"),
                                   valid_rows=rows)
         x = numerics.zero_rows(x, rows)  # for the high-precision GEMMs (XLA computes it only where they read it)
-        wq, w_res = dispatch.quantize_grouped_pair(w, spec(fwd, "rhs"), w_spec_t, seeds[_FWD_RHS], seeds[_DGRAD_RHS],
-                                                   backend=recipe.backend,
+        wq, w_res = dispatch.quantize_grouped_pair(w, operand_spec(fwd, "rhs"), w_spec_t, seeds[FWD_RHS],
+                                                   seeds[DGRAD_RHS], backend=recipe.backend,
                                                    operands=("ragged forward rhs w as (G, N, K)",
                                                              "ragged dgrad rhs w as (G, K, N)"))
         if fwd is None:
@@ -179,9 +178,9 @@ def _quantized_ragged_dot(recipe: recipes_lib.Recipe, out_dtype, lhs_dtype, rhs_
     def backward(residuals, g):
         w_res, x_res, group_sizes, seeds = residuals
         rows, group_ids = jnp.sum(group_sizes), _rows_and_groups(g.shape[0], group_sizes)[1]
-        gq_dgrad, gq_wgrad = quantize_both(g, spec(dgrad, "lhs"), spec(wgrad, "lhs"), seeds[_DGRAD_LHS],
-                                           seeds[_WGRAD_LHS], operands=("ragged dgrad lhs g as (M, N)",
-                                                                        "ragged wgrad rhs g as (N, M)"),
+        gq_dgrad, gq_wgrad = quantize_both(g, operand_spec(dgrad, "lhs"), operand_spec(wgrad, "lhs"),
+                                           seeds[DGRAD_LHS], seeds[WGRAD_LHS],
+                                           operands=("ragged dgrad lhs g as (M, N)", "ragged wgrad rhs g as (N, M)"),
                                            valid_rows=rows)
         g = numerics.zero_rows(g, rows)  # for the high-precision GEMMs
         if dgrad is None:
@@ -265,4 +264,4 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
             raise TypeError(f"recipe {recipe.name!r} quantizes float inputs; {name} has dtype {array.dtype}")
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     fn = _quantized_ragged_dot(recipe, out_dtype, lhs.dtype, rhs.dtype, precision)
-    return fn(lhs, rhs, group_sizes, _seeds(recipe, key))
+    return fn(lhs, rhs, group_sizes, operand_seeds(recipe, key))

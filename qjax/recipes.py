@@ -16,8 +16,9 @@ Change a recipe with `dataclasses.replace`, e.g. int8 in the forward GEMM only:
 
 import dataclasses
 
-from qjax.dispatch import BACKENDS
 from qjax.qtensor import QuantSpec
+
+BACKENDS = ("auto", "xla", "pallas")  # the values of `Recipe.backend` (`qjax.dispatch` runs them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +147,8 @@ def _same_three(name, gemm, **fields):
 _INT8_ROW = _gemm("int8", "row", "int8", "row")
 # BitNet b1.58: int8 activations per token x ternary weights (codes -1/0/1, scale mean |w|), on the int8 GEMM. dgrad
 # multiplies the gradient by the same ternary weight the forward did, as the reference BitLinear's
-# w + (Q(w) - w).detach() does: dx is the gradient of the function the forward computed (the float w there trained
-# far worse, benchmarks/NOTES.md); bitnet_b158_bf16_bwd's high-precision dgrad reads that ternary weight too,
+# w + (Q(w) - w).detach() does: dx is the gradient of the function the forward computed (the float w there trains
+# worse); bitnet_b158_bf16_bwd's high-precision dgrad reads that ternary weight too,
 # dequantized (`Recipe.dgrad_reads_forward_weight`). wgrad reaches the float weight as if the rounding were the
 # identity (the straight-through estimator).
 _BITNET_FWD = GemmSpec(QuantSpec("int8", "row"), QuantSpec("ternary", "tensor"))
@@ -178,9 +179,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("bitnet_b158", fwd=_BITNET_FWD, dgrad=_BITNET_FWD, wgrad=_INT8_ROW),
     Recipe("bitnet_b158_bf16_bwd", fwd=_BITNET_FWD),
     # OCP MXFP8 (torchao's mxfp8): e4m3 codes, E8M0 scales per 32 of each GEMM's contracting dim, every operand.
-    # Scales in RCEIL mode (NVIDIA's), not torchao's default FLOOR: FLOOR saturates block maxima above 448 * 2^k and
-    # measured 0.6-2.9 dB lower SNR in every GEMM (benchmarks/NOTES.md, "MXFP8 numerics"); QuantSpec.mx_scale selects.
-    # Hopper has no MX GEMM: the codes times their power-of-two scales are exact in bf16, so a bf16 GEMM runs them.
+    # Scales in RCEIL mode (NVIDIA's), not torchao's FLOOR, which saturates block maxima above 448 * 2^k
+    # (QuantSpec.mx_scale selects). Hopper has no MX GEMM: codes times power-of-two scales are exact in bf16.
     _same_three("mxfp8", _gemm("e4m3", "1x32", "e4m3", "1x32", pow2_scale=True)),
     # The data-flow recipes (docs/design.md, "Data flow"): the linear layers as fp8_tensorwise / int8_rowwise, and
     # the norm and SwiGLU / GELU inputs saved in 8 bits: COAT's e4m3 1x16 groups; Jetfire's int8 with 1x32 groups

@@ -14,7 +14,7 @@ coarser format), else within 2**-23 * ulp.
 
 Paired bits (`paired_bits`, the quantizers' gradients: `qjax.quantize`, `qjax.kernels.quantize_mgpu`): one hash
 per two elements, each taking 16 of its bits, which halves the hashing, most of a stochastic quantize kernel's
-extra time (benchmarks/NOTES.md). In every aligned run of 128 elements (row-major), elements c and c + 64 share the word
+extra time. In every aligned run of 128 elements (row-major), elements c and c + 64 share the word
 hash_uint32(seed, 64 * run + c): c takes its low half, c + 64 its high half, each placed in the top 16 bits with the
 low 16 zero, so `uniform_from_bits` gives k * 2**-16, k uniform in [0, 2**16). Unbiased to within 2**-16 of a grid
 step (exact where |y| / ulp has at most 16 fraction bits): plenty for 8-bit grids. The two halves of a word are

@@ -1,6 +1,6 @@
 """How a quantized GEMM's weight lies on the mesh (FSDP, tensor parallelism): `WeightSharding`, and the per-device
-form of `qjax.dot_general` for a weight stored split (its module docstring says what happens to codes, scales and
-gradients). Layouts are `qjax.dot_general`'s (B?, rows, K) views; the GEMM itself is `dot_general.linear_parts`.
+form of the GEMM for a weight stored split (`qjax.linear_core`'s module docstring says what happens to codes, scales
+and gradients). Layouts are `linear_core.Layout`'s (B?, rows, K) views; the GEMM itself is `linear_core.linear_parts`.
 """
 
 import dataclasses
@@ -139,7 +139,7 @@ def per_device_sharded(fn, sharding: WeightSharding, layout):
     def body(lhs, rhs, seeds):
         device = lax.axis_index(per_device).astype(jnp.uint32)
         seeds = seeds + device * jnp.uint32(0x9E3779B9)  # distinct stochastic-rounding streams per device
-        # As in `dot_general._per_device`: the transposes of these casts sum lhs' gradient over the tensor axis (a
+        # As in `linear_core.per_device`: the transposes of these casts sum lhs' gradient over the tensor axis (a
         # column-parallel layer's partial dgrads) and the weight's over the token axes it is not gathered over.
         out = fn(varying(lhs, per_device), varying(rhs, per_device), seeds, None)
         return lax.psum(out, sharding.tensor) if sharding.lhs_k_axes() else out  # row-parallel partial sums

@@ -19,7 +19,7 @@ from jax._src.ad_checkpoint import saved_residuals
 
 import qjax
 from qjax import models
-from qjax.optim import int8_params
+from qjax import int8_params
 
 DIMS = (((2,), (0,)), ((), ()))  # x (B, T, K) . a Dense kernel w (K, N)
 TINY = models.llama_config("tiny", vocab_size=160, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=256,

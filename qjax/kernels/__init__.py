@@ -10,11 +10,13 @@
   swiglu_mgpu.py          SwiGLU with its saved 8-bit copy (data flow), and its backward; reference: models.ops
   grouped_matmul_mgpu.py  grouped (MoE ragged_dot) scaled GEMMs, rows ragged; reference: qjax.ragged_dot._grouped_gemm
   grouped_contract_mgpu.py  the grouped scaled GEMM contracting over each group's rows (the wgrad); same reference
+  grouped_config_mgpu.py  the grouped kernels' tilings, shared-memory checks and defaults
   grouped_pipeline_mgpu.py  the grouped kernels' TMA pipeline with two compute warpgroups
   grouped_bf16_mgpu.py    JAX's own bf16 grouped kernels, wrapped for qjax.ragged_dot; reference: lax.ragged_dot
 
 Kernel files are leaves: they import the numerics layer (`qjax.numerics`, `qjax.stochastic`, `qjax.formats`,
-`qjax.qtensor`, `qjax.codebooks`), each other's tile helpers and jax, nothing above. Which of a kernel and its
+`qjax.qtensor`, and the optimizer's `qjax.optim.adam_math` and `qjax.optim.codebooks`), each other's tile helpers and
+jax, nothing above. Which of a kernel and its
 reference runs is decided in `qjax.dispatch` (docs/design.md, "Layers").
 """
 
@@ -48,5 +50,5 @@ def load_from_gmem(ref, layout):
 # read it: AdamW's (a row's scale is read by its warp's lanes, and written back after the row's amax shuffles, which
 # order them), SwiGLU's (fresh outputs) and RMSNorm's (a staged scale every warp writes with the same values, then
 # reads back its own write). Pallas otherwise brackets every store with a bar.sync of the program's threads, against
-# others still reading what the store overwrites. benchmarks/NOTES.md has the measurement.
+# others still reading what the store overwrites, which these kernels do not need.
 NO_AUTO_BARRIERS = plgpu.CompilerParams(unsafe_no_auto_barriers=True)

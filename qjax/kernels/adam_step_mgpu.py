@@ -2,9 +2,9 @@
 tensor reads param, gradient and moment codes and scales once and writes them in place (16 bytes per float32 param
 instead of the ~28 of the optax path).
 
-Reference: `qjax.optim.fused_adam.fused_step_reference`; the kernel calls the same numerics (`numerics.adam_math`,
-`numerics.param_update`, `numerics.quantize_e4m3_blocks`, `numerics.quantize_e4m3_expanded_blocks` and its inverse,
-`numerics.amax`, `codebooks.quantize_blocks`). States:
+Reference: `qjax.optim.fused_adam.fused_step_reference`; the kernel calls the same formulas, from the optimizer's
+numerics-level modules (`qjax.optim.adam_math`: adam_math, param_update, the e4m3 state quantizers and the inverse of
+the expanded one; `qjax.optim.codebooks.quantize_blocks`). States:
   e4m3:  codes float8_e4m3fn (n, B), scale f32 (n,) = absmax / 448
   e4m3_dre: COAT's dynamic range expansion: codes float8_e4m3fn (n, B), scale f32, expand uint8 (16 k), centre
          bf16 (n,); per row k and the centre from the bit patterns of the row's largest and smallest non-zero |x|
@@ -22,9 +22,9 @@ is not a multiple); one program per tile, with no shared memory but the code tab
 
   GMEM -> registers (vector loads): p (R, B) f32, g (R, B) f32, m codes (R, B), m scale (R,) (and the other
                                      per-row arrays), v codes, v scale
-  registers: m_old = decode(codes) * scale (same for v); numerics.adam_math -> direction, m, v;
-             p = numerics.param_update(p, direction, -lr, wd); per row: amax, then
-             e4m3: numerics.quantize_e4m3_blocks (or the expanded one); code books: codes = nearest code of
+  registers: m_old = decode(codes) * scale (same for v); adam_math.adam_math -> direction, m, v;
+             p = adam_math.param_update(p, direction, -lr, wd); per row: amax, then
+             e4m3: adam_math.quantize_e4m3_blocks (or the expanded one); code books: codes = nearest code of
              x * (1 / absmax) (absmax 1 for all-zero rows)
   registers -> GMEM (vector stores): p, m codes + scale, v codes + scale, written over the inputs (mutable refs:
                                       the kernel's outputs alias them, so a donated step updates params in place)
@@ -32,8 +32,7 @@ is not a multiple); one program per tile, with no shared memory but the code tab
 Register layout: one TILED layout for every (R, B) array: each of the 4 warps owns whole rows, its 32 lanes hold 4
 consecutive columns each (128 columns per register sweep), so a warp's loads and stores are contiguous runs
 (coalesced) and the per-row amax is a warp shuffle reduction, never cross-warp. No TMA pipeline: many small
-register-only programs hide the memory latency through occupancy, faster than staging tiles through SMEM
-(benchmarks/NOTES.md).
+register-only programs hide the memory latency through occupancy, faster than staging tiles through SMEM.
 
 Bit-exactness: under the CPU interpreter the kernel's XLA ops equal the jitted reference bit for bit. Compiled on a
 GPU, XLA and Mosaic GPU may contract a*b+c into FMAs differently, so values can differ by an ulp and, rarely, a code
@@ -55,12 +54,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, memref, vector
 
-from qjax import codebooks, numerics, stochastic
-from qjax.formats import BF16, FP8_STATE_FORMATS  # e4m3 states: no code table
+from qjax import stochastic
+from qjax.formats import BF16
 from qjax.kernels import NO_AUTO_BARRIERS, load_from_gmem, resolve_interpret
+from qjax.optim import adam_math, codebooks
+from qjax.optim.adam_math import FP8_STATE_FORMATS  # e4m3 states: no code table
 
-# Elements per program: chosen by the tile-size sweep recorded in benchmarks/NOTES.md.
-_TILE_ELEMENTS = 2048
+_TILE_ELEMENTS = 2048  # elements per program: a tuning knob (the fastest of a sweep); results do not depend on it
 _LANE_COLUMNS = 128  # a warp sweeps 32 lanes x 4 columns per register
 ROW_MULTIPLE = 4  # the warps: a tensor's block count must be a multiple (no padding pass)
 _MAX_BLOCK = 256  # a tile holds at least a row per warp (4 x 256 <= _TILE_ELEMENTS)
@@ -181,7 +181,7 @@ def _dequantize_rows(codes: jax.Array, rows: tuple, fmt: str, table) -> jax.Arra
     reference's state dequantization row by row. table: the code book format's `codebooks.codec_table` lookup
     (index -> value); unused for the e4m3 formats."""
     if fmt == "e4m3_dre":
-        return numerics.dequantize_e4m3_expanded_blocks(codes, *rows, _broadcast_rows)
+        return adam_math.dequantize_e4m3_expanded_blocks(codes, *rows, _broadcast_rows)
     if fmt == "e4m3":
         values = codes.astype(jnp.float32)
     else:
@@ -192,13 +192,13 @@ def _dequantize_rows(codes: jax.Array, rows: tuple, fmt: str, table) -> jax.Arra
 
 def _quantize_rows(x: jax.Array, fmt: str, table):
     """f32 (R, B) -> (codes (R, B), per-row arrays (R,) as in `adam_step_kernel`): the reference's state
-    quantization row by row (e4m3: `numerics.quantize_e4m3_blocks`; with range expansion
-    `numerics.quantize_e4m3_expanded_blocks`; code books: `codebooks.quantize_blocks`)."""
+    quantization row by row (e4m3: `adam_math.quantize_e4m3_blocks`; with range expansion
+    `adam_math.quantize_e4m3_expanded_blocks`; code books: `codebooks.quantize_blocks`)."""
     if fmt == "e4m3_dre":
-        codes, *rows = numerics.quantize_e4m3_expanded_blocks(x, _broadcast_rows)
+        codes, *rows = adam_math.quantize_e4m3_expanded_blocks(x, _broadcast_rows)
         return codes, tuple(rows)
     if fmt == "e4m3":
-        codes, scale = numerics.quantize_e4m3_blocks(x, _broadcast_rows)
+        codes, scale = adam_math.quantize_e4m3_blocks(x, _broadcast_rows)
         return codes, (scale,)
     codes, absmax = codebooks.quantize_blocks(x, codebooks.get_map(fmt), table, _broadcast_rows)
     return codes, (absmax,)
@@ -268,8 +268,8 @@ def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_ref
     bc1, bc2_sqrt, step_size = coef_ref[0], coef_ref[1], coef_ref[2]
     m_old = load_state(m_refs, m_format, m_table)
     v_old = load_state(v_refs, v_format, v_table)
-    direction, m, v = numerics.adam_math(g, m_old, v_old, b1, b2, eps, bc1, bc2_sqrt)
-    new_p = numerics.param_update(p, direction, step_size, weight_decay)
+    direction, m, v = adam_math.adam_math(g, m_old, v_old, b1, b2, eps, bc1, bc2_sqrt)
+    new_p = adam_math.param_update(p, direction, step_size, weight_decay)
     p_ref[...] = (new_p if p_ref.dtype == jnp.float32
                   else _round_param(new_p, seed_ref[0], row0, seed_ref[1], runs, interpret))
     store_state(m, m_refs, m_format, m_table)

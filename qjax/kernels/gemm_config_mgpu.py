@@ -1,6 +1,5 @@
 """Tiling of the scaled GEMM kernel (`qjax.kernels.scaled_matmul_mgpu`) and what a tiling needs: the kernel mode an
-operand pair runs in, shared memory and registers per mode, and the default configs (the fastest measured,
-benchmarks/NOTES.md)."""
+operand pair runs in, shared memory and registers per mode, and the default configs (the fastest measured)."""
 
 import dataclasses
 

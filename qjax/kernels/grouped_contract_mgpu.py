@@ -23,9 +23,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from qjax.kernels import resolve_interpret
-from qjax.kernels.grouped_matmul_mgpu import (GroupedConfig, check_operands, epilogue_scratch, pad_to,
-                                              persistent_kernel, resolve_config, round_up, stage_scaled, stage_zeros,
-                                              tile_sum)
+from qjax.kernels.grouped_config_mgpu import GroupedConfig, resolve_config
+from qjax.kernels.grouped_matmul_mgpu import (check_operands, epilogue_scratch, pad_to, persistent_kernel, round_up,
+                                              stage_scaled, stage_zeros, tile_sum)
 from qjax.kernels.grouped_pipeline_mgpu import two_warpgroup_pipeline, two_warpgroup_scratch
 from qjax.qtensor import QTensor
 

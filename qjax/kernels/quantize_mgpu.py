@@ -14,7 +14,7 @@ both from as few reads of x as the granularities allow:
 Tile kernel (on `tile_pipeline_mgpu.run_tiles`): programs of TILES_PER_PROGRAM consecutive 128 x 128 tiles (i, j)
 along K, two SMEM slots for x (tile t + 1 loads while tile t is computed) and one per output (its stores leave SMEM
 before tile t + 1 writes there: the smaller footprint lets two programs share an SM, faster than double-buffered
-outputs, benchmarks/NOTES.md). Per tile:
+outputs). Per tile:
   GMEM -> SMEM (TMA)  x tile (128, 128) bf16/f16/f32 (128-byte swizzled); for row/tensor sides 128 inverse scales
   row side            x in registers (Mosaic GPU's WGMMA layout, 64 rows at a time): amax along K, scale,
                       y = x * (1 / scale), round (half-even or stochastic), cast -> codes (128, 128)
@@ -31,7 +31,6 @@ entry of a tile's row is the tile's scale and the wrapper keeps every 128th.
 Amax kernel (row sides): the same tiles, writing each tile's 128 row maxima and 128 column maxima (the partial
 maxima); XLA reduces those (M/128 or K/128 values per row / column: small) to row amax (M,), column amax (K,) and
 the tensor amax (COAT's two-stage max). Scales are then computed by `numerics.scale_from_amax` in XLA.
-So row/tensor granularity reads x twice; block granularities once.
 
 Bit-exactness: the kernel calls the reference's own numerics (`numerics.amax`, `numerics.scale_from_amax`) and
 their kernel-safe forms of rounding and casting (`numerics.cast_codes`, `stochastic.stochastic_codes`), in the
@@ -120,13 +119,6 @@ def supports(x, row_spec: QuantSpec, col_spec: QuantSpec | None = None, col_grou
     return None
 
 
-# ------------------------------------------------------------------------------------------- in-kernel helpers
-
-
-def _amax_rows(x32):
-    """`numerics.amax` along axis 1 of f32 (rows, cols) -> (rows,)."""
-    return numerics.amax(x32, axis=1)
-
 
 def _broadcast_rows(values, shape):
     """(rows,) in the _ROWS layout -> (rows, cols) in the WGMMA layout, constant along each row."""
@@ -184,7 +176,8 @@ def _quantize_tile_side(x_smem, side, transposed, inv_smem, codes_smem, scale_sm
     load = lambda h: _load_chunk(x_smem, h, transposed, row_limit)
     tile_amax = None
     if side.block == "128x128":  # the scale needs the whole tile's amax before any chunk is quantized
-        tile_amax = functools.reduce(jnp.maximum, [jnp.max(_amax_rows(load(h))) for h in range(TILE // _CHUNK)])
+        chunk_amax = [jnp.max(numerics.amax(load(h), axis=1)) for h in range(TILE // _CHUNK)]
+        tile_amax = functools.reduce(jnp.maximum, chunk_amax)
     for h in range(TILE // _CHUNK):
         x32 = load(h)
         rows = pl.ds(h * _CHUNK, _CHUNK)
@@ -192,7 +185,7 @@ def _quantize_tile_side(x_smem, side, transposed, inv_smem, codes_smem, scale_sm
             inv = plgpu.load(inv_smem.at[rows], layout=_ROWS)
         else:
             if tile_amax is None:
-                block_amax = _amax_rows(x32)
+                block_amax = numerics.amax(x32, axis=1)
             else:
                 block_amax = plgpu.layout_cast(jnp.broadcast_to(tile_amax, (_CHUNK,)), _ROWS)
             scale = numerics.scale_from_amax(block_amax, fmt, side.pow2_scale)
@@ -200,8 +193,6 @@ def _quantize_tile_side(x_smem, side, transposed, inv_smem, codes_smem, scale_sm
             inv = jnp.float32(1) / scale
         codes_smem[rows] = _codes(x32, inv, side, seed, row0 + jnp.uint32(h * _CHUNK), col0, n_cols)
 
-
-# ------------------------------------------------------------------------------------------------------ kernels
 
 
 def _row_limit(seeds_ref, i, masked: bool):
@@ -215,8 +206,7 @@ def _tile_call(x, seeds, row_inv, col_inv, *, row: _Side, col: _Side | None, ste
     """The tile kernel. seeds: uint32 (3,): the sides' seeds and x's valid rows (read where `masked`). row_inv (M,)
     / col_inv (K,) (with groups: (G, K)): f32 inverse scales for sides without blocks (else unused). groups: the
     col side per group of M / G rows of x (`quantize_pair_kernel`'s col_groups): its codes (G, K, M / G).
-    out_slots: SMEM slots per output (see `tile_pipeline_mgpu.run_tiles`); 1, the default, is faster (32 KB of SMEM
-    for both sides' codes instead of 64 lets two programs share an SM; benchmarks/NOTES.md).
+    out_slots: SMEM slots per output (`tile_pipeline_mgpu.run_tiles`); 1, the default, is faster (module docstring).
 
     Returns [row codes (M, K), row block scales (K/128, M)?, col codes (K, M)?, col block scales (M/128, K)?]."""
     m, k = x.shape
@@ -277,8 +267,8 @@ def _amax_call(x, seeds, *, steps, masked, interpret):
         row_limit = _row_limit(seeds_ref, i, masked)
         for h in range(TILE // _CHUNK):
             rows = pl.ds(h * _CHUNK, _CHUNK)
-            row_ref[rows] = _amax_rows(_load_chunk(x_smem, h, False, row_limit))
-            col_ref[rows] = _amax_rows(_load_chunk(x_smem, h, True, row_limit))
+            row_ref[rows] = numerics.amax(_load_chunk(x_smem, h, False, row_limit), axis=1)
+            col_ref[rows] = numerics.amax(_load_chunk(x_smem, h, True, row_limit), axis=1)
 
     out_type = (jax.ShapeDtypeStruct((k // TILE, m), jnp.float32), jax.ShapeDtypeStruct((m // TILE, k), jnp.float32))
     out_streams = [tiles.Stream((TILE,), jnp.float32, tiles.scale_row_region(False)),
@@ -308,8 +298,6 @@ def amax_pair(x: jax.Array, *, col_groups: int = 1, valid_rows=None, interpret=F
     col_amax = numerics.amax(col_partial.reshape(col_groups, -1, x.shape[1]), axis=1)
     return numerics.amax(row_partial, axis=0), col_amax if col_groups > 1 else col_amax[0]
 
-
-# ------------------------------------------------------------------------------------------------------- public
 
 
 def _inverse_scale(spec, row_amax, col_amax, x, shape, transposed, row_axes, col_axes):
@@ -385,8 +373,7 @@ def quantize_pair_kernel(x: jax.Array, row_spec: QuantSpec, col_spec: QuantSpec 
     given = [(spec, transposed) for spec, transposed in specs if not spec.is_block_scaled]
     scales, inverses = {}, {False: None, True: None}
     if given and all(spec.granularity == "tensor" for spec, _ in given):
-        # One scalar: XLA's full reduction of |x| reads faster than the amax kernel, which also takes row and column
-        # maxima (benchmarks/NOTES.md).
+        # One scalar: XLA's full reduction of |x| beats the amax kernel, which also takes row and column maxima
         row_amax = col_amax = numerics.amax(numerics.zero_rows(x, valid_rows).astype(jnp.float32))
     elif given:
         row_amax, col_amax = amax_pair(x, col_groups=col_groups, valid_rows=valid_rows, interpret=interpret,

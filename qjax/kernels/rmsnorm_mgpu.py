@@ -9,7 +9,7 @@ composes XLA passes: the norm, then an amax pass and a codes pass over x. Here:
                    scales (M, D/g, 1) of x: reads x once, writes y, codes and scales
 
 The backward has no kernel: `qjax.prologue.prologue_dot` restores x from the codes and runs the norm's backward in
-XLA, whose fusion of the two measured faster than a kernel (benchmarks/NOTES.md).
+XLA, whose fusion of the two is faster than a kernel.
 
 The kernel calls the reference's own formulas: `numerics.rms_norm` (with per-row means and broadcasts in the
 kernel's register layout) and `numerics.quantize_groups` (the quantizer's amax, scale and cast, as the fused

@@ -24,7 +24,7 @@ def scaled_matmul(a: QTensor, b: QTensor, out_dtype, precise_accumulation: bool 
     """(B?, M, K) x (B?, N, K) quantized operands -> (B?, M, N) of out_dtype, scales applied after the GEMM.
 
     int8 runs int8 x int8 -> int32 (the only fast int8 GEMM in XLA); fp8 runs on the fp8 arrays -> f32 (bf16 when the
-    output is bf16): XLA turns a dequantize-in-f32 form into an f32 GEMM (benchmarks/NOTES.md). Block-scaled
+    output is bf16): XLA turns a dequantize-in-f32 form into an f32 GEMM. Block-scaled
     operands are dequantized and multiplied in f32 (reference path).
 
     precise_accumulation: fp8 only. XLA runs fp8 GEMMs with Hopper's fast (reduced-precision) accumulation unless

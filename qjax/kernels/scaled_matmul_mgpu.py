@@ -267,8 +267,8 @@ def _kernel(plan: _Plan, *refs):
             def promote_values(acc, part, scales):
                 """acc + the scaled f32 partial sum of one 128-K block."""
                 # exact: one 128-K block of int8 products sums to at most 128**3 = 2**21 in magnitude. One I2F
-                # (cvt) per element: fewer instructions than the magic-number form, and the kernel is bound by the
-                # promotion's instruction count (benchmarks/NOTES.md)
+                # (cvt) per element: fewer instructions than the magic-number form, and the promotion is
+                # instruction-bound
                 part = part.astype(jnp.float32) if acc_dtype == jnp.int32 else part
                 if not scales:
                     return acc + part

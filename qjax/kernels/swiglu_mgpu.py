@@ -50,8 +50,8 @@ _LANES = 32
 FEATURE_MULTIPLE = _LANES * _VECTOR  # a warp's lanes cover 256 consecutive features of one row
 TOKEN_MULTIPLE = _WARPS  # the warps take one row each
 GROUPS = (8, 16, 32, 64, 128, 256)  # g / 8 lanes per group must divide the warp's 32
-# gate elements per program (and as many of up): a tuning knob (benchmarks/kernels.py swiglu --tiles; the fastest
-# for int8, benchmarks/NOTES.md), results do not depend on it.
+# gate elements per program (and as many of up): a tuning knob (benchmarks/kernels.py swiglu --tiles), results do
+# not depend on it.
 TILE_ELEMENTS = 2048
 _DTYPE = jnp.dtype(jnp.bfloat16)
 

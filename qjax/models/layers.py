@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 import qjax
 from qjax import health
+from qjax import int8_params
 from qjax.prologue import Prologue, prologue_dot
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -92,11 +93,11 @@ def dense(module: nn.Module, config, name: str, features_in: int, features: int,
 
     Params are created in `config.param_dtype`; the layer casts inputs and kernel to `config.compute_dtype`, but
     the kernel stays in its param dtype under `Recipe.recompute_weight_codes` (the GEMM then saves the param
-    itself). A kernel given as an int8 weight-only `qjax.optim.Int8Param` (qjax.train's `model.param_dtype=int8`)
+    itself). A kernel given as an int8 weight-only `qjax.int8_params.Int8Param` (qjax.train's `model.param_dtype=int8`)
     reaches the layer's `qjax.DotGeneral` uncast.
     """
     recipe = recipe_for(config, layer_name(module, name), features_in, features)
-    promote = _promote_keeping_kernel if recipe.recompute_weight_codes else qjax.optim.int8_params.promote_dtype
+    promote = _promote_keeping_kernel if recipe.recompute_weight_codes else int8_params.promote_dtype
     return nn.Dense(features, use_bias=use_bias, dtype=jnp.dtype(config.compute_dtype),
                     param_dtype=jnp.dtype(config.param_dtype), kernel_init=kernel_init,
                     dot_general_cls=functools.partial(qjax.DotGeneral, recipe=recipe), promote_dtype=promote,
@@ -107,7 +108,7 @@ def _promote_keeping_kernel(inputs, kernel, *rest, dtype=None, inexact=True) -> 
     """nn.Dense's promote_dtype under `Recipe.recompute_weight_codes`: inputs and bias promoted as usual, the kernel
     left in its param dtype, so the layer's custom VJP keeps the param itself for the backward, not a cast copy
     (`qjax.DotGeneral` then computes in the inputs' dtype)."""
-    inputs, *rest = qjax.optim.int8_params.promote_dtype(inputs, *rest, dtype=dtype, inexact=inexact)
+    inputs, *rest = int8_params.promote_dtype(inputs, *rest, dtype=dtype, inexact=inexact)
     return [inputs, kernel, *rest]
 
 

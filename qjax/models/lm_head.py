@@ -5,8 +5,8 @@
 
 Autodiff of `logits = head(hidden); softmax_cross_entropy(logits.astype(float32), targets)` keeps, at the start of
 the backward pass, the float32 softmax (the cross-entropy's residual) beside the logits' gradient in float32 and the
-compute dtype (1.1B Llama at batch 8 x 2048: the softmax alone is 16384 x 32000 x 4 B = 2.1 GB; the compiled step
-held 3.1-3.5 GB more than with this module, benchmarks/NOTES.md). Here one custom VJP runs the
+compute dtype (1.1B Llama at batch 8 x 2048: the softmax alone is 16384 x 32000 x 4 B = 2.1 GB). Here one custom
+VJP runs the
 head GEMM and the cross-entropy one chunk of positions at a time (chunks along the sequence, each spanning the whole
 batch, so a data-parallel batch stays split): the forward keeps only the loss; the backward recomputes each chunk's
 logits and pulls the gradient back through them (`jax.vjp` of the same chunk function), summing the head weight's
@@ -30,7 +30,7 @@ import optax
 
 import qjax
 from qjax.models import layers
-from qjax.optim.int8_params import Int8Param
+from qjax.int8_params import Int8Param
 
 CHUNK_ELEMENTS = 2**25  # logits per chunk (tokens x vocab): 128 MiB in float32
 

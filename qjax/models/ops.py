@@ -206,7 +206,7 @@ _rope.defvjp(_rope_fwd, _rope_bwd)
 def rms_norm_prologue(eps: float, dtype) -> Prologue:
     # The data-flow forward hook runs the fused RMSNorm kernel where `qjax.dispatch` picks it, else the composition
     # below, which the kernel equals. No backward hook: `prologue_dot` restores x and runs the norm's backward in
-    # XLA, which measured faster than a fused kernel (benchmarks/NOTES.md).
+    # XLA, faster than a fused kernel.
     return Prologue("rms_norm", apply=lambda x, scale: rms_norm(x, scale, eps, dtype),
                     forward=lambda x, scale: _rms_norm_fwd(x, scale, eps, dtype),
                     backward=functools.partial(_rms_norm_bwd, eps, dtype),

@@ -14,24 +14,51 @@ Public API:
   CodebookState, Fp8State, Fp8ExpandedState quantized state tensors (pytrees: orbax and sharding work)
   apply_updates_sr(params, updates, key)    bf16 params + stochastic rounding (no fp32 master copy)
   Int8Param, Int8Dense, to_int8_params, dequantize_params, int8_value_and_grad, apply_updates_int8,
-  has_int8_params                           INT8 weight-only training (int8_params.promote_dtype: for nn.Dense)
-  blockwise, adam, adamw, fused_adam        modules: block quantization, Adam core, AdamWs, the fused step (its kernel
-                                            is qjax.kernels.adam_step_mgpu; the code books are qjax.codebooks)
+  has_int8_params                           INT8 weight-only training (the param type is qjax.int8_params')
+
+Low-bit Adam lives here whole, one module per concept, lowest first:
+  adam_math, codebooks   the formulas the jnp code and the fused kernel share (Adam update, e4m3 state codecs, code
+                         book maps); numerics-level: they import only qjax.numerics and qjax.formats
+  blockwise, streaming   the quantized state tensors, and updating a tree in groups to bound peak memory
+  adam, fused_adam       the Adam core, and the fused step's entry (its kernel: qjax.kernels.adam_step_mgpu)
+  adamw, sr_params       the AdamWs users build, and params updated with stochastic rounding (bf16, int8)
+
+Names are imported on first use (module `__getattr__`), so importing `adam_math` or `codebooks`, as the kernel
+does, runs none of the optimizer code that imports the kernel.
 """
 
-from qjax.optim import adam, adamw, blockwise, fused_adam, sr_params
-from qjax.optim.adam import QuantizedAdamState, StateConfig, scale_by_quantized_adam
-from qjax.optim.adamw import (FusedTransformation, adamw_4bit, adamw_8bit, adamw_fp8, apply_gradients, chain_fused,
-                              quantized_adamw)
-from qjax.optim.blockwise import CodebookState, Fp8ExpandedState, Fp8State
-from qjax.optim.int8_params import (Int8Dense, Int8Param, apply_updates_int8, dequantize_params, has_int8_params,
-                                    int8_value_and_grad, to_int8_params)
-from qjax.optim.sr_params import apply_updates_sr
+import importlib
 
-__all__ = [
-    "CodebookState", "Fp8ExpandedState", "Fp8State", "FusedTransformation", "Int8Dense", "Int8Param",
-    "QuantizedAdamState", "StateConfig", "adam", "adamw", "adamw_4bit", "adamw_8bit", "adamw_fp8", "apply_gradients",
-    "apply_updates_int8", "apply_updates_sr", "blockwise", "chain_fused", "dequantize_params", "fused_adam",
-    "has_int8_params", "int8_value_and_grad", "quantized_adamw", "scale_by_quantized_adam", "sr_params",
-    "to_int8_params",
-]
+# Module names written out in full: tests/test_layering.py reads them as this package's imports.
+_SUBMODULES = {
+    "adam": "qjax.optim.adam", "adam_math": "qjax.optim.adam_math", "adamw": "qjax.optim.adamw",
+    "blockwise": "qjax.optim.blockwise", "codebooks": "qjax.optim.codebooks", "fused_adam": "qjax.optim.fused_adam",
+    "sr_params": "qjax.optim.sr_params", "streaming": "qjax.optim.streaming",
+}
+# public name -> the module that defines it
+_EXPORTS = {
+    "QuantizedAdamState": "qjax.optim.adam", "StateConfig": "qjax.optim.adam",
+    "scale_by_quantized_adam": "qjax.optim.adam",
+    "FusedTransformation": "qjax.optim.adamw", "adamw_4bit": "qjax.optim.adamw", "adamw_8bit": "qjax.optim.adamw",
+    "adamw_fp8": "qjax.optim.adamw", "apply_gradients": "qjax.optim.adamw", "chain_fused": "qjax.optim.adamw",
+    "quantized_adamw": "qjax.optim.adamw",
+    "CodebookState": "qjax.optim.blockwise", "Fp8ExpandedState": "qjax.optim.blockwise",
+    "Fp8State": "qjax.optim.blockwise",
+    "apply_updates_int8": "qjax.optim.sr_params", "apply_updates_sr": "qjax.optim.sr_params",
+    "Int8Dense": "qjax.int8_params", "Int8Param": "qjax.int8_params", "dequantize_params": "qjax.int8_params",
+    "has_int8_params": "qjax.int8_params", "int8_value_and_grad": "qjax.int8_params",
+    "to_int8_params": "qjax.int8_params",
+}
+__all__ = sorted(_EXPORTS) + ["adam", "adamw", "blockwise", "fused_adam", "sr_params"]
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(_SUBMODULES[name])
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'qjax.optim' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_SUBMODULES) | set(_EXPORTS))

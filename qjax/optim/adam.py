@@ -1,7 +1,7 @@
 """The Adam core with low-precision states: `scale_by_quantized_adam` and its per-tensor math.
 
 The optimizers built on it (adamw_8bit, adamw_4bit, adamw_fp8, the fused step) are in `qjax.optim.adamw`; the fused
-step's reference (`qjax.optim.fused_adam`) calls `update_reference`, and its kernel the same `numerics.adam_math`.
+step's reference (`qjax.optim.fused_adam`) calls `update_reference`, and its kernel the same `adam_math.adam_math`.
 
 Per tensor, with t the step (1-based) and g the gradient in float32 (torchao `low_bit_optim` semantics):
   m_old, v_old = dequantize(state)                     float32
@@ -26,8 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from qjax import numerics
-from qjax.optim import blockwise, streaming
+from qjax.optim import adam_math, blockwise, streaming
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +88,7 @@ def _store(value: jax.Array, like, fmt: str, block_size: int):
 
 def update_reference(g, mu, nu, config: StateConfig, b1, b2, eps, bc1, bc2_sqrt):
     """jnp reference for one tensor: (grad, mu state, nu state) -> (direction f32, new mu state, new nu state)."""
-    direction, m, v = numerics.adam_math(g, _load(mu), _load(nu), b1, b2, eps, bc1, bc2_sqrt)
+    direction, m, v = adam_math.adam_math(g, _load(mu), _load(nu), b1, b2, eps, bc1, bc2_sqrt)
     return (direction, _store(m, mu, config.mu_format, config.block_size),
             _store(v, nu, config.nu_format, config.block_size))
 

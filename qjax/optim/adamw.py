@@ -230,8 +230,8 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
         routes = [route_of(*leaves) for leaves in zip(g_leaves, *(treedef.flatten_up_to(tree) for tree in (
             state.mu, state.nu, params)), specs, strict=True)]
         # Unchunked: the kernel's tensors (it streams them itself), and under a mesh the jnp step's tensors split
-        # over it: XLA partitions a chunk loop over a split tensor by gathering it (4-7x the temporaries of the
-        # unchunked step, benchmarks/NOTES.md); tensors whole on every device are chunked as on one device.
+        # over it, since XLA partitions a chunk loop over a split tensor by gathering it; tensors whole on every
+        # device are chunked as on one device.
         whole = [r is not False or (mesh is not None and _splits(spec, mesh)) for r, spec in zip(routes, specs)]
 
         def tensor_step(g, mu, nu, p, offset, wd, c, seed, route):

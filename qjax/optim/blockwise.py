@@ -17,8 +17,8 @@ e4m3 cast so that the group's max/min ratio R fills e4m3's range: with max and m
 magnitudes, c ~ sqrt(max * min) centres the group in log space and k = floor(16 * log2(448**2 / 2) / log2(R)) / 16
 (a multiple of 1/16), clipped to [1/16, 255/16] (R near 1 would give an unbounded k). scale = (max / c)**k / 448.
 k and c come from the bit patterns of max and min by integer arithmetic (log2(R) in fixed point, c rounded to a
-power of two: `numerics.expansion_params`), so the fused step kernel and XLA compute the same ones; powers are
-computed as exp(k log(.)) with natural logarithms (`numerics.quantize_e4m3_expanded_blocks`, the formula the kernel
+power of two: `adam_math.expansion_params`), so the fused step kernel and XLA compute the same ones; powers are
+computed as exp(k log(.)) with natural logarithms (`adam_math.quantize_e4m3_expanded_blocks`, the formula the kernel
 shares: Mosaic GPU has no pow).
 k is stored exactly as the uint8 16 k, and c, a power of two, exactly as bfloat16 (any centre works as long as
 decoding uses the same one), so a group costs 4 + 1 + 2 bytes of metadata: 2.11 bytes/element for m and v together
@@ -40,11 +40,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qjax import codebooks, formats, numerics
+from qjax.optim import adam_math, codebooks
 
 CODEBOOK_FORMATS = {  # name -> bits
     "dynamic_signed_8bit": 8, "dynamic_unsigned_8bit": 8, "dynamic_signed_4bit": 4, "linear_unsigned_4bit": 4}
-STATE_FORMATS = tuple(CODEBOOK_FORMATS) + formats.FP8_STATE_FORMATS
+STATE_FORMATS = tuple(CODEBOOK_FORMATS) + adam_math.FP8_STATE_FORMATS
 
 
 @jax.tree_util.register_dataclass
@@ -135,7 +135,7 @@ def dequantize_codebook(q: CodebookState) -> jax.Array:
 
 def quantize_fp8(x: jax.Array, block_size: int) -> Fp8State:
     """float tensor -> Fp8State: scale = absmax / 448 per block, codes = e4m3(x / scale), round to nearest even."""
-    codes, scale = numerics.quantize_e4m3_blocks(_blocks(x, block_size))
+    codes, scale = adam_math.quantize_e4m3_blocks(_blocks(x, block_size))
     return Fp8State(codes, scale, tuple(x.shape))
 
 
@@ -145,13 +145,13 @@ def dequantize_fp8(q: Fp8State) -> jax.Array:
 
 def quantize_fp8_expanded(x: jax.Array, block_size: int) -> Fp8ExpandedState:
     """float tensor -> Fp8ExpandedState (COAT dynamic range expansion, then e4m3 with absmax scaling): the formula
-    of `numerics.quantize_e4m3_expanded_blocks`, which the fused step kernel calls too."""
-    codes, scale, expand, centre = numerics.quantize_e4m3_expanded_blocks(_blocks(x, block_size))
+    of `adam_math.quantize_e4m3_expanded_blocks`, which the fused step kernel calls too."""
+    codes, scale, expand, centre = adam_math.quantize_e4m3_expanded_blocks(_blocks(x, block_size))
     return Fp8ExpandedState(codes, scale, expand, centre, tuple(x.shape))
 
 
 def dequantize_fp8_expanded(q: Fp8ExpandedState) -> jax.Array:
-    return numerics.dequantize_e4m3_expanded_blocks(q.codes, q.scale, q.expand, q.centre).reshape(q.shape)
+    return adam_math.dequantize_e4m3_expanded_blocks(q.codes, q.scale, q.expand, q.centre).reshape(q.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "block_size"))

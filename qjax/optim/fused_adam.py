@@ -4,8 +4,8 @@
 param, gradient and moments once and writes them once: 16 bytes per float32 param instead of the ~28 of the optax
 path, where `apply_updates` is a separate pass over an update tensor). `fused_step_reference` is the same
 computation in jnp: `adam.update_reference` (what `scale_by_quantized_adam` does to one tensor), then optax's weight
-decay, learning rate and `apply_updates`. Both call the same formulas (`qjax.numerics.adam_math`,
-`numerics.param_update`, the state quantizers of `blockwise`), so they are bit-identical under the CPU interpreter.
+decay, learning rate and `apply_updates`. Both call the same formulas (`adam_math.adam_math`,
+`adam_math.param_update`, the state quantizers of `blockwise`), so they are bit-identical under the CPU interpreter.
 
 Which tensors take the kernel (`kernel_eligible`): float32 param and gradient (or bfloat16 ones with a stochastic
 rounding seed: the kernel rounds the new param as `sr_params.round_param` does), moments in one of `KERNEL_FORMATS`
@@ -26,9 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from qjax import numerics
 from qjax.kernels import adam_step_mgpu
-from qjax.optim import adam, blockwise, sr_params
+from qjax.optim import adam, adam_math, blockwise, sr_params
 
 __all__ = ["KERNEL_BLOCK_SIZES", "KERNEL_FORMATS", "ShardLayout", "fused_step", "fused_step_per_device",
            "fused_step_reference", "kernel_eligible", "per_device_layout"]
@@ -44,7 +43,7 @@ def fused_step_reference(p, g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt, step_
     have indices offset + row-major index in the whole param, or with `runs` = (run, stride) offset + j * stride + e
     for element e of the j-th run of `run` elements). Args as in `fused_step`, plus the `adam.StateConfig`."""
     direction, mu, nu = adam.update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt)
-    new_p = numerics.param_update(p.astype(jnp.float32), direction, step_size, weight_decay)
+    new_p = adam_math.param_update(p.astype(jnp.float32), direction, step_size, weight_decay)
     if runs is None:
         return sr_params.round_param(new_p, p.dtype, seed, offset), mu, nu
     run, stride = runs

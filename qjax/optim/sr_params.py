@@ -10,13 +10,20 @@ two elements) with one seed per leaf (`leaf_seeds`), so the same key gives the s
 any kernel.
 
 NaN / Inf in p + u stay NaN / Inf (stochastic rounding passes non-finite values through).
+
+INT8 weight-only params (`qjax.int8_params.Int8Param`) are updated the same way by `apply_updates_int8`: dequantize,
+add, requantize with stochastic rounding.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from qjax import formats, stochastic
+from qjax.int8_params import Int8Param, quantize_int8_param
+from qjax.optim import streaming
 
 
 def leaf_seeds(key: jax.Array, n: int) -> list:
@@ -75,3 +82,27 @@ def apply_updates_sr(params, updates, key: jax.Array):
                             "qjax.optim.apply_updates_int8")
     seeds = leaf_seeds(key, len(leaves))
     return treedef.unflatten([add_sr(p, u, s) for p, u, s in zip(leaves, update_leaves, seeds)])
+
+
+def apply_updates_int8(params, updates, key: jax.Array):
+    """Int8Param leaves: dequantize -> add the float update -> requantize (fresh absmax, stochastic rounding).
+
+    Other leaves: `apply_updates_sr` semantics (bf16 rounded stochastically, float32 plainly). One seed per leaf
+    from `leaf_seeds(key, n_leaves)`, leaves in tree-flatten order with Int8Param as one leaf.
+
+    The leaves are updated in groups of about 1/`streaming.GROUPS` of the tree's elements, one group after another
+    (`streaming.sequenced`), so that the float32 sums a requantization reads twice (the absmax, then the rounding)
+    exist for one group at a time rather than for every tensor together. Each leaf's result does not depend on the
+    grouping.
+    """
+    leaves, treedef = jax.tree.flatten(params, is_leaf=lambda x: isinstance(x, Int8Param))
+    update_leaves = treedef.flatten_up_to(updates)
+    seeds = leaf_seeds(key, len(leaves))
+
+    def update(p, u, s):
+        if isinstance(p, Int8Param):
+            return quantize_int8_param(p.dequantize() + u.astype(jnp.float32), s)
+        return add_sr(p, u, s)
+
+    new = streaming.sequenced(update, list(zip(leaves, update_leaves, seeds)), [math.prod(p.shape) for p in leaves])
+    return treedef.unflatten(new)

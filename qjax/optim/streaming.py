@@ -6,8 +6,7 @@ m, v and update at the same time: a low-bit AdamW step then peaks above fp32 Ada
   groups  consecutive tensors (tree order) whose sizes add up to at most a budget (1/`GROUPS` of the tree) run
           one group after another: a group's inputs pass an `optimization_barrier` with the previous group's
           outputs, so its work cannot start before they exist. Inside a group nothing is ordered, so XLA fuses as
-          it does without streaming (a barrier per tensor made the 1.1B step launch 3x the kernels:
-          benchmarks/NOTES.md).
+          it does without streaming (a barrier per tensor would stop XLA fusing across tensors).
   chunks  a tensor with quantized states larger than the budget is a group of its own and runs in a
           `lax.fori_loop` over chunks of whole state blocks (about the budget each, the rest as one static tail
           after the loop), each chunk's results written in place into the loop's carry: one compiled body per
@@ -28,7 +27,7 @@ from qjax.optim import blockwise
 
 # A group holds about 1/GROUPS of the tree's elements, at least MIN_GROUP_ELEMENTS: the step's temporaries (~16
 # bytes per element of a group on CPU) are then ~0.5 bytes per param whatever the model's size, while the number
-# of sequenced groups (hence the fusions XLA cannot merge across them) stays ~GROUPS (benchmarks/NOTES.md).
+# of sequenced groups (hence the fusions XLA cannot merge across them) stays ~GROUPS.
 GROUPS = 32
 MIN_GROUP_ELEMENTS = 1 << 20
 

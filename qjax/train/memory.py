@@ -26,7 +26,7 @@ Per device, in bytes (P params; c = bytes of the compute dtype, 2 for bfloat16):
                model's LM head runs over chunks of positions (`qjax.models.lm_head`), so at most one chunk's
                logits, `lm_head.CHUNK_ELEMENTS` of them, count.
 
-XLA's temporaries, fusion choices and fragmentation are left out (benchmarks/NOTES.md compares estimates with
+XLA's temporaries, fusion choices and fragmentation are left out (docs/performance.md compares estimates with
 measured peaks). It is used only to reject runs whose estimate exceeds the device's memory; a run close to the limit
 is left to XLA to decide.
 """

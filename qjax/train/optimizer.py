@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from qjax import int8_params
 from qjax import optim as qoptim
 
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_fp8")
@@ -128,7 +129,7 @@ class Optimizer(NamedTuple):
             raise ValueError("stochastic rounding of bfloat16 or int8 params needs key= (a fresh jax.random.key per "
                              "step)")
         if int8:  # AdamW sees each int8 weight in its gradient's dtype, as `init` made its states
-            updates, opt_state = self.tx.update(grads, opt_state, qoptim.int8_params.dequantize_like(params, grads))
+            updates, opt_state = self.tx.update(grads, opt_state, int8_params.dequantize_like(params, grads))
             return qoptim.apply_updates_int8(params, updates, key), opt_state
         return qoptim.apply_gradients(self.tx, grads, opt_state, params, key, param_specs)
 

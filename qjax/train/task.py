@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from qjax import dispatch, health, models
 from qjax.models import hf_checkpoint, hf_vit
-from qjax.optim import int8_params
+from qjax import int8_params
 from qjax.train.config import ConfigError
 
 INT8 = "int8"  # config.model.param_dtype of INT8 weight-only training (module docstring)

@@ -19,10 +19,10 @@ import optax
 import pytest
 from helpers import mosaic_gpu_kernel_texts
 
-from qjax import codebooks, dispatch, numerics, optim, stochastic
+from qjax import dispatch, optim, stochastic
 from qjax.dispatch import on_hopper_gpu
 from qjax.kernels import adam_step_mgpu, load_from_gmem, resolve_interpret
-from qjax.optim import adam, blockwise, fused_adam, sr_params
+from qjax.optim import adam, adam_math, blockwise, codebooks, fused_adam, sr_params
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
 FORMATS = {"e4m3": ("e4m3", "e4m3"), "8bit": ("dynamic_signed_8bit", "dynamic_unsigned_8bit"),
@@ -559,7 +559,7 @@ def _assert_close_gpu(out, ref, label):
     """Kernel vs XLA:GPU reference: FMA contraction may differ (module docstring), so allow ulp-level differences.
     Range-expanded states (e4m3_dre) also take exp and log per element, which may differ by ulps between XLA:GPU
     and Mosaic GPU: looser bounds for them. Their k and centre are integer functions of the block's max and min |x|
-    (`numerics.expansion_params`, bit for bit on the same blocks: `test_gpu_dre_diagnosis`), so they differ only
+    (`adam_math.expansion_params`, bit for bit on the same blocks: `test_gpu_dre_diagnosis`), so they differ only
     where FMA contraction moved that max or min (a CPU simulation of FMA vs none on these inputs: ~1e-4 of blocks);
     such blocks are counted apart."""
     (p, mu, nu), (p_ref, mu_ref, nu_ref) = out, ref
@@ -741,9 +741,9 @@ def _intermediates_in_kernel(p, g, mu, nu, coef, fmt, interpret):
                                                                              for r in rows), f, t)
                         for (codes, *rows), f, t in ((state_refs[:len(m_arrays)], formats[0], tables[0]),
                                                      (state_refs[len(m_arrays):], formats[1], tables[1])))
-        direction, m, v = numerics.adam_math(load(g_ref).astype(jnp.float32), m_old, v_old, B1, B2, EPS,
+        direction, m, v = adam_math.adam_math(load(g_ref).astype(jnp.float32), m_old, v_old, B1, B2, EPS,
                                              coef_ref[0], coef_ref[1])
-        new_p = numerics.param_update(load(p_ref).astype(jnp.float32), direction, coef_ref[2], 0.01)
+        new_p = adam_math.param_update(load(p_ref).astype(jnp.float32), direction, coef_ref[2], 0.01)
         for ref, x in zip(out_refs, (m, v, direction, new_p)):
             ref.at[tile][...] = x
 
@@ -757,9 +757,9 @@ def _intermediates_in_kernel(p, g, mu, nu, coef, fmt, interpret):
 @jax.jit
 def _reference_intermediates(p, g, mu, nu, bc1, bc2_sqrt, step_size):
     """`fused_step_reference`'s float32 intermediates (jnp): (m, v, direction, new param before rounding)."""
-    direction, m, v = numerics.adam_math(g, blockwise.dequantize(mu), blockwise.dequantize(nu), B1, B2, EPS, bc1,
+    direction, m, v = adam_math.adam_math(g, blockwise.dequantize(mu), blockwise.dequantize(nu), B1, B2, EPS, bc1,
                                          bc2_sqrt)
-    return m, v, direction, numerics.param_update(p.astype(jnp.float32), direction, step_size, 0.01)
+    return m, v, direction, adam_math.param_update(p.astype(jnp.float32), direction, step_size, 0.01)
 
 
 @interpreter_only
@@ -842,7 +842,7 @@ def test_gpu_bf16_sr_diagnosis(fmt):
 def _expansion_in_kernel(x, interpret):
     """The step kernel's range-expanded state quantization (`adam_step_mgpu._quantize_rows`, "e4m3_dre") of float32
     blocks x (n, B), n % 4 == 0, in a Mosaic GPU kernel with the step kernel's layouts -> (codes float8_e4m3fn (n, B),
-    scale f32, expand uint8, centre bf16, and `numerics.expansion_params`' steps int32, centre f32, amax f32 before
+    scale f32, expand uint8, centre bf16, and `adam_math.expansion_params`' steps int32, centre f32, amax f32 before
     the stores' casts, and the smallest non-zero |x| (f32, from its int32 min reduction)), each (n,) but the codes."""
     from jax import lax
     from jax.experimental import pallas as pl
@@ -852,7 +852,7 @@ def _expansion_in_kernel(x, interpret):
         tile = pl.ds(lax.axis_index("program") * 4, 4)
         blocks = load_from_gmem(x_ref.at[tile], adam_step_mgpu._LAYOUT)
         codes, rows = adam_step_mgpu._quantize_rows(blocks, "e4m3_dre", None)
-        for ref, value in zip(out_refs, (codes, *rows, *numerics.expansion_params(blocks), _smallest(blocks)),
+        for ref, value in zip(out_refs, (codes, *rows, *adam_math.expansion_params(blocks), _smallest(blocks)),
                               strict=True):
             ref.at[tile][...] = value
 
@@ -868,11 +868,11 @@ def _expansion_in_kernel(x, interpret):
 @jax.jit
 def _expansion_reference(x):
     """`_expansion_in_kernel`'s outputs computed by jnp (the reference's formula)."""
-    return (*numerics.quantize_e4m3_expanded_blocks(x), *numerics.expansion_params(x), _smallest(x))
+    return (*adam_math.quantize_e4m3_expanded_blocks(x), *adam_math.expansion_params(x), _smallest(x))
 
 
 def _smallest(blocks):
-    """f32 (n, B) -> f32 (n,): the smallest non-zero |x| per block as `numerics.expansion_params` reduces it."""
+    """f32 (n, B) -> f32 (n,): the smallest non-zero |x| per block as `adam_math.expansion_params` reduces it."""
     bits = jax.lax.bitcast_convert_type(blocks, jnp.int32) & jnp.int32(0x7FFFFFFF)
     return jax.lax.bitcast_convert_type(jnp.min(jnp.where(bits == 0, jnp.int32(0x7F800000), bits), axis=-1),
                                         jnp.float32)

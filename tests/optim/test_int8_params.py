@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from qjax import optim
-from qjax.optim import int8_params
+from qjax import int8_params
 
 
 def test_quantize_layout_and_roundtrip():

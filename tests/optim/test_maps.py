@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qjax import codebooks, numerics
-from qjax.optim import blockwise
+from qjax.optim import adam_math, blockwise, codebooks
 
 
 def _dynamic_map_exact(signed, max_exponent_bits, total_bits):
@@ -219,7 +218,7 @@ def test_dre_parameters_follow_coat():
 
 
 def test_dre_parameters_from_bits_track_coat():
-    """k and the centre come from the bit patterns by integer arithmetic (`numerics.expansion_params`): on blocks of
+    """k and the centre come from the bit patterns by integer arithmetic (`adam_math.expansion_params`): on blocks of
     every range (max / min from 1 to ~1e30), 16 k is COAT's floor(16 log2(448**2 / 2) / log2(max / min)) or one more
     (the fixed-point log2 is up to ~2**-11 low), nearly always equal; the centre is a power of two whose log2 is
     within 0.6 of log2 sqrt(max min)."""
@@ -228,7 +227,7 @@ def test_dre_parameters_from_bits_track_coat():
     x = 10.0 ** (rng.uniform(-30, 0, (n, 1)) + rng.uniform(0, 3, (n, 1)) ** rng.uniform(0.3, 2.5, (n, 1))
                  * rng.uniform(0, 1, (n, 128)))
     x = (x * rng.choice([-1, 1], x.shape)).astype(np.float32)
-    steps, centre, _ = (np.asarray(a) for a in jax.jit(numerics.expansion_params)(jnp.asarray(x)))
+    steps, centre, _ = (np.asarray(a) for a in jax.jit(adam_math.expansion_params)(jnp.asarray(x)))
     a = np.abs(x).astype(np.float64)
     big, small = a.max(axis=1), a.min(axis=1)
     with np.errstate(divide="ignore"):

@@ -18,7 +18,7 @@ from configs import llama_base
 from train_helpers import tiny_llama_config
 
 import qjax
-from qjax import dispatch, optim
+from qjax import dispatch, int8_params, optim
 from qjax.dot_general import _quantized_dot
 from qjax.train import ConfigError, make_mesh, make_task, make_train_step, memory, train
 
@@ -85,9 +85,9 @@ def weights_quantized(monkeypatch):
 
 def test_forward_reads_the_stored_codes(token_dir, weights_quantized):
     """int8_rowwise's forward multiplies the Int8Param's codes and scales, quantizing only the activation."""
-    layer = optim.int8_params.quantize_int8_param(jax.random.normal(jax.random.key(0), (64, 32)))  # (in, out)
+    layer = int8_params.quantize_int8_param(jax.random.normal(jax.random.key(0), (64, 32)))  # (in, out)
     x = jax.random.normal(jax.random.key(1), (16, layer.shape[0]), jnp.bfloat16)
-    dense = nn.Dense(layer.shape[1], use_bias=False, dtype=jnp.bfloat16, promote_dtype=optim.int8_params.promote_dtype,
+    dense = nn.Dense(layer.shape[1], use_bias=False, dtype=jnp.bfloat16, promote_dtype=int8_params.promote_dtype,
                      dot_general_cls=lambda: qjax.DotGeneral(recipe="int8_rowwise"))
     y = dense.apply({"params": {"kernel": layer}}, x)
     assert weights_quantized == [None]  # the forward GEMM's weight came from the stored codes
@@ -103,7 +103,7 @@ def test_forward_reads_the_stored_codes(token_dir, weights_quantized):
     assert weights_quantized == [None] * 4
     # fp8 recipes quantize the dequantized weight themselves.
     weights_quantized.clear()
-    fp8 = nn.Dense(layer.shape[1], use_bias=False, dtype=jnp.bfloat16, promote_dtype=optim.int8_params.promote_dtype,
+    fp8 = nn.Dense(layer.shape[1], use_bias=False, dtype=jnp.bfloat16, promote_dtype=int8_params.promote_dtype,
                    dot_general_cls=lambda: qjax.DotGeneral(recipe="fp8_tensorwise"))
     fp8.apply({"params": {"kernel": layer}}, x)
     assert weights_quantized == [qjax.recipe("fp8_tensorwise").fwd.rhs]
@@ -133,7 +133,7 @@ def test_bad_inputs_raise(token_dir):
     bad.model.compute_dtype = "int8"
     with pytest.raises(ConfigError, match="compute_dtype must be one of"):
         make_task(bad)
-    weight = optim.int8_params.quantize_int8_param(jnp.ones((32, 16)))
+    weight = int8_params.quantize_int8_param(jnp.ones((32, 16)))
     dims = (((1,), (0,)), ((), ()))
     with pytest.raises(TypeError, match="int8 weight-only param multiplies float activations"):
         qjax.DotGeneral(recipe="int8_rowwise").apply({}, jnp.ones((4, 32), jnp.int32), weight, dims)

@@ -1,9 +1,12 @@
 """INT8 weight-only training: weights live as int8 codes + one float32 scale per output channel, nothing else.
 
-  params = qjax.optim.to_int8_params(float_params)                # 2-D+ leaves with >= min_size elements
-  loss, grads = qjax.optim.int8_value_and_grad(loss_fn)(params, batch)   # grads: float, shaped like the weights
-  updates, opt_state = tx.update(grads, opt_state, qjax.optim.dequantize_params(params))
+  params = qjax.int8_params.to_int8_params(float_params)          # 2-D+ leaves with >= min_size elements
+  loss, grads = qjax.int8_params.int8_value_and_grad(loss_fn)(params, batch)   # grads: float, weights' shapes
+  updates, opt_state = tx.update(grads, opt_state, qjax.int8_params.dequantize_params(params))
   params = qjax.optim.apply_updates_int8(params, updates, key)   # dequantize -> add -> requantize with SR
+
+This module is the parameter type and its Flax glue (below the layers that read it); the optimizer's update,
+`apply_updates_int8`, is `qjax.optim.sr_params`'. `qjax.optim` re-exports all of it.
 
 Layout: a weight of shape (..., in, out) (Flax's Dense kernel layout) is stored as `data` int8 of the same shape and
 `scale` float32 of shape (1, ..., 1, out): one scale per output channel (a torch "row"), scale = absmax / 127 over
@@ -12,7 +15,7 @@ rounding (qjax.stochastic, one seed per leaf), so small updates survive in expec
 
 The forward uses the int8 weight directly: `Int8Dense` (a Flax linen layer) computes x @ (data * scale) with the
 cast fused into the matmul by XLA; `Int8Param.dequantize` gives the float view anywhere else. In a quantized model
-(an `nn.Dense` with `qjax.DotGeneral` and `promote_dtype=qjax.optim.int8_params.promote_dtype`, as qjax's models
+(an `nn.Dense` with `qjax.DotGeneral` and `promote_dtype=qjax.int8_params.promote_dtype`, as qjax's models
 build), a recipe whose forward reads the weight as int8 rows (int8_rowwise) multiplies the stored codes and scales
 on the int8 GEMM (`Int8Param.forward_operand`), with no requantization; other recipes quantize the float view.
 
@@ -29,7 +32,6 @@ NaN: a NaN in w + u makes that channel's scale NaN, so the whole channel dequant
 """
 
 import dataclasses
-import math
 
 import flax.linen as nn
 import jax
@@ -38,7 +40,6 @@ from flax.linen import dtypes as flax_dtypes
 from jax import lax
 
 from qjax import recipes as recipes_lib
-from qjax.optim import sr_params, streaming
 from qjax.quantize import QTensor, QuantSpec, quantize_with_seed
 
 _INT8_ROW = QuantSpec("int8", "row")
@@ -198,30 +199,6 @@ def int8_value_and_grad(fun, has_aux: bool = False, grad_dtype=jnp.float32):
         return value, grads
 
     return wrapped
-
-
-def apply_updates_int8(params, updates, key: jax.Array):
-    """Int8Param leaves: dequantize -> add the float update -> requantize (fresh absmax, stochastic rounding).
-
-    Other leaves: `apply_updates_sr` semantics (bf16 rounded stochastically, float32 plainly). One seed per leaf
-    from `sr_params.leaf_seeds(key, n_leaves)`, leaves in tree-flatten order with Int8Param as one leaf.
-
-    The leaves are updated in groups of about 1/`streaming.GROUPS` of the tree's elements, one group after another
-    (`streaming.sequenced`), so that the float32 sums a requantization reads twice (the absmax, then the rounding)
-    exist for one group at a time rather than for every tensor together. Each leaf's result does not depend on the
-    grouping.
-    """
-    leaves, treedef = jax.tree.flatten(params, is_leaf=_is_int8)
-    update_leaves = treedef.flatten_up_to(updates)
-    seeds = sr_params.leaf_seeds(key, len(leaves))
-
-    def update(p, u, s):
-        if _is_int8(p):
-            return quantize_int8_param(p.dequantize() + u.astype(jnp.float32), s)
-        return sr_params.add_sr(p, u, s)
-
-    new = streaming.sequenced(update, list(zip(leaves, update_leaves, seeds)), [math.prod(p.shape) for p in leaves])
-    return treedef.unflatten(new)
 
 
 class Int8Dense(nn.Module):
