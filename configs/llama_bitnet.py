@@ -6,8 +6,7 @@ the same ternary weight, the float32 weight is what AdamW updates (straight-thro
 int8_rowwise. The model needs no other change: BitNet b1.58's architecture is Llama's (RMSNorm, SwiGLU, RoPE, no
 biases), and it keeps the embeddings and the LM head in high precision, as qjax's default
 keep_high_precision=('lm_head',) does (the qkv and gate_up inputs are RMSNorm'd already; an extra norm before
-o_proj and down_proj, as BitLinear's own, trained worse on the toy sweep). bitnet_b158_bf16_bwd runs the backward in
-bf16.
+o_proj and down_proj, as BitLinear's own, trained worse on the toy sweep).
 
 Training: twice the full-precision configs' peak LR, as BitNet b1.58 is trained at higher LRs than full precision
 (the 2B4T report's peak is 1.5e-3); at 125M it ends +0.45% from bf16 at this LR against +2.3% at bf16's

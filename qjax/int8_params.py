@@ -13,10 +13,8 @@ Layout: a weight of shape (..., in, out) (Flax's Dense kernel layout) is stored 
 all other axes; all-zero channels get scale 1. Each update requantizes with a *fresh* absmax and stochastic
 rounding (qjax.stochastic, one seed per leaf), so small updates survive in expectation: E[new w] = w + u.
 
-The forward uses the int8 weight directly: `Int8Dense` (a Flax linen layer) computes x @ (data * scale) with the
-cast fused into the matmul by XLA; `Int8Param.dequantize` gives the float view anywhere else. In a quantized model
-(an `nn.Dense` with `qjax.DotGeneral` and `promote_dtype=qjax.int8_params.promote_dtype`, as qjax's models
-build), a recipe whose forward reads the weight as int8 rows (int8_rowwise) multiplies the stored codes and scales
+The forward uses the int8 weight directly: in an `nn.Dense` with `qjax.DotGeneral` and
+`promote_dtype=qjax.int8_params.promote_dtype` (as qjax's models build), a recipe whose forward reads the weight as int8 rows (int8_rowwise) multiplies the stored codes and scales
 on the int8 GEMM (`Int8Param.forward_operand`), with no requantization; other recipes quantize the float view.
 
 Gradients: int8 arrays are not differentiable, so `int8_value_and_grad` differentiates with respect to the
@@ -176,7 +174,7 @@ def int8_value_and_grad(fun, has_aux: bool = False, grad_dtype=jnp.float32):
 
     Gradients of Int8Param leaves are arrays of `grad_dtype` and the weight's shape (gradient w.r.t. the dequantized
     weight); other leaves get ordinary gradients. The model must read Int8Param weights via `.dequantize()` (as
-    `Int8Dense` does). A model that multiplies the weight in its compute dtype (qjax's models: bfloat16 by default)
+    a bf16 DotGeneral does). A model that multiplies the weight in its compute dtype (qjax's models: bfloat16 by default)
     computes the weight's gradient in that dtype: `grad_dtype` = the compute dtype holds it exactly, in half the
     bytes of float32 (torchao's int8 weight-only training does the same).
     """
@@ -199,24 +197,3 @@ def int8_value_and_grad(fun, has_aux: bool = False, grad_dtype=jnp.float32):
         return value, grads
 
     return wrapped
-
-
-class Int8Dense(nn.Module):
-    """Dense layer whose kernel is an Int8Param (int8 + per-output-channel scale); bias stays float.
-
-    Initialised from `kernel_init` in float32 then quantized (round to nearest). y = x @ dequantize(kernel) + bias,
-    computed in x's dtype.
-    """
-
-    features: int
-    use_bias: bool = True
-    kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
-
-    @nn.compact
-    def __call__(self, x):
-        kernel = self.param("kernel", lambda key, shape: quantize_int8_param(self.kernel_init(key, shape)),
-                            (x.shape[-1], self.features))
-        y = x @ kernel.after(x).dequantize(x.dtype)
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,)).astype(x.dtype)
-        return y

@@ -126,21 +126,6 @@ def scale_from_amax(block_amax, fmt: formats.Format, pow2_scale: bool = False):
     return jnp.where(block_amax == 0, jnp.float32(1), scale)
 
 
-def e8m0_floor_scale_from_amax(block_amax, fmt: formats.Format):
-    """amax -> OCP MX (E8M0) scale, torchao's FLOOR mode: 2^(floor(log2 amax) - emax), emax = floor(log2 fmt.max)
-    (e4m3: 8, e5m2: 15, int8: 6). The block's largest |x| then lands in [2^emax, 2^(emax + 1)), so values above
-    fmt.max (e4m3: 449..511) saturate, as in torchao and the MX spec's reference (RCEIL, which does not saturate:
-    `scale_from_amax` with pow2_scale). floor(log2 amax) is the exponent
-    field of a normal f32 amax; scales below f32 tiny (amax < 2^-118 for e4m3; E8M0 reaches 2^-127) are raised to
-    it. 1 where amax == 0; NaN / Inf amax give NaN / Inf scales."""
-    emax = math.floor(math.log2(fmt.max_value))
-    power = lax.bitcast_convert_type(
-        lax.bitcast_convert_type(block_amax.astype(jnp.float32), jnp.uint32) & jnp.uint32(0x7F800000), jnp.float32)
-    scale = jnp.maximum(power * jnp.float32(2.0**-emax), jnp.float32(_TINY))
-    scale = jnp.where(is_finite(block_amax), scale, block_amax.astype(jnp.float32))
-    return jnp.where(block_amax == 0, jnp.float32(1), scale)
-
-
 def cast_codes(y, fmt: formats.Format, *, may_be_inf: bool):
     """`formats.saturating_cast` for a kernel: f32 y -> fmt's storage dtype, or uint8 holding e5m2 bits when
     may_be_inf (the caller bitcasts). NaN gives NaN (0 for int8). int8 rounds y half to even first (`jnp.round`,

@@ -22,8 +22,6 @@ from qjax import formats
 GRANULARITIES = ("tensor", "row", "1x128", "128x128", "1x32")
 # block-scaled granularities: (rows, K) per scale
 BLOCK_SHAPES = {"1x128": (1, 128), "128x128": (128, 128), "1x32": (1, 32)}
-# E8M0 scale modes of MX ("1x32") specs, as torchao's ScaleCalculationMode names them (QuantSpec.mx_scale)
-MX_SCALE_MODES = ("rceil", "floor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,18 +34,14 @@ class QuantSpec:
       granularity: "tensor", "row", "1x128", "128x128" or "1x32" (blocks are rows x K of the (..., R, K) operand).
       stochastic: stochastic rounding instead of round-half-to-even (needs a key).
       pow2_scale: round each scale up to a power of two, 2^ceil(log2(amax / max)) (torchao's fp8 rowwise does, so
-        scaling is exact). "1x32" (MX) requires it: its E8M0 scale, by default in NVIDIA's (cuBLAS's) RCEIL mode.
-      mx_scale: the E8M0 scale mode of a "1x32" spec: "rceil" (the default: the rounded-up scale above, no element
-        saturates) or "floor" (torchao's default FLOOR, 2^(floor(log2 amax) - emax): block maxima above max * 2^k
-        saturate; `numerics.e8m0_floor_scale_from_amax`). Other granularities ignore "rceil"; "floor" on them is an
-        error.
+        scaling is exact). "1x32" (MX) requires it: its E8M0 scale, in NVIDIA's (cuBLAS's) RCEIL mode, so no element
+        saturates.
     """
 
     dtype: str
     granularity: str = "row"
     stochastic: bool = False
     pow2_scale: bool = False
-    mx_scale: str = "rceil"
 
     def __post_init__(self):
         fmt = formats.get_format(self.dtype)
@@ -58,11 +52,6 @@ class QuantSpec:
             raise ValueError(f"unknown granularity {self.granularity!r}; use one of {GRANULARITIES}")
         if self.is_mx and not self.pow2_scale:
             raise ValueError("granularity '1x32' (MX) has power-of-two E8M0 scales: pass pow2_scale=True")
-        if self.mx_scale not in MX_SCALE_MODES:
-            raise ValueError(f"unknown mx_scale {self.mx_scale!r}; use one of {MX_SCALE_MODES}")
-        if self.mx_scale == "floor" and not self.is_mx:
-            raise ValueError(f"mx_scale='floor' is an MX (granularity '1x32') scale mode, got granularity "
-                             f"{self.granularity!r}; drop mx_scale or use '1x32'")
         if self.dtype == "ternary" and (self.granularity != "tensor" or self.stochastic or self.pow2_scale):
             raise ValueError("QuantSpec('ternary') takes one scale per tensor (the mean |x|) and rounds to nearest: "
                              "use QuantSpec('ternary', 'tensor') without stochastic or pow2_scale")

@@ -6,8 +6,7 @@ are quantized in the layout the GEMM reads them: shape (..., R, K) with K, the c
   amax  = max |x| over the block                 (`numerics.amax`: NaN if the block holds a NaN, else Inf if an Inf)
           or, for the "ternary" format, mean |x| over the tensor (`numerics.mean_abs`, BitNet b1.58's absmean)
   scale = max(amax / fmt.max, f32 tiny); 1 where amax == 0; optionally rounded *up* to a power of two
-          (MX "1x32": that rounded-up E8M0 scale, RCEIL; or in FLOOR mode 2^(floor(log2 amax) - emax),
-          `numerics.e8m0_floor_scale_from_amax`)
+          (MX "1x32": that rounded-up E8M0 scale, RCEIL)
   code  = cast(round(x * (1 / scale)))           round = half-to-even, or stochastic (`qjax.stochastic.paired_bits`)
 
 NaN or Inf in a block makes that block's scale NaN or Inf, so all its dequantized values (and any GEMM output that
@@ -62,10 +61,7 @@ def quantize_with_seed(x: jax.Array, spec: QuantSpec, seed: jax.Array | None, op
         block_amax = amax(x32, spec.granularity)
         if amax_axes:
             block_amax = numerics.amax_across(block_amax, amax_axes)
-    if spec.mx_scale == "floor":
-        scale = numerics.e8m0_floor_scale_from_amax(block_amax, fmt)
-    else:
-        scale = numerics.scale_from_amax(block_amax, fmt, spec.pow2_scale)
+    scale = numerics.scale_from_amax(block_amax, fmt, spec.pow2_scale)
     inv_scale = jnp.float32(1) / scale
     if spec.granularity == "tensor":
         y = x32 * inv_scale

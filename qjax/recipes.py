@@ -148,8 +148,8 @@ _INT8_ROW = _gemm("int8", "row", "int8", "row")
 # BitNet b1.58: int8 activations per token x ternary weights (codes -1/0/1, scale mean |w|), on the int8 GEMM. dgrad
 # multiplies the gradient by the same ternary weight the forward did, as the reference BitLinear's
 # w + (Q(w) - w).detach() does: dx is the gradient of the function the forward computed (the float w there trains
-# worse); bitnet_b158_bf16_bwd's high-precision dgrad reads that ternary weight too,
-# dequantized (`Recipe.dgrad_reads_forward_weight`). wgrad reaches the float weight as if the rounding were the
+# worse); a high-precision dgrad would read that ternary weight too, dequantized
+# (`Recipe.dgrad_reads_forward_weight`). wgrad reaches the float weight as if the rounding were the
 # identity (the straight-through estimator).
 _BITNET_FWD = GemmSpec(QuantSpec("int8", "row"), QuantSpec("ternary", "tensor"))
 _E4M3_ROW = _gemm("e4m3", "row", "e4m3", "row", pow2_scale=True)
@@ -162,22 +162,13 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
            dgrad=_gemm("e5m2", "tensor", "e4m3", "tensor"),
            wgrad=_gemm("e5m2", "tensor", "e4m3", "tensor")),
     _same_three("fp8_rowwise", _E4M3_ROW),
-    Recipe("fp8_rowwise_gw_hp",
-           fwd=_E4M3_ROW,
-           dgrad=_gemm("e4m3", "row", "e4m3", "tensor", pow2_scale=True),
-           wgrad=None),
     # DeepSeek-V3: activations and gradients 1x128 along K, weights 128x128. In wgrad both operands contract over
     # the tokens, so x's (K, M) layout with 1x128 blocks is x's 128x1 blocking.
     Recipe("fp8_blockwise",
            fwd=_gemm("e4m3", "1x128", "e4m3", "128x128"),
            dgrad=_gemm("e4m3", "1x128", "e4m3", "128x128"),
            wgrad=_gemm("e4m3", "1x128", "e4m3", "1x128")),
-    Recipe("int8_blockwise",
-           fwd=_gemm("int8", "1x128", "int8", "128x128"),
-           dgrad=_gemm("int8", "1x128", "int8", "128x128"),
-           wgrad=_gemm("int8", "1x128", "int8", "1x128")),
     Recipe("bitnet_b158", fwd=_BITNET_FWD, dgrad=_BITNET_FWD, wgrad=_INT8_ROW),
-    Recipe("bitnet_b158_bf16_bwd", fwd=_BITNET_FWD),
     # OCP MXFP8 (torchao's mxfp8): e4m3 codes, E8M0 scales per 32 of each GEMM's contracting dim, every operand.
     # Scales in RCEIL mode (NVIDIA's), not torchao's FLOOR, which saturates block maxima above 448 * 2^k
     # (QuantSpec.mx_scale selects). Hopper has no MX GEMM: codes times power-of-two scales are exact in bf16.

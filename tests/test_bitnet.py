@@ -14,6 +14,10 @@ from qjax import dispatch
 DIMS = (((1,), (1,)), ((), ()))  # x (M, K) . w (N, K) -> (M, N)
 
 
+# BitNet's forward with a high-precision backward: dgrad reads the forward's ternary weight, dequantized
+BF16_BACKWARD = dataclasses.replace(qjax.recipe("bitnet_b158"), name="bitnet_b158_bf16_backward", dgrad=None,
+                                   wgrad=None)
+
 def _xw(m=128, k=256, n=128):
     x = jax.random.normal(jax.random.key(0), (m, k), jnp.float32)
     w = jax.random.normal(jax.random.key(1), (n, k), jnp.float32) * 0.02
@@ -87,7 +91,7 @@ def test_gradients_are_the_forward_functions_with_a_straight_through_weight():
     g_codes = jnp.clip(jnp.round(cot / g_scale), -127, 127)
     np.testing.assert_allclose(dx, (g_codes @ codes) * g_scale * scale, rtol=1e-5,
                                atol=1e-5 * float(jnp.max(jnp.abs(want))))
-    dx, dw = grads("bitnet_b158_bf16_bwd")
+    dx, dw = grads(BF16_BACKWARD)
     np.testing.assert_allclose(dw, cot.T @ x, rtol=1e-5, atol=1e-5)  # the exact gradient of x . w^T
     assert float(jnp.max(jnp.abs(dw))) > 0
     # its high-precision dgrad: the float cotangent times the same ternary weight, dequantized (not the float w)
@@ -101,7 +105,7 @@ def test_bf16_backward_dgrad_reads_the_ternary_weight_in_the_weights_dtype():
     x, w_kn = x.reshape(4, 16, 128).astype(jnp.bfloat16), w.T.astype(jnp.bfloat16)
     cot = jax.random.normal(jax.random.key(2), (4, 16, 96), jnp.bfloat16)
     dims = (((2,), (0,)), ((), ()))
-    loss = lambda x: jnp.sum(qjax.dot_general(x, w_kn, dims, recipe="bitnet_b158_bf16_bwd").astype(jnp.float32)
+    loss = lambda x: jnp.sum(qjax.dot_general(x, w_kn, dims, recipe=BF16_BACKWARD).astype(jnp.float32)
                              * cot)
     dx = jax.grad(loss)(x)
     assert dx.dtype == jnp.bfloat16
@@ -155,8 +159,7 @@ def test_recipe_variants_are_dataclass_replacements():
     r = qjax.recipe("bitnet_b158")
     assert r.fwd.rhs == qjax.QuantSpec("ternary", "tensor") and r.fwd.lhs == qjax.QuantSpec("int8", "row")
     assert r.dgrad == r.fwd and r.wgrad == qjax.recipe("int8_rowwise").wgrad
-    assert qjax.recipe("bitnet_b158_bf16_bwd") == dataclasses.replace(r, name="bitnet_b158_bf16_bwd", dgrad=None,
-                                                                       wgrad=None)
+    assert BF16_BACKWARD.dgrad_reads_forward_weight
 
 
 

@@ -15,6 +15,7 @@ from helpers import run_on_cpu_devices
 from qjax import formats
 
 SCRIPT = textwrap.dedent("""
+    import dataclasses
     import re
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -39,7 +40,9 @@ SCRIPT = textwrap.dedent("""
         w = jax.random.normal(jax.random.key(1), w_shape, jnp.float32) * 0.05
         cot = jax.random.normal(jax.random.key(2), (8, 16, w_shape[1]), jnp.float32)
         sharding = qjax.WeightSharding(("fsdp",), fsdp="fsdp", fsdp_dim=fsdp_dim)
-        for recipe in ("bitnet_b158", "bitnet_b158_bf16_bwd"):
+        bf16_backward = dataclasses.replace(qjax.recipe("bitnet_b158"), name="bitnet_b158_bf16_backward", dgrad=None,
+                                            wgrad=None)
+        for recipe in (qjax.recipe("bitnet_b158"), bf16_backward):
             def loss(x, w, sharding):
                 return jnp.sum(qjax.dot_general(x, w, dims, recipe=recipe, sharding=sharding) * cot)
 
@@ -57,16 +60,16 @@ SCRIPT = textwrap.dedent("""
             # dw's per-device partial sums are added in another order.
             for a, b, name in zip(jax.tree.leaves(got), jax.tree.leaves(ref), ("loss", "dx", "dw")):
                 a, b = np.asarray(a), np.asarray(b)
-                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=recipe + name)
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max(), err_msg=recipe.name + name)
             assert got[1][1].sharding.is_equivalent_to(NamedSharding(mesh, spec), 2), got[1][1].sharding
             # The weight crosses the mesh only as packed ternary codes: uint8, a quarter of its elements, one
             # gather per layout read (forward (N, K); bitnet_b158's dgrad (K, N) too; the bf16 backward's dgrad
             # reads the forward's), never int8 or float.
             found = gathers(compiled.as_text())
             packed = [n for dtype, n in found if dtype == "u8"]
-            assert packed == [N * -(-w.size // N // 4)] * (2 if recipe == "bitnet_b158" else 1), (found, w.size)
+            assert packed == [N * -(-w.size // N // 4)] * (2 if recipe.name == "bitnet_b158" else 1), (found, w.size)
             assert all(dtype == "u8" for dtype, _ in found), found
-            print(fsdp_dim, recipe, "ok")
+            print(fsdp_dim, recipe.name, "ok")
 
     # What the train step runs: a tiny Llama (float32 compute) with configs/llama_bitnet.py's recipe, params split
     # by the sharding rules over fsdp=8, every projection's ternary codes gathered packed: loss and every gradient
@@ -119,8 +122,8 @@ SCRIPT = textwrap.dedent("""
     print("llama fsdp ok")
 """)
 
-EXPECTED = ["k", "bitnet_b158", "ok", "k", "bitnet_b158_bf16_bwd", "ok", "n", "bitnet_b158", "ok", "n",
-            "bitnet_b158_bf16_bwd", "ok", "llama", "fsdp", "ok"]
+EXPECTED = ["k", "bitnet_b158", "ok", "k", "bitnet_b158_bf16_backward", "ok", "n", "bitnet_b158", "ok", "n",
+            "bitnet_b158_bf16_backward", "ok", "llama", "fsdp", "ok"]
 
 
 def test_fsdp_gathers_packed_ternary_codes_and_matches_one_device():

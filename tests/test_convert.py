@@ -303,13 +303,13 @@ def test_strict_names_an_untileable_layer():
             return nn.Dense(100, name="odd")(x)
 
     params = jax.jit(Odd().init)(jax.random.key(0), X)
-    qmodel = qjax.quantize_model(Odd(), "int8_blockwise")
+    qmodel = qjax.quantize_model(Odd(), "fp8_blockwise")
     [row] = qjax.report(qmodel, params, X)
-    assert row.recipe is None and row.reason.startswith("not tileable: int8_blockwise's")
+    assert row.recipe is None and row.reason.startswith("not tileable: fp8_blockwise's")
     with pytest.raises(ValueError, match=r"odd \(lhs \(2, 64, 128\), rhs \(128, 100\)\) would run in high "
                                          r"precision: not tileable.*skip it \(skip=\('odd',\)\), or pad"):
         qjax.report(qmodel, params, X, strict=True)
-    qjax.report(qjax.quantize_model(Odd(), "int8_blockwise", skip=("odd",)), params, X, strict=True)  # skipped: ok
+    qjax.report(qjax.quantize_model(Odd(), "fp8_blockwise", skip=("odd",)), params, X, strict=True)  # skipped: ok
 
 
 # --- bad input -------------------------------------------------------------------------------------------------------

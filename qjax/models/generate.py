@@ -17,27 +17,24 @@ import functools
 import jax
 import jax.numpy as jnp
 
-import qjax
+from qjax.int8_params import Int8Param, quantize_int8_param
 from qjax.models.llama import Llama, LlamaConfig
-
-# int8 weight-only: one int8 code per weight and one float32 scale per output feature (kernel column).
-_WEIGHT_SPEC = qjax.QuantSpec("int8", "row")
 
 
 def int8_weights(params):
-    """`params` with every projection kernel (in, out) replaced by a `qjax.QTensor` of its transpose (out, in):
-    int8 codes and one scale per output feature, so the weights sit in memory at one byte each. `generate` takes
-    the result and dequantizes them to the compute dtype inside its jitted step."""
+    """`params` with every projection kernel (in, out) replaced by a `qjax.int8_params.Int8Param`: int8 codes and
+    one float32 scale per output feature, rounded to nearest, so the weights sit in memory at one byte each. The
+    same type `--config.model.param_dtype=int8` trains; `generate` dequantizes them inside its jitted step."""
     def quantize(path, x):
         is_kernel = getattr(path[-1], "key", None) == "kernel"
-        return qjax.quantize(jnp.asarray(x, jnp.float32).T, _WEIGHT_SPEC) if is_kernel else x
+        return quantize_int8_param(jnp.asarray(x, jnp.float32)) if is_kernel else x
     return jax.tree_util.tree_map_with_path(quantize, params)
 
 
 def dequantize_weights(params, dtype):
-    """The inverse of `int8_weights`: every `qjax.QTensor` kernel back to an (in, out) array of `dtype`."""
-    return jax.tree.map(lambda x: qjax.dequantize(x, dtype).T if isinstance(x, qjax.QTensor) else x, params,
-                        is_leaf=lambda x: isinstance(x, qjax.QTensor))
+    """The inverse of `int8_weights`: every `Int8Param` kernel back to an (in, out) array of `dtype`."""
+    return jax.tree.map(lambda x: x.dequantize(dtype) if isinstance(x, Int8Param) else x, params,
+                        is_leaf=lambda x: isinstance(x, Int8Param))
 
 
 def _filter_logits(logits, top_k, top_p):

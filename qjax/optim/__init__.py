@@ -13,7 +13,7 @@ Public API:
   QuantizedAdamState                        its and the AdamWs' state (count, mu, nu), a plain pytree
   CodebookState, Fp8State, Fp8ExpandedState quantized state tensors (pytrees: orbax and sharding work)
   apply_updates_sr(params, updates, key)    bf16 params + stochastic rounding (no fp32 master copy)
-  Int8Param, Int8Dense, to_int8_params, dequantize_params, int8_value_and_grad, apply_updates_int8,
+  Int8Param, to_int8_params, dequantize_params, int8_value_and_grad, apply_updates_int8,
   has_int8_params                           INT8 weight-only training (the param type is qjax.int8_params')
 
 Low-bit Adam lives here whole, one module per concept, lowest first:
@@ -45,11 +45,11 @@ _EXPORTS = {
     "CodebookState": "qjax.optim.blockwise", "Fp8ExpandedState": "qjax.optim.blockwise",
     "Fp8State": "qjax.optim.blockwise",
     "apply_updates_int8": "qjax.optim.sr_params", "apply_updates_sr": "qjax.optim.sr_params",
-    "Int8Dense": "qjax.int8_params", "Int8Param": "qjax.int8_params", "dequantize_params": "qjax.int8_params",
+    "Int8Param": "qjax.int8_params", "dequantize_params": "qjax.int8_params",
     "has_int8_params": "qjax.int8_params", "int8_value_and_grad": "qjax.int8_params",
     "to_int8_params": "qjax.int8_params",
 }
-__all__ = sorted(_EXPORTS) + ["adam", "adamw", "blockwise", "fused_adam", "sr_params"]
+__all__ = sorted(_EXPORTS)  # the modules stay importable by path (qjax.optim.adamw, ...), not re-exported
 
 
 def __getattr__(name):

@@ -138,8 +138,8 @@ def test_int8_weight_only_generate():
     """int8_weights keeps int8 codes and generate dequantizes them: the same tokens as the dequantized params."""
     q = models.int8_weights(PARAMS)
     kernel = q["layers_0"]["attn"]["qkv_proj"]["kernel"]
-    assert isinstance(kernel, qjax.QTensor) and kernel.data.dtype == jnp.int8
-    assert kernel.data.shape == PARAMS["layers_0"]["attn"]["qkv_proj"]["kernel"].shape[::-1]
+    assert isinstance(kernel, qjax.int8_params.Int8Param) and kernel.data.dtype == jnp.int8
+    assert kernel.data.shape == PARAMS["layers_0"]["attn"]["qkv_proj"]["kernel"].shape
     dequantized = models.dequantize_weights(q, jnp.float32)
     np.testing.assert_array_equal(models.generate(CONFIG, q, PROMPT, 8),
                                   models.generate(CONFIG, dequantized, PROMPT, 8))

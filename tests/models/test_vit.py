@@ -85,7 +85,7 @@ def test_every_recipe_traces():
         assert loss.shape == () and loss.dtype == jnp.float32
         assert jax.tree.map(lambda g: (g.shape, g.dtype), grads) == jax.tree.map(lambda p: (p.shape, p.dtype), params)
     # With a class token, 32 images are 32 x (4 patches + 1) = 160 tokens: a block-scaled wgrad cannot tile them.
-    config = dataclasses.replace(BLOCK_TILED, recipe="int8_blockwise", pool="cls")
+    config = dataclasses.replace(BLOCK_TILED, recipe="fp8_blockwise", pool="cls")
     params = jax.eval_shape(models.ViT(config).init, jax.random.key(0), IMAGES)["params"]
     with pytest.raises(ValueError, match="wgrad"):
         jax.eval_shape(jax.value_and_grad(_loss_fn(config)), params, jax.random.key(1))

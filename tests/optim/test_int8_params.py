@@ -38,20 +38,30 @@ def test_sr_requantization_is_unbiased():
     np.testing.assert_array_equal(again.data, new.data)
 
 
+def _dense(features):  # an nn.Dense that takes an Int8Param kernel, as qjax's models build theirs
+    import functools
+
+    import flax.linen as nn
+
+    import qjax
+    return nn.Dense(features, promote_dtype=int8_params.promote_dtype,
+                    dot_general_cls=functools.partial(qjax.DotGeneral, recipe="bf16"))
+
+
 class _MLP(__import__("flax").linen.Module):
     @__import__("flax").linen.compact
     def __call__(self, x):
-        h = jax.nn.gelu(int8_params.Int8Dense(128)(x))  # constructed first: Int8Dense_0
-        return int8_params.Int8Dense(16)(h)
+        h = jax.nn.gelu(_dense(128)(x))  # constructed first: Dense_0
+        return _dense(16)(h)
 
 
 def test_flax_int8_training_tracks_fp32():
     x = jax.random.normal(jax.random.key(1), (256, 64))
     y = jnp.tanh(x @ jax.random.normal(jax.random.key(2), (64, 16)) / 8)
     model = _MLP()
-    params = model.init(jax.random.key(0), x)["params"]
-    assert isinstance(params["Int8Dense_0"]["kernel"], optim.Int8Param)
-    assert params["Int8Dense_0"]["kernel"].data.dtype == jnp.int8
+    params = int8_params.to_int8_params(model.init(jax.random.key(0), x)["params"], min_size=0)
+    assert isinstance(params["Dense_0"]["kernel"], optim.Int8Param)
+    assert params["Dense_0"]["kernel"].data.dtype == jnp.int8
     stored = sum(a.nbytes for a in jax.tree.leaves(params))
     assert stored < 0.3 * 4 * (64 * 128 + 128 * 16 + 128 + 16)  # no high-precision copy is kept
     loss_fn = lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2)
@@ -60,13 +70,13 @@ def test_flax_int8_training_tracks_fp32():
     @jax.jit
     def int8_step(p, s, key):
         loss, g = optim.int8_value_and_grad(loss_fn)(p)
-        assert g["Int8Dense_0"]["kernel"].shape == (64, 128) and g["Int8Dense_0"]["kernel"].dtype == jnp.float32
+        assert g["Dense_0"]["kernel"].shape == (64, 128) and g["Dense_0"]["kernel"].dtype == jnp.float32
         u, s = tx.update(g, s, optim.dequantize_params(p))
         return optim.apply_updates_int8(p, u, key), s, loss
 
     def float_loss(p):  # the same network on float32 weights: the fp32 reference run
-        h = jax.nn.gelu(x @ p["Int8Dense_0"]["kernel"] + p["Int8Dense_0"]["bias"])
-        return jnp.mean((h @ p["Int8Dense_1"]["kernel"] + p["Int8Dense_1"]["bias"] - y) ** 2)
+        h = jax.nn.gelu(x @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"])
+        return jnp.mean((h @ p["Dense_1"]["kernel"] + p["Dense_1"]["bias"] - y) ** 2)
 
     @jax.jit
     def fp32_step(p, s):
@@ -85,7 +95,7 @@ def test_flax_int8_training_tracks_fp32():
     assert lossesf[-1] < 0.5 * lossesf[0]
     assert losses8[-1] < 0.5 * losses8[0]
     np.testing.assert_allclose(losses8, lossesf, rtol=0.1)
-    assert isinstance(p8["Int8Dense_1"]["kernel"], optim.Int8Param) and p8["Int8Dense_1"]["kernel"].data.dtype == jnp.int8
+    assert isinstance(p8["Dense_1"]["kernel"], optim.Int8Param) and p8["Dense_1"]["kernel"].data.dtype == jnp.int8
 
 
 def test_gradients_in_the_compute_dtype_are_exact():

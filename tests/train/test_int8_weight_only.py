@@ -125,8 +125,8 @@ def test_memory_estimate_counts_int8_params_and_bf16_gradients(token_dir):
 
 
 def test_bad_inputs_raise(token_dir):
-    with pytest.raises(ConfigError, match="block-scaled recipes such as 'int8_blockwise'"):
-        make_task(_int8_config(token_dir, recipe="int8_blockwise"))
+    with pytest.raises(ConfigError, match="block-scaled recipes such as 'fp8_blockwise'"):
+        make_task(_int8_config(token_dir, recipe="fp8_blockwise"))
     with pytest.raises(ConfigError, match="data-flow recipe 'int8_dataflow'"):
         make_task(_int8_config(token_dir, recipe="int8_dataflow"))
     bad = _int8_config(token_dir, recipe="int8_rowwise")
