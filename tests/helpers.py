@@ -48,12 +48,18 @@ def mosaic_gpu_kernel_texts(lowered) -> list[str]:
         return [str(ir.Module.parse(module)) for module in modules]
 
 
+def cpu_devices_env(devices: int) -> dict[str, str]:
+    """This process's environment for a subprocess on `devices` CPU devices: the XLA flags set here (tests/conftest.py's
+    -O0) kept, the device count added."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+
+
 def run_on_cpu_devices(script: str, devices: int) -> str:
     """Runs a Python script in a subprocess with `devices` CPU devices (XLA_FLAGS must be set before jax starts),
     this checkout on the path; asserts it exits 0 and returns its stdout."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-               PYTHONPATH=root)
+    env = dict(cpu_devices_env(devices), PYTHONPATH=root)
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600,
                          cwd=root)
     assert out.returncode == 0, out.stdout + out.stderr[-5000:]

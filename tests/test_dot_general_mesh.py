@@ -14,6 +14,8 @@ import subprocess
 import sys
 import textwrap
 
+from helpers import cpu_devices_env
+
 SCRIPT = textwrap.dedent("""
     import contextlib
     import jax, jax.numpy as jnp, numpy as np
@@ -137,7 +139,7 @@ EXPECTED = ["int8_rowwise", "ok", "fp8_tensorwise", "ok", "fp8_blockwise", "ok",
 
 
 def test_per_device_gemms_on_8_cpu_devices_match_unsharded():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(8)
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stdout + out.stderr[-5000:]

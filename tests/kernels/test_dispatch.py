@@ -104,8 +104,10 @@ def test_auto_runs_kernels_per_device_inside_shard_map(monkeypatch):
     assert not dispatch.per_device_region()
 
 
-@pytest.mark.parametrize("w_layout", ["nk", "kn"])
-@pytest.mark.parametrize("name", ["int8_rowwise", "fp8_tensorwise", "fp8_blockwise"])
+# w's layout changes how dot_general lays out its quantize pair: both layouts for the GEMM kernel's two scale modes
+# (int8_rowwise: "row", fp8_blockwise: "block"); fp8_tensorwise, "row" mode with fp8 codes, in one.
+@pytest.mark.parametrize("name,w_layout", [("int8_rowwise", "nk"), ("int8_rowwise", "kn"), ("fp8_tensorwise", "kn"),
+                                           ("fp8_blockwise", "nk"), ("fp8_blockwise", "kn")])
 def test_pallas_backend_matches_xla_through_the_vjp(name, w_layout):
     """Forward, dgrad and wgrad through the kernel (interpreted on CPU) equal the XLA path up to f32 rounding; w
     stored as (N, K), or as (K, N) like a Dense kernel."""

@@ -161,8 +161,8 @@ def _mosaic_calls(hlo_text):
 
 @pytest.mark.skipif(dispatch.on_hopper_gpu(), reason="CPU interpreter test (GPU: the gpu tests)")
 def test_llama_int8_dataflow_with_kernels_equals_reference_path(monkeypatch):
-    """A 2-layer Llama (bf16) under int8_dataflow: its 4 norms take the forward kernel (interpreted, as are the
-    other kernels; their backward is XLA's), and loss and gradients equal the reference path's to rounding. The
+    """A 2-layer Llama (bf16) under int8_dataflow: its 4 norms take the forward kernel (interpreted, as does the
+    SwiGLU kernel; the norm's backward is XLA's), and loss and gradients equal the reference path's to rounding. The
     norms' outputs equal to float32 rounding, so a bf16 y may differ by an ulp where XLA's sum of squares rounds
     otherwise, and that ulp can move an int8 code of the next GEMM's input: ~40 dB of gradient SNR at -O0. XLA's
     excess precision is off: by default XLA may keep the bf16 residual sum that the reference norm reads in float32
@@ -171,9 +171,15 @@ def test_llama_int8_dataflow_with_kernels_equals_reference_path(monkeypatch):
     calls = []
     kernel = rmsnorm_mgpu.forward_saving
     monkeypatch.setattr(rmsnorm_mgpu, "forward_saving", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    # The GEMM and quantize kernels stay on their references in both runs (interpreted, they take most of a minute
+    # here; tests/kernels/test_dispatch.py runs them inside dot_general): `dot_general` reaches them through
+    # `qjax.dispatch`, patched to backend "xla".
+    for name in ("quantized_matmul", "quantize_pair"):
+        original = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda *a, backend, _f=original, **k: _f(*a, backend="xla", **k))
     config = models.llama_config("tiny", vocab_size=128, dim=256, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=256,
-                                 max_seq_len=64, recipe="int8_dataflow")  # dim: bf16 rows of 256 (8 per lane)
-    tokens = jax.random.randint(jax.random.key(0), (2, 64), 0, 128)
+                                 max_seq_len=32, recipe="int8_dataflow")  # dim: bf16 rows of 256 (8 per lane)
+    tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, 128)
     model = models.Llama(config)
     params = jax.jit(lambda key: model.init(key, tokens)["params"])(jax.random.key(1))
 

@@ -66,14 +66,23 @@ def test_close_to_float32_with_per_parameter_gradient_snr(recipe, params):
         assert snr_db(ref, got) > FLOORS[recipe], name
 
 
+TRAIN_STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def bf16_losses(params):
+    """The bf16 curve both recipes are compared with, trained once."""
+    return adamw_losses(_value_and_grad(CONFIG, TOKENS), params, steps=TRAIN_STEPS, learning_rate=3e-3)
+
+
 @pytest.mark.parametrize("recipe", list(FLOORS))
-def test_training_tracks_bf16(recipe, params):
-    bf16 = adamw_losses(_value_and_grad(CONFIG, TOKENS), params, steps=40, learning_rate=3e-3)
-    ours = adamw_losses(_value_and_grad(dataclasses.replace(CONFIG, recipe=recipe), TOKENS), params, steps=40,
-                        learning_rate=3e-3)
-    assert bf16[-1] < 0.6 * bf16[0]  # it learns (from ln 128 = 4.85 to the words' ~2)
-    # The curve falls from 4.8 to ~0.7 in 40 steps and the last losses of two runs differ by ~10% (int8_rowwise's
-    # too): compare the whole curve, its mean (steps 5-10, where one run drops before the other, average out).
+def test_training_tracks_bf16(recipe, params, bf16_losses):
+    bf16 = bf16_losses
+    ours = adamw_losses(_value_and_grad(dataclasses.replace(CONFIG, recipe=recipe), TOKENS), params,
+                        steps=TRAIN_STEPS, learning_rate=3e-3)
+    assert bf16[-1] < 0.6 * bf16[0]  # it learns (from ln 128 = 4.85 to ~1.4 in 20 steps)
+    # Single losses of two runs differ by up to ~30% (around step 5 one run spikes where the other does not):
+    # compare the whole curve, its mean (measured within 2% of bf16's for both recipes).
     assert abs(np.mean(ours) / np.mean(bf16) - 1) < 0.05, (ours, bf16)
 
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import cpu_devices_env
 from jax.sharding import PartitionSpec as P
 
 from qjax import optim
@@ -168,13 +169,13 @@ def _expected(on_gpu: bool) -> list[str]:
 
 def _run(env_extra: dict) -> subprocess.CompletedProcess:
     path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
-    env = dict(os.environ, PYTHONPATH=path, XLA_PYTHON_CLIENT_PREALLOCATE="false", **env_extra)
+    env = {**os.environ, **env_extra, "PYTHONPATH": path, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     return subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600,
                           cwd=ROOT)
 
 
 def test_per_device_step_on_8_cpu_devices_equals_unsharded():
-    out = _run({"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    out = _run(cpu_devices_env(8))
     assert out.returncode == 0, out.stdout + out.stderr[-5000:]
     assert out.stdout.split() == _expected(on_gpu=False)
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+from helpers import cpu_devices_env
+
 _SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -44,7 +46,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_over_8_cpu_devices_matches_unsharded():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(8)
     out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stdout + out.stderr
