@@ -16,6 +16,10 @@ A checkpoint that cannot be read (a truncated or missing file: a full disk, a co
 run: `restore_latest` falls back to the newest one that restores and renames each unreadable one to
 `<step>.corrupt-<n>` (kept for inspection, never deleted; orbax does not list that name as a step). A checkpoint that
 reads but does not fit the run (another model, optimizer or dtypes) is a ConfigError and is left where it is.
+
+Several processes (one run over several hosts, one shared directory) call every method together: orbax writes each
+array from the processes holding its shards and syncs them; a checkpoint counts as restored only if it restored in
+every process (each reads its own shards), and process 0 alone moves unreadable ones aside.
 """
 
 import contextlib
@@ -27,6 +31,7 @@ import sys
 import jax
 import orbax.checkpoint as ocp
 
+from qjax.train import mesh as mesh_lib
 from qjax.train.config import ConfigError
 
 # orbax's layout of a step directory: <step>/default/_METADATA (the tree: paths, shapes, dtypes) beside the arrays.
@@ -193,15 +198,21 @@ class Checkpointer:
         skipped = []
         for step in sorted(self._manager.all_steps(), reverse=True):
             try:
-                state = self.restore(step, abstract_state)
+                state, error = self.restore(step, abstract_state), None
             except CorruptCheckpointError as e:
-                skipped.append(e)
+                state, error = None, e
+            # several processes: one that read its shards must not go on alone while another failed on its own
+            if not mesh_lib.all_processes(error is None):
+                skipped.append(error or CorruptCheckpointError(step, self.directory, "unreadable in another process"))
                 continue
+            if skipped:
+                mesh_lib.sync_processes("checkpoints tried")  # no process still reads one that is moved next
             for bad in skipped:
                 moved = self._move_aside(bad.step)
                 report(f"checkpoint {bad.step} in {self.directory} does not restore ({bad.reason}): moved aside to "
                        f"{moved}; resuming from {step}")
             if skipped:
+                mesh_lib.sync_processes("checkpoints moved aside")
                 self._manager.reload()  # forget the moved steps (orbax caches the step list)
             return state
         if skipped:
@@ -211,12 +222,14 @@ class Checkpointer:
         return None
 
     def _move_aside(self, step: int) -> str:
-        """Renames checkpoint `step` to `<step>.corrupt-<n>` (first free n): out of orbax's view, not deleted."""
+        """Renames checkpoint `step` to `<step>.corrupt-<n>` (first free n): out of orbax's view, not deleted.
+        Process 0 renames; the others only return the name."""
         n = 1
         while os.path.exists(os.path.join(self.directory, f"{step}.corrupt-{n}")):
             n += 1
         target = os.path.join(self.directory, f"{step}.corrupt-{n}")
-        os.rename(os.path.join(self.directory, str(step)), target)
+        if mesh_lib.is_main_process():
+            os.rename(os.path.join(self.directory, str(step)), target)
         return target
 
     def close(self) -> None:
