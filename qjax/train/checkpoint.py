@@ -104,8 +104,12 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, keep: int):
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"config.keep_checkpoints must be an int >= 1, got {keep!r}")
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)
         self.directory = os.path.abspath(os.fspath(directory))
+        # Several processes: orbax's barrier keys are named after the step, so two checkpointers saving the same step
+        # at once (checkpoints/ and best/) would share a barrier; the directory's name keeps them apart.
+        processes = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=os.path.basename(self.directory))
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True,
+                                               multiprocessing_options=processes)
         # The handler is named up front so that a new manager can read a checkpoint's metadata before restoring
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_handlers=ocp.StandardCheckpointHandler())
