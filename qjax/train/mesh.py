@@ -4,9 +4,10 @@ split) and "tensor" (Megatron tensor parallelism), and the batch's sharding over
 XLA is the distributed engine: the train step is jitted with the shardings of `qjax.train.sharding`, and XLA
 inserts the collectives (gradient all-reduces and reduce-scatters, float weights' all-gathers). The model is traced
 with the mesh set (`tracing_on`), so that `qjax.dot_general` runs its quantized GEMMs per device, where the Pallas
-kernels can run, and gathers FSDP-split weights as 8-bit codes. Several hosts: `initialize_distributed()` first
-(the loop does); each process then puts the global batch on the mesh from its own copy of the data (the data is a
-pure function of (seed, step)).
+kernels can run, and gathers FSDP-split weights as 8-bit codes. Several hosts (one process each, docs/distributed.md):
+`initialize_distributed()` first (the loop does); each process then places its devices' rows of the global batch
+(`put_batch`; the data is a pure function of (seed, step), the same in every process), and process 0 alone writes
+the workdir's files (`is_main_process`).
 """
 
 import os

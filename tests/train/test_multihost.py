@@ -15,6 +15,9 @@ import sys
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
+
+from qjax.train import mesh as mesh_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS, SPLIT = 6, 4  # the two processes run steps 1-4 of a 6-step run; one process resumes for steps 5-6
@@ -118,3 +121,17 @@ def test_two_processes_train_as_one_and_one_process_resumes(token_dir, tmp_path)
     assert _losses(_metrics(shared)) == reference
     for a, b in zip(_checkpoint(shared, STEPS), _checkpoint(whole, STEPS)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_coordinator_without_process_count_is_one_line_error(monkeypatch):
+    """JAX_COORDINATOR_ADDRESS alone (no SLURM / Open MPI to fill in the rest): an error naming the two missing
+    variables, before jax.distributed would stop with "Number of processes must be defined"."""
+    for name in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(ValueError, match="JAX_NUM_PROCESSES and JAX_PROCESS_ID"):
+        mesh_lib.initialize_distributed()
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "first")
+    with pytest.raises(ValueError, match="JAX_PROCESS_ID='first' must be an integer"):
+        mesh_lib.initialize_distributed()
