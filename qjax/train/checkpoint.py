@@ -16,6 +16,10 @@ A checkpoint that cannot be read (a truncated or missing file: a full disk, a co
 run: `restore_latest` falls back to the newest one that restores and renames each unreadable one to
 `<step>.corrupt-<n>` (kept for inspection, never deleted; orbax does not list that name as a step). A checkpoint that
 reads but does not fit the run (another model, optimizer or dtypes) is a ConfigError and is left where it is.
+
+Several processes (one run over several hosts, one shared directory) call every method together: orbax writes each
+array from the processes holding its shards and syncs them; a checkpoint counts as restored only if it restored in
+every process (each reads its own shards), and process 0 alone moves unreadable ones aside.
 """
 
 import contextlib
@@ -27,6 +31,7 @@ import sys
 import jax
 import orbax.checkpoint as ocp
 
+from qjax.train import mesh as mesh_lib
 from qjax.train.config import ConfigError
 
 # orbax's layout of a step directory: <step>/default/_METADATA (the tree: paths, shapes, dtypes) beside the arrays.
@@ -99,8 +104,12 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike, keep: int):
         if not isinstance(keep, int) or keep < 1:
             raise ValueError(f"config.keep_checkpoints must be an int >= 1, got {keep!r}")
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True)
         self.directory = os.path.abspath(os.fspath(directory))
+        # Several processes: orbax's barrier keys are named after the step, so two checkpointers saving the same step
+        # at once (checkpoints/ and best/) would share a barrier; the directory's name keeps them apart.
+        processes = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=os.path.basename(self.directory))
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, cleanup_tmp_directories=True,
+                                               multiprocessing_options=processes)
         # The handler is named up front so that a new manager can read a checkpoint's metadata before restoring
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_handlers=ocp.StandardCheckpointHandler())
@@ -193,15 +202,21 @@ class Checkpointer:
         skipped = []
         for step in sorted(self._manager.all_steps(), reverse=True):
             try:
-                state = self.restore(step, abstract_state)
+                state, error = self.restore(step, abstract_state), None
             except CorruptCheckpointError as e:
-                skipped.append(e)
+                state, error = None, e
+            # several processes: one that read its shards must not go on alone while another failed on its own
+            if not mesh_lib.all_processes(error is None):
+                skipped.append(error or CorruptCheckpointError(step, self.directory, "unreadable in another process"))
                 continue
+            if skipped:
+                mesh_lib.sync_processes("checkpoints tried")  # no process still reads one that is moved next
             for bad in skipped:
                 moved = self._move_aside(bad.step)
                 report(f"checkpoint {bad.step} in {self.directory} does not restore ({bad.reason}): moved aside to "
                        f"{moved}; resuming from {step}")
             if skipped:
+                mesh_lib.sync_processes("checkpoints moved aside")
                 self._manager.reload()  # forget the moved steps (orbax caches the step list)
             return state
         if skipped:
@@ -211,12 +226,14 @@ class Checkpointer:
         return None
 
     def _move_aside(self, step: int) -> str:
-        """Renames checkpoint `step` to `<step>.corrupt-<n>` (first free n): out of orbax's view, not deleted."""
+        """Renames checkpoint `step` to `<step>.corrupt-<n>` (first free n): out of orbax's view, not deleted.
+        Process 0 renames; the others only return the name."""
         n = 1
         while os.path.exists(os.path.join(self.directory, f"{step}.corrupt-{n}")):
             n += 1
         target = os.path.join(self.directory, f"{step}.corrupt-{n}")
-        os.rename(os.path.join(self.directory, str(step)), target)
+        if mesh_lib.is_main_process():
+            os.rename(os.path.join(self.directory, str(step)), target)
         return target
 
     def close(self) -> None:

@@ -100,12 +100,14 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
     stream = sys.stdout if stream is None else stream
     workdir = os.path.abspath(os.fspath(workdir))
 
-    mesh_lib.initialize_distributed()  # several hosts: only where a cluster's environment variables are set
     try:
+        mesh_lib.initialize_distributed()  # several hosts: only where a cluster's environment variables are set
         mesh = mesh_lib.mesh_from_config(config.mesh)
         mesh_lib.check_batch_size(config.batch_size, config.grad_accum_steps, mesh)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if not mesh_lib.is_main_process():  # several processes: process 0 prints for all (they compute the same)
+        stream = open(os.devnull, "w")
     dataset = make_dataset(config)
     task = _task_for(config, dataset)
     init_state, train_step = make_train_step(config, task, mesh)
@@ -117,7 +119,7 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
     eval_batches = []
     if config.eval_every and config.eval_batches:
         try:
-            eval_batches = dataset.eval_batches(config.eval_batches)
+            eval_batches = [mesh_lib.put_batch(b, mesh) for b in dataset.eval_batches(config.eval_batches)]
         except ValueError as e:
             raise ConfigError(f"config.eval_batches: {e}") from None
     eval_key = jax.random.key_data(jax.random.fold_in(jax.random.key(config.seed), _EVAL_KEY_SALT))
@@ -150,6 +152,7 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
                 say(f"no checkpoint to resume from: the metrics and best checkpoint of an earlier start in this "
                     f"workdir were moved to {previous}")
         workdir_lib.write_config(workdir, config)
+        mesh_lib.sync_processes("workdir")  # the others read metrics.jsonl (best loss) once process 0 has set it up
         best = workdir_lib.BestCheckpoint(workdir)
 
         units_per_step = config.batch_size * task.units_per_example
@@ -181,9 +184,10 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
         train_record = eval_record = None
         pending: list[Any] = []
         for step in range(start, end):
+            batch = mesh_lib.put_batch(dataset.batch(step), mesh)  # this process's rows of the global batch
             done = step + 1
             if health_every and done % health_every == 0:
-                state, metrics = health_step(state, dataset.batch(step))
+                state, metrics = health_step(state, batch)
                 stats = jax.device_get(metrics.pop("health"))
                 row, warning = monitor.update(done, health_lib.flatten(stats["sown"], stats["probes"]))
                 meter.health(done, row)
@@ -191,7 +195,7 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
                 if warning:
                     say(warning)
             else:
-                state, metrics = train_step(state, dataset.batch(step))
+                state, metrics = train_step(state, batch)
             pending.append(metrics)
             if done == start + 1:  # time from here on: the first step includes compilation
                 jax.block_until_ready(metrics)

@@ -4,22 +4,26 @@ split) and "tensor" (Megatron tensor parallelism), and the batch's sharding over
 XLA is the distributed engine: the train step is jitted with the shardings of `qjax.train.sharding`, and XLA
 inserts the collectives (gradient all-reduces and reduce-scatters, float weights' all-gathers). The model is traced
 with the mesh set (`tracing_on`), so that `qjax.dot_general` runs its quantized GEMMs per device, where the Pallas
-kernels can run, and gathers FSDP-split weights as 8-bit codes. Several hosts: `initialize_distributed()` first
-(the loop does); each process then puts the global batch on the mesh from its own copy of the data (the data is a
-pure function of (seed, step)).
+kernels can run, and gathers FSDP-split weights as 8-bit codes. Several hosts (one process each, docs/distributed.md):
+`initialize_distributed()` first (the loop does); each process then places its devices' rows of the global batch
+(`put_batch`; the data is a pure function of (seed, step), the same in every process), and process 0 alone writes
+the workdir's files (`is_main_process`).
 """
 
 import os
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = "data", "fsdp", "tensor"
 AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
-# Environment variables under which `jax.distributed.initialize()` finds its coordinator by itself: its own
-# (JAX_COORDINATOR_ADDRESS with JAX_NUM_PROCESSES and JAX_PROCESS_ID), SLURM's, Open MPI's.
-_CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
+# Environment variables that start a multi-process run. JAX_COORDINATOR_ADDRESS (host:port of process 0) is read by
+# `jax.distributed.initialize()` itself; JAX_NUM_PROCESSES and JAX_PROCESS_ID by us, as jax does not read them (it
+# takes them as arguments, or from a cluster it detects). SLURM and Open MPI set everything themselves.
+COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
+_CLUSTER_ENV = (COORDINATOR_ENV, "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
 
 
 def axis_sizes(device_count: int, data: int = -1, fsdp: int = 1, tensor: int = 1) -> tuple[int, int, int]:
@@ -65,12 +69,62 @@ def mesh_from_config(mesh_config) -> Mesh:
     return make_mesh(data=mesh_config.data, fsdp=mesh_config.fsdp, tensor=mesh_config.tensor)
 
 
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} must be an integer (e.g. {name}=0)") from None
+
+
 def initialize_distributed() -> bool:
     """`jax.distributed.initialize()` when a cluster's environment variables are set (`_CLUSTER_ENV`), once per
-    process; True if this process is one of several. Without them: nothing (one host)."""
+    process; True if this process is one of several. Without them: nothing (one host).
+
+    By hand, every process gets JAX_COORDINATOR_ADDRESS=<host of process 0>:<free port>, JAX_NUM_PROCESSES=<n> and
+    its own JAX_PROCESS_ID=<0..n-1> (docs/distributed.md). On CPUs the processes' collectives go through gloo (jax's
+    default `jax_cpu_collectives_implementation`)."""
     if any(name in os.environ for name in _CLUSTER_ENV) and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
+        num_processes, process_id = _int_env(NUM_PROCESSES_ENV), _int_env(PROCESS_ID_ENV)
+        by_hand = COORDINATOR_ENV in os.environ and not any(n in os.environ for n in _CLUSTER_ENV[1:])
+        if by_hand and (num_processes is None or process_id is None):
+            raise ValueError(f"{COORDINATOR_ENV} is set, but not {NUM_PROCESSES_ENV} and {PROCESS_ID_ENV}: set both "
+                             f"in every process ({NUM_PROCESSES_ENV}=<n>, {PROCESS_ID_ENV}=<0..n-1>), or unset "
+                             f"{COORDINATOR_ENV} to train on this host alone")
+        jax.distributed.initialize(num_processes=num_processes, process_id=process_id)
     return jax.process_count() > 1
+
+
+def is_main_process() -> bool:
+    """True in process 0, the one that writes the workdir's files and prints progress (and in a one-host run)."""
+    return jax.process_index() == 0
+
+
+def sync_processes(name: str) -> None:
+    """Waits until every process of a multi-process run has reached the barrier `name` (the same name in all);
+    nothing in a one-process run."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def all_processes(flag: bool) -> bool:
+    """True if `flag` is True in every process (a collective: every process must call it); `flag` alone in a
+    one-process run."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.all(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def put_batch(batch: dict, mesh: Mesh) -> dict:
+    """A host batch (dict of numpy arrays, leading dim the global batch) as jax.Arrays split per `batch_sharding`.
+
+    Every process holds the same global batch (data is a pure function of (seed, step)) and places only the rows
+    of its own devices, so one host or several compute the very same step. jit itself refuses numpy inputs whose
+    sharding spans other processes' devices."""
+    sharding = batch_sharding(mesh)
+    return jax.tree.map(lambda x: jax.make_array_from_callback(x.shape, sharding, lambda index: x[index]), batch)
 
 
 def tracing_on(mesh: Mesh):

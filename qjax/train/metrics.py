@@ -112,13 +112,17 @@ class ProgressMeter:
         self._mark_step = None
         self._mark_time = None
         # purge_step: TensorBoard discards older files' events from this step on (a resumed run rewrites them)
-        self._writer = SummaryWriter(os.fspath(workdir), purge_step=start_step + 1) if tensorboard else None
+        self._writes = jax.process_index() == 0  # several processes: process 0 writes the files (same records)
+        self._writer = (SummaryWriter(os.fspath(workdir), purge_step=start_step + 1)
+                        if tensorboard and self._writes else None)
 
     def mark(self, step: int) -> None:
         """Start timing from `step` (call after the first step so compilation is not counted as throughput)."""
         self._mark_step, self._mark_time = step, time.perf_counter()
 
     def _write(self, record: dict, prefix: str) -> None:
+        if not self._writes:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self._writer is not None:

@@ -6,6 +6,9 @@
 
 A run killed between two checkpoints has written metrics after the newest one; the restarted run recomputes those
 steps, so their rows are dropped on resume (metrics.jsonl then holds one row per step and kind).
+
+Several processes (one run over several hosts) share the workdir: only process 0 changes these files, the others
+skip the writes (checkpoints are saved by all of them together, see qjax.train.checkpoint).
 """
 
 import json
@@ -14,6 +17,7 @@ import os
 
 from qjax.train.checkpoint import Checkpointer
 from qjax.train.config import ConfigError
+from qjax.train.mesh import is_main_process
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -81,7 +85,10 @@ def read_metrics(workdir: str) -> list[dict]:
 def set_aside_previous_run(workdir: str) -> str | None:
     """Before a start from scratch: moves an earlier run's metrics.jsonl, TensorBoard events and best checkpoint
     (left behind when its checkpoints were moved or deleted) into <workdir>/previous-<n>/, so this run neither
-    appends to nor reports them. Returns that directory, or None when there was nothing to move."""
+    appends to nor reports them. Returns that directory, or None when there was nothing to move (or this is not
+    process 0)."""
+    if not is_main_process():
+        return None
     names = [name for name in sorted(os.listdir(workdir))
              if name in (METRICS_FILE, BEST_DIR) or name.startswith("events.out.tfevents.")]
     if not names:
@@ -97,7 +104,9 @@ def set_aside_previous_run(workdir: str) -> str | None:
 
 
 def write_config(workdir: str, config) -> None:
-    """config.json of this start, replaced atomically (a kill mid-write leaves the previous one)."""
+    """config.json of this start, replaced atomically (a kill mid-write leaves the previous one); process 0 only."""
+    if not is_main_process():
+        return
     path = os.path.join(workdir, CONFIG_FILE)
     with open(path + ".tmp", "w") as f:
         f.write(config.to_json_best_effort(indent=2) if hasattr(config, "to_json_best_effort") else str(config))
@@ -107,7 +116,10 @@ def write_config(workdir: str, config) -> None:
 def truncate_metrics(workdir: str, step: int) -> int:
     """Keeps the metrics.jsonl rows of steps <= `step` (the restored one); returns how many rows were dropped.
 
-    The file is replaced atomically (written beside it, then renamed), so a kill here loses nothing."""
+    The file is replaced atomically (written beside it, then renamed), so a kill here loses nothing. Process 0
+    only (the others return 0)."""
+    if not is_main_process():
+        return 0
     path = os.path.join(workdir, METRICS_FILE)
     if not os.path.exists(path):
         return 0
@@ -153,6 +165,8 @@ class BestCheckpoint:
         # replace: a best checkpoint of this step from a killed run's lost steps may be there (recomputed now)
         self._checkpointer.save(step, state, replace=True)
         self.loss, self.step = eval_loss, step
+        if not is_main_process():  # every process saved its shards above; best.json is process 0's
+            return True
         with open(os.path.join(self.directory, BEST_FILE + ".tmp"), "w") as f:
             json.dump({"step": step, "eval_loss": eval_loss, "checkpoint": os.path.join(self.directory, str(step))}, f)
         os.replace(os.path.join(self.directory, BEST_FILE + ".tmp"), os.path.join(self.directory, BEST_FILE))
