@@ -9,6 +9,8 @@ the same fusion can be bit-identical. The elementwise pieces are qjax.models.ops
 conversion). `tests/train/test_train_convert.py` trains it through `config.model.convert`.
 """
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -28,9 +30,12 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.param("scale", nn.initializers.ones, (x.shape[-1],)), self.eps, self.dtype)
 
 
-def _dense(config, features, name):
+def _dense(config, features, name, residual=False):
+    # qjax's Llama init (std 0.02, projections into the residual stream scaled down): with the same param paths
+    # (Flax derives each param's key from its path), the same params from the same key
+    std = 0.02 / math.sqrt(2 * config.n_layers) if residual else 0.02
     return nn.Dense(features, use_bias=False, dtype=config.compute_dtype, param_dtype=config.param_dtype,
-                    kernel_init=nn.initializers.normal(0.02), name=name)
+                    kernel_init=nn.initializers.normal(std), name=name)
 
 
 class Attention(nn.Module):
@@ -45,7 +50,7 @@ class Attention(nn.Module):
         q = apply_rope(q.reshape(b, t, c.n_heads, c.head_dim), positions, theta=c.rope_theta)
         k = apply_rope(k.reshape(b, t, c.n_kv_heads, c.head_dim), positions, theta=c.rope_theta)
         out = jax.nn.dot_product_attention(q, k, v.reshape(b, t, c.n_kv_heads, c.head_dim), is_causal=True)
-        return _dense(c, c.dim, "o_proj")(out.reshape(b, t, c.dim))
+        return _dense(c, c.dim, "o_proj", residual=True)(out.reshape(b, t, c.dim))
 
 
 class MLP(nn.Module):
@@ -54,7 +59,7 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         gate, up = jnp.split(_dense(self.config, 2 * self.config.ffn_dim, "gate_up_proj")(x), 2, axis=-1)
-        return _dense(self.config, self.config.dim, "down_proj")(swiglu(gate, up))
+        return _dense(self.config, self.config.dim, "down_proj", residual=True)(swiglu(gate, up))
 
 
 class Block(nn.Module):
@@ -76,7 +81,8 @@ class PlainLlama(nn.Module):
     @nn.compact
     def __call__(self, tokens, return_hidden: bool = False):
         c = self.config
-        x = nn.Embed(c.vocab_size, c.dim, param_dtype=c.param_dtype, name="embed")(tokens).astype(c.compute_dtype)
+        x = nn.Embed(c.vocab_size, c.dim, param_dtype=c.param_dtype, embedding_init=nn.initializers.normal(0.02),
+                     name="embed")(tokens).astype(c.compute_dtype)
         positions = jnp.arange(tokens.shape[1])
         for i in range(c.n_layers):
             x = Block(c, name=f"layers_{i}")(x, positions)
@@ -98,9 +104,11 @@ def test_plain_llama_converted_is_bit_identical_to_the_explicit_llama():
     converted = qjax.quantize_model(PlainLlama(config), "int8_rowwise", skip=("lm_head", "embed"))
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, config.vocab_size)
     params = jax.jit(explicit.init)(jax.random.key(1), tokens)["params"]
-    plain_params = jax.eval_shape(converted.init, jax.random.key(1), tokens)["params"]
-    assert jax.tree.map(lambda p: (p.shape, p.dtype), plain_params) == \
-        jax.tree.map(lambda p: (p.shape, p.dtype), params)  # one params tree feeds both
+    # one params tree feeds both; the plain model even initializes to it
+    plain_params = jax.jit(converted.init)(jax.random.key(1), tokens)["params"]
+    assert jax.tree.structure(plain_params) == jax.tree.structure(params)
+    for p, q in zip(jax.tree.leaves(plain_params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(q))
 
     loss, grads = _loss_and_grads(explicit, params, tokens)
     converted_loss, converted_grads = _loss_and_grads(converted, params, tokens)
