@@ -28,13 +28,13 @@ Your own model (`config.model.convert`, "lm" only): "package.module:factory" nam
 with nn.Dense / nn.DenseGeneral / nn.Einsum / jnp.einsum and no qjax layers. The task calls factory(model_config)
 (the run's LlamaConfig / GPT2Config: its shape, dtypes and eps) and trains
 `qjax.quantize_model(model, config.recipe, skip=keep_high_precision, min_features=min_features, rng_stream="quant")`
-in place of qjax's explicit model. It must follow qjax's model convention: model(tokens, return_hidden=True) ->
-the final norm's output (B, T, dim) in the compute dtype, and the params tree of the arch's model (e.g. Llama's
-layers_{i}/attn/qkv_proj/kernel, lm_head/kernel or a tied embed/embedding), because the LM head and its loss run
-from the params (`models.lm_head_loss`), the start-up lines and memory estimate read the config's shape, and
-`qjax.train.sharding` splits params by path. Why a config field and not a Python argument: a run is its config, so
-train.py takes it on the command line, config.json records it and a restarted process rebuilds the same model to
-resume from its checkpoints.
+in place of qjax's explicit model. It follows qjax's LM convention: model(tokens, return_hidden=True) -> the final
+norm's output (B, T, dim), and the LM head in its params as lm_head/kernel (dim, vocab) or a tied embed/embedding,
+because the head and its loss run from the params (`models.lm_head_loss`). `qjax.train.sharding` splits its params
+by path (names like qkv_proj and down_proj also take tensor parallelism); the start-up lines and memory estimate
+describe the arch's model of the config's shape. Why a config field and not a Python argument: a run is its
+config, so train.py takes it on the command line, config.json records it and a restarted process rebuilds the same
+model to resume from its checkpoints. docs/quantize_model.md has an example.
 """
 
 import dataclasses
