@@ -10,6 +10,9 @@ config.model field left at None keeps the preset's value, a value replaces it (e
 vocab_size comes from the data and max_seq_len from seq_len unless set here. With `init_from` (a Hugging Face
 Llama directory, `qjax.models.load_hf_llama`) the model's shape and initial weights come from that checkpoint, and
 only config.model's numerics fields (compute_dtype, param_dtype, remat, attention) apply; configs/llama_finetune.py.
+With `model.convert` ("package.module:factory") the run trains your own plain Flax model, factory(LlamaConfig),
+converted by `qjax.quantize_model` per recipe, keep_high_precision and min_features (qjax.train.task's docstring
+says what the model must look like; docs/quantize_model.md shows one).
 """
 
 from ml_collections import config_dict
@@ -41,6 +44,7 @@ def get_config() -> config_dict.ConfigDict:
         "recompute_attention": placeholder(bool),  # recompute norm, qkv, RoPE, attention in the backward (None: no)
         "attention": placeholder(str),  # auto (cuDNN flash attention on GPU where it applies), xla or cudnn
         "smooth_swiglu": placeholder(bool),  # Smooth-SwiGLU outlier guard before down_proj's quantization (None: off)
+        "convert": placeholder(str),  # "pkg.module:factory": your plain Flax Llama, run through qjax.quantize_model
     })
     config.recipe = "bf16"  # how GEMMs are quantized: a name from qjax.RECIPES, e.g. int8_rowwise, fp8_tensorwise
     config.keep_high_precision = placeholder(tuple)  # regexes of layer names kept in bf16 (None: ('lm_head',))

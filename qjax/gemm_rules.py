@@ -25,14 +25,16 @@ JNP_EINSUM = jax.numpy.einsum
 
 @dataclasses.dataclass(frozen=True)
 class Rules:
-    """What `quantize_model` was asked (module docstring). `matched` (not compared): the rule / skip patterns that
-    matched some module path, for the warning about patterns that match none."""
+    """What `quantize_model` was asked (module docstring). `settled` (not compared): the rule / skip patterns
+    already warned about or seen matching a module path, so that each unmatched pattern warns once, and a pattern
+    that matched a module in one call (init's) does not warn in a call that skips that module (an LM's hidden
+    states without its head)."""
 
     rules: tuple[tuple[str, recipes_lib.Recipe | None], ...]
     skip: tuple[str, ...] = ()
     min_features: int = 0
     rng_stream: str = "quantize"
-    warned: set = dataclasses.field(default_factory=set, compare=False, hash=False, repr=False)
+    settled: set = dataclasses.field(default_factory=set, compare=False, hash=False, repr=False)
 
     @property
     def needs_key(self) -> bool:
@@ -41,8 +43,10 @@ class Rules:
     def warn_unmatched(self, paths, model_name: str) -> None:
         """One warning line per rule / skip pattern found in none of `paths` (once per pattern)."""
         for kind, pattern in [("rule", p) for p, _ in self.rules] + [("skip", p) for p in self.skip]:
-            if (kind, pattern) not in self.warned and not any(re.search(pattern, p) for p in paths):
-                self.warned.add((kind, pattern))
+            if (kind, pattern) in self.settled:
+                continue
+            self.settled.add((kind, pattern))
+            if not any(re.search(pattern, p) for p in paths):
                 warnings.warn(f"qjax.quantize_model: {kind} {pattern!r} matches no module of {model_name}",
                               stacklevel=3)
 

@@ -23,16 +23,30 @@ otherwise (or for a ViTModel, which has none) a new zero head of the data's clas
 `Task.init_note` says.
 
 Batches with a "loss_mask" (instruction data: 1 on answer tokens) average the loss over the masked-in tokens only.
+
+Your own model (`config.model.convert`, "lm" only): "package.module:factory" names a plain Flax linen model, written
+with nn.Dense / nn.DenseGeneral / nn.Einsum / jnp.einsum and no qjax layers. The task calls factory(model_config)
+(the run's LlamaConfig / GPT2Config: its shape, dtypes and eps) and trains
+`qjax.quantize_model(model, config.recipe, skip=keep_high_precision, min_features=min_features, rng_stream="quant")`
+in place of qjax's explicit model. It follows qjax's LM convention: model(tokens, return_hidden=True) -> the final
+norm's output (B, T, dim), and the LM head in its params as lm_head/kernel (dim, vocab) or a tied embed/embedding,
+because the head and its loss run from the params (`models.lm_head_loss`). `qjax.train.sharding` splits its params
+by path (names like qkv_proj and down_proj also take tensor parallelism); the start-up lines and memory estimate
+describe the arch's model of the config's shape. Why a config field and not a Python argument: a run is its
+config, so train.py takes it on the command line, config.json records it and a restarted process rebuilds the same
+model to resume from its checkpoints. docs/quantize_model.md has an example.
 """
 
 import dataclasses
+import functools
+import importlib
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from qjax import dispatch, health, models
+from qjax import convert, dispatch, health, models
 from qjax.models import hf_checkpoint, hf_vit
 from qjax import int8_params
 from qjax.train.config import ConfigError
@@ -155,7 +169,7 @@ class Task:
 
 
 def _model_overrides(config) -> dict:
-    overrides = {k: v for k, v in config.model.items() if k not in ("size", "arch") and v is not None}
+    overrides = {k: v for k, v in config.model.items() if k not in ("size", "arch", "convert") and v is not None}
     if "moe" in overrides:  # a ConfigDict of MoEConfig's fields
         overrides["moe"] = models.MoEConfig(**overrides["moe"])
     if overrides.get("param_dtype") == INT8:
@@ -212,12 +226,60 @@ def _pretrained_vit_config(init_from: str, overrides: dict, num_classes: int | N
                           f"zero-initialized head of {model_config.num_classes} classes replaces it")
 
 
+def _import_factory(path: str):
+    """The object that "package.module:name" (name may be dotted) names; ValueError saying what is wrong."""
+    module_name, colon, name = path.partition(":")
+    if not (module_name and colon and name):
+        raise ValueError(f"config.model.convert must be 'package.module:factory', got {path!r}")
+    try:
+        target = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"config.model.convert={path!r}: cannot import {module_name!r} ({e}); put its package on "
+                         "PYTHONPATH") from None
+    for part in name.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"config.model.convert={path!r}: {module_name} has no {name!r}")
+        target = getattr(target, part)
+    return target
+
+
+@functools.lru_cache(maxsize=8)
+def _converted_model(path: str, model_config, recipe) -> nn.Module:
+    """factory(model_config), converted per the config's numerics (module docstring). Cached so that equal configs
+    give an equal model, hence an equal Task and the train step's compile cache (`qjax.train.step`)."""
+    model = _import_factory(path)(model_config)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"config.model.convert={path!r} returned {type(model).__name__}, not a flax.linen Module")
+    if hasattr(type(model), "_qjax_rules"):
+        raise TypeError(f"config.model.convert={path!r} returned a model qjax.quantize_model already converted: "
+                        "return the plain model (the run converts it per config.recipe)")
+    return convert.quantize_model(model, recipe, skip=model_config.keep_high_precision,
+                                  min_features=model_config.min_features, rng_stream="quant")
+
+
+def _check_convertible(config) -> None:
+    """ValueError for what config.model.convert does not combine with."""
+    if config.task != "lm":
+        raise ValueError("config.model.convert is for task 'lm' (its factory gets a LlamaConfig / GPT2Config)")
+    if config.get("init_from"):
+        raise ValueError("config.model.convert builds the model from scratch: unset config.init_from")
+    if config.model.get("param_dtype") == INT8:
+        raise ValueError("config.model.convert needs float params (int8 weight-only training runs qjax's explicit "
+                         "layers): set config.model.param_dtype to float32 or bfloat16")
+    if config.get("health_every"):
+        raise ValueError("qjax.health measures qjax's explicit layers, not a converted model: set "
+                         "config.health_every=0 with config.model.convert")
+
+
 def make_task(config, *, vocab_size: int | None = None, num_classes: int | None = None,
               image_shape: tuple[int, int, int] | None = None) -> Task:
     """The task of a (checked) training config; data facts override the preset (module docstring)."""
     overrides = _model_overrides(config)
     int8 = config.model.get("param_dtype") == INT8
+    convert_path = config.model.get("convert")
     try:
+        if convert_path:
+            _check_convertible(config)
         if int8:
             int8_params.check_recipe(config.recipe)
         if config.task == "lm":
@@ -233,7 +295,11 @@ def make_task(config, *, vocab_size: int | None = None, num_classes: int | None 
             if config.seq_len > model_config.max_seq_len:
                 raise ValueError(f"config.seq_len {config.seq_len} exceeds config.model.max_seq_len "
                                  f"{model_config.max_seq_len}")
-            return Task("lm", model_config, arch.model(model_config), "tokens", config.seq_len,
+            if convert_path:
+                model = _converted_model(convert_path, model_config, config.recipe)
+            else:
+                model = arch.model(model_config)
+            return Task("lm", model_config, model, "tokens", config.seq_len,
                         models.flops_per_token(model_config, config.seq_len), seq_len=config.seq_len,
                         int8_params=int8, init_from=init_from or None)
         init_from, note = config.get("init_from") or None, None
