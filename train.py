@@ -19,12 +19,12 @@ import os
 import pathlib
 import re
 import sys
-import threading
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from qjax.train import ConfigError, fields, train
+from qjax.train.checkpoint import join_background_threads
 from qjax.train.interrupt import Interrupted
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file, e.g. configs/llama_int8.py.",
@@ -146,24 +146,16 @@ def main(argv):
     except (ConfigError, FloatingPointError) as e:
         # A config mistake or a diverged loss is the user's to fix: one line saying what and how, no traceback.
         print(f"error: {e}", file=sys.stderr)
-        _join_background_threads()
+        join_background_threads()
         return 2
     except Interrupted as e:  # SIGINT / SIGTERM: the step in flight finished and was saved
         print(e, file=sys.stderr)
-        _join_background_threads()
+        join_background_threads()
         return e.exit_code
     except KeyboardInterrupt:  # Ctrl-C before the workdir was touched (the loop installs its own handler)
         print("interrupted while starting up, before the workdir was written: nothing to save", file=sys.stderr)
         return 130
     return 0
-
-
-def _join_background_threads(timeout: float = 30.0) -> None:
-    """Waits for non-daemon threads (checkpoint I/O of failed restores) before the interpreter shuts down: a thread
-    that starts another during shutdown prints a traceback after the one error line (seen once in CI)."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join(timeout)
 
 
 if __name__ == "__main__":

@@ -220,6 +220,7 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
                 check_finite(done, "grad_norm", train_record["grad_norm"])
             if eval_batches and (done % config.eval_every == 0 or done == config.steps):
                 eval_record = meter.eval(done, evaluate(eval_step, state.params, eval_batches, eval_key))
+                check_finite(done, "eval_loss", eval_record["eval_loss"])  # finite but huge params: not saved
                 best.update(done, eval_record["eval_loss"], state)
             stopping = stop.signal is not None and done < end  # at the end, the run is done: nothing to resume
             if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == end or stopping:
