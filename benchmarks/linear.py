@@ -3,8 +3,9 @@
   python benchmarks/linear.py                 # GPU: M=16384, (K, N) in (4096, 4096), (4096, 14336), (14336, 4096)
   python benchmarks/linear.py --small         # CPU-sized shapes (the default when no GPU is present)
 
-Prints a table of milliseconds per step and speedup vs bf16, and appends it to benchmarks/RESULTS.md with the
-device, date, jax version and commit (--no-append to skip). A step's time is the median over --reps samples after
+Prints a table of milliseconds per step and speedup vs bf16, and appends it to benchmarks/RESULTS.md (the record
+of device runs; --results PATH appends elsewhere, e.g. to the git-ignored results/ folder as `make bench` does,
+--no-append skips it) with the device, date, jax version and commit. A step's time is the median over --reps samples after
 warm-up, each --inner steps queued back to back and one wait: a ~2 ms step waited for one at a time also times the
 host's dispatch and wake-up, which varied by ~10% between machines.
 
@@ -23,12 +24,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import pathlib  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import qjax  # noqa: E402
-from common import append_results, device_kind, time_ms  # noqa: E402
+from common import RESULTS, append_results, device_kind, time_ms  # noqa: E402
 from torch_peer import run_torch_peer  # noqa: E402  (imports no torch)
 
 TN = (((1,), (1,)), ((), ()))
@@ -130,7 +132,9 @@ def main():
     parser.add_argument("--inner", type=int, default=10, help="steps queued back to back per timed sample")
     parser.add_argument("--shapes", nargs="*", help="K x N pairs, e.g. 4096x14336 (default: the three GPU shapes)")
     parser.add_argument("--recipes", nargs="*", help="recipe names to time (default: all; bf16 always runs)")
-    parser.add_argument("--no-append", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    parser.add_argument("--no-append", action="store_true", help="do not append the tables to a file")
+    parser.add_argument("--results", type=pathlib.Path, default=RESULTS,
+                        help="the file the tables are appended to (default benchmarks/RESULTS.md)")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=None,
                         help="torch/torchao side-by-side table (default: on when the peer interpreter has torch)")
     parser.add_argument("--peer-python", help="interpreter with torch + torchao (default $QJAX_TORCH_PYTHON or this)")
@@ -153,7 +157,7 @@ def main():
         print("\n" + side_by_side)
         report += "\nqjax vs torch.compile + torchao, each against its own bf16:\n\n" + side_by_side
     if not args.no_append:
-        append_results("linear fwd+bwd", report)
+        append_results("linear fwd+bwd", report, args.results)
     if args.peer and "error" in peer:  # asked for explicitly: keep the JAX table, then fail loudly
         raise SystemExit(f"torch peer failed: {peer['error']}")
 
