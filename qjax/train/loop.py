@@ -10,7 +10,9 @@ aside, see qjax.train.checkpoint) and, because batches, RNG keys and the LR sche
 computes exactly what the uninterrupted run would have (bit for bit on the same devices); the metrics rows written
 after that checkpoint are dropped, and the config fields changed since the last start are listed in one line.
 `stop_at` ends this invocation early at a given step (saving a checkpoint there) without changing the run itself:
-the schedule still ends at `config.steps`.
+the schedule still ends at `config.steps`. So does SIGINT / SIGTERM at the step in flight (`Interrupted`; a second
+signal exits at once, see qjax.train.interrupt). A checkpoint is written only when its step's loss, grad norm, eval
+loss and params are finite: a diverged run stops with FloatingPointError and keeps its last good checkpoint.
 """
 
 import os
@@ -121,7 +123,10 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
 
     Raises:
       ConfigError: a bad config field or missing data (the message says how to fix it).
-      FloatingPointError: the loss or gradient norm became NaN/Inf (nothing is saved from that point on).
+      FloatingPointError: the loss, gradient norm, eval loss or params became NaN/Inf (nothing is saved from that
+        point on; the message names the newest checkpoint, which is kept).
+      Interrupted: SIGINT / SIGTERM (main thread only) stopped the run after the step in flight, saved as a
+        checkpoint; re-running resumes there.
     """
     check_config(config)
     if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
