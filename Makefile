@@ -3,7 +3,8 @@
 # make test   create .venv on first use and run the CPU test suite
 # make test-gpu  the GPU-marked tests, compiled, on one Hopper GPU (the device: `make test-gpu PY=python3`, its image's
 #             python; no venv is made then)
-# make bench  run the linear-layer benchmark on whatever device is present
+# make bench  run the linear-layer benchmark on whatever device is present (table on stdout and in the git-ignored
+#             runs/benchmarks/linear.json; BENCH_ARGS="--shapes 256x256 --recipes int8_rowwise" passes options)
 # On a GPU machine (nvidia-smi present) the jax CUDA 13 plugin is installed too.
 
 VENV := .venv
@@ -49,8 +50,8 @@ test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),$(VENV)/.installed)
 train-args:  # the default run's overrides on this machine
 	@echo $(TRAIN_ARGS)
 
-bench: $(VENV)/.installed
-	$(PY) benchmarks/linear.py
+bench: $(VENV)/.installed  # records into runs/benchmarks/, which git ignores: a run leaves the tree clean
+	$(PY) benchmarks/linear.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -6,21 +6,26 @@
   python train.py --config configs/vit_int8.py                        # digits, offline
   python train.py --config configs/llama_int8.py --show_config        # every field, its value and its doc
 
-Any config field can be overridden with --config.<field>=<value> (ml_collections); a name that is no field is one
-line on stderr with the closest field (exit 2). Re-running with the same workdir resumes from its newest checkpoint.
---stop_at=N ends this invocation at step N (the run's schedule still ends at config.steps), to split a run into
-pieces.
+Any config field can be overridden with --config.<field>=<value> (ml_collections). A mistake on the command line (a
+name that is no field or flag, a value of the wrong type, a missing config file), a config the run cannot use and a
+diverged loss are one line on stderr naming the fix (exit 2). Re-running with the same workdir resumes from its
+newest checkpoint. --stop_at=N ends this invocation at step N (the run's schedule still ends at config.steps), to
+split a run into pieces. Ctrl-C (SIGINT) or SIGTERM finishes the step in flight, saves a checkpoint there and exits
+130 / 143 with one line; a second one exits at once without saving (qjax.train.interrupt).
 """
 
+import difflib
+import os
 import pathlib
 import re
 import sys
-import threading
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from qjax.train import ConfigError, fields, train
+from qjax.train.checkpoint import join_background_threads
+from qjax.train.interrupt import Interrupted
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file, e.g. configs/llama_int8.py.",
                                           lock_config=True)
@@ -42,18 +47,85 @@ def _config_arg(argv) -> str | None:
     return None
 
 
+def _fail(message: str):
+    """Ends the process with one line on stderr and exit status 2 (a usage error)."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _missing_config_file(config_arg: str) -> str | None:
+    """The error for a --config path that is no file (with the closest file beside it), else None."""
+    path = config_arg if os.path.isfile(config_arg) else config_arg.split(":", 1)[0]  # "file.py:arg" passes arg
+    if os.path.isfile(path):
+        return None
+    folder = pathlib.Path(path).parent
+    siblings = sorted(str(p) for p in folder.glob("*.py")) if folder.is_dir() else []
+    close = difflib.get_close_matches(path, siblings, n=1)
+    hint = f"did you mean {close[0]}?" if close else "pass a config file, e.g. configs/llama_int8.py"
+    return f"config file {path} does not exist: {hint}"
+
+
+def _field_type(config, field: str) -> str:
+    """The type name of config field "optimizer.lr" ("float")."""
+    *parents, name = field.split(".")
+    for parent in parents:
+        config = config[parent]
+    return config.get_type(name).__name__
+
+
+def _bad_value_error(error: flags.IllegalFlagValueError, config_arg: str | None) -> str:
+    """One line for a flag value that does not parse, e.g. --config.steps=abc, with the type the field takes."""
+    match = re.match(r"flag --(config\.[^=]+)=(.*?): (.*)", str(error), flags=re.DOTALL)
+    if config_arg is None and "--config" in str(error):  # absl's "must have a value other than None"
+        return "--config is required, e.g. python train.py --config configs/llama_int8.py"
+    if not (match and config_arg):
+        return str(error).splitlines()[0] + " (python train.py --help lists the flags)"
+    name, value, reason = match.groups()
+    field = name.removeprefix("config.")
+    config = fields.load_config(config_arg.split(":", 1)[0])
+    default = fields.flatten(config).get(field)
+    example = f", e.g. --{name}={default}" if default is not None else ""
+    kind = _field_type(config, field)
+    article = "an" if kind[0] in "aeiou" else "a"
+    return f"--{name}={value}: {reason.splitlines()[0]}; config.{field} takes {article} {kind}{example}"
+
+
+def _unknown_flag_error(error: flags.UnrecognizedFlagError, argv, config_arg: str | None) -> str:
+    """One line for a flag train.py does not have (--stpes=10), naming the closest flag or config field."""
+    name = error.flagname
+    value = next((arg.split("=", 1)[1] for arg in argv if re.match(rf"-{{1,2}}{re.escape(name)}=", arg)), None)
+    candidates = {flag: flag for flag in ("config", "workdir", "stop_at", "show_config")}
+    if config_arg and not _missing_config_file(config_arg):
+        for field in fields.flatten(fields.load_config(config_arg.split(":", 1)[0])):
+            candidates.setdefault(field.rsplit(".", 1)[-1], f"config.{field}")  # "stpes" is close to "steps"
+            candidates[field] = f"config.{field}"
+    close = difflib.get_close_matches(name, list(candidates), n=1) or difflib.get_close_matches(
+        name, [flag for flag in flags.FLAGS if not flag.startswith("config.")], n=1)
+    flag = candidates.get(close[0], close[0]) if close else None
+    hint = f"; did you mean --{flag}{'=' + value if value is not None else ''}?" if flag else ""
+    return f"unknown flag --{name}{hint} (python train.py --help lists the flags, --show_config the config fields)"
+
+
 def parse_flags(argv):
-    """absl's flag parsing, except that an override naming no config field (--config.step=30) is one line on
-    stderr naming the closest field and exits 2, instead of config_flags' traceback."""
+    """absl's flag parsing, except that a command-line mistake is one line on stderr naming the fix and exits 2,
+    instead of a traceback: a config file that does not exist, an override naming no config field (--config.step=30),
+    a value of the wrong type (--config.steps=abc) or a flag that does not exist (--stpes=10)."""
+    config_arg = _config_arg(argv)
+    if config_arg is not None:
+        missing = _missing_config_file(config_arg)
+        if missing:
+            _fail(missing)
     try:
         return flags.FLAGS(argv)
+    except flags.UnrecognizedFlagError as e:
+        _fail(_unknown_flag_error(e, argv, config_arg))
+    except flags.IllegalFlagValueError as e:
+        _fail(_bad_value_error(e, config_arg))
     except (AttributeError, KeyError):  # what config_flags raises for a field the (locked) config does not have
-        config_arg = _config_arg(argv)
         message = config_arg and fields.unknown_override_error(argv[1:], fields.load_config(config_arg), config_arg)
         if not message:
             raise
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+        _fail(message)
 
 
 def main(argv):
@@ -71,20 +143,19 @@ def main(argv):
         workdir = str(pathlib.Path("runs") / stem)
     try:
         train(_CONFIG.value, workdir, stop_at=_STOP_AT.value)
-    except ConfigError as e:
-        # A config mistake is the user's to fix: one line saying what and how, no traceback.
+    except (ConfigError, FloatingPointError) as e:
+        # A config mistake or a diverged loss is the user's to fix: one line saying what and how, no traceback.
         print(f"error: {e}", file=sys.stderr)
-        _join_background_threads()
+        join_background_threads()
         return 2
+    except Interrupted as e:  # SIGINT / SIGTERM: the step in flight finished and was saved
+        print(e, file=sys.stderr)
+        join_background_threads()
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before the workdir was touched (the loop installs its own handler)
+        print("interrupted while starting up, before the workdir was written: nothing to save", file=sys.stderr)
+        return 130
     return 0
-
-
-def _join_background_threads(timeout: float = 30.0) -> None:
-    """Waits for non-daemon threads (checkpoint I/O of failed restores) before the interpreter shuts down: a thread
-    that starts another during shutdown prints a traceback after the one error line (seen once in CI)."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join(timeout)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # before jax is
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import pathlib  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -7,7 +7,8 @@
 
 Model: the `config.model.size` preset of `qjax.models.LLAMA_SIZES` ("tiny", "125m", "1b", "8b"); any other
 config.model field left at None keeps the preset's value, a value replaces it (e.g. --config.model.n_layers=4).
-vocab_size comes from the data and max_seq_len from seq_len unless set here. With `init_from` (a Hugging Face
+vocab_size comes from the data (a larger one pads it, a smaller one is an error) and max_seq_len from seq_len
+unless set here. With `init_from` (a Hugging Face
 Llama directory, `qjax.models.load_hf_llama`) the model's shape and initial weights come from that checkpoint, and
 only config.model's numerics fields (compute_dtype, param_dtype, remat, attention) apply; configs/llama_finetune.py.
 With `model.convert` ("package.module:factory") the run trains your own plain Flax model, factory(LlamaConfig),
@@ -28,7 +29,7 @@ def get_config() -> config_dict.ConfigDict:
     config.task = "lm"  # "lm" (next-token prediction) or "image" (classification)
     config.model = config_dict.ConfigDict({
         "size": "tiny",  # preset of qjax.models.LLAMA_SIZES: tiny, 125m, 1b, 8b; the fields below replace its values
-        "vocab_size": placeholder(int),  # None: from the data
+        "vocab_size": placeholder(int),  # None: the data tokenizer's; a larger value pads the embedding
         "dim": placeholder(int),  # width of the residual stream (None: the preset's)
         "n_layers": placeholder(int),  # transformer blocks (None: the preset's)
         "n_heads": placeholder(int),  # query heads; head_dim = dim // n_heads must be even (None: the preset's)

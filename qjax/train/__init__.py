@@ -15,7 +15,9 @@ Public API:
   header.recipe_summary(model_config)                     which recipe each layer runs, for the start-up lines
   fields.show_config(config, path), fields.field_docs     config files' fields and docs (train.py --show_config)
 
-Modules: config, fields, memory, header, task, optimizer, step, checkpoint, metrics, mesh, loop.
+  Interrupted, StopRequest (qjax.train.interrupt)       SIGINT / SIGTERM: save the step in flight, exit 130 / 143
+
+Modules: config, fields, memory, header, task, optimizer, step, checkpoint, metrics, mesh, interrupt, loop.
 """
 
 from qjax.train import fields, header, memory

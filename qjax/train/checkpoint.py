@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import sys
+import threading
 
 import jax
 import orbax.checkpoint as ocp
@@ -239,6 +240,20 @@ class Checkpointer:
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+
+
+def has_checkpoint(directory: str | os.PathLike) -> bool:
+    """True if `directory` holds a step directory (a checkpoint, complete: orbax renames it into place last). Checks
+    without starting orbax, whose threads would outlive a program that then stops with an error."""
+    return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+
+
+def join_background_threads(timeout: float = 30.0) -> None:
+    """Waits for non-daemon threads (orbax's checkpoint I/O, e.g. of a failed restore) before the interpreter shuts
+    down: a thread that starts another during shutdown prints tracebacks after a program's one error line."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join(timeout)
 
 
 def abstract_like(state, sharding) -> object:

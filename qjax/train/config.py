@@ -127,3 +127,13 @@ def check_data_config(data) -> None:
         path = data.get("path")
         if not os.path.exists(path):
             raise ConfigError(f"config.data.path {path!r} does not exist: " + _PREPARE_HINTS[kind].format(path=path))
+        if kind == "tokens" and not os.path.isdir(path):
+            out = os.path.join("data", os.path.splitext(os.path.basename(path))[0])
+            pairs = (" (prompt/answer pairs in JSONL: --config.data.kind=instruct, as configs/llama_finetune.py)"
+                     if path.endswith(".jsonl") else "")
+            raise ConfigError(f"config.data.path {path!r} is a file, not a token directory (train.bin, val.bin, "
+                              "meta.json): make one from it with `python -m qjax.data.prepare text --out "
+                              f"{out} {path}` and pass --config.data.path={out}{pairs}")
+        if kind == "npz" and os.path.isdir(path):
+            raise ConfigError(f"config.data.path {path!r} is a directory, not an .npz file: "
+                              + _PREPARE_HINTS[kind])

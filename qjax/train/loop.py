@@ -10,7 +10,9 @@ aside, see qjax.train.checkpoint) and, because batches, RNG keys and the LR sche
 computes exactly what the uninterrupted run would have (bit for bit on the same devices); the metrics rows written
 after that checkpoint are dropped, and the config fields changed since the last start are listed in one line.
 `stop_at` ends this invocation early at a given step (saving a checkpoint there) without changing the run itself:
-the schedule still ends at `config.steps`.
+the schedule still ends at `config.steps`. So does SIGINT / SIGTERM at the step in flight (`Interrupted`; a second
+signal exits at once, see qjax.train.interrupt). A checkpoint is written only when its step's loss, grad norm, eval
+loss and params are finite: a diverged run stops with FloatingPointError and keeps its last good checkpoint.
 """
 
 import os
@@ -18,6 +20,7 @@ import sys
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from qjax import data as data_lib
@@ -29,7 +32,8 @@ from qjax.train import mesh as mesh_lib
 from qjax.train import workdir as workdir_lib
 from qjax.train.checkpoint import Checkpointer, abstract_like
 from qjax.train.config import ConfigError, check_config
-from qjax.train.metrics import ProgressMeter, check_finite
+from qjax.train.interrupt import Interrupted, StopRequest
+from qjax.train.metrics import DIVERGED_FIX, ProgressMeter, check_finite
 from qjax.train.step import TrainState, make_eval_step, make_train_step, train_state_shardings
 from qjax.train.task import make_task
 
@@ -43,6 +47,34 @@ class TrainResult(NamedTuple):
     state: TrainState
     train_metrics: dict | None
     eval_metrics: dict | None
+
+
+def _make_workdir(workdir: str) -> None:
+    """Creates `workdir`; ConfigError naming it and the fix when it cannot be written."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, f".write-test-{os.getpid()}")
+        with open(probe, "w"):  # os.access says yes to root on a read-only mount; writing tells
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"cannot write to the workdir {workdir} ({e.strerror or e}): pass --workdir=<a directory "
+                          "you can write>") from None
+
+
+def _origin(config, resumed: bool, start: int) -> str:
+    """Where the run's state comes from, for the start-up header."""
+    if resumed:
+        return f"resumed at step {start}"
+    return f"initialized from {config.init_from}" if config.get("init_from") else "from scratch"
+
+
+@jax.jit
+def _all_finite(params) -> jax.Array:
+    """True if every float entry of `params` is finite: an update can overflow params while the loss it was
+    computed from was finite, and such a state must not become the newest checkpoint."""
+    leaves = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
 
 
 def make_dataset(config):
@@ -92,7 +124,10 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
 
     Raises:
       ConfigError: a bad config field or missing data (the message says how to fix it).
-      FloatingPointError: the loss or gradient norm became NaN/Inf (nothing is saved from that point on).
+      FloatingPointError: the loss, gradient norm, eval loss or params became NaN/Inf (nothing is saved from that
+        point on; the message names the newest checkpoint, which is kept).
+      Interrupted: SIGINT / SIGTERM (main thread only) stopped the run after the step in flight, saved as a
+        checkpoint; re-running resumes there.
     """
     check_config(config)
     if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
@@ -127,10 +162,11 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
     abstract = abstract_like(abstract_state, train_state_shardings(abstract_state, mesh))
 
     # Only now: a run that fails a check above leaves no (empty) workdir behind.
-    os.makedirs(workdir, exist_ok=True)
+    _make_workdir(workdir)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
     best = meter = None
     say = lambda line: print(line, file=stream, flush=True)  # noqa: E731
+    stop = StopRequest().install()  # SIGINT / SIGTERM: finish the step in flight, save it, raise Interrupted
     try:
         state = checkpointer.restore_latest(abstract, report=say)
         resumed = state is not None
@@ -166,7 +202,7 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
               + f", {devices} {jax.devices()[0].platform} device{'s' * (devices > 1)}"
               + (" (data x fsdp x tensor = {data} x {fsdp} x {tensor})".format(**mesh.shape) if devices > 1 else "")
               + "; "
-              + (f"resumed at step {start}" if resumed else "from scratch") + f", running to step {end}/{config.steps}",
+              + f"{_origin(config, resumed, start)}, running to step {end}/{config.steps}",
               file=stream, flush=True)
         print(f"  recipes: {header.recipe_summary(task.model_config)}", file=stream)
         print(f"  memory: {memory_estimate.summary()}", file=stream)
@@ -183,6 +219,8 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
                                                health_lib.initial_amax(workdir_lib.read_metrics(workdir)))
         train_record = eval_record = None
         pending: list[Any] = []
+        if stop.signal is not None and start < end:  # a signal while starting up: no step to finish
+            raise Interrupted(start, stop.signal, saved=False)
         for step in range(start, end):
             batch = mesh_lib.put_batch(dataset.batch(step), mesh)  # this process's rows of the global batch
             done = step + 1
@@ -210,17 +248,32 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
                 check_finite(done, "grad_norm", train_record["grad_norm"])
             if eval_batches and (done % config.eval_every == 0 or done == config.steps):
                 eval_record = meter.eval(done, evaluate(eval_step, state.params, eval_batches, eval_key))
+                check_finite(done, "eval_loss", eval_record["eval_loss"])  # finite but huge params: not saved
                 best.update(done, eval_record["eval_loss"], state)
-            if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == end:
+            stopping = stop.signal is not None and done < end  # at the end, the run is done: nothing to resume
+            if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == end or stopping:
                 last = jax.device_get(metrics)
                 check_finite(done, "loss", float(last["loss"]))
                 check_finite(done, "grad_norm", float(last["grad_norm"]))
-                checkpointer.save(done, state)
+                if not _all_finite(state.params):
+                    raise FloatingPointError(f"params are not finite after step {done}: training diverged. "
+                                             + DIVERGED_FIX)
+                checkpointer.save(done, state)  # the same atomic save for a periodic and an interrupt checkpoint
+            if stopping:
+                raise Interrupted(done, stop.signal, saved=True)
+    except FloatingPointError as e:  # name the checkpoint that is kept (nothing is saved from the bad step on)
+        newest = checkpointer.latest_step()
+        kept = (f" The newest checkpoint, step {newest}, is kept in {checkpointer.directory}" if newest is not None
+                else " No checkpoint was saved before it")
+        raise FloatingPointError(f"{e}{kept}.") from None
     finally:
-        checkpointer.close()
-        for closing in (best, meter):
-            if closing is not None:
-                closing.close()
+        try:
+            checkpointer.close()  # waits for the last save; a second signal meanwhile still exits at once
+            for closing in (best, meter):
+                if closing is not None:
+                    closing.close()
+        finally:
+            stop.uninstall()
     summary = best.summary()
     if summary and end == config.steps:  # the run is over: name the model to use
         say(summary)

@@ -127,7 +127,8 @@ class ProgressMeter:
             f.write(json.dumps(record) + "\n")
         if self._writer is not None:
             for key, value in record.items():
-                if key not in ("step", "time") and isinstance(value, (int, float)):
+                # a NaN stops the run (check_finite) and stays in metrics.jsonl; TensorBoard would only warn about it
+                if key not in ("step", "time") and isinstance(value, (int, float)) and math.isfinite(value):
                     tag = key if prefix is None else f"{prefix}/{key.removeprefix('eval_')}"
                     self._writer.add_scalar(tag, value, global_step=record["step"], walltime=record["time"])
             self._writer.flush()  # a few bytes per log point; a killed run keeps its curves
@@ -175,10 +176,11 @@ class ProgressMeter:
         return record
 
 
+DIVERGED_FIX = ("Restart from the last checkpoint with a lower config.optimizer.lr, a longer warmup, grad clipping "
+                "(config.optimizer.grad_clip) or a less aggressive recipe.")
+
+
 def check_finite(step: int, name: str, value: float) -> None:
     """Stop the run when a loss turns NaN/Inf: a diverged run is reported, never silently continued or saved."""
     if not math.isfinite(value):
-        raise FloatingPointError(
-            f"{name} is {value} at step {step}: training diverged. Restart from the last checkpoint with a lower "
-            "config.optimizer.lr, a longer warmup, grad clipping (config.optimizer.grad_clip) or a less aggressive "
-            "recipe.")
+        raise FloatingPointError(f"{name} is {value} at step {step}: training diverged. {DIVERGED_FIX}")

@@ -8,6 +8,7 @@ The model config is the `config.model.size` preset of the `config.model.arch` fa
 "gpt2"; "lm" tasks only) with every non-None `config.model.<field>` replacing that field,
 plus the run-level `recipe`, `keep_high_precision` and `min_features`, plus what the data dictates (vocab size,
 number of classes, image shape; omitted -> the preset's, which is how benchmarks run a model on random inputs).
+A `config.model.vocab_size` of its own may pad the data's vocabulary but not cut it (ConfigError).
 
 `config.model.param_dtype="int8"` is INT8 weight-only training: the model is built with float32 params and `init`
 turns every projection's kernel into a `qjax.optim.Int8Param` (int8 codes + one float32 scale per output channel,
@@ -192,6 +193,16 @@ def _check_no_shape(init_from: str, overrides: dict) -> None:
         raise ValueError(f"config.init_from={init_from!r} sets the model's shape: unset config.model.{shape[0]}")
 
 
+def _check_vocab_size(overrides: dict, vocab_size: int | None) -> None:
+    """config.model.vocab_size may pad the data's vocabulary (e.g. to a multiple of 128), never cut it: the data's
+    tokenizer decides which ids occur."""
+    chosen = overrides.get("vocab_size")
+    if vocab_size is not None and chosen is not None and chosen < vocab_size:
+        raise ValueError(f"config.model.vocab_size={chosen} is smaller than the {vocab_size} tokens of the data's "
+                         "tokenizer, which decides the vocabulary: unset config.model.vocab_size (or set it >= "
+                         f"{vocab_size} to pad the embedding)")
+
+
 def _pretrained_config(init_from: str, overrides: dict, vocab_size: int | None) -> models.LlamaConfig:
     """The LlamaConfig of the checkpoint at `init_from` with the run's numerics; shape overrides are an error."""
     _check_no_shape(init_from, overrides)
@@ -288,8 +299,9 @@ def make_task(config, *, vocab_size: int | None = None, num_classes: int | None 
             if init_from:
                 model_config = _pretrained_config(init_from, overrides, vocab_size)
             else:
+                _check_vocab_size(overrides, vocab_size)
                 if vocab_size is not None:
-                    overrides["vocab_size"] = vocab_size
+                    overrides.setdefault("vocab_size", vocab_size)
                 overrides.setdefault("max_seq_len", config.seq_len)
                 model_config = arch.make_config(config.model.size, **overrides)
             if config.seq_len > model_config.max_seq_len:

@@ -1,6 +1,7 @@
 """Fine-tuning: instruction data (answer-only loss mask), config.init_from (a Hugging Face checkpoint's weights start
 the run), and a short int8_rowwise fine-tune whose loss falls."""
 
+import io
 import json
 
 import jax
@@ -106,10 +107,22 @@ def test_init_from_starts_at_the_checkpoint(token_dir, jsonl, hf_dir):
         make_task(config, vocab_size=256)
 
 
+def test_model_vocab_size_pads_the_data_vocabulary_and_never_cuts_it(token_dir):
+    config = tiny_llama_config(token_dir)
+    config.model.vocab_size = 384
+    assert make_task(config, vocab_size=256).model_config.vocab_size == 384  # honoured, not replaced by the data's
+    config.model.vocab_size = 100
+    with pytest.raises(ConfigError, match=r"vocab_size=100 is smaller than the 256 tokens of the data's tokenizer"):
+        make_task(config, vocab_size=256)
+
+
 def test_finetune_loss_falls(token_dir, jsonl, hf_dir, tmp_path):
     config = _finetune_config(token_dir, jsonl, hf_dir, steps=40, log_every=5, eval_every=20, checkpoint_every=0)
     config.optimizer.lr, config.optimizer.warmup_steps = 3e-3, 4
-    train(config, str(tmp_path / "run"), stream=open("/dev/null", "w"))
+    out = io.StringIO()
+    train(config, str(tmp_path / "run"), stream=out)
+    header = out.getvalue().splitlines()[0]
+    assert f"; initialized from {hf_dir}, running to step 40/40" in header and "scratch" not in header, header
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert losses[-1] < 0.6 * losses[0], losses
