@@ -47,6 +47,11 @@ def suites(gpus: int) -> dict[str, tuple[str, list[list[str]]]]:
         "e2e": ("the 1.1B Llama train step per recipe vs bf16, and the torch peer (HF Llama, torchao float8)", [
             ["benchmarks/train.py", "--rows", "bf16", "int8_rowwise", "fp8_tensorwise", "int8_dataflow", *STEPS,
              "--peer-variants", "bf16", "float8_tensorwise"]]),
+        "e2e-ab": ("the 1.1B train step, bf16 and int8_rowwise only (for a before/after pair: e2e-ab e2e-ab@TREE)", [
+            ["benchmarks/train.py", "--rows", "bf16", "int8_rowwise", *STEPS, "--no-peer"]]),
+        "linear-ab": ("one linear layer, int8_rowwise and fp8_tensorwise vs bf16, no peer (for a before/after pair)", [
+            ["benchmarks/linear.py", "--shapes", "4096x4096", "4096x14336", "--reps", "10", "--recipes",
+             "int8_rowwise", "fp8_tensorwise", "--no-peer"]]),
         "e2e-8b": ("the full Llama-3-8B at seq 8192, FSDP over every GPU, bf16 vs int8_rowwise", [
             ["benchmarks/scaling.py", *fsdp_8b, "--rows", "bf16", "int8_rowwise"]]),
         "memory": ("peak memory of the 1.1B train step per recipe, compiled (XLA's plan)", [

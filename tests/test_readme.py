@@ -1,13 +1,13 @@
-"""The README's commands and Python blocks run as written (on a CPU, with short step counts), so they stay true.
+"""The commands of README.md and docs/*.md, and README's Python blocks, run as written (on a CPU, with short step
+counts), so they stay true. (docs/' Python blocks: tests/test_docs.py.)
 
 Every line of a ```bash block (continuation lines joined) is a command. Each runs from a scratch directory that
 looks like the repository root after the README's setup (train.py, configs/ and examples/ linked in, data/shakespeare
-a small token corpus, my_images.npz a small image file, hf_model the tiny Hugging Face Llama the README's Python
-block saves), with `python` the interpreter running the tests and short-run overrides appended, and must exit 0
-having trained (a `qjax.generate --workdir runs/<config>` command: having generated from that run, trained first if
-no command before it did); or it is listed in NOT_RUN with the reason, or in FAILS_FAST with the one line of error it
-must stop with. Every ```python block runs as its own script on two CPU devices (the
-mesh example splits its batch over them). Commands and blocks added to the README later are picked up the same way.
+a small token corpus, my_images.npz a small image file, hf_model a tiny Hugging Face Llama), with `python` the
+interpreter running the tests and short-run overrides appended, and must exit 0 having trained; or it is listed in
+NOT_RUN with the reason, or in FAILS_FAST with the one line of error it must stop with. Commands that read a trained
+workdir train it first. Every README ```python block runs as its own script on two CPU devices. Commands and blocks
+added later are picked up the same way.
 """
 
 import os
@@ -27,6 +27,7 @@ from qjax.data import prepare_text
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # Commands not run here, by their start, and why.
 NOT_RUN = {
@@ -40,6 +41,11 @@ NOT_RUN = {
         "tests/train/test_finetune.py run this path"),
     "python train.py --config configs/vit_finetune.py": "needs a Hugging Face ViT checkpoint: "
                                                         "tests/train/test_vit_finetune.py runs this path on tiny ones",
+    "srun ": "needs a SLURM cluster",
+    "JAX_COORDINATOR_ADDRESS=10.0.0.1": "needs two hosts; tests/train/test_multihost.py runs two processes on one",
+    "for i in 0": "a shell loop over two processes: tests/train/test_multihost.py runs it with a tiny model",
+    "JAX_PLATFORMS=cpu JAX_COORDINATOR_ADDRESS": "the body of that loop",
+    "done;": "the end of that loop",
     "python -m qjax.generate --hf_dir path/to": "needs a real Hugging Face checkpoint with its tokenizer.json: "
                                                 "tests/train/test_generate_cli.py runs --hf_dir on a tiny one",
 }
@@ -59,13 +65,15 @@ def _blocks(language: str) -> list[str]:
 
 
 def _commands() -> list[str]:
-    """Every command of the README's bash blocks, continuation lines joined, comments dropped."""
+    """Every distinct command of the bash blocks of README.md and docs/, continuation lines joined, comments
+    dropped, in page order."""
     commands = []
-    for block in _blocks("bash"):
-        for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
-            if words:
-                commands.append(shlex.join(words))
+    for page in PAGES:
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.DOTALL):
+            for line in block.replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                if words and shlex.join(words) not in commands:
+                    commands.append(shlex.join(words))
     return commands
 
 
@@ -111,7 +119,7 @@ def test_readme_has_commands_and_blocks():
     commands = _commands()
     assert any(c.startswith("python train.py") for c in commands) and len(_blocks("python")) >= 3
     for part in [*NOT_RUN, *FAILS_FAST]:  # a stale entry would silently skip nothing
-        assert any(part in c for c in commands), f"{part!r} is no longer in the README: drop it from this test"
+        assert any(part in c for c in commands), f"{part!r} is no longer in README.md or docs/: drop it here"
 
 
 @pytest.mark.parametrize("command", _commands(), ids=[f"{i}-{c[:60]}" for i, c in enumerate(_commands())])
@@ -127,6 +135,8 @@ def test_readme_command_runs(command, repo_like):
         argv += SHORT_RUN
     if words[1:3] == ["-m", "qjax.generate"] and "--workdir" in words:
         _train_if_missing(repo_like, words[words.index("--workdir") + 1])
+    if words[1:3] == ["-m", "qjax.train.plot"]:
+        _train_if_missing(repo_like, words[3])
     result = subprocess.run(argv, cwd=repo_like, env=_env(), capture_output=True, text=True, timeout=300)
     if fails:
         assert result.returncode == 2, result.stdout + result.stderr
