@@ -13,40 +13,42 @@ Public API:
   stochastic_round(x, dtype, key)                          unbiased rounding to bf16 / fp8 / int8
   int8_params                                              INT8 weight-only parameters (Int8Param, its Flax glue)
   optim, models, data, train                               low-bit AdamW, Llama / ViT, datasets, the training loop
-                                                           (imported on first use: `qjax.optim.adamw_8bit(...)`)
+
+`import qjax` imports nothing but this file: each name loads its module (and flax, optax or the kernels) on first
+use, e.g. `qjax.dot_general` or `from qjax import quantize_model`.
 """
 
 import importlib
 
-from qjax import int8_params
-from qjax.convert import quantize_model
-from qjax.dot_general import dot_general
-from qjax.flax import DotGeneral, einsum, make_dot_general, recipe_for_layer
-from qjax.gemm_report import report
-from qjax.qtensor import QTensor, QuantSpec, dequantize
-from qjax.quantize import quantize
-from qjax.ragged_dot import ragged_dot
-from qjax.recipes import RECIPES, GemmSpec, Recipe, recipe, with_stochastic_gradients
-from qjax.stochastic import stochastic_round
-from qjax.weight_sharding import WeightSharding
+__version__ = "0.2.0"
 
-__all__ = [
-    "DotGeneral", "GemmSpec", "QTensor", "QuantSpec", "RECIPES", "Recipe", "dequantize", "dot_general", "einsum",
-    "int8_params", "make_dot_general", "optim", "quantize", "quantize_model", "ragged_dot", "recipe",
-    "recipe_for_layer", "report",
-    "stochastic_round", "with_stochastic_gradients", "WeightSharding",
-]
+# public name -> the module that defines it (module names written out in full: tests/test_layering.py reads them)
+_EXPORTS = {
+    "quantize_model": "qjax.convert", "dot_general": "qjax.dot_general",
+    "DotGeneral": "qjax.flax", "einsum": "qjax.flax", "make_dot_general": "qjax.flax", "recipe_for_layer": "qjax.flax",
+    "report": "qjax.gemm_report",
+    "QTensor": "qjax.qtensor", "QuantSpec": "qjax.qtensor", "dequantize": "qjax.qtensor",
+    "quantize": "qjax.quantize", "ragged_dot": "qjax.ragged_dot",
+    "RECIPES": "qjax.recipes", "GemmSpec": "qjax.recipes", "Recipe": "qjax.recipes", "recipe": "qjax.recipes",
+    "with_stochastic_gradients": "qjax.recipes",
+    "stochastic_round": "qjax.stochastic", "WeightSharding": "qjax.weight_sharding",
+}
+# Subpackages and modules imported on first attribute access; the layers above the core (optim, models, train)
+# import `qjax` without a circle.
+_SUBMODULES = ("data", "int8_params", "models", "optim", "train")
 
-# Subpackages imported on first attribute access, so `import qjax` stays light (no optimizer, model, orbax or data
-# code) and the layers above the core (optim, models, train) can import `qjax` without a circle.
-_LAZY_SUBMODULES = ("data", "models", "optim", "train")
+__all__ = sorted(_EXPORTS) + ["__version__", "int8_params", "optim"]
 
 
 def __getattr__(name):
-    if name in _LAZY_SUBMODULES:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    if name in _SUBMODULES:
         return importlib.import_module(f"qjax.{name}")
     raise AttributeError(f"module 'qjax' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(list(globals()) + list(_LAZY_SUBMODULES))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))
