@@ -4,17 +4,15 @@ Public API:
   adamw_8bit(learning_rate, ...)            AdamW, m/v on 8-bit dynamic tree maps, blocks of 256 (optax transformation)
   adamw_4bit(learning_rate, ...)            AdamW, m on the 4-bit dynamic map, v on the linear map, blocks of 128
   adamw_fp8(learning_rate, ..., dynamic_range_expansion=False)   AdamW, e4m3 states (COAT expansion optional)
-  quantized_adamw(config, learning_rate, ...)  the AdamW they build: a FusedTransformation, state QuantizedAdamState
   apply_gradients(tx, grads, state, params) one step -> (params, state): tx.update + optax.apply_updates, fused into
                                             one kernel per tensor for adamw_8bit / adamw_fp8(use_kernel=True)
   chain_fused(*transforms)                  optax.chain that keeps the last one's fused step (clip, then AdamW)
-  FusedTransformation                       an optax transformation with step(grads, state, params) -> (params, state)
-  scale_by_quantized_adam(config, ...)      the Adam core (direction only); StateConfig says how m and v are stored
-  QuantizedAdamState                        its and the AdamWs' state (count, mu, nu), a plain pytree
-  CodebookState, Fp8State, Fp8ExpandedState quantized state tensors (pytrees: orbax and sharding work)
   apply_updates_sr(params, updates, key)    bf16 params + stochastic rounding (no fp32 master copy)
-  Int8Param, to_int8_params, dequantize_params, int8_value_and_grad, apply_updates_int8,
-  has_int8_params                           INT8 weight-only training (the param type is qjax.int8_params')
+  Int8Param, to_int8_params, dequantize_params, int8_value_and_grad, apply_updates_int8
+                                            INT8 weight-only training (the param type is qjax.int8_params')
+
+The building blocks (quantized_adamw and StateConfig in adamw / adam, the state types in blockwise) are imported
+by their module path.
 
 Low-bit Adam lives here whole, one module per concept, lowest first:
   adam_math, codebooks   the formulas the jnp code and the fused kernel share (Adam update, e4m3 state codecs, code
@@ -37,17 +35,11 @@ _SUBMODULES = {
 }
 # public name -> the module that defines it
 _EXPORTS = {
-    "QuantizedAdamState": "qjax.optim.adam", "StateConfig": "qjax.optim.adam",
-    "scale_by_quantized_adam": "qjax.optim.adam",
-    "FusedTransformation": "qjax.optim.adamw", "adamw_4bit": "qjax.optim.adamw", "adamw_8bit": "qjax.optim.adamw",
-    "adamw_fp8": "qjax.optim.adamw", "apply_gradients": "qjax.optim.adamw", "chain_fused": "qjax.optim.adamw",
-    "quantized_adamw": "qjax.optim.adamw",
-    "CodebookState": "qjax.optim.blockwise", "Fp8ExpandedState": "qjax.optim.blockwise",
-    "Fp8State": "qjax.optim.blockwise",
+    "adamw_4bit": "qjax.optim.adamw", "adamw_8bit": "qjax.optim.adamw", "adamw_fp8": "qjax.optim.adamw",
+    "apply_gradients": "qjax.optim.adamw", "chain_fused": "qjax.optim.adamw",
     "apply_updates_int8": "qjax.optim.sr_params", "apply_updates_sr": "qjax.optim.sr_params",
     "Int8Param": "qjax.int8_params", "dequantize_params": "qjax.int8_params",
-    "has_int8_params": "qjax.int8_params", "int8_value_and_grad": "qjax.int8_params",
-    "to_int8_params": "qjax.int8_params",
+    "int8_value_and_grad": "qjax.int8_params", "to_int8_params": "qjax.int8_params",
 }
 __all__ = sorted(_EXPORTS)  # the modules stay importable by path (qjax.optim.adamw, ...), not re-exported
 

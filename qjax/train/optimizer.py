@@ -38,6 +38,7 @@ import optax
 
 from qjax import int8_params
 from qjax import optim as qoptim
+from qjax.optim import adamw as adamw_lib
 
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_fp8")
 DEFAULT_WARMUP_STEPS = 30  # warmup_steps=None: this many, or a tenth of a shorter run
@@ -107,7 +108,7 @@ class Optimizer(NamedTuple):
     """A run's optimizer: `tx` the clipping + AdamW transformation (a `qjax.optim.chain_fused`), `schedule` the lr per
     0-based train step, `stochastic_rounding` whether bfloat16 params are updated with stochastic rounding."""
 
-    tx: qoptim.FusedTransformation
+    tx: adamw_lib.FusedTransformation
     schedule: optax.Schedule
     stochastic_rounding: bool = False
 
@@ -122,7 +123,7 @@ class Optimizer(NamedTuple):
         key: a `jax.random.key`, fresh every step; required when `stochastic_rounding` or params hold Int8Param
         leaves, unused otherwise. param_specs: the params' PartitionSpecs on the mesh set while tracing
         (`qjax.optim.apply_gradients`: the fused step runs per device)."""
-        int8 = qoptim.has_int8_params(params)
+        int8 = int8_params.has_int8_params(params)
         if not (self.stochastic_rounding or int8):
             return qoptim.apply_gradients(self.tx, grads, opt_state, params, param_specs=param_specs)
         if key is None:

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from qjax import optim
-from qjax.optim import adam, blockwise
+from qjax.optim import adam, adamw, blockwise
 
 OPTIMIZERS = {
     "8bit": lambda lr, **kw: optim.adamw_8bit(lr, **kw),
@@ -220,9 +220,9 @@ def test_update_equals_the_optax_chain_bit_for_bit(name, lr, mask, weight_decay)
     """quantized_adamw's update is optax.chain(scale_by_quantized_adam, add_decayed_weights, scale_by_learning_rate)
     (what adamw_* returned before it was one transformation): updates and moments bit for bit, three jitted steps,
     its one count equal to the chain's counts (the schedule's step included)."""
-    config = optim.StateConfig(*CONFIGS[name], min_quantized_size=1024)
-    tx = optim.quantized_adamw(config, lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay, mask=mask)
-    ref = optax.chain(optim.scale_by_quantized_adam(config, 0.9, 0.95, 1e-8),
+    config = adam.StateConfig(*CONFIGS[name], min_quantized_size=1024)
+    tx = adamw.quantized_adamw(config, lr, b1=0.9, b2=0.95, eps=1e-8, weight_decay=weight_decay, mask=mask)
+    ref = optax.chain(adam.scale_by_quantized_adam(config, 0.9, 0.95, 1e-8),
                       optax.add_decayed_weights(weight_decay, mask), optax.scale_by_learning_rate(lr))
     params, grads = _mixed_params_and_grads()
     (p, s), (p_ref, s_ref) = (params, tx.init(params)), (params, ref.init(params))
@@ -230,7 +230,7 @@ def test_update_equals_the_optax_chain_bit_for_bit(name, lr, mask, weight_decay)
     for g in grads:
         (u, s), (u_ref, s_ref) = update(g, s, p), update_ref(g, s_ref, p_ref)
         _assert_bit_equal(u, u_ref)
-        assert isinstance(s, optim.QuantizedAdamState)
+        assert isinstance(s, adam.QuantizedAdamState)
         _assert_bit_equal(s, s_ref[0])
         if callable(lr):
             assert int(s.count) == int(s_ref[2].count)
@@ -264,7 +264,7 @@ def test_inside_optax_chain_after_clipping(name):
     make = lambda: OPTIMIZERS[name](optax.linear_schedule(1e-3, 5e-4, 10), weight_decay=0.01, min_quantized_size=1024)
     clip = optax.clip_by_global_norm(0.05)  # the gradients' global norm is ~1.3: clipping acts
     chained, fused, bare = optax.chain(clip, make()), optim.chain_fused(clip, make()), make()
-    assert isinstance(fused, optim.FusedTransformation) and isinstance(fused, optax.GradientTransformation)
+    assert isinstance(fused, adamw.FusedTransformation) and isinstance(fused, optax.GradientTransformation)
     assert jax.tree.structure(fused.init(params)) == jax.tree.structure(chained.init(params))
 
     def run_steps(tx, step):

@@ -22,7 +22,7 @@ from helpers import mosaic_gpu_kernel_texts
 from qjax import dispatch, optim, stochastic
 from qjax.dispatch import on_hopper_gpu
 from qjax.kernels import adam_step_mgpu, load_from_gmem, resolve_interpret
-from qjax.optim import adam, adam_math, blockwise, codebooks, fused_adam, sr_params
+from qjax.optim import adam, adam_math, adamw, blockwise, codebooks, fused_adam, sr_params
 
 B1, B2, EPS = 0.9, 0.999, 1e-8
 FORMATS = {"e4m3": ("e4m3", "e4m3"), "8bit": ("dynamic_signed_8bit", "dynamic_unsigned_8bit"),
@@ -382,13 +382,13 @@ def test_apply_gradients_any_optax_transformation():
     tx = optax.sgd(0.1)
     p, state = optim.apply_gradients(tx, grads, tx.init(params), params)
     np.testing.assert_allclose(np.asarray(p["w"]), 0.95)
-    assert isinstance(optim.adamw_fp8(1e-3), optim.FusedTransformation)
+    assert isinstance(optim.adamw_fp8(1e-3), adamw.FusedTransformation)
 
 
 def test_errors():
     with pytest.raises(ValueError, match="use_kernel=True: the fused kernel supports e4m3"):
         optim.adamw_fp8(1e-3, block_size=64, use_kernel=True)
-    assert isinstance(optim.adamw_fp8(1e-3, dynamic_range_expansion=True, use_kernel=True), optim.FusedTransformation)
+    assert isinstance(optim.adamw_fp8(1e-3, dynamic_range_expansion=True, use_kernel=True), adamw.FusedTransformation)
     with pytest.raises(ValueError, match="use_kernel=True: the fused kernel supports e4m3"):
         optim.adamw_fp8(1e-3, dynamic_range_expansion=True, block_size=64, use_kernel=True)
     p, g, mu, nu = _inputs((4, 256))
@@ -401,9 +401,9 @@ def test_errors():
     *_, nu8 = _inputs((4, 256), fmt="8bit")  # m e4m3 with v 8-bit: not a kernel pair
     assert fused_adam.kernel_eligible(*_inputs((4, 256), fmt="8bit")) and not fused_adam.kernel_eligible(p, g, mu, nu8)
     with pytest.raises(ValueError, match="use_kernel=True"):
-        optim.quantized_adamw(adam.StateConfig("dynamic_signed_4bit", "linear_unsigned_4bit", 64), 1e-3,
+        adamw.quantized_adamw(adam.StateConfig("dynamic_signed_4bit", "linear_unsigned_4bit", 64), 1e-3,
                               use_kernel=True)
-    assert isinstance(optim.adamw_4bit(1e-3, use_kernel=True), optim.FusedTransformation)
+    assert isinstance(optim.adamw_4bit(1e-3, use_kernel=True), adamw.FusedTransformation)
     p6, g6, mu6, nu6 = _inputs((6, 256))  # 6 blocks: not a multiple of 4 -> not eligible (optax path)
     assert not fused_adam.kernel_eligible(p6, g6, mu6, nu6)
     with pytest.raises(ValueError, match="shapes differ"):

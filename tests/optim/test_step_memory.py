@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from qjax import optim, stochastic
-from qjax.optim import fused_adam, sr_params, streaming
+from qjax.optim import adam, fused_adam, sr_params, streaming
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 from optim import llama_shapes, step_memory  # noqa: E402
@@ -110,7 +110,7 @@ def test_bf16_step_rounds_the_float32_update_with_apply_updates_sr_bits():
     _, update_state = jax.jit(tx.update)(grads, state, params)
     _assert_bit_equal(new_state, update_state)
     seeds = sr_params.leaf_seeds(key, 2)
-    config = optim.StateConfig("dynamic_signed_8bit", "dynamic_unsigned_8bit", 256, 1024)
+    config = adam.StateConfig("dynamic_signed_8bit", "dynamic_unsigned_8bit", 256, 1024)
     bc1, bc2_sqrt = optim.adam.bias_corrections(jnp.int32(1), 0.9, 0.999)
     for (name, p), seed in zip(sorted(params.items()), seeds):
         g, mu, nu = grads[name], state.mu[name], state.nu[name]
