@@ -19,6 +19,8 @@ use, e.g. `qjax.dot_general` or `from qjax import quantize_model`.
 """
 
 import importlib
+import sys
+import types
 
 __version__ = "0.2.0"
 
@@ -48,6 +50,19 @@ def __getattr__(name):
     if name in _SUBMODULES:
         return importlib.import_module(f"qjax.{name}")
     raise AttributeError(f"module 'qjax' has no attribute {name!r}")
+
+
+class _Package(types.ModuleType):
+    """Keeps the public functions named like their modules (dot_general, quantize, ragged_dot) bound to the
+    functions: importing the submodule `qjax.dot_general` would otherwise rebind `qjax.dot_general` to it."""
+
+    def __setattr__(self, name, value):
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return  # the submodule stays reachable as sys.modules["qjax.<name>"] and by `import qjax.<name>`
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __dir__():

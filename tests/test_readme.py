@@ -45,7 +45,7 @@ NOT_RUN = {
     "JAX_COORDINATOR_ADDRESS=10.0.0.1": "needs two hosts; tests/train/test_multihost.py runs two processes on one",
     "for i in 0": "a shell loop over two processes: tests/train/test_multihost.py runs it with a tiny model",
     "JAX_PLATFORMS=cpu JAX_COORDINATOR_ADDRESS": "the body of that loop",
-    "done;": "the end of that loop",
+    "'done;' wait": "the end of that loop",
     "python -m qjax.generate --hf_dir path/to": "needs a real Hugging Face checkpoint with its tokenizer.json: "
                                                 "tests/train/test_generate_cli.py runs --hf_dir on a tiny one",
 }
