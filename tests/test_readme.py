@@ -117,7 +117,7 @@ def _train_if_missing(repo, workdir: str) -> None:
 
 def test_readme_has_commands_and_blocks():
     commands = _commands()
-    assert any(c.startswith("python train.py") for c in commands) and len(_blocks("python")) >= 3
+    assert any(c.startswith("python train.py") for c in commands) and len(_blocks("python")) >= 2
     for part in [*NOT_RUN, *FAILS_FAST]:  # a stale entry would silently skip nothing
         assert any(part in c for c in commands), f"{part!r} is no longer in README.md or docs/: drop it here"
 
