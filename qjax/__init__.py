@@ -58,7 +58,7 @@ class _Package(types.ModuleType):
 
     def __setattr__(self, name, value):
         if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return  # the submodule stays reachable as sys.modules["qjax.<name>"] and by `import qjax.<name>`
+            return  # the submodule stays in sys.modules; `from qjax.<name> import ...` reads it there
         super().__setattr__(name, value)
 
 

