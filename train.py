@@ -11,21 +11,36 @@ name that is no field or flag, a value of the wrong type, a missing config file)
 diverged loss are one line on stderr naming the fix (exit 2). Re-running with the same workdir resumes from its
 newest checkpoint. --stop_at=N ends this invocation at step N (the run's schedule still ends at config.steps), to
 split a run into pieces. Ctrl-C (SIGINT) or SIGTERM finishes the step in flight, saves a checkpoint there and exits
-130 / 143 with one line; a second one exits at once without saving (qjax.train.interrupt).
+130 / 143 with one line; a second one exits at once without saving (qjax.train.interrupt). Before the first step
+(imports, data, compiles of the setup) there is nothing to save: a signal exits at once.
 """
 
 import difflib
 import os
 import pathlib
 import re
+import signal
 import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
 
-from qjax.train import ConfigError, fields, train
-from qjax.train.checkpoint import join_background_threads
-from qjax.train.interrupt import Interrupted
+def _exit_while_starting(signum, frame):
+    """Until the training loop takes SIGINT / SIGTERM over: exit at once, in one line. (A KeyboardInterrupt raised
+    here can land in a garbage-collection callback of jax, which swallows it, and the run would go on.)"""
+    os.write(2, b"interrupted while no training step was running (starting up): nothing to save\n")
+    os._exit(128 + signum)
+
+
+if __name__ == "__main__":  # before the imports below, which take seconds
+    for _signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(_signum) is not signal.SIG_IGN:  # a background job of a script ignores SIGINT: keep that
+            signal.signal(_signum, _exit_while_starting)
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from qjax.train import ConfigError, fields, train  # noqa: E402
+from qjax.train.checkpoint import join_background_threads  # noqa: E402
+from qjax.train.interrupt import Interrupted  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file, e.g. configs/llama_int8.py.",
                                           lock_config=True)
@@ -152,9 +167,6 @@ def main(argv):
         print(e, file=sys.stderr)
         join_background_threads()
         return e.exit_code
-    except KeyboardInterrupt:  # Ctrl-C before the workdir was touched (the loop installs its own handler)
-        print("interrupted while starting up, before the workdir was written: nothing to save", file=sys.stderr)
-        return 130
     return 0
 
 

@@ -19,7 +19,7 @@ even while the main thread sits in a compile) prints one line and calls `os._exi
 the newest: orbax renames a checkpoint into place only once it is complete.
 
 Signal handlers belong to the main thread: elsewhere (a run started from a worker thread) `StopRequest` installs
-nothing and `signal` stays None.
+nothing and `signal` stays None. A signal the process inherited as ignored stays ignored.
 """
 
 import os
@@ -76,7 +76,8 @@ class StopRequest:
             return self
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)  # set_wakeup_fd needs a write end that never blocks the handler
-        self._previous = {s: signal.signal(s, _note) for s in SIGNALS}
+        # A signal the parent set to be ignored (a background job of a script ignores SIGINT) stays ignored.
+        self._previous = {s: signal.signal(s, _note) for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
         self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         self._watcher = threading.Thread(target=self._watch, name="qjax-stop-request", daemon=True)
         self._watcher.start()

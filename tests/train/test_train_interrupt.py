@@ -115,3 +115,16 @@ def test_second_sigint_during_the_save_exits_at_once_without_saving(token_dir, t
     assert err == ("interrupted again: exiting at once without saving; the newest checkpoint is kept, re-run the same "
                    "command to resume from it\n"), err
     assert _saved_steps(tmp_path / "run") == []
+
+
+def test_signal_while_starting_up_exits_at_once(token_dir, tmp_path, env):
+    """Before the loop there is nothing to save: the signal ends the run at once (it must not be swallowed, as a
+    KeyboardInterrupt in one of jax's garbage-collection callbacks would be, letting the run go on)."""
+    proc = subprocess.Popen(_command(tmp_path / "run", token_dir), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # importing jax and qjax (seconds)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err == "interrupted while no training step was running (starting up): nothing to save\n", err
+    assert not (tmp_path / "run").exists()
