@@ -1,4 +1,5 @@
-"""Shared test setup: GPU-marked tests run only where a GPU is the default backend; on the CPU, XLA compiles at -O0."""
+"""Shared test setup: GPU-marked tests run only where a GPU is the default backend; on the CPU, XLA compiles at -O0
+and compiled programs are cached across the test processes."""
 
 import os
 
@@ -7,6 +8,15 @@ import os
 # reads XLA_FLAGS once); subprocesses inherit it. GPU runs keep XLA's default.
 if os.environ.get("JAX_PLATFORMS") == "cpu" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+# Many tests compile the same programs: every train.py subprocess of one config, each resume of a run, the README's
+# commands. A persistent compilation cache (git-ignored .jax_cache/, shared by the xdist workers and the subprocesses
+# they start) compiles each once; a cached executable computes what a fresh compile does. The size cap turns on
+# jax's file lock, so that a worker never reads an entry another is still writing.
+if os.environ.get("JAX_PLATFORMS") == "cpu":
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), ".jax_cache"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -30,11 +30,12 @@ def _command(workdir, token_dir, *extra):
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """The runs' environment: a CPU, and a compilation cache that the runs after the first one read (the same
-    programs: a cached executable computes what a fresh compile does), which saves ~10 s of each start."""
-    return {**_env(), "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+def env():
+    """The runs' environment (a CPU; tests/conftest.py's compilation cache saves each start ~10 s), with SIGINT's
+    default action: a shell's background job starts with SIGINT ignored, which its children would inherit."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a Python handler is reset to SIG_DFL at exec
+    return _env()
 
 
 def _state(workdir, step):
