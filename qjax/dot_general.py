@@ -14,7 +14,7 @@ from jax import lax
 from qjax import recipes as recipes_lib
 from qjax.linear_core import Layout, device_axes, layout_from, linear_parts, operand_seeds, operand_spec, per_device
 from qjax.qtensor import QTensor
-from qjax.weight_sharding import WeightSharding, per_device_sharded, sharded_layout
+from qjax.weight_sharding import WeightSharding, per_device_sharded, sharded_layout, without_trivial_axes
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,6 +92,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         _check_rhs_quantized(rhs_quantized, recipe, layout)
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
     seeds = operand_seeds(recipe, key)
+    if sharding is not None:
+        sharding = without_trivial_axes(sharding)
     local = None if sharding is None or rhs_quantized is not None else sharded_layout(recipe, layout, sharding)
     if local is not None:
         fn = _quantized_dot(local, recipe, out_dtype, lhs.dtype, rhs.dtype, precision, sharding.tokens, sharding)

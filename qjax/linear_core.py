@@ -43,7 +43,7 @@ from qjax import dispatch, stochastic
 from qjax import recipes as recipes_lib
 from qjax.kernels.scaled_matmul import contract_last
 from qjax.qtensor import QTensor, QuantSpec
-from qjax.weight_sharding import WeightSharding, gather, varying
+from qjax.weight_sharding import WeightSharding, gather, trivial_axes, varying
 
 # Operand slots in the uint32 seed vector: one independent stochastic-rounding stream per quantized operand.
 FWD_LHS, FWD_RHS, DGRAD_LHS, DGRAD_RHS, WGRAD_LHS, WGRAD_RHS = range(6)
@@ -239,7 +239,11 @@ def linear_parts(layout: Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtyp
             return dx, layout.rhs_from_kn(varying(dw, vma))
         # FSDP: each device keeps its shard of the weight gradient summed over the devices of the gather
         dw = lax.psum_scatter(dw, sharding.fsdp, scatter_dimension=1 - fsdp_n, tiled=True)
-        return dx, varying(dw if layout.rhs_contract == (0,) else dw.T, vma)
+        dw = varying(dw if layout.rhs_contract == (0,) else dw.T, vma)
+        # dx waits for the reduce-scatter: nothing the backward pass still has to do needs dw, so a scheduler may
+        # otherwise defer this layer's wgrad GEMM and reduce-scatter to the end of the backward, holding every
+        # layer's full (K, N) gradient at once.
+        return lax.optimization_barrier((dx, dw))
 
     return forward_gemm, backward
 
@@ -280,7 +284,7 @@ def device_axes(recipe: recipes_lib.Recipe, layout: Layout) -> tuple[str, ...]:
         return ()
     if recipe.is_block_scaled and (layout.m // mesh.size) % 128:
         return ()
-    return tuple(mesh.axis_names)
+    return tuple(a for a in mesh.axis_names if a not in trivial_axes())  # a collective over a size-1 axis: no-op
 
 
 def per_device(fn, axes: tuple[str, ...], n_extra: int = 0):

@@ -58,6 +58,26 @@ class WeightSharding:
         return (self.tensor,) if self.tensor and self.tensor_dim == "n" else ()
 
 
+def trivial_axes() -> set[str]:
+    """The context mesh's axes of size 1. A collective over one moves nothing, but XLA keeps it (and may combine
+    it with others), so the per-device GEMMs leave them out (`without_trivial_axes`, `linear_core.device_axes`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return set() if mesh.empty else {a for a in mesh.axis_names if mesh.shape[a] == 1}
+
+
+def without_trivial_axes(sharding: WeightSharding) -> WeightSharding:
+    """`sharding` without the context mesh's axes of size 1 (`trivial_axes`): the same split of every array. Kept,
+    a size-1 "data" axis turns the weight gradient's sum over it (the transpose of `per_device_sharded`'s cast)
+    into an all-reduce per layer, which XLA combines into one after the last layer's backward, holding every
+    layer's gradient until then."""
+    trivial = trivial_axes()
+    if not trivial & ({sharding.fsdp, sharding.tensor} | set(sharding.tokens)):
+        return sharding
+    return dataclasses.replace(sharding, tokens=tuple(a for a in sharding.tokens if a not in trivial),
+                               fsdp=None if sharding.fsdp in trivial else sharding.fsdp,
+                               tensor=None if sharding.tensor in trivial else sharding.tensor)
+
+
 def gather(q, axis: str | None, dim: int, ternary: bool = False):
     """A weight's shard, quantized (QTensor) or not (array), all-gathered over mesh `axis` along `dim` of its 2-D
     layout; a QTensor's scales travel with its codes where they differ along `dim` (row scales of rows, blocks).
