@@ -249,8 +249,9 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
     init_state, train_step = make_train_step(config, task, mesh, check=False)
     health_every = config.get("health_every") or 0  # 0: the plain step only, nothing of qjax.health traced
     health_step = make_train_step(config, task, mesh, health=True, check=False)[1] if health_every else None
+    abstract_state = jax.eval_shape(init_state)
     # Before anything compiles: a run that cannot fit fails now, with the fix, not after minutes in XLA.
-    memory_estimate = check_fits(config, task, jax.eval_shape(init_state), mesh)
+    memory_estimate = check_fits(config, task, abstract_state, mesh)
     eval_step = make_eval_step(task, mesh)
     eval_batches = []
     if config.eval_every and config.eval_batches:
@@ -259,7 +260,6 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
         except ValueError as e:
             raise ConfigError(f"config.eval_batches: {e}") from None
     eval_key = jax.random.key_data(jax.random.fold_in(jax.random.key(config.seed), _EVAL_KEY_SALT))
-    abstract_state = jax.eval_shape(init_state)
     abstract = abstract_like(abstract_state, train_state_shardings(abstract_state, mesh))
 
     # Only now: a run that fails a check above leaves no (empty) workdir behind.
