@@ -11,7 +11,7 @@ name that is no field or flag, a value of the wrong type, a missing config file)
 diverged loss are one line on stderr naming the fix (exit 2). Re-running with the same workdir resumes from its
 newest checkpoint. --stop_at=N ends this invocation at step N (the run's schedule still ends at config.steps), to
 split a run into pieces. Ctrl-C (SIGINT) or SIGTERM finishes the step in flight, saves a checkpoint there and exits
-130 / 143 with one line; a second one exits at once without saving (qjax.train.interrupt). Before the first step
+130 / 143 with one line; a second one exits at once without saving (qjax.train.loop). Before the first step
 (imports, data, compiles of the setup) there is nothing to save: a signal exits at once.
 """
 
@@ -38,9 +38,10 @@ if __name__ == "__main__":  # before the imports below, which take seconds
 from absl import app, flags, logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
-from qjax.train import ConfigError, fields, train  # noqa: E402
+from qjax.train import ConfigError, train  # noqa: E402
+from qjax.train import config as config_lib  # noqa: E402
 from qjax.train.checkpoint import join_background_threads  # noqa: E402
-from qjax.train.interrupt import Interrupted  # noqa: E402
+from qjax.train.loop import Interrupted  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file, e.g. configs/llama_int8.py.",
                                           lock_config=True)
@@ -97,8 +98,8 @@ def _bad_value_error(error: flags.IllegalFlagValueError, config_arg: str | None)
         return str(error).splitlines()[0] + " (python train.py --help lists the flags)"
     name, value, reason = match.groups()
     field = name.removeprefix("config.")
-    config = fields.load_config(config_arg.split(":", 1)[0])
-    default = fields.flatten(config).get(field)
+    config = config_lib.load_config(config_arg.split(":", 1)[0])
+    default = config_lib.flatten(config).get(field)
     example = f", e.g. --{name}={default}" if default is not None else ""
     kind = _field_type(config, field)
     article = "an" if kind[0] in "aeiou" else "a"
@@ -111,7 +112,7 @@ def _unknown_flag_error(error: flags.UnrecognizedFlagError, argv, config_arg: st
     value = next((arg.split("=", 1)[1] for arg in argv if re.match(rf"-{{1,2}}{re.escape(name)}=", arg)), None)
     candidates = {flag: flag for flag in ("config", "workdir", "stop_at", "show_config")}
     if config_arg and not _missing_config_file(config_arg):
-        for field in fields.flatten(fields.load_config(config_arg.split(":", 1)[0])):
+        for field in config_lib.flatten(config_lib.load_config(config_arg.split(":", 1)[0])):
             candidates.setdefault(field.rsplit(".", 1)[-1], f"config.{field}")  # "stpes" is close to "steps"
             candidates[field] = f"config.{field}"
     close = difflib.get_close_matches(name, list(candidates), n=1) or difflib.get_close_matches(
@@ -137,7 +138,8 @@ def parse_flags(argv):
     except flags.IllegalFlagValueError as e:
         _fail(_bad_value_error(e, config_arg))
     except (AttributeError, KeyError):  # what config_flags raises for a field the (locked) config does not have
-        message = config_arg and fields.unknown_override_error(argv[1:], fields.load_config(config_arg), config_arg)
+        message = config_arg and config_lib.unknown_override_error(argv[1:], config_lib.load_config(config_arg),
+                                                                   config_arg)
         if not message:
             raise
         _fail(message)
@@ -148,7 +150,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     config_file = config_flags.get_config_filename(flags.FLAGS["config"])
     if _SHOW_CONFIG.value:
-        print(fields.show_config(_CONFIG.value, config_file))
+        print(config_lib.show_config(_CONFIG.value, config_file))
         return 0
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO; our progress lines say enough

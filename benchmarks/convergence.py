@@ -55,7 +55,7 @@ from configs import gpt2_base, llama_base  # noqa: E402
 import qjax  # noqa: E402
 from qjax.data import corpus as corpus_lib, text as text_lib  # noqa: E402
 from qjax.train import train  # noqa: E402
-from qjax.train.plot import curves as read_curves, plot_runs  # noqa: E402
+from qjax.train.metrics import curves as read_curves, plot_runs  # noqa: E402
 
 RECIPES = ("bf16", "int8_rowwise", "fp8_tensorwise")
 MODELS = {"llama": (llama_base, "Llama", "convergence.png"), "gpt2": (gpt2_base, "GPT-2", "convergence_gpt2.png")}

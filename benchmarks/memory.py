@@ -7,7 +7,7 @@
 A row is one jitted train step of `qjax.train.make_train_step` (forward, backward, clipping, AdamW) on random
 tokens, in its own subprocess (so the allocator's peak is the row's own). Measured: tokens/s (--steps steps queued
 back to back, median of 2 rounds after --warmup steps), MFU, and the device's `peak_bytes_in_use`. Beside it the
-analytical sum `qjax.train.memory.estimate` (params + optimizer states + gradients + saved activations: what the
+analytical sum `qjax.train.step.estimate` (params + optimizer states + gradients + saved activations: what the
 train loop checks before compiling); peak - estimate is XLA's temporaries and fragmentation. A row that does not
 fit reports its error's first line.
 
@@ -78,11 +78,12 @@ def measure_row(row: str, args) -> dict:
     import numpy as np
 
     from common import time_ms
-    from qjax.train import make_mesh, make_train_step, memory, peak_flops
+    from qjax.train import make_mesh, make_train_step, peak_flops
+    from qjax.train import step as step_lib
 
     config, task = build_row(row, args.small)
     init_state, train_step = make_train_step(config, task)
-    estimate = memory.estimate(config, task, jax.eval_shape(init_state), make_mesh())
+    estimate = step_lib.estimate(config, task, jax.eval_shape(init_state), make_mesh())
     result = dict(row=row, size=config.model.size, batch=config.batch_size, seq=config.seq_len,
                   estimate_gb=estimate.total / 1e9, estimate_parts=estimate._parts())
     holder, losses = [init_state()], []
@@ -223,7 +224,7 @@ def table(results: list[dict], args) -> str:
     note = (f"Random tokens, one subprocess per row; tokens/s: {args.steps} steps queued back to back, median of "
             f"{ROUNDS} rounds after {args.warmup} warm-up steps. peak GB: the device's peak_bytes_in_use (torch: "
             "max_memory_allocated); limit GB: the allocator's limit the row ran under. "
-            f"{cap}. estimate: qjax.train.memory.estimate (params + optimizer, gradients, saved activations; no XLA "
+            f"{cap}. estimate: qjax.train.step.estimate (params + optimizer, gradients, saved activations; no XLA "
             "temporaries).")
     return "\n".join(lines) + "\n\n" + " ".join([note, *notes]) + "\n"
 

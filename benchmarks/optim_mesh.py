@@ -4,7 +4,7 @@ jnp step and optax.adamw, bf16 params with stochastic rounding (as the 8B FSDP t
   python benchmarks/optim_mesh.py --layers 4       # Llama-3-8B layer shapes, 4 layers, FSDP over all GPUs
   python benchmarks/optim_mesh.py --small          # a toy tree (auto-on without a GPU); prints only, unless --write
 
-The params get the train step's PartitionSpecs (`qjax.train.sharding.param_spec`: column-parallel q/k/v, gate, up
+The params get the train step's PartitionSpecs (`qjax.train.mesh.param_spec`: column-parallel q/k/v, gate, up
 split on dim 0, row-parallel o and down and the LM head on dim 1, the embedding on dim 0) and the states its
 `state_specs` (blocks split along dim 0); one step is `qjax.optim.apply_gradients(..., param_specs=)` traced with
 the mesh set, params and state donated. Rows: optax.adamw (the baseline; states in the params' bf16), adamw_8bit
@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from qjax import optim  # noqa: E402
 from qjax.dispatch import on_hopper_gpu  # noqa: E402
-from qjax.train import sharding as train_sharding  # noqa: E402
+from qjax.train import mesh as train_mesh  # noqa: E402
 from qjax.train.mesh import FSDP_AXIS  # noqa: E402
 from common import record_results  # noqa: E402
 from optim import TimedLoop, llama_shapes  # noqa: E402
@@ -40,7 +40,7 @@ _PATHS = {"q": "attn/qkv_proj/kernel", "k": "attn/qkv_proj/kernel", "v": "attn/q
 
 def spec_of(name: str, shape, mesh):
     layer, _, part = name.partition(".")
-    return train_sharding.param_spec(f"{layer}/{_PATHS.get(part, part)}", shape, mesh)
+    return train_mesh.param_spec(f"{layer}/{_PATHS.get(part, part)}", shape, mesh)
 
 
 class Prepared(TimedLoop):
@@ -48,7 +48,7 @@ class Prepared(TimedLoop):
 
     def __init__(self, tx, params, grads, specs, mesh, iters: int):
         state = jax.eval_shape(tx.init, params)
-        state_sharding = train_sharding.named(train_sharding.state_specs(state, params, mesh), mesh)
+        state_sharding = train_mesh.named(train_mesh.state_specs(state, params, mesh), mesh)
         self.state = jax.jit(tx.init, out_shardings=state_sharding)(params)
         self.params = jax.tree.map(jnp.copy, params)
         self.grads, self.iters, self.times = grads, iters, []

@@ -31,7 +31,7 @@ def weight_shardings(lookup: Callable[[str], WeightSharding | None]):
     """While tracing inside this context, each `DotGeneral` layer passes `lookup(layer name)` (its parent module's
     path, e.g. "layers_0/attn/qkv_proj") to `qjax.dot_general` as `sharding=`: how that layer's kernel lies on the
     mesh set while tracing (FSDP, tensor parallelism). The train step builds `lookup` from its sharding rules
-    (`qjax.train.sharding`); layers it returns None for take their weight whole."""
+    (`qjax.train.mesh.layer_sharding`); layers it returns None for take their weight whole."""
     token = _WEIGHT_SHARDINGS.set(lookup)
     try:
         yield

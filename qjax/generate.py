@@ -28,17 +28,15 @@ from qjax import data as data_lib
 from qjax import models
 from qjax.data.text import BPETokenizer
 from qjax.train import mesh as mesh_lib
-from qjax.train import workdir as workdir_lib
 from qjax.train.checkpoint import Checkpointer, abstract_like, has_checkpoint, join_background_threads
-from qjax.train.config import ConfigError
-from qjax.train.loop import make_dataset
+from qjax.train.config import ConfigError, read_saved_config
 from qjax.train.step import make_train_step
-from qjax.train.task import make_task
+from qjax.train.task import make_dataset, make_task
 
 
 def restore_workdir(workdir: str):
     """(LlamaConfig, params, step, dataset) of the newest checkpoint of a train.py workdir; ConfigError if none."""
-    saved = workdir_lib.read_saved_config(workdir)
+    saved = read_saved_config(workdir)
     if saved is None:
         raise ConfigError(f"{workdir} has no config.json: is it a train.py workdir?")
     config = ml_collections.ConfigDict(saved)

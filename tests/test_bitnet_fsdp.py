@@ -77,7 +77,7 @@ SCRIPT = textwrap.dedent("""
     from configs import llama_bitnet
     from qjax.flax import weight_shardings
     from qjax.train import make_mesh, make_task
-    from qjax.train import mesh as mesh_lib, sharding as sharding_lib
+    from qjax.train import mesh as mesh_lib
 
     c = llama_bitnet.get_config()
     c.model.update(size="tiny", n_layers=1, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256,
@@ -89,8 +89,8 @@ SCRIPT = textwrap.dedent("""
     batch = {k: rng.randint(0, 256, (8, 16)).astype(np.int32) for k in ("inputs", "targets")}
 
     def loss_and_grads(mesh):
-        shardings = sharding_lib.named(sharding_lib.param_specs(params, mesh), mesh)
-        lookup = sharding_lib.layer_sharding(params, mesh)
+        shardings = mesh_lib.named(mesh_lib.param_specs(params, mesh), mesh)
+        lookup = mesh_lib.layer_sharding(params, mesh)
 
         def fn(params, batch):
             with mesh_lib.tracing_on(mesh), weight_shardings(lookup):
@@ -111,10 +111,10 @@ SCRIPT = textwrap.dedent("""
                               jax.tree.leaves(ref_grads)):
             g, r = np.asarray(g), np.asarray(r)
             np.testing.assert_allclose(g, r, rtol=1e-2, atol=1e-2 * np.abs(r).max(),
-                                       err_msg=f"{dict(mesh.shape)} {sharding_lib.path_name(path[0])}")
+                                       err_msg=f"{dict(mesh.shape)} {mesh_lib.path_name(path[0])}")
     # fsdp=8: qkv, o, gate_up, down each gathered in two layouts as uint8, a quarter of the kernel's elements; no int8
-    kernels = {sharding_lib.path_name(p): leaf.size for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-               if "layers_0" in sharding_lib.path_name(p) and leaf.ndim == 2}
+    kernels = {mesh_lib.path_name(p): leaf.size for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+               if "layers_0" in mesh_lib.path_name(p) and leaf.ndim == 2}
     found = gathers(text)
     assert sorted(n for dtype, n in found if dtype == "u8") == sorted(2 * [n // 4 for n in kernels.values()]), (
         found, kernels)

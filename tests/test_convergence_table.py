@@ -44,7 +44,7 @@ def test_a_suite_run_stopped_mid_way_resumes_to_the_same_curve(tmp_path):
     from train_helpers import tiny_llama_config  # noqa: PLC0415
 
     from qjax.data import prepare_text  # noqa: PLC0415
-    from qjax.train.plot import curves  # noqa: PLC0415
+    from qjax.train.metrics import curves  # noqa: PLC0415
 
     (tmp_path / "c.txt").write_text("the cat sat on the mat. a dog ran in the park. " * 200)
     prepare_text([tmp_path / "c.txt"], tmp_path / "tokens", val_fraction=0.1)

@@ -376,16 +376,16 @@ MESH_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     import qjax
     from qjax.flax import weight_shardings
-    from qjax.train import mesh as mesh_lib, sharding
+    from qjax.train import mesh as mesh_lib
     sys.path.insert(0, "tests")
     from test_convert import Mlp, RECIPE, assert_bit_identical
 
     mesh = mesh_lib.make_mesh(data=2, fsdp=2)
     x = jax.device_put(jax.random.normal(jax.random.key(1), (8, 16, 128)), mesh_lib.batch_sharding(mesh))
     params = jax.jit(Mlp().init)(jax.random.key(0), x[:1])["params"]
-    params = jax.device_put(params, sharding.named(sharding.param_specs(params, mesh), mesh))
+    params = jax.device_put(params, mesh_lib.named(mesh_lib.param_specs(params, mesh), mesh))
     assert params["up"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
-    lookup = sharding.layer_sharding(params, mesh)
+    lookup = mesh_lib.layer_sharding(params, mesh)
 
     def step(model):
         def loss(p):

@@ -134,7 +134,7 @@ def test_readme_command_runs(command, repo_like):
         argv += SHORT_RUN
     if words[1:3] == ["-m", "qjax.generate"] and "--workdir" in words:
         _train_if_missing(repo_like, words[words.index("--workdir") + 1])
-    if words[1:3] == ["-m", "qjax.train.plot"]:
+    if words[1:3] == ["-m", "qjax.train.metrics"]:
         _train_if_missing(repo_like, words[3])
     result = subprocess.run(argv, cwd=repo_like, env=_env(), capture_output=True, text=True, timeout=300)
     if fails:

@@ -11,22 +11,24 @@ Public API:
   Checkpointer                                            orbax CheckpointManager wrapper (keep last K, atomic)
   ProgressMeter, peak_flops                               progress line, metrics.jsonl, MFU
   make_mesh                                               the "data" mesh (batch split, params replicated)
-  memory.check_fits(config, task, abstract_state, mesh)   per-device memory estimate, ConfigError when it cannot fit
-  header.recipe_summary(model_config)                     which recipe each layer runs, for the start-up lines
-  fields.show_config(config, path), fields.field_docs     config files' fields and docs (train.py --show_config)
+  step.check_fits(config, task, abstract_state, mesh)     per-device memory estimate, ConfigError when it cannot fit
+  metrics.recipe_summary(model_config)                    which recipe each layer runs, for the start-up lines
+  config.show_config(config, path), config.field_docs     config files' fields and docs (train.py --show_config)
+  loop.Interrupted, loop.StopRequest                      SIGINT / SIGTERM: save the step in flight, exit 130 / 143
 
-  Interrupted, StopRequest (qjax.train.interrupt)       SIGINT / SIGTERM: save the step in flight, exit 130 / 143
-
-Modules: config, fields, memory, header, task, optimizer, step, checkpoint, metrics, mesh, interrupt, loop.
+Modules, in the order `train()` (loop.py) meets them: config (every check, run once before anything is built, plus
+the config files' fields and config.json), task (data and model), optimizer, step (train state, jitted steps, the
+memory estimate), loop (the run, and stopping it on a signal), checkpoint (orbax checkpoints, the best one, the
+workdir's earlier runs); beside them mesh (the devices and where each array lies) and metrics (what a run prints
+and writes, and `python -m qjax.train.metrics` for loss curves). Each is one concept of the run and under 400 lines.
 """
 
-from qjax.train import fields, header, memory
 from qjax.train.checkpoint import Checkpointer
-from qjax.train.config import ConfigError, check_config
+from qjax.train.config import OPTIMIZERS, ConfigError, check_config
 from qjax.train.loop import TrainResult, train
 from qjax.train.mesh import make_mesh
 from qjax.train.metrics import ProgressMeter, peak_flops
-from qjax.train.optimizer import OPTIMIZERS, Optimizer, make_optimizer
+from qjax.train.optimizer import Optimizer, make_optimizer
 from qjax.train.step import TrainState, make_eval_step, make_train_step
 from qjax.train.task import Task, make_task
 

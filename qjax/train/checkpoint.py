@@ -20,11 +20,15 @@ reads but does not fit the run (another model, optimizer or dtypes) is a ConfigE
 Several processes (one run over several hosts, one shared directory) call every method together: orbax writes each
 array from the processes holding its shards and syncs them; a checkpoint counts as restored only if it restored in
 every process (each reads its own shards), and process 0 alone moves unreadable ones aside.
+
+The workdir also keeps the best checkpoint by eval loss (`BestCheckpoint`: <workdir>/best/<step>/ and best.json), and
+a start from scratch in a workdir an earlier run left files in moves them aside first (`set_aside_previous_run`).
 """
 
 import contextlib
 import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -34,10 +38,13 @@ import orbax.checkpoint as ocp
 
 from qjax.train import mesh as mesh_lib
 from qjax.train.config import ConfigError
+from qjax.train.metrics import METRICS_FILE, read_metrics
 
 # orbax's layout of a step directory: <step>/default/_METADATA (the tree: paths, shapes, dtypes) beside the arrays.
 _ITEM = "default"
 _TREE_METADATA = "_METADATA"
+BEST_DIR = "best"
+BEST_FILE = "best.json"
 
 
 class CorruptCheckpointError(ConfigError):
@@ -100,11 +107,10 @@ def _quiet_logs():
 
 
 class Checkpointer:
-    """Save / restore train states in `directory` (created if missing), keeping the newest `keep` steps."""
+    """Save / restore train states in `directory` (created if missing), keeping the newest `keep` steps (an int
+    >= 1: `train()` checks config.keep_checkpoints up front)."""
 
     def __init__(self, directory: str | os.PathLike, keep: int):
-        if not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"config.keep_checkpoints must be an int >= 1, got {keep!r}")
         self.directory = os.path.abspath(os.fspath(directory))
         # Several processes: orbax's barrier keys are named after the step, so two checkpointers saving the same step
         # at once (checkpoints/ and best/) would share a barrier; the directory's name keeps them apart.
@@ -263,3 +269,71 @@ def abstract_like(state, sharding) -> object:
     if isinstance(sharding, jax.sharding.Sharding):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, sharding)
+
+
+def set_aside_previous_run(workdir: str) -> str | None:
+    """Before a start from scratch: moves an earlier run's metrics.jsonl, TensorBoard events and best checkpoint
+    (left behind when its checkpoints were moved or deleted) into <workdir>/previous-<n>/, so this run neither
+    appends to nor reports them. Returns that directory, or None when there was nothing to move (or this is not
+    process 0)."""
+    if not mesh_lib.is_main_process():
+        return None
+    names = [name for name in sorted(os.listdir(workdir))
+             if name in (METRICS_FILE, BEST_DIR) or name.startswith("events.out.tfevents.")]
+    if not names:
+        return None
+    n = 1
+    while os.path.exists(os.path.join(workdir, f"previous-{n}")):
+        n += 1
+    target = os.path.join(workdir, f"previous-{n}")
+    os.makedirs(target)
+    for name in names:
+        os.rename(os.path.join(workdir, name), os.path.join(target, name))
+    return target
+
+
+class BestCheckpoint:
+    """Keeps the train state with the lowest eval loss in <workdir>/best/<step>/, its step and loss in best.json.
+
+    Resuming never reads it (the run continues from checkpoints/); it is the model to use after a run that went
+    on past its best eval loss (overfitting). The best loss so far comes from metrics.jsonl, so a resumed run
+    (whose rows after the restored step were dropped) keeps improving on the same record; a best checkpoint saved
+    after the restored step by a killed run is replaced when the resumed run recomputes that eval.
+    """
+
+    def __init__(self, workdir: str):
+        self.directory = os.path.join(workdir, BEST_DIR)
+        losses = [(row["eval_loss"], row["step"]) for row in read_metrics(workdir)
+                  if "eval_loss" in row and math.isfinite(row["eval_loss"])]
+        self.loss, self.step = min(losses) if losses else (math.inf, None)
+        self._checkpointer = None  # created on the first save: a run without eval makes no best/ directory
+
+    def update(self, step: int, eval_loss: float, state) -> bool:
+        """Saves `state` if `eval_loss` is the lowest so far; True if it was."""
+        if not eval_loss < self.loss:
+            return False
+        if self._checkpointer is None:
+            self._checkpointer = Checkpointer(self.directory, keep=1)
+        # replace: a best checkpoint of this step from a killed run's lost steps may be there (recomputed now)
+        self._checkpointer.save(step, state, replace=True)
+        self.loss, self.step = eval_loss, step
+        if not mesh_lib.is_main_process():  # every process saved its shards above; best.json is process 0's
+            return True
+        with open(os.path.join(self.directory, BEST_FILE + ".tmp"), "w") as f:
+            json.dump({"step": step, "eval_loss": eval_loss, "checkpoint": os.path.join(self.directory, str(step))}, f)
+        os.replace(os.path.join(self.directory, BEST_FILE + ".tmp"), os.path.join(self.directory, BEST_FILE))
+        return True
+
+    def summary(self) -> str | None:
+        """One line naming the best eval loss, its step and where its checkpoint is (None before any eval)."""
+        try:
+            with open(os.path.join(self.directory, BEST_FILE)) as f:
+                best = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return (f"best eval loss {best['eval_loss']:.4f} at step {best['step']}: checkpoint {best['checkpoint']} "
+                "(the newest is in checkpoints/)")
+
+    def close(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.close()

@@ -4,41 +4,161 @@
 
 Workdir layout (created only once the config, data and model checks pass): config.json (the config of the latest
 start), metrics.jsonl (appended) beside TensorBoard event files, checkpoints/<step>/ (the newest few), best/<step>/
-with best.json (the state of the lowest eval loss so far; see qjax.train.workdir).
+with best.json (the state of the lowest eval loss so far; `qjax.train.checkpoint.BestCheckpoint`).
 A run restarted in the same workdir continues from its newest checkpoint that restores (an unreadable one is moved
 aside, see qjax.train.checkpoint) and, because batches, RNG keys and the LR schedule are pure functions of the step,
 computes exactly what the uninterrupted run would have (bit for bit on the same devices); the metrics rows written
 after that checkpoint are dropped, and the config fields changed since the last start are listed in one line.
 `stop_at` ends this invocation early at a given step (saving a checkpoint there) without changing the run itself:
 the schedule still ends at `config.steps`. So does SIGINT / SIGTERM at the step in flight (`Interrupted`; a second
-signal exits at once, see qjax.train.interrupt). A checkpoint is written only when its step's loss, grad norm, eval
+signal exits at once, see below). A checkpoint is written only when its step's loss, grad norm, eval
 loss and params are finite: a diverged run stops with FloatingPointError and keeps its last good checkpoint.
+
+Stopping on SIGINT (Ctrl-C) or SIGTERM (what schedulers send before a kill) without losing steps (`StopRequest`,
+`Interrupted`):
+
+  stop = StopRequest().install()              # or `with StopRequest() as stop:`
+  try:
+      for step in ...:
+          state = train_step(state, ...)
+          if stop.signal is not None:           # set by the first SIGINT / SIGTERM
+              checkpointer.save(step + 1, state)
+              raise Interrupted(step + 1, stop.signal, saved=True)
+  finally:
+      checkpointer.close()                    # a second signal during the save still exits at once
+      stop.uninstall()
+
+The first signal only notes itself: the step in flight (or an XLA compile or a save, which Python cannot break into)
+finishes, then the loop saves and stops; `train.py` prints `Interrupted`'s one line and exits 128 + the signal
+(130 for SIGINT, 143 for SIGTERM), as a shell reports a process the signal ended. A second signal ends the process
+at once, without saving: a watcher thread woken through `signal.set_wakeup_fd` (which the C-level handler writes to
+even while the main thread sits in a compile) prints one line and calls `os._exit`. The previous checkpoint stays
+the newest: orbax renames a checkpoint into place only once it is complete.
+
+Signal handlers belong to the main thread: elsewhere (a run started from a worker thread) `StopRequest` installs
+nothing and `signal` stays None. A signal the process inherited as ignored stays ignored.
 """
 
 import os
+import signal
 import sys
+import threading
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qjax import data as data_lib
 from qjax import health as health_lib
 from qjax.models import num_params
-from qjax.train import header
-from qjax.train import memory
 from qjax.train import mesh as mesh_lib
-from qjax.train import workdir as workdir_lib
-from qjax.train.checkpoint import Checkpointer, abstract_like
-from qjax.train.config import ConfigError, check_config
-from qjax.train.interrupt import Interrupted, StopRequest
-from qjax.train.metrics import DIVERGED_FIX, ProgressMeter, check_finite
-from qjax.train.step import TrainState, make_eval_step, make_train_step, train_state_shardings
-from qjax.train.task import make_task
+from qjax.train.checkpoint import BestCheckpoint, Checkpointer, abstract_like, set_aside_previous_run
+from qjax.train.config import (ConfigError, check_batch_size, check_config, check_resume, config_changes,
+                               read_saved_config, write_config)
+from qjax.train.metrics import (DIVERGED_FIX, ProgressMeter, check_finite, quantizes_nothing, read_metrics,
+                                recipe_summary, truncate_metrics)
+from qjax.train.step import TrainState, check_fits, make_eval_step, make_train_step, train_state_shardings
+from qjax.train.task import make_dataset, make_task_for_data
 
 # Eval keys come from the seed and this constant, not from the step key: every eval sees the same "quant" keys.
 _EVAL_KEY_SALT = 0x5EED
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def exit_code(signum: int) -> int:
+    """The shell's exit status of a process ended by `signum`: 130 for SIGINT, 143 for SIGTERM."""
+    return 128 + signum
+
+
+def _what(signum: int) -> str:
+    return "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+
+
+class Interrupted(Exception):
+    """The run stopped at `step` on signal `signum`; `saved`: a checkpoint of that step was written (False when no
+    step had run since the start: the newest checkpoint, if any, already holds that step)."""
+
+    def __init__(self, step: int, signum: int, saved: bool):
+        self.step, self.signum, self.saved = step, signum, saved
+        if saved:
+            told = "checkpoint saved; re-run the same command to resume"
+        else:
+            told = "no step ran since the start, nothing new to save; re-run the same command to " + (
+                "resume" if step else "start")
+        super().__init__(f"{_what(signum)} at step {step}; {told}")
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code(self.signum)
+
+
+class StopRequest:
+    """Context manager: while inside, SIGINT / SIGTERM set `signal` (the first one's number) instead of raising
+    KeyboardInterrupt or killing the process; a second one exits at once (module docstring)."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._installed = False
+
+    def __enter__(self) -> "StopRequest":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+    def install(self) -> "StopRequest":
+        """Installs the handlers (main thread only) and returns self."""
+        if self._installed or threading.current_thread() is not threading.main_thread():
+            return self
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # set_wakeup_fd needs a write end that never blocks the handler
+        # A signal the parent set to be ignored (a background job of a script ignores SIGINT) stays ignored.
+        self._previous = {s: signal.signal(s, _note) for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._watcher = threading.Thread(target=self._watch, name="qjax-stop-request", daemon=True)
+        self._watcher.start()
+        self._installed = True
+        return self
+
+    def uninstall(self) -> None:
+        """Restores the handlers and wakeup fd there were before `install`."""
+        if not self._installed:
+            return
+        signal.set_wakeup_fd(self._previous_fd)
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        os.close(self._write)  # the watcher reads end-of-file and returns
+        self._watcher.join(timeout=5)
+        os.close(self._read)
+        self._installed = False
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                data = os.read(self._read, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            for signum in data:  # one byte per signal: its number
+                if signum not in SIGNALS:
+                    continue
+                if self.signal is None:
+                    self.signal = signum
+                else:
+                    _exit_now(signum)
+
+
+def _note(signum, frame) -> None:
+    """The Python-level handler: nothing to do (the watcher thread counts the signals), but installing it keeps
+    SIGINT from raising KeyboardInterrupt and SIGTERM from killing the process."""
+
+
+def _exit_now(signum: int) -> None:
+    line = (f"{_what(signum)} again: exiting at once without saving; the newest checkpoint is kept, re-run the same "
+            "command to resume from it\n")
+    os.write(2, line.encode())
+    os._exit(exit_code(signum))
 
 
 class TrainResult(NamedTuple):
@@ -77,27 +197,6 @@ def _all_finite(params) -> jax.Array:
     return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
 
 
-def make_dataset(config):
-    """The dataset of a checked config; data errors become ConfigErrors naming config.data."""
-    seq_len = config.seq_len if config.task == "lm" else None
-    try:
-        return data_lib.make_dataset(config.data, batch_size=config.batch_size, seq_len=seq_len, seed=config.seed)
-    except (TypeError, ValueError, OSError) as e:
-        raise ConfigError(f"config.data: {e}") from None
-
-
-def _task_for(config, dataset):
-    if config.task == "lm":
-        if not hasattr(dataset, "vocab_size"):
-            raise ConfigError(f"config.task='lm' needs token data, but config.data.kind={config.data.kind!r} is "
-                              "image data; use configs/llama_*.py with kind='tokens', or task='image'")
-        return make_task(config, vocab_size=dataset.vocab_size)
-    if not hasattr(dataset, "num_classes"):
-        raise ConfigError(f"config.task='image' needs image data, but config.data.kind={config.data.kind!r} is "
-                          "token data")
-    return make_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape)
-
-
 def _mean_metrics(pending: list[dict]) -> dict:
     """Averages per-step metrics over a log interval ("lr": the last step's)."""
     values = jax.device_get(pending)
@@ -129,27 +228,30 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
       Interrupted: SIGINT / SIGTERM (main thread only) stopped the run after the step in flight, saved as a
         checkpoint; re-running resumes there.
     """
+    # The checks, each once, before anything is built or written (qjax.train.config's docstring); the builders
+    # below take the checked config (check=False).
     check_config(config)
     if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
         raise ValueError(f"stop_at must be a positive int step or None, got {stop_at!r}")
     stream = sys.stdout if stream is None else stream
     workdir = os.path.abspath(os.fspath(workdir))
-
     try:
         mesh_lib.initialize_distributed()  # several hosts: only where a cluster's environment variables are set
         mesh = mesh_lib.mesh_from_config(config.mesh)
-        mesh_lib.check_batch_size(config.batch_size, config.grad_accum_steps, mesh)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_batch_size(config, mesh)
     if not mesh_lib.is_main_process():  # several processes: process 0 prints for all (they compute the same)
         stream = open(os.devnull, "w")
+
     dataset = make_dataset(config)
-    task = _task_for(config, dataset)
-    init_state, train_step = make_train_step(config, task, mesh)
+    task = make_task_for_data(config, dataset)
+    init_state, train_step = make_train_step(config, task, mesh, check=False)
     health_every = config.get("health_every") or 0  # 0: the plain step only, nothing of qjax.health traced
-    health_step = make_train_step(config, task, mesh, health=True)[1] if health_every else None
+    health_step = make_train_step(config, task, mesh, health=True, check=False)[1] if health_every else None
+    abstract_state = jax.eval_shape(init_state)
     # Before anything compiles: a run that cannot fit fails now, with the fix, not after minutes in XLA.
-    memory_estimate = memory.check_fits(config, task, jax.eval_shape(init_state), mesh)
+    memory_estimate = check_fits(config, task, abstract_state, mesh)
     eval_step = make_eval_step(task, mesh)
     eval_batches = []
     if config.eval_every and config.eval_batches:
@@ -158,7 +260,6 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
         except ValueError as e:
             raise ConfigError(f"config.eval_batches: {e}") from None
     eval_key = jax.random.key_data(jax.random.fold_in(jax.random.key(config.seed), _EVAL_KEY_SALT))
-    abstract_state = jax.eval_shape(init_state)
     abstract = abstract_like(abstract_state, train_state_shardings(abstract_state, mesh))
 
     # Only now: a run that fails a check above leaves no (empty) workdir behind.
@@ -174,22 +275,22 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
         start = int(state.step)
         end = config.steps if stop_at is None else min(stop_at, config.steps)
         if resumed:
-            workdir_lib.check_resume(config, start, checkpointer.directory)
-            changes = workdir_lib.config_changes(workdir_lib.read_saved_config(workdir), config)
+            check_resume(config, start, checkpointer.directory)
+            changes = config_changes(read_saved_config(workdir), config)
             if changes:
                 say(f"config changed since the last start: {', '.join(changes)}")
-            dropped = workdir_lib.truncate_metrics(workdir, start)
+            dropped = truncate_metrics(workdir, start)
             if dropped:
                 say(f"metrics.jsonl: dropped {dropped} rows after step {start}, where this start resumes (they are "
                     "recomputed)")
         else:
-            previous = workdir_lib.set_aside_previous_run(workdir)
+            previous = set_aside_previous_run(workdir)
             if previous:
                 say(f"no checkpoint to resume from: the metrics and best checkpoint of an earlier start in this "
                     f"workdir were moved to {previous}")
-        workdir_lib.write_config(workdir, config)
+        write_config(workdir, config)
         mesh_lib.sync_processes("workdir")  # the others read metrics.jsonl (best loss) once process 0 has set it up
-        best = workdir_lib.BestCheckpoint(workdir)
+        best = BestCheckpoint(workdir)
 
         units_per_step = config.batch_size * task.units_per_example
         meter = ProgressMeter(workdir, config.steps, task.unit, units_per_step, task.flops_per_unit,
@@ -204,10 +305,10 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
               + "; "
               + f"{_origin(config, resumed, start)}, running to step {end}/{config.steps}",
               file=stream, flush=True)
-        print(f"  recipes: {header.recipe_summary(task.model_config)}", file=stream)
+        print(f"  recipes: {recipe_summary(task.model_config)}", file=stream)
         print(f"  memory: {memory_estimate.summary()}", file=stream)
         print(f"  workdir: {workdir}", file=stream, flush=True)
-        warning = header.quantizes_nothing(task.model_config)
+        warning = quantizes_nothing(task.model_config)
         if warning:
             print(warning, file=stream, flush=True)
         if task.init_note and not resumed:  # a resumed run's params come from its checkpoint, not init_from
@@ -216,7 +317,7 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
         monitor = saturation = None
         if health_every:  # a resumed run's amax growth stays relative to the run's first measurement
             monitor = health_lib.HealthMonitor(config.health_saturation_warn, config.health_amax_growth_warn,
-                                               health_lib.initial_amax(workdir_lib.read_metrics(workdir)))
+                                               health_lib.initial_amax(read_metrics(workdir)))
         train_record = eval_record = None
         pending: list[Any] = []
         if stop.signal is not None and start < end:  # a signal while starting up: no step to finish

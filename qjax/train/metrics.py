@@ -7,17 +7,38 @@ the same scalars as TensorBoard event files in <workdir> (`tensorboard --logdir 
 MFU = (training FLOPs per token or image, from the model) x throughput / peak dense bf16 FLOP/s of the devices. The
 peak is known only for the GPUs in `PEAK_BF16_FLOPS` (vendor figures); elsewhere MFU reads "n/a" rather than a
 guess. Memory is the device's `peak_bytes_in_use` where `memory_stats()` reports it (GPUs; "n/a" on the CPU).
+
+Also here: the start-up lines that say what will actually be quantized (`recipe_summary`, `quantizes_nothing`:
+`qjax.recipe_for_layer` keeps some layers in bf16, the LM head, layers narrower than min_features, features a block
+recipe cannot tile; on a small model that can be every layer, and a run would then train in bf16 under a quantized
+recipe's name), reading metrics.jsonl back (`read_metrics`; `truncate_metrics` drops the rows after a restored step,
+which a resumed run recomputes) and its loss curves as a PNG:
+
+  python -m qjax.train.metrics runs/llama_int8                  # writes runs/llama_int8/loss.png
+  python -m qjax.train.metrics runs/a runs/b --out cmp.png      # several runs on one figure
+
+(train loss per log interval as a line, eval loss as dots, step on x; matplotlib's Agg backend, so it works over ssh
+and in CI.)
 """
 
+import argparse
+import collections
 import json
 import math
 import os
+import re
 import sys
+import textwrap
 import time
 
 import jax
 from tensorboardX import SummaryWriter
 
+import qjax
+from qjax.models import layer_recipes
+from qjax.train.mesh import is_main_process
+
+METRICS_FILE = "metrics.jsonl"
 # Dense bf16 tensor-core peak per device (no sparsity), by a substring of `device.device_kind`.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12}
 
@@ -100,7 +121,7 @@ class ProgressMeter:
 
     def __init__(self, workdir, total_steps: int, unit: str, units_per_step: int, flops_per_unit: float | None,
                  devices=None, stream=None, *, start_step: int = 0, tensorboard: bool = True):
-        self.path = os.path.join(os.fspath(workdir), "metrics.jsonl")
+        self.path = os.path.join(os.fspath(workdir), METRICS_FILE)
         self.total_steps = total_steps
         self.unit = unit
         self.units_per_step = units_per_step
@@ -184,3 +205,156 @@ def check_finite(step: int, name: str, value: float) -> None:
     """Stop the run when a loss turns NaN/Inf: a diverged run is reported, never silently continued or saved."""
     if not math.isfinite(value):
         raise FloatingPointError(f"{name} is {value} at step {step}: training diverged. {DIVERGED_FIX}")
+
+
+# "layers_3/attn/qkv_proj" -> "qkv" (a projection of every block); "lm_head" matches nothing (a single layer)
+_BLOCK_LAYER = re.compile(r"layers_\d+/(?:\w+/)?(\w+?)(?:_proj)?")
+
+
+def recipe_summary(model_config) -> str:
+    """Which recipe each projection runs, projections with the same split grouped, e.g.
+    "qkv/o/gate_up/down: fp8_blockwise x 22 layers; lm_head: bf16"."""
+    per_projection: dict[tuple[str, bool], collections.Counter] = {}  # (short name, in every block): recipes
+    for name, recipe in layer_recipes(model_config).items():
+        match = _BLOCK_LAYER.fullmatch(name)
+        key = (match.group(1), True) if match else (name, False)
+        per_projection.setdefault(key, collections.Counter())[recipe.name] += 1
+    groups: dict[tuple, list[str]] = {}  # projections whose layers split the same way are listed together
+    for (short, in_blocks), counts in per_projection.items():
+        groups.setdefault((in_blocks, tuple(counts.items())), []).append(short)
+    parts = []
+    for (in_blocks, counts), names in groups.items():
+        if in_blocks:
+            recipes = ", ".join(f"{recipe} x {n} layer{'s' * (n != 1)}" for recipe, n in counts)
+        else:
+            recipes = ", ".join(recipe for recipe, _ in counts)
+        parts.append(f"{'/'.join(names)}: {recipes}")
+    return "; ".join(parts)
+
+
+def quantizes_nothing(model_config) -> str | None:
+    """A one-line warning when `model_config.recipe` quantizes but every layer was kept in bf16, naming why and
+    the fix; None otherwise."""
+    recipe = qjax.recipe(model_config.recipe)
+    gemms = [g for g in (recipe.fwd, recipe.dgrad, recipe.wgrad) if g is not None]
+    if not gemms or any(r.name != "bf16" for r in layer_recipes(model_config).values()):
+        return None
+    shapes = model_config.projections().values()
+    untileable = sorted({f"{fi}->{fo}" for fi, fo in shapes if fi % 128 or fo % 128})
+    if untileable and any(g.is_block_scaled for g in gemms):
+        why = (f"a block-scaled recipe needs features that are multiples of 128 and the layers are "
+               f"{', '.join(untileable)}: use a larger model (--config.model.size=125m) or dims that are multiples "
+               "of 128")
+    elif model_config.min_features and all(min(s) < model_config.min_features for s in shapes):
+        why = f"every layer is narrower than config.min_features={model_config.min_features}: lower it"
+    else:
+        why = (f"config.keep_high_precision={model_config.keep_high_precision} matches every layer: narrow its "
+               "regexes")
+    return f"warning: recipe {recipe.name!r} quantizes no layer, the whole model trains in bf16; {why}"
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """The rows of metrics.jsonl (a line cut short by a kill is skipped)."""
+    rows = []
+    try:
+        with open(os.path.join(workdir, METRICS_FILE)) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return rows
+
+
+def truncate_metrics(workdir: str, step: int) -> int:
+    """Keeps the metrics.jsonl rows of steps <= `step` (the restored one); returns how many rows were dropped.
+
+    The file is replaced atomically (written beside it, then renamed), so a kill here loses nothing. Process 0
+    only (the others return 0)."""
+    if not is_main_process():
+        return 0
+    path = os.path.join(workdir, METRICS_FILE)
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = f.read().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):  # a row cut short by a kill, or not ours: dropped
+            continue
+    if len(kept) == len(lines):
+        return 0
+    with open(path + ".tmp", "w") as f:
+        f.write("".join(line + "\n" for line in kept))
+    os.replace(path + ".tmp", path)
+    return len(lines) - len(kept)
+
+
+def curves(workdir: str) -> tuple[list, list]:
+    """(train [(step, loss)], eval [(step, eval_loss)]) of a run, sorted by step (the last row of a step wins)."""
+    train, evals = {}, {}
+    for row in read_metrics(workdir):
+        if "loss" in row:
+            train[row["step"]] = row["loss"]
+        if "eval_loss" in row:
+            evals[row["step"]] = row["eval_loss"]
+    return sorted(train.items()), sorted(evals.items())
+
+
+def plot_runs(workdirs: list[str], out: str, title: str | None = None) -> str:
+    """Draws the train and eval loss of each run in `workdirs` (labelled by directory name) into the PNG `out`;
+    returns `out`. title: the figure's (default: the run names).
+
+    Raises ValueError if a run has no metrics rows (a wrong path, or a run that has not logged yet)."""
+    runs = {}
+    for workdir in workdirs:
+        train, evals = curves(workdir)
+        if not train and not evals:
+            raise ValueError(f"no metrics in {os.path.join(workdir, METRICS_FILE)}: is {workdir} a run's workdir?")
+        runs[os.path.basename(os.path.normpath(workdir))] = (train, evals)
+    import matplotlib  # noqa: PLC0415  only here: a run does not load it
+    matplotlib.use("Agg")  # no display needed; must precede the pyplot import
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, (train, evals) in runs.items():
+        color = None
+        if train:
+            (line,) = ax.plot(*zip(*train), label=f"{name} train", linewidth=1.2)
+            color = line.get_color()
+        if evals:
+            ax.plot(*zip(*evals), "o--", color=color, label=f"{name} eval", markersize=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(textwrap.fill(title or ", ".join(runs), 75))  # a long recipe list wraps, not cut at the edge
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qjax.train.metrics",
+                                     description="Loss curves of runs to a PNG, from their metrics.jsonl.")
+    parser.add_argument("workdirs", nargs="+", help="run directories holding metrics.jsonl (e.g. runs/llama_int8)")
+    parser.add_argument("--out", help="PNG to write (default: <first workdir>/loss.png)")
+    args = parser.parse_args(argv)
+    out = args.out or os.path.join(args.workdirs[0], "loss.png")
+    try:
+        plot_runs(args.workdirs, out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,7 +30,7 @@ micro-batches with `lax.scan` inside one jitted call (see `qjax.train.step`), so
 optimizer update, the schedule's count equals the train step, and checkpoints hold no accumulator buffer.
 """
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,55 +39,15 @@ import optax
 from qjax import int8_params
 from qjax import optim as qoptim
 from qjax.optim import adamw as adamw_lib
+from qjax.train.config import check_optimizer_config, get_field as _get
 
-OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_fp8")
 DEFAULT_WARMUP_STEPS = 30  # warmup_steps=None: this many, or a tenth of a shorter run
-
-
-def _get(cfg, name: str, default: Any = None) -> Any:
-    return cfg.get(name, default) if hasattr(cfg, "get") else getattr(cfg, name, default)
 
 
 def warmup_steps(opt, total_steps: int) -> int:
     """The config's warmup_steps; None means min(DEFAULT_WARMUP_STEPS, total_steps // 10)."""
     value = _get(opt, "warmup_steps")
     return min(DEFAULT_WARMUP_STEPS, total_steps // 10) if value is None else value
-
-
-def check_optimizer_config(opt, total_steps: int) -> None:
-    """Raise ValueError naming the bad field of an optimizer config (see `make_optimizer`) and how to fix it."""
-    name = _get(opt, "name")
-    if name not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {name!r}; set config.optimizer.name to one of {', '.join(OPTIMIZERS)}")
-    if not isinstance(total_steps, int) or total_steps < 1:
-        raise ValueError(f"config.steps must be a positive int, got {total_steps!r}")
-    lr = _get(opt, "lr")
-    if not isinstance(lr, (int, float)) or not lr > 0:
-        raise ValueError(f"config.optimizer.lr must be a positive number, got {lr!r}")
-    warmup = warmup_steps(opt, total_steps)
-    if not isinstance(warmup, int) or not 0 <= warmup < total_steps:
-        raise ValueError(f"config.optimizer.warmup_steps must be an int in [0, steps={total_steps}), got {warmup!r}; "
-                         "lower it or raise config.steps")
-    ratio = _get(opt, "min_lr_ratio", 0.1)
-    if not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
-        raise ValueError(f"config.optimizer.min_lr_ratio must be in [0, 1], got {ratio!r}")
-    for field in ("b1", "b2"):
-        value = _get(opt, field)
-        if not isinstance(value, (int, float)) or not 0 <= value < 1:
-            raise ValueError(f"config.optimizer.{field} must be in [0, 1), got {value!r}")
-    for field in ("eps", "weight_decay"):
-        value = _get(opt, field)
-        if not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"config.optimizer.{field} must be a number >= 0, got {value!r}")
-    clip = _get(opt, "grad_clip")
-    if clip is not None and (not isinstance(clip, (int, float)) or not clip >= 0):
-        raise ValueError(f"config.optimizer.grad_clip must be a number >= 0 (0 or None: no clipping), got {clip!r}")
-    for field in ("dynamic_range_expansion", "stochastic_rounding"):
-        if _get(opt, field, False) not in (True, False):
-            raise ValueError(f"config.optimizer.{field} must be True or False, got {_get(opt, field)!r}")
-    if _get(opt, "dynamic_range_expansion", False) and name != "adamw_fp8":
-        raise ValueError(f"config.optimizer.dynamic_range_expansion applies to adamw_fp8 states only, not {name!r}: "
-                         "set config.optimizer.name=adamw_fp8 or leave it False")
 
 
 def make_schedule(opt, total_steps: int) -> optax.Schedule:
@@ -135,7 +95,7 @@ class Optimizer(NamedTuple):
         return qoptim.apply_gradients(self.tx, grads, opt_state, params, key, param_specs)
 
 
-def make_optimizer(opt, total_steps: int) -> Optimizer:
+def make_optimizer(opt, total_steps: int, *, check: bool = True) -> Optimizer:
     """The `Optimizer` of an optimizer config.
 
     Args:
@@ -143,8 +103,11 @@ def make_optimizer(opt, total_steps: int) -> Optimizer:
         `warmup_steps`), b1, b2, eps, weight_decay, grad_clip (0 or None: off) and optionally min_lr_ratio (default
         0.1), dynamic_range_expansion and stochastic_rounding (default False; module docstring).
       total_steps: the configured length of the run (the cosine ends there, wherever a run is stopped).
+      check: ConfigError for a bad field (`qjax.train.config.check_optimizer_config`); False where the config is
+        checked already (`train()` checks it up front).
     """
-    check_optimizer_config(opt, total_steps)
+    if check:
+        check_optimizer_config(opt, total_steps)
     schedule = make_schedule(opt, total_steps)
     kwargs = dict(learning_rate=schedule, b1=float(_get(opt, "b1")), b2=float(_get(opt, "b2")),
                   eps=float(_get(opt, "eps")), weight_decay=float(_get(opt, "weight_decay")), mask=_decay_mask)

@@ -1,5 +1,7 @@
-"""What is trained: the model built from a config, its loss on a batch, and how its work is counted.
+"""What is trained: the data and the model of a config, the model's loss on a batch, and how its work is counted.
 
+  dataset = make_dataset(config)                                   # config.data (qjax.data); ConfigError on a problem
+  task = make_task_for_data(config, dataset)                       # make_task with the data's vocabulary / classes
   task = make_task(config, vocab_size=dataset.vocab_size)          # "lm": Llama (or GPT-2) on {"inputs", "targets"}
   task = make_task(config, num_classes=10, image_shape=(8, 8, 1))  # "image": ViT on {"images", "labels"}
   loss, aux = task.loss(params, batch, key)                        # float32 scalar, {"accuracy": ...} for images
@@ -31,7 +33,7 @@ with nn.Dense / nn.DenseGeneral / nn.Einsum / jnp.einsum and no qjax layers. The
 `qjax.quantize_model(model, config.recipe, skip=keep_high_precision, min_features=min_features, rng_stream="quant")`
 in place of qjax's explicit model. It follows qjax's LM convention: model(tokens, return_hidden=True) -> the final
 norm's output (B, T, dim), and the LM head in its params as lm_head/kernel (dim, vocab) or a tied embed/embedding,
-because the head and its loss run from the params (`models.lm_head_loss`). `qjax.train.sharding` splits its params
+because the head and its loss run from the params (`models.lm_head_loss`). `qjax.train.mesh` splits its params
 by path (names like qkv_proj and down_proj also take tensor parallelism); the start-up lines and memory estimate
 describe the arch's model of the config's shape. Why a config field and not a Python argument: a run is its
 config, so train.py takes it on the command line, config.json records it and a restarted process rebuilds the same
@@ -48,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from qjax import convert, dispatch, health, models
+from qjax import data as data_lib
 from qjax.models import hf_checkpoint, hf_vit
 from qjax import int8_params
 from qjax.train.config import ConfigError
@@ -331,3 +334,25 @@ def make_task(config, *, vocab_size: int | None = None, num_classes: int | None 
     except (TypeError, ValueError) as e:
         raise ConfigError(f"bad model config (config.model.* / recipe / keep_high_precision / min_features): {e}") \
             from None
+
+
+def make_dataset(config):
+    """The dataset of a checked config; data errors become ConfigErrors naming config.data."""
+    seq_len = config.seq_len if config.task == "lm" else None
+    try:
+        return data_lib.make_dataset(config.data, batch_size=config.batch_size, seq_len=seq_len, seed=config.seed)
+    except (TypeError, ValueError, OSError) as e:
+        raise ConfigError(f"config.data: {e}") from None
+
+
+def make_task_for_data(config, dataset) -> Task:
+    """`make_task` with the facts of `dataset` (`make_dataset`): its vocabulary, or its classes and image shape."""
+    if config.task == "lm":
+        if not hasattr(dataset, "vocab_size"):
+            raise ConfigError(f"config.task='lm' needs token data, but config.data.kind={config.data.kind!r} is "
+                              "image data; use configs/llama_*.py with kind='tokens', or task='image'")
+        return make_task(config, vocab_size=dataset.vocab_size)
+    if not hasattr(dataset, "num_classes"):
+        raise ConfigError(f"config.task='image' needs image data, but config.data.kind={config.data.kind!r} is "
+                          "token data")
+    return make_task(config, num_classes=dataset.num_classes, image_shape=dataset.image_shape)

@@ -17,7 +17,7 @@ from jax._src.ad_checkpoint import saved_residuals
 from qjax import models
 from qjax.generate import restore_workdir
 from qjax.models import gpt2, vit
-from qjax.train import fields, train
+from qjax.train import config as config_lib, train
 from qjax.train.config import ConfigError
 from qjax.train.task import make_task
 
@@ -162,7 +162,7 @@ def test_dataflow_block_saves_8bit_activations_only(recipe):
 
 
 def test_trains_from_the_config_file(tmp_path):
-    config = fields.load_config(str(ROOT / "configs" / "gpt2_int8_dataflow.py"))
+    config = config_lib.load_config(str(ROOT / "configs" / "gpt2_int8_dataflow.py"))
     config.data.path = str(write_tiny_corpus(tmp_path / "corpus"))
     config.model.update(dim=64, n_heads=2, mlp_dim=128, remat=True)
     config.batch_size, config.seq_len, config.steps = 8, 32, 30

@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent("""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     from qjax import dispatch, optim
     from qjax.optim import fused_adam
-    from qjax.train import sharding as train_sharding
+    from qjax.train import mesh as train_mesh
 
     N = len(jax.devices())
     ON_GPU = jax.default_backend() == "gpu"
@@ -113,7 +113,7 @@ SCRIPT = textwrap.dedent("""
                 mesh, specs = CASES[case]
                 put = lambda t: {k: jax.device_put(x, NamedSharding(mesh, specs[k])) for k, x in t.items()}
                 # the moments as the train step lays them out: blocks split along dim 0 over "fsdp"
-                whole = jax.device_put(state, train_sharding.named(train_sharding.state_specs(state, params, mesh),
+                whole = jax.device_put(state, train_mesh.named(train_mesh.state_specs(state, params, mesh),
                                                                    mesh))
                 calls.clear()
                 optim.adamw._warn_unsplit.cache_clear()  # warned once per case and process: here once per run

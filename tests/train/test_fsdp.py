@@ -19,7 +19,7 @@ _SETUP = textwrap.dedent("""
     from configs import llama_base
     from qjax.flax import weight_shardings
     from qjax.train import make_mesh, make_task, make_train_step
-    from qjax.train import mesh as mesh_lib, sharding as sharding_lib
+    from qjax.train import mesh as mesh_lib
     N = len(jax.devices())  # 8 CPU devices here; every GPU in tests/test_mesh_gpu.py
     assert N >= 2 and N % 2 == 0 and 8 % N == 0, jax.devices()
     ON_GPU = jax.default_backend() == "gpu"
@@ -48,8 +48,8 @@ GRADS = _SETUP + textwrap.dedent("""
 
     def loss_and_grads(task, params, mesh):
         # what the train step runs: params split per the rules, the model traced with the mesh and layer shardings
-        shardings = sharding_lib.named(sharding_lib.param_specs(params, mesh), mesh)
-        lookup = sharding_lib.layer_sharding(params, mesh)
+        shardings = mesh_lib.named(mesh_lib.param_specs(params, mesh), mesh)
+        lookup = mesh_lib.layer_sharding(params, mesh)
         key = jax.random.key(1)
 
         def fn(params, batch):
@@ -78,7 +78,7 @@ GRADS = _SETUP + textwrap.dedent("""
             for path, g, r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(grads),
                                   jax.tree.leaves(ref_grads)):
                 g, r = np.asarray(g), np.asarray(r)
-                where = f"{recipe} {name} {sharding_lib.path_name(path[0])}"
+                where = f"{recipe} {name} {mesh_lib.path_name(path[0])}"
                 np.testing.assert_allclose(g, r, rtol=rtol, atol=rtol * np.abs(r).max(), err_msg=where)
                 if ON_GPU:  # fp8: 3.87e-3 measured on 4 GPUs (rounding flips, one e4m3 step each, of ~0.5-1%)
                     err = np.linalg.norm(g - r) / np.linalg.norm(r)
@@ -110,12 +110,12 @@ STATE = _SETUP + textwrap.dedent("""
     matrices = [(path, p) for path, p in jax.tree_util.tree_flatten_with_path(state.params)[0] if p.ndim >= 2]
     assert len(matrices) == 6, matrices  # embed, qkv, o, gate_up, down, lm_head
     for path, leaf in matrices:
-        assert leaf.addressable_shards[0].data.size * F <= leaf.size, (sharding_lib.path_name(path), leaf.sharding)
+        assert leaf.addressable_shards[0].data.size * F <= leaf.size, (mesh_lib.path_name(path), leaf.sharding)
     quantized = [p for p in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
-                 if sharding_lib.path_name(p[0]).endswith(("codes", "absmax"))]
+                 if mesh_lib.path_name(p[0]).endswith(("codes", "absmax"))]
     assert len(quantized) >= 8, len(quantized)
     for path, leaf in quantized:
-        assert leaf.addressable_shards[0].data.size * F == leaf.size, (sharding_lib.path_name(path), leaf.shape)
+        assert leaf.addressable_shards[0].data.size * F == leaf.size, (mesh_lib.path_name(path), leaf.shape)
     print("shards ok")
 
     # The compiled step gathers the quantized layers' weights as int8 codes: two layouts (forward, dgrad) for each
@@ -161,7 +161,7 @@ STATE = _SETUP + textwrap.dedent("""
         for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         qkv = restored.params["layers_0"]["attn"]["qkv_proj"]["kernel"]
-        spec = sharding_lib.param_spec("layers_0/attn/qkv_proj/kernel", qkv.shape, other)
+        spec = mesh_lib.param_spec("layers_0/attn/qkv_proj/kernel", qkv.shape, other)
         assert qkv.sharding.mesh.shape == other.shape and qkv.sharding.spec == spec != P(), qkv.sharding
         next_batch = {k: np.roll(v, 1, axis=0) for k, v in batch.items()}
         new_state, new_metrics = step2(restored, next_batch)
@@ -244,18 +244,18 @@ def test_sharding_rules_follow_megatron_and_fsdp():
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
-    from qjax.train import sharding
+    from qjax.train import mesh as mesh_lib
 
     class FakeMesh:  # the rules read only axis sizes
         shape = {"data": 1, "fsdp": 4, "tensor": 2}
         axis_names = ("data", "fsdp", "tensor")
 
     mesh = FakeMesh()
-    assert sharding.param_spec("layers_0/attn/qkv_proj/kernel", (64, 128), mesh) == P("fsdp", "tensor")
-    assert sharding.param_spec("layers_0/mlp/down_proj/kernel", (128, 64), mesh) == P("tensor", "fsdp")
-    assert sharding.param_spec("embed/embedding", (256, 64), mesh) == P("fsdp", None)
-    assert sharding.param_spec("layers_0/attn_norm/scale", (64,), mesh) == P(None)
-    assert sharding.param_spec("layers_0/attn/o_proj/kernel", (64, 6), mesh) == P("tensor", None)  # 6 % 4
-    lookup = sharding.layer_sharding({"layers_0": {"attn": {"o_proj": {"kernel": np.zeros((64, 64))}}}}, mesh)
+    assert mesh_lib.param_spec("layers_0/attn/qkv_proj/kernel", (64, 128), mesh) == P("fsdp", "tensor")
+    assert mesh_lib.param_spec("layers_0/mlp/down_proj/kernel", (128, 64), mesh) == P("tensor", "fsdp")
+    assert mesh_lib.param_spec("embed/embedding", (256, 64), mesh) == P("fsdp", None)
+    assert mesh_lib.param_spec("layers_0/attn_norm/scale", (64,), mesh) == P(None)
+    assert mesh_lib.param_spec("layers_0/attn/o_proj/kernel", (64, 6), mesh) == P("tensor", None)  # 6 % 4
+    lookup = mesh_lib.layer_sharding({"layers_0": {"attn": {"o_proj": {"kernel": np.zeros((64, 64))}}}}, mesh)
     o = lookup("layers_0/attn/o_proj")
     assert (o.fsdp, o.fsdp_dim, o.tensor, o.tensor_dim) == ("fsdp", "n", "tensor", "k") and lookup("lm_head") is None

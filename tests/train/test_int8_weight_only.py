@@ -20,7 +20,8 @@ from train_helpers import tiny_llama_config
 import qjax
 from qjax import dispatch, int8_params, optim
 from qjax.dot_general import _quantized_dot
-from qjax.train import ConfigError, make_mesh, make_task, make_train_step, memory, train
+from qjax.train import ConfigError, make_mesh, make_task, make_train_step, train
+from qjax.train import step as step_lib
 
 
 def _int8_config(token_dir, **top):
@@ -114,12 +115,12 @@ def test_memory_estimate_counts_int8_params_and_bf16_gradients(token_dir):
     task = make_task(config)
     init_state, _ = make_train_step(config, task)
     abstract = jax.eval_shape(init_state)
-    estimate = memory.estimate(config, task, abstract, make_mesh())
+    estimate = step_lib.estimate(config, task, abstract, make_mesh())
     kernels = _kernels(abstract.params)
     n_kernel = sum(int(np.prod(p.shape)) for p in kernels.values())
     n_scale = sum(int(np.prod(p.scale.shape)) for p in kernels.values())
     n_float = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract.params)) - n_kernel - n_scale
-    assert memory._tree_bytes(abstract.params) == n_kernel + 4 * n_scale + 2 * n_float  # 1 byte per weight
+    assert step_lib._tree_bytes(abstract.params) == n_kernel + 4 * n_scale + 2 * n_float  # 1 byte per weight
     assert estimate.gradients == 2 * (n_kernel + n_float)  # gradients of the dequantized weights, bfloat16
     assert estimate.state >= n_kernel + 4 * (n_kernel + n_float)  # + AdamW's bfloat16 moments
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from qjax.train import fields
+from qjax.train import config as config_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The config files train.py takes (those with a get_config; common.py only adds shared fields to them).
@@ -42,8 +42,8 @@ def test_show_config_lists_every_field_with_value_and_doc():
         name, rest = line.split(" = ", 1)
         value, doc = rest.split("  # ", 1)
         rows[name] = (value.strip(), doc)
-    config = fields.load_config(str(ROOT / "configs/llama_int8.py"))
-    assert sorted(rows) == sorted(fields.flatten(config))
+    config = config_lib.load_config(str(ROOT / "configs/llama_int8.py"))
+    assert sorted(rows) == sorted(config_lib.flatten(config))
     assert rows["recipe"][0] == "'int8_rowwise'" and rows["recipe"][1].startswith("how GEMMs are quantized")
     assert rows["steps"][0] == "300" and rows["steps"][1].startswith("optimizer steps")
     assert rows["optimizer.warmup_steps"] == ("None", "None: min(30, steps // 10)")
@@ -52,8 +52,8 @@ def test_show_config_lists_every_field_with_value_and_doc():
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_config_field_has_a_doc(name):
     path = ROOT / "configs" / name
-    docs = fields.field_docs(path)
-    undocumented = sorted(set(fields.flatten(fields.load_config(str(path)))) - set(docs))
+    docs = config_lib.field_docs(path)
+    undocumented = sorted(set(config_lib.flatten(config_lib.load_config(str(path)))) - set(docs))
     assert not undocumented, f"configs/{name}: give these fields a trailing comment: {undocumented}"
 
 

@@ -1,5 +1,6 @@
 """Config files load, command-line overrides reach the model, and bad configs fail early with the fix in the message."""
 
+import io
 import pathlib
 import subprocess
 import sys
@@ -151,3 +152,33 @@ def test_cli_prints_the_fix_without_a_traceback(tmp_path):
     assert result.returncode == 2, result.stderr
     assert f"python -m qjax.data.prepare shakespeare --out {tmp_path / 'nowhere'}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_train_runs_each_check_once(tmp_path, monkeypatch):
+    """train() checks up front and its builders take the checked config: no check runs twice (resume included)."""
+    import qjax.train as train_package  # noqa: PLC0415
+    from qjax.train import config as config_lib, step as step_lib  # noqa: PLC0415
+
+    checks = {name: getattr(config_lib, name) for name in (
+        "check_config", "check_data_config", "check_mesh_config", "check_optimizer_config", "check_batch_size",
+        "check_train_step", "check_resume")}
+    checks["check_fits"] = step_lib.check_fits
+    calls = dict.fromkeys(checks, 0)
+
+    def counting(name, check):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return check(*args, **kwargs)
+        return wrapper
+
+    spies = {check: counting(name, check) for name, check in checks.items()}
+    for module in [train_package, *(m for n, m in vars(train_package).items() if type(m) is type(config_lib))]:
+        for attr, value in list(vars(module).items()):
+            if callable(value) and value in spies:  # every module's binding of a check, however it was imported
+                monkeypatch.setattr(module, attr, spies[value])
+    config = tiny_vit_config(steps=2, eval_every=0, checkpoint_every=0)
+    train(config, tmp_path, stop_at=1, stream=io.StringIO())
+    assert calls == {**dict.fromkeys(checks, 1), "check_train_step": 0, "check_resume": 0}, calls
+    calls.update(dict.fromkeys(calls, 0))
+    train(config, tmp_path, stream=io.StringIO())  # resumes at step 1
+    assert calls == {**dict.fromkeys(checks, 1), "check_train_step": 0}, calls

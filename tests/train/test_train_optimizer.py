@@ -16,7 +16,7 @@ from qjax import optim as qoptim
 from qjax.optim import blockwise, fused_adam
 from qjax.train import ProgressMeter, make_optimizer, peak_flops
 from qjax.train.metrics import check_finite, format_progress
-from qjax.train.optimizer import OPTIMIZERS
+from qjax.train import OPTIMIZERS
 
 
 def _opt(**changes):

@@ -10,7 +10,9 @@ import pytest
 from train_helpers import tiny_llama_config
 
 from qjax import models
-from qjax.train import ConfigError, header, make_mesh, make_task, make_train_step, memory, train
+from qjax.train import ConfigError, make_mesh, make_task, make_train_step, train
+from qjax.train import metrics
+from qjax.train import step as step_lib
 
 
 def test_header_lists_recipes_per_layer_and_warns_when_nothing_is_quantized(token_dir, tmp_path):
@@ -32,19 +34,19 @@ def test_header_lists_recipes_per_layer_and_warns_when_nothing_is_quantized(toke
 
 def test_recipe_summary_counts_layers_per_recipe():
     config = models.llama_config("1b", recipe="fp8_blockwise")
-    assert header.recipe_summary(config) == "qkv/o/gate_up/down: fp8_blockwise x 22 layers; lm_head: bf16"
-    assert header.quantizes_nothing(config) is None
+    assert metrics.recipe_summary(config) == "qkv/o/gate_up/down: fp8_blockwise x 22 layers; lm_head: bf16"
+    assert metrics.quantizes_nothing(config) is None
     mixed = models.llama_config("tiny", recipe="int8_rowwise", keep_high_precision=("layers_0/mlp",))
-    assert header.recipe_summary(mixed) == ("qkv/o: int8_rowwise x 2 layers; gate_up/down: bf16 x 1 layer, "
+    assert metrics.recipe_summary(mixed) == ("qkv/o: int8_rowwise x 2 layers; gate_up/down: bf16 x 1 layer, "
                                             "int8_rowwise x 1 layer; lm_head: int8_rowwise")
-    assert header.quantizes_nothing(models.llama_config("tiny", recipe="bf16")) is None
+    assert metrics.quantizes_nothing(models.llama_config("tiny", recipe="bf16")) is None
     everything_kept = models.llama_config("tiny", recipe="int8_rowwise", min_features=10_000)
-    assert "config.min_features=10000" in header.quantizes_nothing(everything_kept)
+    assert "config.min_features=10000" in metrics.quantizes_nothing(everything_kept)
 
 
 def test_run_that_cannot_fit_fails_before_compiling(token_dir, tmp_path, monkeypatch):
     # The 1B model's params and Adam states alone (~13 GB) exceed a device of 4 GiB.
-    monkeypatch.setattr(memory, "device_memory_bytes", lambda device, sharing=1: 4 * memory.GiB)
+    monkeypatch.setattr(step_lib, "device_memory_bytes", lambda device, sharing=1: 4 * step_lib.GiB)
     config = tiny_llama_config(token_dir)
     config.model.size, config.model.n_layers, config.model.dim = "1b", None, None
     config.model.n_heads, config.model.n_kv_heads, config.model.ffn_dim = None, None, None
@@ -69,14 +71,14 @@ def test_activations_beyond_the_host_name_batch_seq_len_and_remat():
     with pytest.raises(ConfigError, match=r"more than the [\d.]+ GiB of a cpu device: lower config.batch_size or "
                                           r"config.seq_len, raise config.grad_accum_steps, or set "
                                           r"--config.model.remat=True$"):
-        memory.check_fits(config, task, jax.eval_shape(init_state), make_mesh())
+        step_lib.check_fits(config, task, jax.eval_shape(init_state), make_mesh())
 
 
 def test_estimate_counts_state_exactly_and_activations_by_the_formula(token_dir):
     config = tiny_llama_config(token_dir)
     task = make_task(config, vocab_size=256)
     init_state, _ = make_train_step(config, task)
-    estimate = memory.estimate(config, task, jax.eval_shape(init_state), make_mesh())
+    estimate = step_lib.estimate(config, task, jax.eval_shape(init_state), make_mesh())
     n = models.num_params(jax.eval_shape(init_state).params)
     assert estimate.state >= 4 * n + 8 * n  # float32 params + two float32 Adam moments (+ scalars)
     assert estimate.gradients == 4 * n

@@ -17,7 +17,7 @@ import pytest
 from train_helpers import tiny_llama_config
 
 from qjax.train import Checkpointer, ConfigError, loop, train
-from qjax.train import plot as plot_lib
+from qjax.train import metrics as plot_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = dict(size="tiny", n_layers=1, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
