@@ -142,14 +142,20 @@ def clip_factors(norm, max_norm: float, dtype):
     return keep, divisor, multiplier
 
 
-def clip_gradient(g, keep, divisor, multiplier, dtype, rounded=round_to):
-    """optax.clip_by_global_norm on the float32 values g of a gradient of `dtype`: g where `keep` (a scalar), else
-    (g / norm) * max_norm, each op's result rounded to `dtype` as optax's op in that dtype specifies (a bfloat16
-    quotient rounded to float32, then to bfloat16, is the correctly rounded one: double rounding is innocuous from 24
-    to 8 significant bits) -> float32. Args from `clip_factors`; rounded(x, dtype): `round_to` (a kernel passes
-    casts). A select, as optax's: XLA:CPU keeps the division there, where it may turn a bare x / broadcast(scalar)
-    into x * (1 / scalar), other bits."""
-    return lax.select(keep, g, rounded(rounded(g / divisor, dtype) * multiplier, dtype))
+def scale_gradient(g, divisor, multiplier, dtype, rounded=round_to):
+    """optax.clip_by_global_norm's (g / norm) * max_norm on the float32 values g of a gradient of `dtype`, each op's
+    result rounded to `dtype` as optax's op in that dtype specifies (a bfloat16 quotient rounded to float32, then to
+    bfloat16, is the correctly rounded one: double rounding is innocuous from 24 to 8 significant bits) -> float32.
+    divisor, multiplier: `clip_factors`' (or 1 and 1, which leave g as it is); rounded(x, dtype): `round_to` (a
+    kernel passes casts)."""
+    return rounded(rounded(g / divisor, dtype) * multiplier, dtype)
+
+
+def clip_gradient(g, keep, divisor, multiplier, dtype):
+    """optax.clip_by_global_norm on the float32 values g of a gradient of `dtype` -> float32: g where `keep` (a
+    scalar), else `scale_gradient`. Args from `clip_factors`. A select, as optax's: XLA keeps the division under it,
+    where it may turn a bare x / broadcast(scalar) into x * (1 / scalar), other bits."""
+    return lax.select(keep, g, scale_gradient(g, divisor, multiplier, dtype))
 
 
 def adam_math(g, m_old, v_old, b1, b2, eps, bias_correction1, bias_correction2_sqrt):

@@ -131,8 +131,8 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
                          f"{nu.codes.shape}")
     coefficients = (bc1, bc2_sqrt, step_size)
     if clip is not None:
-        keep, divisor, multiplier = clip
-        coefficients += (jnp.where(keep, 1, 0), divisor, multiplier)
+        keep, divisor, multiplier = clip  # kept: divided and multiplied by 1, g exactly (no select in the kernel)
+        coefficients += (jnp.where(keep, 1, divisor), jnp.where(keep, 1, multiplier))
     coef = jnp.stack([jnp.asarray(c, jnp.float32) for c in coefficients])
     p_new, m_state, v_state = adam_step_mgpu.adam_step_kernel(
         p.reshape(n_blocks, block), g.reshape(n_blocks, block), _state_arrays(mu), _state_arrays(nu), coef,
