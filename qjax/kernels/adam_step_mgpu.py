@@ -267,9 +267,12 @@ def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_ref
     p = load_from_gmem(p_ref, _LAYOUT).astype(jnp.float32)
     g = load_from_gmem(g_ref, _LAYOUT).astype(jnp.float32)
     if coef_ref.shape[0] > 3:  # clipped by the global norm as it is read (divisor and multiplier 1: kept as is)
+        divisor = coef_ref[3]
+        if interpret:  # XLA:CPU would divide by a broadcast scalar as a multiply by its reciprocal (other bits)
+            divisor = lax.optimization_barrier(jnp.full(g.shape, divisor))
         # compiled, casts round (Mosaic GPU keeps them); the interpreter's XLA might drop a pair of casts
         rounded = adam_math.round_to if interpret else lambda x, dtype: x.astype(dtype).astype(jnp.float32)
-        g = adam_math.scale_gradient(g, coef_ref[3], coef_ref[4], g_ref.dtype, rounded)
+        g = adam_math.scale_gradient(g, divisor, coef_ref[4], g_ref.dtype, rounded)
     bc1, bc2_sqrt, step_size = coef_ref[0], coef_ref[1], coef_ref[2]
     m_old = load_state(m_refs, m_format, m_table)
     v_old = load_state(v_refs, v_format, v_table)
