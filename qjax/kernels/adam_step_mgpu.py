@@ -22,7 +22,8 @@ is not a multiple); one program per tile, with no shared memory but the code tab
 
   GMEM -> registers (vector loads): p (R, B) f32, g (R, B) f32, m codes (R, B), m scale (R,) (and the other
                                      per-row arrays), v codes, v scale
-  registers: m_old = decode(codes) * scale (same for v); adam_math.adam_math -> direction, m, v;
+  registers: g clipped by the global norm where asked (adam_math.scale_gradient, scalars in coef);
+             m_old = decode(codes) * scale (same for v); adam_math.adam_math -> direction, m, v;
              p = adam_math.param_update(p, direction, -lr, wd); per row: amax, then
              e4m3: adam_math.quantize_e4m3_blocks (or the expanded one); code books: codes = nearest code of
              x * (1 / absmax) (absmax 1 for all-zero rows)
@@ -265,6 +266,13 @@ def _tile_step(coef_ref, seed_ref, m_table_ref, v_table_ref, p_ref, g_ref, m_ref
 
     p = load_from_gmem(p_ref, _LAYOUT).astype(jnp.float32)
     g = load_from_gmem(g_ref, _LAYOUT).astype(jnp.float32)
+    if coef_ref.shape[0] > 3:  # clipped by the global norm as it is read (divisor and multiplier 1: kept as is)
+        divisor = coef_ref[3]
+        if interpret:  # XLA:CPU would divide by a broadcast scalar as a multiply by its reciprocal (other bits)
+            divisor = lax.optimization_barrier(jnp.full(g.shape, divisor))
+        # compiled, casts round (Mosaic GPU keeps them); the interpreter's XLA might drop a pair of casts
+        rounded = adam_math.round_to if interpret else lambda x, dtype: x.astype(dtype).astype(jnp.float32)
+        g = adam_math.scale_gradient(g, divisor, coef_ref[4], g_ref.dtype, rounded)
     bc1, bc2_sqrt, step_size = coef_ref[0], coef_ref[1], coef_ref[2]
     m_old = load_state(m_refs, m_format, m_table)
     v_old = load_state(v_refs, v_format, v_table)
@@ -338,7 +346,8 @@ def adam_step_kernel(p2, g2, m_state, v_state, coef, *, formats, b1, b2, eps, we
       m_state, v_state: each moment as a tuple (codes, *per-block arrays) in the formats `formats`, a pair from
         KERNEL_FORMATS: codes (n, B) float8_e4m3fn or uint8 (4-bit: (n, B / 2), packed), then the per-block (n,)
         arrays: code books absmax f32; e4m3 scale f32; e4m3_dre scale f32, expand uint8 (16 k), centre bfloat16.
-      coef: float32 (3,): 1 - b1**t, sqrt(1 - b2**t), -learning_rate.
+      coef: float32 (3,): 1 - b1**t, sqrt(1 - b2**t), -learning_rate; or (5,), the gradient then clipped by its
+        global norm: `adam_math.scale_gradient`'s divisor and multiplier after them (1 and 1 where not clipped).
       b1, b2, eps, weight_decay: Python floats (weight_decay 0: none, as optax).
       interpret: None / False compiled (a Hopper GPU); True or a `plgpu.InterpretGPUParams`: the interpreter.
     Returns:

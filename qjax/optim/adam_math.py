@@ -1,6 +1,7 @@
 """The low-bit Adam formulas that the optimizer's jnp code and the fused step kernel (`qjax.kernels.adam_step_mgpu`)
-share, each written once and kernel-safe (`qjax.numerics`' rules): the Adam update, the param update, and the e4m3
-state codecs, plain and with COAT's dynamic range expansion. The code book states are `qjax.optim.codebooks`'.
+share, each written once and kernel-safe (`qjax.numerics`' rules): clipping by the global norm, the Adam update, the
+param update, and the e4m3 state codecs, plain and with COAT's dynamic range expansion. The code book states are
+`qjax.optim.codebooks`'.
 """
 
 import math
@@ -118,6 +119,43 @@ def dequantize_e4m3_expanded_blocks(codes, scale, expand, centre, broadcast_rows
     inverse_k = jnp.float32(EXPAND_STEPS) / expand.astype(jnp.float32)
     magnitude = _power(jnp.abs(y), broadcast_rows(inverse_k, codes.shape))
     return numerics.copysign(magnitude * broadcast_rows(centre.astype(jnp.float32), codes.shape), y)
+
+
+def round_to(x, dtype):
+    """float32 x rounded to the nearest value of float `dtype` (identity for float32), as float32. A
+    `reduce_precision`, not a cast there and back: XLA may drop such a pair of casts (excess precision)."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return x
+    info = jnp.finfo(dtype)
+    return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+def clip_factors(norm, max_norm: float, dtype):
+    """`optax.clip_by_global_norm`'s scalars for one gradient of `dtype` -> (keep, divisor, multiplier) for
+    `clip_gradient`: keep (bool) where norm < max_norm (compared as optax compares: the norm in its own dtype,
+    `optax.tree.norm`'s, against a weakly typed Python float), divisor and multiplier float32 holding the norm and
+    max_norm rounded to `dtype` (optax divides by norm.astype(g.dtype), multiplies by max_norm in g's dtype). A NaN
+    norm compares False: NaN gradients, as optax gives."""
+    keep = jnp.asarray(norm < max_norm)
+    divisor = round_to(jnp.asarray(norm, jnp.float32), dtype)
+    multiplier = jnp.asarray(max_norm, dtype).astype(jnp.float32)  # as jnp converts a weakly typed Python float
+    return keep, divisor, multiplier
+
+
+def scale_gradient(g, divisor, multiplier, dtype, rounded=round_to):
+    """optax.clip_by_global_norm's (g / norm) * max_norm on the float32 values g of a gradient of `dtype`, each op's
+    result rounded to `dtype` as optax's op in that dtype specifies (a bfloat16 quotient rounded to float32, then to
+    bfloat16, is the correctly rounded one: double rounding is innocuous from 24 to 8 significant bits) -> float32.
+    divisor, multiplier: `clip_factors`' (or 1 and 1, which leave g as it is); rounded(x, dtype): `round_to` (a
+    kernel passes casts)."""
+    return rounded(rounded(g / divisor, dtype) * multiplier, dtype)
+
+
+def clip_gradient(g, keep, divisor, multiplier, dtype):
+    """optax.clip_by_global_norm on the float32 values g of a gradient of `dtype` -> float32: g where `keep` (a
+    scalar), else `scale_gradient`. Args from `clip_factors`. A select, as optax's: XLA keeps the division under it,
+    where it may turn a bare x / broadcast(scalar) into x * (1 / scalar), other bits."""
+    return lax.select(keep, g, scale_gradient(g, divisor, multiplier, dtype))
 
 
 def adam_math(g, m_old, v_old, b1, b2, eps, bias_correction1, bias_correction2_sqrt):

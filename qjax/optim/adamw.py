@@ -3,7 +3,7 @@
   tx = qjax.optim.adamw_8bit(learning_rate=schedule, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
   state = tx.init(params); updates, state = tx.update(grads, state, params); params = optax.apply_updates(...)
   params, state = qjax.optim.apply_gradients(tx, grads, state, params)     # the same step, fused where possible
-  tx = qjax.optim.chain_fused(optax.clip_by_global_norm(1.0), qjax.optim.adamw_fp8(schedule, use_kernel=True))
+  tx = qjax.optim.chain_fused(qjax.optim.clip_by_global_norm(1.0), qjax.optim.adamw_fp8(schedule, use_kernel=True))
 
 Each is one `quantized_adamw(config, ...)` transformation: Adam with m and v stored per `adam.StateConfig` (the
 per-tensor math is in `qjax.optim.adam`), decoupled weight decay (optax's `mask`) and the learning rate, with the ops
@@ -15,10 +15,11 @@ Its state is one `adam.QuantizedAdamState(count, mu, nu)`: count, the steps take
 (bias correction) and the schedule's argument lr(count), as the chain's two counts did. It composes with
 `optax.chain`, clipping, schedules, `optax.MultiSteps`, sharded params and orbax like any optax transformation.
 
-It is also a `FusedTransformation`: `step(grads, state, params, key=None, param_specs=None) -> (params, state)`
-applies its own update: per tensor `fused_adam.fused_step_reference` (the update in float32, rounded once to the
-param's dtype; bfloat16 stochastically with `key`), for float32 params and grads bit for bit `update` +
-`optax.apply_updates`.
+It is also a `FusedTransformation`: `step(grads, state, params, key=None, param_specs=None, max_grad_norm=None)
+-> (params, state)` applies its own update: per tensor `fused_adam.fused_step_reference` (the update in float32,
+rounded once to the param's dtype; bfloat16 stochastically with `key`), for float32 params and grads bit for bit
+`update` + `optax.apply_updates`; with `max_grad_norm`, of the gradients clipped as `optax.clip_by_global_norm` clips
+them, each as its tensor's update reads it (`qjax.optim.clipping`).
 With `use_kernel=True` (e4m3, 8-bit or 4-bit states, on a Hopper GPU) the step updates each eligible tensor's
 param and moments in place in one kernel (`qjax.optim.fused_adam`: 16 instead of ~28 bytes moved per float32 param).
 On several GPUs the kernel runs per device: `step(..., param_specs=)` with the mesh set while tracing
@@ -30,8 +31,10 @@ passes the specs.
 so their temporaries stay about one group's (under a mesh, `step` leaves a tensor split over it unchunked: XLA
 would gather it for the chunk loop). `apply_gradients(tx, ...)` runs a
 `FusedTransformation`'s step, any other transformation's update + `optax.apply_updates`. `chain_fused(*pre, tx)`
-chains transformations before it (e.g. clipping) and keeps its step; wrapped in `optax.chain` or `optax.MultiSteps`
-it is an ordinary optax transformation (the same results through `update`, no kernel).
+chains transformations before it (e.g. clipping) and keeps its step; a `qjax.optim.clip_by_global_norm` right before
+tx is folded into tx's step (each tensor's gradient clipped as its update reads it: no clipped copy of the
+gradients). Wrapped in `optax.chain` or `optax.MultiSteps` it is an ordinary optax transformation (the same results
+through `update`, no kernel).
 """
 
 import functools
@@ -44,7 +47,7 @@ import jax.numpy as jnp
 import optax
 
 from qjax import dispatch
-from qjax.optim import adam, fused_adam, sr_params, streaming
+from qjax.optim import adam, clipping, fused_adam, sr_params, streaming
 
 _DEFAULT_BLOCK = {"dynamic_signed_8bit": 256, "dynamic_unsigned_8bit": 256, "dynamic_signed_4bit": 128,
                   "linear_unsigned_4bit": 128, "e4m3": 256, "e4m3_dre": 128}
@@ -55,13 +58,17 @@ class FusedTransformation(optax.GradientTransformation):
     optax transformation) that also applies its update itself: `step(grads, state, params) -> (params, state)`, the
     result of `update` + `optax.apply_updates` (where a kernel takes a tensor, up to float32 rounding on a GPU).
     `apply_gradients` calls it; `step(grads, state, params, key, param_specs)` takes a key for bfloat16 params'
-    stochastic rounding (None: to nearest) and the params' PartitionSpecs on the context mesh (None: no mesh)."""
+    stochastic rounding (None: to nearest) and the params' PartitionSpecs on the context mesh (None: no mesh).
+    Where `folds_clipping`, `step(..., max_grad_norm=x)` first clips the gradients as `optax.clip_by_global_norm(x)`
+    does, inside each tensor's update (`qjax.optim.clipping`)."""
 
     step: Callable  # set in __new__: a NamedTuple subclass cannot add fields, but may add attributes
+    folds_clipping: bool
 
-    def __new__(cls, init: Callable, update: Callable, step: Callable):
+    def __new__(cls, init: Callable, update: Callable, step: Callable, folds_clipping: bool = False):
         self = super().__new__(cls, init, update)
         self.step = step
+        self.folds_clipping = folds_clipping
         return self
 
 
@@ -95,7 +102,9 @@ def apply_gradients(tx, grads, opt_state, params, key=None, param_specs=None):
 
 def chain_fused(*transforms) -> FusedTransformation:
     """`optax.chain(*transforms)` whose `step` runs the last transformation's `apply_gradients` (its fused step)
-    after the others' updates, e.g. `chain_fused(optax.clip_by_global_norm(1.0), adamw_fp8(lr, use_kernel=True))`.
+    after the others' updates, e.g. `chain_fused(qjax.optim.clip_by_global_norm(1.0), adamw_fp8(lr, use_kernel=True))`.
+    A `qjax.optim.clip_by_global_norm` right before a last transformation that `folds_clipping` (the AdamWs here) is
+    not run as an update: the last step clips each gradient as it reads it (`qjax.optim.clipping`).
 
     State: the tuple of the transformations' states, in order (`optax.chain`'s layout); `update` equals
     `optax.chain`'s.
@@ -103,6 +112,8 @@ def chain_fused(*transforms) -> FusedTransformation:
     if not transforms:
         raise ValueError("chain_fused needs at least one transformation")
     *pre, last = transforms
+    folded = (bool(pre) and isinstance(pre[-1], clipping.ClipByGlobalNorm) and isinstance(last, FusedTransformation)
+              and last.folds_clipping)
 
     def run(txs, updates, states, params):
         new_states = []
@@ -118,9 +129,13 @@ def chain_fused(*transforms) -> FusedTransformation:
         return run(transforms, updates, state, params)
 
     def step_fn(grads, state, params, key=None, param_specs=None):
-        grads, pre_states = run(pre, grads, state[:-1], params)
-        params, last_state = apply_gradients(last, grads, state[-1], params, key, param_specs)
-        return params, (*pre_states, last_state)
+        if not folded:
+            grads, pre_states = run(pre, grads, state[:-1], params)
+            params, last_state = apply_gradients(last, grads, state[-1], params, key, param_specs)
+            return params, (*pre_states, last_state)
+        grads, pre_states = run(pre[:-1], grads, state[:-2], params)
+        params, last_state = last.step(grads, state[-1], params, key, param_specs, max_grad_norm=pre[-1].max_norm)
+        return params, (*pre_states, state[-2], last_state)  # the clip's state: optax's, which update leaves as is
 
     return FusedTransformation(init_fn, update_fn, step_fn)
 
@@ -170,11 +185,12 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     weight_decay = float(weight_decay)  # a Python float: optax skips a zero decay only then, and so does the kernel
     init_fn = adam.scale_by_quantized_adam(config, b1, b2, eps).init  # checks b1, b2, eps; count 0, zero moments
 
-    def map_tensors(tensor_step, grads, state, params, seeds=None, routes=None, in_place=False, whole=None):
-        """tensor_step(g, mu, nu, p, offset, weight_decay, _Coefficients, seed, route) -> (x, mu, nu) per tensor,
-        streamed (`streaming.run`: groups in sequence, large tensors in chunks of blocks at element `offset`)
+    def map_tensors(tensor_step, grads, state, params, seeds=None, routes=None, in_place=False, whole=None,
+                    clips=None):
+        """tensor_step(g, mu, nu, p, offset, weight_decay, _Coefficients, seed, route, clip) -> (x, mu, nu) per
+        tensor, streamed (`streaming.run`: groups in sequence, large tensors in chunks of blocks at element `offset`)
         -> (tree of x like grads, new state). x is the new param when `in_place`, else the update. `seeds`,
-        `routes`, `whole` (True: never chunked): one per leaf, or None."""
+        `routes`, `whole` (True: never chunked), `clips` (`clipping.leaf_clips`): one per leaf, or None."""
         if params is None:
             raise ValueError("quantized_adamw's update needs params (weight decay): pass update(grads, state, params)")
         count = optax.safe_increment(state.count)
@@ -183,18 +199,18 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
         g_leaves, treedef = jax.tree.flatten(grads)
         seeds = [None] * len(g_leaves) if seeds is None else seeds
         routes = [False] * len(g_leaves) if routes is None else routes
+        clips = [None] * len(g_leaves) if clips is None else clips
         tensors = zip(g_leaves, *(treedef.flatten_up_to(tree) for tree in (state.mu, state.nu, params)),
-                      _decays(weight_decay, mask, grads), seeds, routes, strict=True)
-        out = streaming.run(lambda g, mu, nu, p, offset, wd, seed, route: tensor_step(g, mu, nu, p, offset, wd,
-                                                                                      coefficients, seed, route),
-                            list(tensors), in_place=in_place, whole=whole)
+                      _decays(weight_decay, mask, grads), seeds, routes, clips, strict=True)
+        out = streaming.run(lambda g, mu, nu, p, offset, wd, seed, route, clip: tensor_step(
+            g, mu, nu, p, offset, wd, coefficients, seed, route, clip), list(tensors), in_place=in_place, whole=whole)
         x, mu, nu = (treedef.unflatten([o[i] for o in out]) for i in range(3))
         return x, adam.QuantizedAdamState(count, mu, nu)
 
-    def tensor_update(g, mu, nu, p, offset, wd, c, seed, route):
+    def tensor_update(g, mu, nu, p, offset, wd, c, seed, route, clip):
         """One tensor's update with optax's ops: Adam's direction in g's dtype, add_decayed_weights (skipped at 0),
         scale_by_learning_rate (a schedule's value cast to the update's dtype, a constant multiplied as it is)."""
-        del offset, seed, route
+        del offset, seed, route, clip
         direction, mu, nu = adam.update_reference(g, mu, nu, config, b1, b2, eps, c.bc1, c.bc2_sqrt)
         u = direction.astype(g.dtype)
         u = u + wd * p if wd else u
@@ -204,8 +220,9 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     def update_fn(grads, state, params=None):
         return map_tensors(tensor_update, grads, state, params)
 
-    def step_fn(grads, state, params, key=None, param_specs=None):
+    def step_fn(grads, state, params, key=None, param_specs=None, max_grad_norm=None):
         mesh = _sharded_mesh(param_specs)
+        clips = None if max_grad_norm is None else clipping.leaf_clips(grads, max_grad_norm)
         run_kernel, interpret = (dispatch.kernel_mode(per_device=mesh is not None) if use_kernel
                                  else (False, False))
         seeds = None if key is None else sr_params.leaf_seeds(key, len(jax.tree.leaves(params)))
@@ -234,25 +251,25 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
         # device are chunked as on one device.
         whole = [r is not False or (mesh is not None and _splits(spec, mesh)) for r, spec in zip(routes, specs)]
 
-        def tensor_step(g, mu, nu, p, offset, wd, c, seed, route):
+        def tensor_step(g, mu, nu, p, offset, wd, c, seed, route, clip):
             step_size = jnp.asarray(c.step_size, jnp.float32)
             args = (b1, b2, eps, c.bc1, c.bc2_sqrt, step_size, wd)
             if route is True:
-                return fused_adam.fused_step(p, g, mu, nu, *args, seed=seed, interpret=interpret)
+                return fused_adam.fused_step(p, g, mu, nu, *args, seed=seed, clip=clip, interpret=interpret)
             if route is not False:
                 layout, spec = route
-                new_p, mu, nu = fused_adam.fused_step_per_device(p, g, mu, nu, layout, *args, seed=seed,
+                new_p, mu, nu = fused_adam.fused_step_per_device(p, g, mu, nu, layout, *args, seed=seed, clip=clip,
                                                                  interpret=interpret)
                 return jax.lax.with_sharding_constraint(new_p, spec), mu, nu  # where a layout moved p: back
             return fused_adam.fused_step_reference(p, g, mu, nu, config, b1, b2, eps, c.bc1, c.bc2_sqrt, step_size,
-                                                   wd, seed, offset)
+                                                   wd, seed, offset, clip=clip)
 
-        out = map_tensors(tensor_step, grads, state, params, seeds, routes, in_place=True, whole=whole)
+        out = map_tensors(tensor_step, grads, state, params, seeds, routes, in_place=True, whole=whole, clips=clips)
         if unsplit:
             _warn_unsplit(len(unsplit), sum(math.prod(shape) for shape, _ in unsplit), *unsplit[0])
         return out
 
-    return FusedTransformation(init_fn, update_fn, step_fn)
+    return FusedTransformation(init_fn, update_fn, step_fn, folds_clipping=True)
 
 
 def _sharded_mesh(param_specs):

@@ -37,11 +37,14 @@ KERNEL_BLOCK_SIZES = adam_step_mgpu.BLOCK_SIZES
 
 
 def fused_step_reference(p, g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float,
-                         seed=None, offset=0, runs=None):
-    """jnp reference of one tensor's fused step, any state format: `adam.update_reference`, then the param update in
-    float32, rounded to p's dtype (`sr_params.round_param`: stochastically for bfloat16 with a `seed`; p's elements
-    have indices offset + row-major index in the whole param, or with `runs` = (run, stride) offset + j * stride + e
-    for element e of the j-th run of `run` elements). Args as in `fused_step`, plus the `adam.StateConfig`."""
+                         seed=None, offset=0, runs=None, clip=None):
+    """jnp reference of one tensor's fused step, any state format: g clipped (with `clip`), `adam.update_reference`,
+    then the param update in float32, rounded to p's dtype (`sr_params.round_param`: stochastically for bfloat16 with
+    a `seed`; p's elements have indices offset + row-major index in the whole param, or with `runs` = (run, stride)
+    offset + j * stride + e for element e of the j-th run of `run` elements). Args as in `fused_step`, plus the
+    `adam.StateConfig`."""
+    if clip is not None:
+        g = adam_math.clip_gradient(g.astype(jnp.float32), *clip, g.dtype)
     direction, mu, nu = adam.update_reference(g, mu, nu, config, b1, b2, eps, bc1, bc2_sqrt)
     new_p = adam_math.param_update(p.astype(jnp.float32), direction, step_size, weight_decay)
     if runs is None:
@@ -95,7 +98,7 @@ def kernel_eligible(p, g, mu, nu, seeded: bool = False) -> bool:
 
 
 def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay: float, *, seed=None, offset=0,
-               runs=None, interpret=None):
+               runs=None, clip=None, interpret=None):
     """One tensor's AdamW step with quantized moments in one kernel; the result of `fused_step_reference`.
 
     Args:
@@ -110,6 +113,8 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
         element in the whole param (a device's shard: `fused_step_per_device`), even; runs: None (p's elements follow
         one another in the whole param) or static (run, stride) (runs of `run` elements, a multiple of B, `stride`
         apart), as in `fused_step_reference`.
+      clip: None, or `adam_math.clip_factors` (keep, divisor, multiplier) for g's dtype: g is clipped by the global
+        norm as it is read (`adam_math.clip_gradient`, `qjax.optim.clipping`).
       interpret: None / False runs the compiled kernel (needs a Hopper GPU); True or a `plgpu.InterpretGPUParams`
         runs it under the Mosaic GPU interpreter (CPU).
     Returns:
@@ -124,7 +129,11 @@ def fused_step(p, g, mu, nu, b1, b2, eps, bc1, bc2_sqrt, step_size, weight_decay
     if nu.codes.shape != mu.codes.shape or mu.shape != nu.shape or p.shape != mu.shape or g.shape != p.shape:
         raise ValueError(f"shapes differ: p {p.shape}, g {g.shape}, mu {mu.shape} {mu.codes.shape}, nu {nu.shape} "
                          f"{nu.codes.shape}")
-    coef = jnp.stack([jnp.asarray(c, jnp.float32) for c in (bc1, bc2_sqrt, step_size)])
+    coefficients = (bc1, bc2_sqrt, step_size)
+    if clip is not None:
+        keep, divisor, multiplier = clip  # kept: divided and multiplied by 1, g exactly (no select in the kernel)
+        coefficients += (jnp.where(keep, 1, divisor), jnp.where(keep, 1, multiplier))
+    coef = jnp.stack([jnp.asarray(c, jnp.float32) for c in coefficients])
     p_new, m_state, v_state = adam_step_mgpu.adam_step_kernel(
         p.reshape(n_blocks, block), g.reshape(n_blocks, block), _state_arrays(mu), _state_arrays(nu), coef,
         formats=(_state_format(mu), _state_format(nu)), b1=float(b1), b2=float(b2), eps=float(eps),
@@ -206,7 +215,7 @@ def _runs(shape: tuple, layout: ShardLayout, mesh) -> tuple[int, int]:
 
 
 def fused_step_per_device(p, g, mu, nu, layout: ShardLayout, b1, b2, eps, bc1, bc2_sqrt, step_size,
-                          weight_decay: float, *, seed=None, interpret=None):
+                          weight_decay: float, *, seed=None, clip=None, interpret=None):
     """`fused_step` of each device's shard, inside `jax.shard_map` over the context mesh: p and g split as
     `layout` says (`per_device_layout`), the moments' blocks alike: their codes and per-block arrays viewed as
     (*shape[:inner], blocks of shape[inner:], ...) and split the same way, so each device gets the blocks of its
@@ -231,8 +240,8 @@ def fused_step_per_device(p, g, mu, nu, layout: ShardLayout, b1, b2, eps, bc1, b
         offset = first(0) + (first(inner) if inner else jnp.uint32(0))
         flat = lambda s: dataclasses.replace(
             jax.tree.map(lambda a: a.reshape(-1, *a.shape[inner + 1:]), s), shape=p.shape)
-        new_p, new_mu, new_nu = fused_step(p, g, flat(mu), flat(nu), b1, b2, eps, *coef, weight_decay, seed=seed,
-                                           offset=offset, runs=runs, interpret=interpret)
+        new_p, new_mu, new_nu = fused_step(p, g, flat(mu), flat(nu), b1, b2, eps, *coef[:3], weight_decay, seed=seed,
+                                           offset=offset, runs=runs, clip=coef[3:] or None, interpret=interpret)
         return new_p, _reshaped(new_mu, mu), _reshaped(new_nu, nu)
 
     # check_vma=False: the kernel updates its operands as mutable refs, which take no per-device (varying) type
@@ -240,7 +249,7 @@ def fused_step_per_device(p, g, mu, nu, layout: ShardLayout, b1, b2, eps, bc1, b
     new_p, new_mu, new_nu = jax.shard_map(
         local, in_specs=(param_spec, param_spec, state_spec, state_spec, PartitionSpec(), PartitionSpec()),
         out_specs=(param_spec, state_spec, state_spec), check_vma=False)(
-            p, g, as_view(mu), as_view(nu), (bc1, bc2_sqrt, step_size), seed)
+            p, g, as_view(mu), as_view(nu), (bc1, bc2_sqrt, step_size, *(clip or ())), seed)
     return new_p, _reshaped(new_mu, mu), _reshaped(new_nu, nu)
 
 

@@ -122,5 +122,5 @@ def make_optimizer(opt, total_steps: int, *, check: bool = True) -> Optimizer:
     else:
         tx = qoptim.adamw_4bit(**kwargs, use_kernel=True)
     clip = _get(opt, "grad_clip")
-    clipping = (optax.clip_by_global_norm(float(clip)),) if clip else ()
+    clipping = (qoptim.clip_by_global_norm(float(clip)),) if clip else ()
     return Optimizer(qoptim.chain_fused(*clipping, tx), schedule, bool(_get(opt, "stochastic_rounding", False)))
