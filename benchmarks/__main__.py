@@ -80,7 +80,7 @@ def suites(gpus: int) -> dict[str, tuple[str, list[list[str]]]]:
         "health": ("what the quantization health metrics cost the 1.1B train step", [
             ["benchmarks/health_cost.py", "--recipes", "int8_rowwise", "fp8_tensorwise"]]),
         "gpu-tests": ("every GPU-marked test, compiled", [
-            ["make", "-s", "test-gpu"]]),
+            ["make", "-s", "test-gpu", f"PY={sys.executable}"]]),  # this interpreter: no venv on the device
     }
 
 
