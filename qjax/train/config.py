@@ -1,15 +1,15 @@
 """The config of a training run (an ml_collections ConfigDict, see configs/llama_base.py): its checks, its fields and
 the config.json a workdir keeps.
 
-Checks. `train()` runs each check once, before anything is built: `check_config` (every field, the data files),
-then `check_batch_size` (once the mesh is known) and, after the train state's shapes are known, the memory estimate
+Checks. `train()` runs each check once, before anything is built: `check_config` (every field, the data files), then
+`check_batch_size` (once the mesh is known) and, after the train state's shapes are known, the memory estimate
 (`qjax.train.step.check_fits`); `check_resume` when a checkpoint is restored. The builders that benchmarks and tests
 call alone (`make_train_step`, `make_optimizer`) check the fields they read themselves, unless `train()` calls them
 with check=False, having checked the whole config already (`Checkpointer` takes a checked keep_checkpoints;
-`qjax.data.make_dataset`, a lower layer's public function, still validates its own arguments). Every problem is a `ConfigError` (a ValueError) naming
-the field, what it holds and how to fix it, so `train.py` can print it as one line instead of a traceback. Model
-shape fields, and what the data dictates (vocabulary, image shape), are checked by `qjax.train.task.make_task` as it
-builds the model config.
+`qjax.data.make_dataset`, a lower layer's public function, still validates its own arguments). Every problem is a
+`ConfigError` (a ValueError) naming the field, what it holds and how to fix it, so `train.py` can print it as one
+line instead of a traceback. Model shape fields, and what the data dictates (vocabulary, image shape), are checked by
+`qjax.train.task.make_task` as it builds the model config.
 
 Fields, for train.py:
 
