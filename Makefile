@@ -35,8 +35,9 @@ data: data/shakespeare/meta.json
 train: data
 	$(PY) train.py --config $(CONFIG) $(TRAIN_ARGS)
 
+# worksteal: an idle worker takes queued tests from the other, so the slow subprocess tests do not end the run on one
 test: $(VENV)/.installed
-	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2
+	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 --dist worksteal --durations=25
 
 # The files holding GPU-marked tests (collecting the others would import train's dependencies for nothing).
 GPU_TESTS ?= tests/kernels tests/optim tests/test_bitnet.py tests/test_mesh_gpu.py
