@@ -10,7 +10,6 @@ import os
 import pathlib
 import socket
 import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -18,6 +17,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from qjax.train import mesh as mesh_lib
+from train_helpers import tiny_llama_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS, SPLIT = 6, 4  # the two processes run steps 1-4 of a 6-step run; one process resumes for steps 5-6
@@ -25,13 +25,10 @@ TIMEOUT_S = 420  # generous: this machine's 2 cores are shared; each run takes ~
 
 
 def _command(workdir, token_dir, *extra):
-    tiny = dict(size="tiny", n_layers=1, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
-    return ([sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs/llama_int8.py'}",
-             f"--workdir={workdir}", f"--config.data.path={token_dir}", "--config.batch_size=8",
-             "--config.seq_len=32", f"--config.steps={STEPS}", "--config.optimizer.warmup_steps=1",
-             "--config.log_every=1", "--config.eval_every=2", "--config.eval_batches=1",
-             "--config.checkpoint_every=2", "--config.keep_checkpoints=2", "--config.mesh.fsdp=2"]
-            + [f"--config.model.{k}={v}" for k, v in tiny.items()] + list(extra))
+    return tiny_llama_command(workdir, token_dir, "--config.batch_size=8", "--config.seq_len=32",
+                              f"--config.steps={STEPS}", "--config.optimizer.warmup_steps=1", "--config.log_every=1",
+                              "--config.eval_every=2", "--config.eval_batches=1", "--config.checkpoint_every=2",
+                              "--config.keep_checkpoints=2", "--config.mesh.fsdp=2", *extra)
 
 
 def _env(**extra):

@@ -15,18 +15,17 @@ import orbax.checkpoint as ocp
 
 import pytest
 from test_train_kill import ROOT, _env, _saved_steps
+from train_helpers import tiny_llama_command
 
 STEPS = 400  # a second or two on a CPU: the signal lands mid-run
 
 
 def _command(workdir, token_dir, *extra):
     """train.py on a tiny Llama with checkpoints only at the end (and on a signal), no eval."""
-    tiny = dict(size="tiny", n_layers=1, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
-    return ([sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs/llama_int8.py'}",
-             f"--workdir={workdir}", f"--config.data.path={token_dir}", "--config.batch_size=4",
-             "--config.seq_len=32", f"--config.steps={STEPS}", "--config.optimizer.warmup_steps=10",
-             "--config.optimizer.name=adamw_8bit", "--config.log_every=10", "--config.eval_every=0",
-             "--config.checkpoint_every=0", *extra] + [f"--config.model.{k}={v}" for k, v in tiny.items()])
+    return tiny_llama_command(workdir, token_dir, "--config.batch_size=4", "--config.seq_len=32",
+                              f"--config.steps={STEPS}", "--config.optimizer.warmup_steps=10",
+                              "--config.optimizer.name=adamw_8bit", "--config.log_every=10", "--config.eval_every=0",
+                              "--config.checkpoint_every=0", *extra)
 
 
 @pytest.fixture(scope="module")

@@ -6,25 +6,22 @@ import os
 import pathlib
 import signal
 import subprocess
-import sys
 import time
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from train_helpers import tiny_llama_command
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS, EVERY = 3000, 500  # long enough (seconds on a CPU) that the kill lands between two checkpoints
 
 
 def _command(workdir, token_dir):
-    tiny = dict(size="tiny", n_layers=1, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
-    return ([sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs/llama_int8.py'}",
-             f"--workdir={workdir}", f"--config.data.path={token_dir}", "--config.batch_size=4",
-             "--config.seq_len=32", f"--config.steps={STEPS}", "--config.optimizer.warmup_steps=10",
-             "--config.optimizer.name=adamw_8bit", "--config.log_every=250", "--config.eval_every=0",
-             f"--config.checkpoint_every={EVERY}", "--config.keep_checkpoints=2"]
-            + [f"--config.model.{k}={v}" for k, v in tiny.items()])
+    return tiny_llama_command(workdir, token_dir, "--config.batch_size=4", "--config.seq_len=32",
+                              f"--config.steps={STEPS}", "--config.optimizer.warmup_steps=10",
+                              "--config.optimizer.name=adamw_8bit", "--config.log_every=250", "--config.eval_every=0",
+                              f"--config.checkpoint_every={EVERY}", "--config.keep_checkpoints=2")
 
 
 def _env():

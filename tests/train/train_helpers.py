@@ -1,6 +1,20 @@
 """Small configs for the training tests (importable as `train_helpers`; conftest puts the repo root on the path)."""
 
+import pathlib
+import sys
+
 from configs import llama_base, vit_base
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TINY_LLAMA = dict(size="tiny", n_layers=1, dim=32, n_heads=2, n_kv_heads=1, ffn_dim=64)
+
+
+def tiny_llama_command(workdir, token_dir, *flags) -> list[str]:
+    """`python train.py --config configs/llama_int8.py` on the tiny Llama, `token_dir`'s corpus and `workdir`, with
+    `flags` (--config.steps=..., ...): the argv of the tests that run training as a process."""
+    return ([sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs/llama_int8.py'}",
+             f"--workdir={workdir}", f"--config.data.path={token_dir}", *flags]
+            + [f"--config.model.{k}={v}" for k, v in TINY_LLAMA.items()])
 
 
 def tiny_llama_config(token_dir, **top):
