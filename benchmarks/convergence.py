@@ -32,7 +32,8 @@ slice of each held out; `qjax.data.corpus`) trains on 16k-token BPE shards, prep
 data/mixed-english-bpe16k on first use (a few minutes; carry the .xz to the device, not the shards):
 
   python benchmarks/convergence.py --corpus mixed --size 125m --seq-len 1024 --batch-size 32 --tokens 250e6 \
-      --recipes bf16 int8_rowwise fp8_rowwise --recipe-seeds bf16=0,1,2 --seeds 0 1 --time-budget 540 --no-record
+      --recipes bf16 int8_rowwise fp8_rowwise --recipe-seeds bf16=0,1,2 --seeds 0 1 --time-budget 540 --no-record \
+      --health-every 100
 
 --tokens sets the steps from a token budget; --recipe-seeds gives an entry its own seeds (bitnet_b158=0);
 --time-budget SECONDS trains until the next checkpoint would pass it, then exits with status 75: the same command
@@ -43,6 +44,7 @@ the seed spread the gaps are read against) and its gap to bf16 in %.
 
 import argparse
 import math
+import os
 import pathlib
 import statistics
 import sys
@@ -52,6 +54,7 @@ from common import REPO, record_results, recipe_variant
 
 sys.path.insert(0, str(REPO))  # the configs/ package
 from configs import gpt2_base, llama_base  # noqa: E402
+import jax  # noqa: E402
 import qjax  # noqa: E402
 from qjax.data import corpus as corpus_lib, text as text_lib  # noqa: E402
 from qjax.train import train  # noqa: E402
@@ -84,6 +87,8 @@ def main():
     parser.add_argument("--tokens", type=float, help="token budget per run: steps = tokens / (batch x seq)")
     parser.add_argument("--time-budget", type=float, help="seconds; stop at the last checkpoint before it and exit "
                                                           f"{TIME_BUDGET_EXIT} (run again to resume)")
+    parser.add_argument("--health-every", type=int, default=0,
+                        help="steps between quantization health stats (config.health_every; 0: off)")
     parser.add_argument("--workdir", default=str(REPO / "runs" / "convergence"))
     parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--png", help="where the curves go (default: benchmarks/convergence.png, GPT-2's "
@@ -142,6 +147,10 @@ def main():
             if recipe_lr is not None:
                 config.optimizer.lr = recipe_lr
             config.eval_every = max(config.steps // 6, 1)
+            # A resumable chunk per checkpoint: about 8 a run, so a --time-budget stop wastes little and a long run
+            # is not slowed by checkpoint writes
+            config.checkpoint_every = max(config.checkpoint_every, config.steps // 8)
+            config.health_every = args.health_every
             # One workdir per recipe, seed and run shape: a finished run with the same settings is reused, never a
             # different one.
             tag = (f"{args.model}-{config.model.size}-steps{config.steps}-b{config.batch_size}-t{config.seq_len}"
@@ -151,6 +160,9 @@ def main():
             check_same_recipe(workdir, qjax.recipe(config.recipe))
             runs.append((entry, seed, name, config, workdir))
 
+    # Each chunk's train() call compiles the same step again: the persistent cache makes that a load
+    jax.config.update("jax_compilation_cache_dir", os.environ.get("JAX_COMPILATION_CACHE_DIR",
+                                                                  str(REPO / "runs" / "jax_cache")))
     deadline = time.monotonic() + args.time_budget if args.time_budget else math.inf
     workdirs, finals = [], {}  # finals: entry -> {seed: (final step, final eval loss)}
     for entry, seed, name, config, workdir in runs:
