@@ -217,16 +217,15 @@ def train_in_chunks(config, workdir: pathlib.Path, deadline: float, clock=time.m
     time). Returns whether the run is complete. A stopped run resumes from its last checkpoint, bit for bit."""
     chunk = config.checkpoint_every or config.steps
     logged = read_curves(str(workdir))[0] if (workdir / "metrics.jsonl").exists() else []
-    done, seconds = (logged[-1][0] if logged else 0), 0.0
-    while True:
+    done, seconds_per_step = (logged[-1][0] if logged else 0), 0.0
+    while done < config.steps:
         stop_at = min((done // chunk + 1) * chunk, config.steps)
-        if clock() + seconds > deadline:
+        if clock() + seconds_per_step * (stop_at - done) > deadline:
             return False
         start = clock()
         train(config, str(workdir), stop_at=stop_at)
-        seconds, done = clock() - start, stop_at
-        if done >= config.steps:
-            return True
+        seconds_per_step, done = (clock() - start) / (stop_at - done), stop_at
+    return True
 
 
 def check_same_recipe(workdir: pathlib.Path, recipe) -> None:
