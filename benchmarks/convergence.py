@@ -29,7 +29,8 @@ Needs the corpus: `make data` (or python -m qjax.data.prepare shakespeare --out 
 
 The mixed corpus (--corpus mixed: ../shared/corpus/mixed-english.txt.xz, 102 MB of English in seven sections, a
 slice of each held out; `qjax.data.corpus`) trains on 16k-token BPE shards, prepared from --corpus-file into
-data/mixed-english-bpe16k on first use (a few minutes; carry the .xz to the device, not the shards):
+data/mixed-english-bpe16k on first use (about 2 minutes on 2 cores). To the device carry the .xz, or the prepared
+train.bin, val.bin, tokenizer.json and meta.json (62 MB, under the 64 MiB a call carries):
 
   python benchmarks/convergence.py --corpus mixed --size 125m --seq-len 1024 --batch-size 32 --tokens 250e6 \
       --recipes bf16 int8_rowwise fp8_rowwise --recipe-seeds bf16=0,1,2 --seeds 0 1 --time-budget 540 --no-record \
