@@ -35,13 +35,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _mark_slow_tier(items):
-    """Marks slow_tier's tests `slow`; of a listed parametrized function the first case stays unmarked."""
+    """Marks slow_tier's tests `slow`; of a listed parametrized function the first case stays unmarked, unless it is
+    listed as NAME[*]."""
     first_seen = set()
     for item in items:
         path, _, name = item.nodeid.partition("::")
         function = name.partition("[")[0]
-        listed = function in slow_tier.SLOW_TESTS.get(path, ())
-        if listed and hasattr(item, "callspec") and (path, function) not in first_seen:
+        listed_names = slow_tier.SLOW_TESTS.get(path, ())
+        listed = function in listed_names or f"{function}[*]" in listed_names
+        if function in listed_names and hasattr(item, "callspec") and (path, function) not in first_seen:
             first_seen.add((path, function))
             continue
         if listed or path in slow_tier.SLOW_FILES:
