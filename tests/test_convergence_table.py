@@ -4,6 +4,7 @@ mean ± standard error."""
 
 import math
 import os
+import shutil
 import sys
 
 import pytest
@@ -56,6 +57,9 @@ def test_a_suite_run_stopped_mid_way_resumes_to_the_same_curve(tmp_path):
     assert curves(str(tmp_path / "split"))[0][-1][0] == 2
     assert convergence.train_in_chunks(config, tmp_path / "split", math.inf)  # the next call resumes
     assert curves(str(tmp_path / "split")) == curves(str(tmp_path / "whole"))
+    # a finished run copied back without its checkpoints (the table reads metrics.jsonl) trains no more
+    shutil.rmtree(tmp_path / "whole" / "checkpoints")
+    assert convergence.train_in_chunks(config, tmp_path / "whole", -math.inf)
 
 
 def test_recipe_variant_names():
