@@ -3,6 +3,7 @@
   python -m benchmarks list                          # the suites and the commands each runs
   python -m benchmarks run linear e2e                # run suites; results in runs/benchmarks/<suite>.json + .log
   python -m benchmarks run e2e e2e@.baseline         # the same suite in another exported tree: an A/B in one call
+                                                     # (its files: e2e__baseline.json + .log, never published)
   python -m benchmarks publish runs/benchmarks       # copy a run's JSON into benchmarks/results/, rewrite the page
   python -m benchmarks page                          # rewrite benchmarks/README.md from benchmarks/results/
 
@@ -26,6 +27,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 PUBLISHED = REPO / "benchmarks" / "results"
 PAGE = REPO / "benchmarks" / "README.md"
 STEPS = ["--steps", "5", "--warmup", "2"]
+AB_MARK = "__"  # in the results and log names of a suite run in another tree (SUITE@TREE)
 
 
 def _gpu_count() -> int:
@@ -88,6 +90,13 @@ def _command(argv: list[str]) -> list[str]:
     return [sys.executable, *argv] if argv[0].endswith(".py") else argv
 
 
+def result_label(name: str) -> str:
+    """SUITE or SUITE@TREE -> the name of its results and log files: SUITE, or SUITE__TREE (the device tool returns
+    no file whose name holds an '@')."""
+    suite, _, tree = name.partition("@")
+    return f"{suite}{AB_MARK}{pathlib.Path(tree).name.lstrip('.')}" if tree else suite
+
+
 def run(names: list[str], out: pathlib.Path, budget: float) -> int:
     """Runs each suite (NAME or NAME@TREE, TREE an exported tree of another commit) under what is left of the
     budget; every command's output goes to out/<suite>.log as it runs. Returns how many commands failed."""
@@ -100,7 +109,7 @@ def run(names: list[str], out: pathlib.Path, budget: float) -> int:
     for name in names:
         suite, _, tree = name.partition("@")
         root = (REPO / tree).resolve() if tree else REPO
-        label = f"{suite}@{pathlib.Path(tree).name}" if tree else suite
+        label = result_label(name)
         (out / f"{label}.json").unlink(missing_ok=True)
         env = {**os.environ, "QJAX_SUITE": label, "QJAX_RESULTS_DIR": str(out.resolve()), "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("QJAX_SITE"), str(root)])),
@@ -161,7 +170,7 @@ def write_page() -> None:
 
 def publish(source: pathlib.Path) -> None:
     """Copies a run's results (not the A/B runs of other trees) into benchmarks/results/ and rewrites the page."""
-    found = [p for p in sorted(source.glob("*.json")) if "@" not in p.name]
+    found = [p for p in sorted(source.glob("*.json")) if AB_MARK not in p.name]
     if not found:
         raise SystemExit(f"error: no suite results (*.json) in {source}: run `python -m benchmarks run SUITE` first")
     PUBLISHED.mkdir(exist_ok=True)

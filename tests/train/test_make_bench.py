@@ -1,6 +1,7 @@
 """`make bench` leaves `git status` as it found it: the table goes to stdout and, as JSON, to runs/benchmarks/,
 which git ignores; `python -m benchmarks page` rebuilds the results page from the published JSON alone."""
 
+import importlib
 import json
 import pathlib
 import shutil
@@ -54,3 +55,17 @@ def test_results_page_is_generated_from_the_published_json(tmp_path):
     for path in (ROOT / "benchmarks" / "results").glob("*.json"):  # every published row says where and when
         for section in json.loads(path.read_text())["sections"]:
             assert all(section[k] for k in ("device", "date", "jax", "commit")), (path.name, section["title"])
+
+
+def test_a_run_in_another_tree_is_labelled_apart_and_never_published(tmp_path, monkeypatch):
+    runner = importlib.import_module("benchmarks.__main__")
+    assert runner.result_label("e2e-ab") == "e2e-ab"
+    label = runner.result_label("e2e-ab@.baseline")
+    assert "@" not in label and label != "e2e-ab"  # the device tool drops names with '@'
+    monkeypatch.setattr(runner, "PUBLISHED", tmp_path / "published")
+    monkeypatch.setattr(runner, "PAGE", tmp_path / "README.md")
+    monkeypatch.setattr(runner, "REPO", tmp_path)
+    for name in ("e2e-ab", label):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"suite": name, "sections": []}))
+    runner.publish(tmp_path)
+    assert [p.name for p in (tmp_path / "published").iterdir()] == ["e2e-ab.json"]
