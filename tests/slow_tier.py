@@ -1,11 +1,12 @@
 """The slow tier: tests that `make test` (the CI run) leaves to `make test-slow`. `make test-all` runs both.
 
-What is here and why: whole programs run end to end (train.py and the docs' commands in subprocesses, kill / signal /
-multi-process runs, meshes of 8 emulated CPU devices) and the heaviest numerics tests (a whole model compiled per
+What is here and why: whole programs run end to end (train.py and the docs' commands in subprocesses, kill / signal
+/ multi-process runs, meshes of 8 emulated CPU devices) and the heaviest numerics tests (a whole model compiled per
 recipe, the kernels' interpreter runs at several shapes). Each covers code that a faster test in the default run
-also reaches (tests/test_slow_tier.py checks the names; the closing note of the change that made the tier gives the
-per-module line coverage of both runs). Of a parametrized function listed in SLOW_TESTS the first case stays in the
-default run, so the listed test body still runs there once; a name ending in [*] marks every case.
+also reaches: the default run reaches every qjax module (in-process line coverage 91.9% against 93.9% for the whole
+suite, 2026-11-28; pytest-cov with --cov-context=test). tests/test_slow_tier.py checks the names. Of a parametrized
+function listed in SLOW_TESTS the first case stays in the default run, so the listed test body still runs there
+once; a name ending in [*] marks every case.
 """
 
 # Whole files: every test in them is slow.

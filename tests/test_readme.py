@@ -6,7 +6,8 @@ looks like the repository root after the README's setup (train.py, configs/ and 
 a small token corpus, my_images.npz a small image file, hf_model a tiny Hugging Face Llama), with `python` the
 interpreter running the tests and short-run overrides appended, and must exit 0 having trained; or it is listed in
 NOT_RUN with the reason, or in FAILS_FAST with the one line of error it must stop with. Commands that read a trained
-workdir train it first. Every README ```python block runs as its own script on two CPU devices. Commands and blocks
+workdir train it first. docs/' commands are in the slow tier (`make test-slow`), README.md's in the default run.
+Every README ```python block runs as its own script on two CPU devices. Commands and blocks
 added later are picked up the same way.
 """
 
