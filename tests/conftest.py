@@ -25,29 +25,13 @@ import slow_tier  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    _mark_slow_tier(items)
+    slow_tier.mark(items)
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run on the device)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def _mark_slow_tier(items):
-    """Marks slow_tier's tests `slow`; of a listed parametrized function the first case stays unmarked, unless it is
-    listed as NAME[*]."""
-    first_seen = set()
-    for item in items:
-        path, _, name = item.nodeid.partition("::")
-        function = name.partition("[")[0]
-        listed_names = slow_tier.SLOW_TESTS.get(path, ())
-        listed = function in listed_names or f"{function}[*]" in listed_names
-        if function in listed_names and hasattr(item, "callspec") and (path, function) not in first_seen:
-            first_seen.add((path, function))
-            continue
-        if listed or path in slow_tier.SLOW_FILES:
-            item.add_marker(pytest.mark.slow)
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -57,4 +41,4 @@ def pytest_terminal_summary(terminalreporter, config):
         functions = sum(map(len, slow_tier.SLOW_TESTS.values()))
         terminalreporter.write_line(
             f"not run here: the slow tier, {len(slow_tier.SLOW_FILES)} files and {functions} test functions of "
-            "tests/slow_tier.py (`make test-slow` runs them)")
+            "tests/slow_tier.py (some keep their first case here) and the docs/ commands (`make test-slow` runs them)")

@@ -1,13 +1,16 @@
 """The slow tier: tests that `make test` (the CI run) leaves to `make test-slow`. `make test-all` runs both.
 
-What is here and why: whole programs run end to end (train.py and the docs' commands in subprocesses, kill / signal
-/ multi-process runs, meshes of 8 emulated CPU devices) and the heaviest numerics tests (a whole model compiled per
-recipe, the kernels' interpreter runs at several shapes). Each covers code that a faster test in the default run
-also reaches: the default run reaches every qjax module (in-process line coverage 91.9% against 93.9% for the whole
-suite, 2026-11-28; pytest-cov with --cov-context=test). tests/test_slow_tier.py checks the names. Of a parametrized
-function listed in SLOW_TESTS the first case stays in the default run, so the listed test body still runs there
-once; a name ending in [*] marks every case.
+What is here (and, marked in tests/test_readme.py, the docs/ pages' commands) and why: whole programs run end to end
+(train.py and the docs' commands in subprocesses, kill / signal / multi-process runs, meshes of 8 emulated CPU
+devices) and the heaviest numerics tests (a whole model compiled per recipe, the kernels' interpreter runs at
+several shapes). Each covers code that a faster test in the default run also reaches: the default run reaches every
+qjax module (in-process line coverage 91.9% against 93.9% for the whole suite, 2026-11-28; pytest-cov with
+--cov-context=test). tests/test_slow_tier.py checks the names. Of a parametrized function listed in SLOW_TESTS the
+first case stays in the default run, so the listed test body still runs there once; a name ending in [*] marks every
+case.
 """
+
+import pytest
 
 # Whole files: every test in them is slow.
 SLOW_FILES = {
@@ -143,3 +146,19 @@ SLOW_TESTS = {
         "test_a_start_from_scratch_sets_an_earlier_runs_metrics_aside",
     },
 }
+
+
+def mark(items) -> None:
+    """Marks the tests listed here `slow`; of a listed parametrized function the first case stays unmarked, unless it is
+    listed as NAME[*]."""
+    first_seen = set()
+    for item in items:
+        path, _, name = item.nodeid.partition("::")
+        function = name.partition("[")[0]
+        listed_names = SLOW_TESTS.get(path, ())
+        listed = function in listed_names or f"{function}[*]" in listed_names
+        if function in listed_names and hasattr(item, "callspec") and (path, function) not in first_seen:
+            first_seen.add((path, function))
+            continue
+        if listed or path in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)

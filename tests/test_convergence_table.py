@@ -2,9 +2,11 @@
 gives each recipe's difference to bf16; several give each seed's difference to bf16's run of the same seed and their
 mean ± standard error."""
 
+import json
 import math
 import os
 import shutil
+import types
 import sys
 
 import pytest
@@ -50,16 +52,57 @@ def test_a_suite_run_stopped_mid_way_resumes_to_the_same_curve(tmp_path):
     (tmp_path / "c.txt").write_text("the cat sat on the mat. a dog ran in the park. " * 200)
     prepare_text([tmp_path / "c.txt"], tmp_path / "tokens", val_fraction=0.1)
     config = tiny_llama_config(str(tmp_path / "tokens"))  # 6 steps, checkpoints every 2
-    assert convergence.train_in_chunks(config, tmp_path / "whole", math.inf)
+    assert convergence.train_in_chunks(config, tmp_path / "whole", math.inf)[0]
     # a clock that passes the deadline once the first chunk has run: the run stops at step 2, like a device call
     ticks = iter([0.0, 0.0, 100.0, 100.0])
-    assert not convergence.train_in_chunks(config, tmp_path / "split", 50.0, clock=lambda: next(ticks))
+    assert not convergence.train_in_chunks(config, tmp_path / "split", 50.0, clock=lambda: next(ticks))[0]
     assert curves(str(tmp_path / "split"))[0][-1][0] == 2
-    assert convergence.train_in_chunks(config, tmp_path / "split", math.inf)  # the next call resumes
+    assert convergence.train_in_chunks(config, tmp_path / "split", math.inf)[0]  # the next call resumes
     assert curves(str(tmp_path / "split")) == curves(str(tmp_path / "whole"))
     # a finished run copied back without its checkpoints (the table reads metrics.jsonl) trains no more
     shutil.rmtree(tmp_path / "whole" / "checkpoints")
-    assert convergence.train_in_chunks(config, tmp_path / "whole", -math.inf)
+    assert convergence.train_in_chunks(config, tmp_path / "whole", -math.inf)[0]
+
+
+def _fake_train(calls):
+    """Stands in for qjax.train.train: logs a train row per step up to stop_at and, at the last step, the final
+    eval, as the loop does."""
+    def train(config, workdir, stop_at):
+        calls.append(stop_at)
+        with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps({"step": stop_at, "loss": 1.0}) + "\n")
+            if stop_at == config.steps:
+                f.write(json.dumps({"step": stop_at, "eval_loss": 2.0}) + "\n")
+    return train
+
+
+def _rows(workdir, rows):
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_a_run_is_complete_once_its_final_eval_is_logged(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(convergence, "train", _fake_train(calls))
+    config = types.SimpleNamespace(steps=6, checkpoint_every=2, eval_every=3)
+    _rows(tmp_path / "done", [{"step": 6, "loss": 1.0}, {"step": 6, "eval_loss": 2.0}])
+    assert convergence.train_in_chunks(config, tmp_path / "done", -math.inf, seconds_per_step=1.0) == (True, 1.0)
+    assert calls == []
+    # killed after its last train row, before the final eval: its last chunk trains again
+    _rows(tmp_path / "cut", [{"step": 6, "loss": 1.0}, {"step": 3, "eval_loss": 2.5}])
+    assert convergence.train_in_chunks(config, tmp_path / "cut", math.inf)[0]
+    assert calls == [6]
+
+
+def test_a_runs_first_chunk_is_held_to_the_budget_by_the_last_runs_pace(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(convergence, "train", _fake_train(calls))
+    config = types.SimpleNamespace(steps=6, checkpoint_every=2, eval_every=3)
+    (tmp_path / "run").mkdir()
+    # 2 steps at 1 s each would end past a deadline 1.5 s away: nothing trains
+    assert convergence.train_in_chunks(config, tmp_path / "run", 1.5, clock=lambda: 0.0,
+                                       seconds_per_step=1.0) == (False, 1.0)
+    assert calls == []
 
 
 def test_recipe_variant_names():
