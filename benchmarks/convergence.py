@@ -47,7 +47,6 @@ metrics.jsonl, recipe.txt and config.json alone: copy those back from a device (
 
 import argparse
 import math
-import os
 import pathlib
 import statistics
 import sys
@@ -163,9 +162,10 @@ def main():
             check_same_recipe(workdir, qjax.recipe(config.recipe))
             runs.append((entry, seed, name, config, workdir))
 
-    # Each chunk's train() call compiles the same step again: the persistent cache makes that a load
-    jax.config.update("jax_compilation_cache_dir", os.environ.get("JAX_COMPILATION_CACHE_DIR",
-                                                                  str(REPO / "runs" / "jax_cache")))
+    # Each chunk's train() call compiles the same step again: the persistent cache makes that a load (jax reads
+    # $JAX_COMPILATION_CACHE_DIR itself; this is the default when it is unset)
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(REPO / "runs" / "jax_cache"))
     deadline = time.monotonic() + args.time_budget if args.time_budget else math.inf
     workdirs, finals = [], {}  # finals: entry -> {seed: (final step, final eval loss)}
     seconds_per_step = 0.0  # the last chunk's, so that the next run's first chunk is held to the budget too
@@ -226,7 +226,7 @@ def train_in_chunks(config, workdir: pathlib.Path, deadline: float, clock=time.m
     tabled, and one killed between its last step and that eval trains its last chunk again."""
     chunk = config.checkpoint_every or config.steps
     while True:
-        train_rows, eval_rows = read_curves(str(workdir)) if (workdir / "metrics.jsonl").exists() else ([], [])
+        train_rows, eval_rows = read_curves(str(workdir))  # ([], []) before the first row
         last = eval_rows if config.eval_every else train_rows  # a run without evals ends at its last train row
         if last and last[-1][0] >= config.steps:
             return True, seconds_per_step

@@ -19,7 +19,7 @@ def test_every_slow_file_and_function_exists():
 
 
 class _Item:
-    """The parts of a pytest item that conftest's marking reads."""
+    """The parts of a pytest item that slow_tier.mark reads."""
 
     def __init__(self, nodeid, parametrized):
         self.nodeid, self.markers = nodeid, []
