@@ -6,24 +6,25 @@
   python benchmarks/train.py --rows bf16 int8_rowwise --layers 4 --moe 64,8,0,1408 --no-peer   # a MoE Llama
 
 One row = one jitted train step of `qjax.train.make_train_step` (forward, backward, grad clipping, AdamW; the LM
-head stays in bf16 as in every qjax config) on random tokens, timed as --steps steps queued back to back (the
-throughput a training loop sees; rounds of them, median) and as steps each waited for. Each row runs
-in its own subprocess so that its peak device memory is its own (JAX cannot reset the allocator's peak) and nothing
-compiled for one row stays resident during the next.
+head in bf16 as in every qjax config) on random tokens, timed as --steps steps queued back to back (the throughput a
+training loop sees; rounds of them, median) and as steps each waited for. Each row runs in its own subprocess so
+that its peak device memory is its own (JAX cannot reset the allocator's peak) and nothing compiled for one row stays
+resident during the next.
 
 Rows (--rows): bf16; int8 fwd only; int8 fwd+dgrad; int8_rowwise (all three GEMMs); the last two with stochastic
 rounding of the gradient operand (`qjax.with_stochastic_gradients`; forward-only int8 has no gradient operand to
 round); fp8_tensorwise; fp8_blockwise; the data-flow recipes fp8_dataflow and int8_dataflow, and
 int8_dataflow_recompute (int8_dataflow with `Recipe.recompute_prologue_output`; int8_dataflow_recompute_w also with
-`Recipe.recompute_weight_codes`); bitnet_b158 (ternary
-forward weights, int8_rowwise backward); fp8_rowwise; int8_rowwise with int8 weight-only params
-(`model.param_dtype=int8`: int8 kernels + per-channel scales, SR updates, the forward reading the stored codes) and with bf16 params + SR, the two
-ways without a float32 master copy (their peak memory beside the float32 rows'); and "<recipe>@xla" rows that
-force the XLA path (no Pallas kernels) to show what the kernels buy. A row may name an optimizer after "+"
-("int8_rowwise+adamw_fp8": e4m3 AdamW states through the
-fused step kernel); without one it is optax AdamW with fp32 states. Then, unless --no-peer, Hugging Face
-LlamaForCausalLM of the same shape under torch.compile (bf16, torchao float8 tensorwise / rowwise, int8 mixed
-precision) in a subprocess (benchmarks/torch_peer.py).
+`Recipe.recompute_weight_codes`); bitnet_b158 (ternary forward weights, int8_rowwise backward); fp8_rowwise;
+int8_rowwise with int8 weight-only params (`model.param_dtype=int8`: int8 kernels + per-channel scales, SR updates,
+the forward reading the stored codes) and with bf16 params + SR, the two ways without a float32 master copy (their
+peak memory beside the float32 rows'); and "<recipe>@xla" rows that force the XLA path (no Pallas kernels) to show
+what the kernels buy. Options follow a row as ":name" suffixes: ":recompute_attention"
+(`config.model.recompute_attention`), ":smooth_swiglu" (`config.model.smooth_swiglu`), ":lm_head_8bit"
+(`config.keep_high_precision=()`: the LM head under the row's recipe). A row may then name an optimizer after "+"
+("int8_rowwise+adamw_fp8": e4m3 AdamW states through the fused step kernel); without one it is optax AdamW with
+fp32 states. Then, unless --no-peer, Hugging Face LlamaForCausalLM of the same shape under torch.compile (bf16,
+torchao float8 tensorwise / rowwise, int8 mixed precision) in a subprocess (benchmarks/torch_peer.py).
 """
 
 import os
@@ -51,25 +52,38 @@ ROUNDS = 3  # throughput: median over this many rounds of --steps steps queued b
 TINYLLAMA = dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000)
 
 
-RECOMPUTE_ATTENTION = ":recompute_attention"  # a row suffix: config.model.recompute_attention on
+# Row options, each a ":name" suffix of the row: the config change it makes.
+ROW_OPTIONS = {
+    "recompute_attention": "config.model.recompute_attention=True",
+    "smooth_swiglu": "config.model.smooth_swiglu=True",
+    "lm_head_8bit": "config.keep_high_precision=() (the LM head under the row's recipe)",
+}
+
+
+def _split_row(row: str) -> tuple[str, tuple[str, ...], str]:
+    """"name:option:option+optimizer" -> (name, options, optimizer or "")."""
+    recipe_row, _, optimizer = row.partition("+")
+    name, *options = recipe_row.split(":")
+    return name, tuple(options), optimizer
 
 
 def row_name(row: str) -> str:
-    """argparse type of a row: one of ROWS, optionally ":recompute_attention" (`LlamaConfig.recompute_attention`),
-    then optionally "+<optimizer>" (one of qjax.train.OPTIMIZERS)."""
+    """argparse type of a row: one of ROWS, then any of ROW_OPTIONS as ":option" suffixes, then optionally
+    "+<optimizer>" (one of qjax.train.OPTIMIZERS)."""
     from qjax.train import OPTIMIZERS
 
-    recipe_row, plus, optimizer = row.partition("+")
-    if recipe_row.removesuffix(RECOMPUTE_ATTENTION) not in ROWS or (plus and optimizer not in OPTIMIZERS):
+    name, options, optimizer = _split_row(row)
+    if (name not in ROWS or any(o not in ROW_OPTIONS for o in options)
+            or ("+" in row and optimizer not in OPTIMIZERS)):
         raise argparse.ArgumentTypeError(f"unknown row {row!r}: use one of {', '.join(ROWS)}, optionally followed by "
-                                         f"{RECOMPUTE_ATTENTION}, then optionally by + and one of "
+                                         f"any of :{', :'.join(ROW_OPTIONS)}, then optionally by + and one of "
                                          f"{', '.join(OPTIMIZERS)}")
     return row
 
 
 def _recipe_row(row: str) -> str:
-    """The row's ROWS entry: without "+optimizer" and ":recompute_attention"."""
-    return row.partition("+")[0].removesuffix(RECOMPUTE_ATTENTION)
+    """The row's ROWS entry: without "+optimizer" and ":options"."""
+    return _split_row(row)[0]
 
 
 def row_optimizer(row: str) -> str:
@@ -106,7 +120,11 @@ def build_row(row: str, args):
         config.model.moe = dict(n_experts=n_experts, top_k=top_k, n_shared_experts=n_shared,
                                 expert_ffn_dim=expert_ffn_dim, aux_loss_weight=0.01)
     config.model.remat = args.remat
-    config.model.recompute_attention = row.partition("+")[0].endswith(RECOMPUTE_ATTENTION)
+    options = _split_row(row)[1]
+    config.model.recompute_attention = "recompute_attention" in options
+    config.model.smooth_swiglu = "smooth_swiglu" in options
+    if "lm_head_8bit" in options:
+        config.keep_high_precision = ()
     config.min_features = args.min_features
     del config.recipe  # the config file's field is a recipe name; rows need Recipe objects (variants, backend)
     config.recipe = row_recipe(row)
@@ -205,8 +223,8 @@ def table(results: list[dict], peer: dict, args) -> str:
         ", MoE: {} experts, top {}, {} shared, expert FFN {}".format(*args.moe) if args.moe else "")
     notes = [f"Llama {args.size}{shape} (batch {args.batch} x seq {args.seq}, remat={args.remat}, min_features="
              f"{args.min_features}), random tokens, AdamW ({'; '.join(about[o] for o in sorted(optimizers))}), "
-             f"LM head in bf16; one subprocess per row. tokens/s and step ms: {args.steps} steps queued back to back "
-             f"and one wait (as train.py's loop between log lines), median of {ROUNDS} rounds after {args.warmup} "
+             f"LM head in bf16 unless :lm_head_8bit; one subprocess per row. tokens/s and step ms: {args.steps} "
+             f"steps queued back to back and one wait (as train.py's loop between log lines), median of {ROUNDS} rounds after {args.warmup} "
              f"warm-up steps; synced step ms: median of {args.steps} steps each waited for (adds host dispatch "
              "latency). The torch peer is timed the same two ways."]
     if peer.get("results"):
@@ -267,9 +285,10 @@ def resolve_model_args(args) -> bool:
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="*", type=row_name, metavar=f"ROW[{RECOMPUTE_ATTENTION}][+OPTIMIZER]",
-                        help=f"rows: {' '.join(ROWS)}, each optionally {RECOMPUTE_ATTENTION} (config.model."
-                             "recompute_attention), then +OPTIMIZER (qjax.train.OPTIMIZERS; default adamw); default "
+    parser.add_argument("--rows", nargs="*", type=row_name, metavar="ROW[:OPTION...][+OPTIMIZER]",
+                        help=f"rows: {' '.join(ROWS)}, each optionally followed by options ("
+                             + "; ".join(f":{k}: {v}" for k, v in ROW_OPTIONS.items())
+                             + "), then +OPTIMIZER (qjax.train.OPTIMIZERS; default adamw); default "
                              f"rows: {' '.join(DEFAULT_ROWS)}")
     add_model_args(parser)
     parser.add_argument("--steps", type=int, default=10)
