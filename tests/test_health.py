@@ -110,6 +110,19 @@ def test_monitor_warns_once_on_an_outlier_channel_not_on_clean_data():
     assert row["health_saturation_max"] == 0.125 and row["health/layers_0/mlp/down_proj/x/amax_growth"] > 10
 
 
+def test_gradient_operands_warn_on_saturation_but_not_on_amax_growth():
+    monitor = health.HealthMonitor(saturation_warn=0.05, amax_growth_warn=10.0)
+    assert monitor.update(1, {"a/g": np.array([1.0, 0, 0]), "a/x": np.array([1.0, 0, 0])})[1] is None
+    row, warning = monitor.update(2, {"a/g": np.array([50.0, 0, 0]), "a/x": np.array([50.0, 0, 0])})
+    assert row["health/a/g/amax_growth"] == 50.0  # recorded
+    assert warning.endswith("a/x amax x50 since its first measurement > x10 (config.health_saturation_warn / "
+                            "health_amax_growth_warn set the thresholds)")
+    assert "a/g" not in warning
+    warning = monitor.update(3, {"a/g": np.array([50.0, 0.5, 0]), "a/x": np.array([50.0, 0, 0])})[1]
+    assert warning == ("quantization health warning @ step 3: a/g saturation 50.00% > 5.00% "
+                       "(config.health_saturation_warn / health_amax_growth_warn set the thresholds)")
+
+
 def test_initial_amax_of_a_resumed_run_is_its_first_measurement():
     rows = [{"step": 2, "loss": 1.0}, {"step": 2, "health/a/x/amax": 3.0}, {"step": 4, "health/a/x/amax": 5.0}]
     assert health.initial_amax(rows) == {"a/x": 3.0}
