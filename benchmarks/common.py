@@ -135,6 +135,32 @@ def record_results(title: str, report: str) -> None:
     print(f"recorded in {path}")
 
 
+# Options a benchmark row or convergence entry may name after its recipe (":option"): what each sets in a train
+# config. Model fields, not recipes: a run's recipe stays one of qjax.RECIPES (or a variant below).
+MODEL_OPTIONS = {
+    "recompute_attention": "config.model.recompute_attention=True",
+    "smooth_swiglu": "config.model.smooth_swiglu=True",
+    "lm_head_8bit": "config.keep_high_precision=() (the LM head under the run's recipe)",
+}
+
+
+def split_options(name: str) -> tuple[str, tuple[str, ...]]:
+    """"recipe:option:option" -> (recipe, options); ValueError naming the valid options for an unknown one."""
+    recipe, *options = name.split(":")
+    unknown = [o for o in options if o not in MODEL_OPTIONS]
+    if unknown:
+        raise ValueError(f"unknown option {unknown[0]!r} in {name!r}: use any of :{', :'.join(MODEL_OPTIONS)}")
+    return recipe, tuple(options)
+
+
+def apply_options(config, options: tuple[str, ...]) -> None:
+    """Sets each of `options` (MODEL_OPTIONS) in a train config (ml_collections, configs/*_base.py)."""
+    config.model.recompute_attention = "recompute_attention" in options
+    config.model.smooth_swiglu = "smooth_swiglu" in options
+    if "lm_head_8bit" in options:
+        config.keep_high_precision = ()
+
+
 def recipe_variant(name: str):
     """A recipe of `qjax.RECIPES` by name, or one of the benchmarks' variants of them (ablations, not public):
     int8_fwd / int8_fwd_dgrad (int8_rowwise with wgrad, or dgrad and wgrad, in bf16), any of these or a recipe +

@@ -7,6 +7,7 @@ loss vs bf16 and a PNG.
   python benchmarks/convergence.py --model gpt2 --size gpt2 --recipes bf16 int8_dataflow fp8_dataflow \
       --seq-len 1024 --batch-size 32 --steps 600 --lr 6e-4      # GPT-2 small, Jetfire's setting; on a GPU
   python benchmarks/convergence.py --lr 6e-4 --recipes bf16 bitnet_b158@1.2e-3 bitnet_b158@2.4e-3   # own peak LRs
+  python benchmarks/convergence.py --recipes bf16 fp8_rowwise fp8_rowwise:smooth_swiglu int8_rowwise:lm_head_8bit
   python benchmarks/convergence.py --seeds 0 1 2 ...     # each recipe under seeds 0, 1, 2: mean and standard error
   python benchmarks/convergence.py --recipes bf16 int8_dataflow_sr int8_rowwise_sr   # ablations: variants that
       # qjax.RECIPES does not hold (benchmarks/common.py, recipe_variant)
@@ -16,9 +17,10 @@ runs/convergence/<model-size-steps-batch-seq-lr>/<recipe>; a finished run with t
 recipe definition, recorded in its recipe.txt, is reused; another definition under the name stops the script before
 any run trains). A recipe written RECIPE@LR (its workdir named so) trains at peak learning rate LR instead of --lr,
 the schedule's shape unchanged (BitNet b1.58 trains at a higher LR than its full-precision baseline:
-configs/llama_bitnet.py).
-Prints the final eval loss per recipe and its relative difference to bf16 (target: within 1%), appends the table to
-the results JSON, and plots the train and eval loss curves to benchmarks/convergence.png (GPT-2:
+configs/llama_bitnet.py). Model options may follow the recipe as ":option" (benchmarks/common.py's MODEL_OPTIONS:
+recompute_attention, smooth_swiglu, lm_head_8bit; the workdir writes them with '.').
+Prints the final and the lowest eval loss per recipe and their relative differences to bf16 (target: within 1%),
+appends the table to the results JSON, and plots the train and eval loss curves to benchmarks/convergence.png (GPT-2:
 benchmarks/convergence_gpt2.png). With several --seeds each recipe runs under each seed (init, data order,
 stochastic rounding; seed s > 0 in the workdir <recipe>-seed<s>) and the difference to bf16 is taken per seed,
 against bf16's run of the same seed, then averaged: mean and standard error over seeds (one run per recipe cannot
@@ -52,7 +54,7 @@ import statistics
 import sys
 import time
 
-from common import REPO, record_results, recipe_variant
+from common import REPO, apply_options, record_results, recipe_variant, split_options
 
 sys.path.insert(0, str(REPO))  # the configs/ package
 from configs import gpt2_base, llama_base  # noqa: E402
@@ -98,13 +100,17 @@ def main():
     args = parser.parse_args()
     base_config, label, png_name = MODELS[args.model]
 
-    entries = {}  # "RECIPE" or "RECIPE@LR" -> (recipe, its own peak lr or None)
+    entries = {}  # "RECIPE[:OPTION...][@LR]" -> (recipe, its model options, its own peak lr or None)
     for entry in args.recipes:
-        recipe, _, recipe_lr = entry.partition("@")
+        name, _, recipe_lr = entry.partition("@")
         try:
-            entries[entry] = (recipe, float(recipe_lr) if recipe_lr else None)
+            recipe, options = split_options(name)
+        except ValueError as e:
+            parser.error(f"--recipes {entry}: {e}")
+        try:
+            entries[entry] = (recipe, options, float(recipe_lr) if recipe_lr else None)
         except ValueError:
-            parser.error(f"--recipes {entry}: the learning rate after '@' must be a number, e.g. {recipe}@1.5e-3")
+            parser.error(f"--recipes {entry}: the learning rate after '@' must be a number, e.g. {name}@1.5e-3")
         try:
             recipe_variant(recipe)
         except ValueError as e:
@@ -129,13 +135,14 @@ def main():
     if args.corpus == "mixed":
         prepare_mixed(data_path, args.corpus_file)
     runs = []  # (entry, seed, name, config, workdir), every workdir checked before any run trains
-    for entry, (recipe, recipe_lr) in entries.items():
+    for entry, (recipe, options, recipe_lr) in entries.items():
         for seed in seeds_of[entry]:
             config = base_config.get_config()
             config.seed = seed
             if recipe not in qjax.RECIPES:  # a benchmarks variant (common.recipe_variant): the Recipe itself
                 del config.recipe
             config.recipe = recipe if recipe in qjax.RECIPES else recipe_variant(recipe)
+            apply_options(config, options)
             config.data.path = str(data_path)
             for field, value in (("steps", args.steps), ("seq_len", args.seq_len), ("batch_size", args.batch_size)):
                 if value is not None:
@@ -157,7 +164,8 @@ def main():
             # different one.
             tag = (f"{args.model}-{config.model.size}-steps{config.steps}-b{config.batch_size}-t{config.seq_len}"
                    f"-lr{config.optimizer.lr:g}{corpus_tag}")
-            name = entry if seed == 0 else f"{entry}-seed{seed}"  # the name labels its curves in the PNG
+            # the name labels its curves in the PNG; no ':' in a path the device tool returns
+            name = entry.replace(":", ".") + (f"-seed{seed}" if seed else "")
             workdir = pathlib.Path(args.workdir) / tag / name
             check_same_recipe(workdir, qjax.recipe(config.recipe))
             runs.append((entry, seed, name, config, workdir))
@@ -167,7 +175,7 @@ def main():
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(REPO / "runs" / "jax_cache"))
     deadline = time.monotonic() + args.time_budget if args.time_budget else math.inf
-    workdirs, finals = [], {}  # finals: entry -> {seed: (final step, final eval loss)}
+    workdirs, evals = [], {}  # entry -> {seed: [(step, eval loss), ...]}
     seconds_per_step = 0.0  # the last chunk's, so that the next run's first chunk is held to the budget too
     for entry, seed, name, config, workdir in runs:
         print(f"== {name} -> {workdir}", flush=True)
@@ -177,9 +185,9 @@ def main():
             sys.exit(TIME_BUDGET_EXIT)
         if seed == seeds_of[entry][0]:
             workdirs.append(str(workdir))
-        finals.setdefault(entry, {})[seed] = read_curves(str(workdir))[1][-1]
+        evals.setdefault(entry, {})[seed] = read_curves(str(workdir))[1]
 
-    lines = table(finals)
+    lines = table(evals)
     config = base_config.get_config()
     size = args.size or config.model.size
     steps = runs[0][3].steps
@@ -254,35 +262,45 @@ def check_same_recipe(workdir: pathlib.Path, recipe) -> None:
     marker.write_text(spec)
 
 
-def table(finals: dict) -> list[str]:
-    """Markdown rows of the final eval losses, finals: entry -> {seed: (step, loss)}. All entries with one seed, the
-    same: the loss and its relative difference to bf16's. Otherwise: the loss's mean ± standard error over the
-    entry's seeds (bf16's row: the seed spread), each seed's difference to bf16's run of the same seed, and their
-    mean ± standard error (s.e. = sample standard deviation / sqrt(seeds); "–" for one seed)."""
-    base = finals.get("bf16", {})
+def table(evals: dict) -> list[str]:
+    """Markdown rows of the eval losses, evals: entry -> {seed: [(step, eval loss), ...]} (each run's eval curve).
+    Each run gives its final eval loss and its lowest (on a small corpus a long run over-fits, and the two part).
+    All entries with one seed, the same: the losses and their relative differences to bf16's. Otherwise: each
+    loss's mean ± standard error over the entry's seeds (bf16's row: the seed spread), each seed's final difference
+    to bf16's run of the same seed, and the mean ± standard error of the paired differences (s.e. = sample standard
+    deviation / sqrt(seeds); "–" for one seed)."""
+    finals = {entry: {seed: curve[-1] for seed, curve in runs.items()} for entry, runs in evals.items()}
+    lowest = {entry: {seed: min(curve, key=lambda point: point[1]) for seed, curve in runs.items()}
+              for entry, runs in evals.items()}
+
+    def gaps(entry, of):  # {seed: % difference to bf16's run of the same seed}
+        base = of.get("bf16", {})
+        return {seed: (loss - base[seed][1]) / base[seed][1] * 100 for seed, (_, loss) in of[entry].items()
+                if seed in base}
 
     def mean_se(xs, fmt, unit=""):
         se = f" ± {statistics.stdev(xs) / math.sqrt(len(xs)):{fmt.lstrip('+')}}{unit}" if len(xs) > 1 else ""
-        return f"{statistics.mean(xs):{fmt}}{unit}{se}"
+        return f"{statistics.mean(xs):{fmt}}{unit}{se}" if xs else "–"
 
-    if all(len(runs) == 1 for runs in finals.values()) and len({s for r in finals.values() for s in r}) == 1:
-        lines = ["| recipe | final step | final eval loss | vs bf16 |", "|---|---:|---:|---:|"]
-        for entry, runs in finals.items():
-            [(step, loss)] = runs.values()
-            b = next(iter(base.values()))[1] if base else None
-            rel = f"{(loss - b) / b * 100:+.2f}%" if b else "–"
-            lines.append(f"| {entry} | {step} | {loss:.4f} | {rel} |")
+    if all(len(runs) == 1 for runs in evals.values()) and len({s for r in evals.values() for s in r}) == 1:
+        lines = ["| recipe | final step | final eval loss | vs bf16 | lowest eval loss (step) | vs bf16 |",
+                 "|---|---:|---:|---:|---:|---:|"]
+        for entry in evals:
+            [(step, loss)], [(low_step, low)] = finals[entry].values(), lowest[entry].values()
+            gap, low_gap = (mean_se(list(gaps(entry, of).values()), "+.2f", "%") for of in (finals, lowest))
+            lines.append(f"| {entry} | {step} | {loss:.4f} | {gap} | {low:.4f} ({low_step}) | {low_gap} |")
         return lines
-    lines = ["| recipe | seeds | final step | final eval loss, mean ± s.e. | vs bf16 per seed | vs bf16, mean ± s.e. |",
-             "|---|---|---:|---:|---|---:|"]
+    lines = ["| recipe | seeds | final step | final eval loss, mean ± s.e. | vs bf16 per seed | vs bf16, mean ± s.e. | "
+             "lowest eval loss, mean ± s.e. | vs bf16, mean ± s.e. |", "|---|---|---:|---:|---|---:|---:|---:|"]
     for entry, runs in finals.items():
-        losses = [loss for _, loss in runs.values()]
-        paired = [(loss - base[seed][1]) / base[seed][1] * 100 for seed, (_, loss) in runs.items() if seed in base]
-        per_seed = ", ".join(f"{r:+.2f}%" for r in paired) or "–"
-        summary = mean_se(paired, "+.2f", "%") if paired else "–"
+        paired = gaps(entry, finals)
+        per_seed = ", ".join(f"{r:+.2f}%" for r in paired.values()) or "–"
         step = list(runs.values())[-1][0]
-        lines.append(f"| {entry} | {', '.join(map(str, runs))} | {step} | {mean_se(losses, '.4f')} | {per_seed} | "
-                     f"{summary} |")
+        lines.append(f"| {entry} | {', '.join(map(str, runs))} | {step} | "
+                     f"{mean_se([loss for _, loss in runs.values()], '.4f')} | {per_seed} | "
+                     f"{mean_se(list(paired.values()), '+.2f', '%')} | "
+                     f"{mean_se([loss for _, loss in lowest[entry].values()], '.4f')} | "
+                     f"{mean_se(list(gaps(entry, lowest).values()), '+.2f', '%')} |")
     return lines
 
 

@@ -52,31 +52,27 @@ ROUNDS = 3  # throughput: median over this many rounds of --steps steps queued b
 TINYLLAMA = dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000)
 
 
-# Row options, each a ":name" suffix of the row: the config change it makes.
-ROW_OPTIONS = {
-    "recompute_attention": "config.model.recompute_attention=True",
-    "smooth_swiglu": "config.model.smooth_swiglu=True",
-    "lm_head_8bit": "config.keep_high_precision=() (the LM head under the row's recipe)",
-}
-
-
 def _split_row(row: str) -> tuple[str, tuple[str, ...], str]:
     """"name:option:option+optimizer" -> (name, options, optimizer or "")."""
+    from common import split_options
+
     recipe_row, _, optimizer = row.partition("+")
-    name, *options = recipe_row.split(":")
-    return name, tuple(options), optimizer
+    return *split_options(recipe_row), optimizer
 
 
 def row_name(row: str) -> str:
-    """argparse type of a row: one of ROWS, then any of ROW_OPTIONS as ":option" suffixes, then optionally
+    """argparse type of a row: one of ROWS, then any of common.MODEL_OPTIONS as ":option" suffixes, then optionally
     "+<optimizer>" (one of qjax.train.OPTIMIZERS)."""
+    from common import MODEL_OPTIONS
     from qjax.train import OPTIMIZERS
 
-    name, options, optimizer = _split_row(row)
-    if (name not in ROWS or any(o not in ROW_OPTIONS for o in options)
-            or ("+" in row and optimizer not in OPTIMIZERS)):
+    try:
+        name, _, optimizer = _split_row(row)
+    except ValueError:
+        name, optimizer = "", ""
+    if name not in ROWS or ("+" in row and optimizer not in OPTIMIZERS):
         raise argparse.ArgumentTypeError(f"unknown row {row!r}: use one of {', '.join(ROWS)}, optionally followed by "
-                                         f"any of :{', :'.join(ROW_OPTIONS)}, then optionally by + and one of "
+                                         f"any of :{', :'.join(MODEL_OPTIONS)}, then optionally by + and one of "
                                          f"{', '.join(OPTIMIZERS)}")
     return row
 
@@ -103,7 +99,7 @@ def build_row(row: str, args):
     """(train_state, train_step, batch, task) for one row: the model per --size, random tokens (batch, seq)."""
     import numpy as np
 
-    from common import REPO
+    from common import REPO, apply_options
 
     sys.path.insert(0, str(REPO))  # the configs/ package
     from configs import llama_base
@@ -120,11 +116,7 @@ def build_row(row: str, args):
         config.model.moe = dict(n_experts=n_experts, top_k=top_k, n_shared_experts=n_shared,
                                 expert_ffn_dim=expert_ffn_dim, aux_loss_weight=0.01)
     config.model.remat = args.remat
-    options = _split_row(row)[1]
-    config.model.recompute_attention = "recompute_attention" in options
-    config.model.smooth_swiglu = "smooth_swiglu" in options
-    if "lm_head_8bit" in options:
-        config.keep_high_precision = ()
+    apply_options(config, _split_row(row)[1])
     config.min_features = args.min_features
     del config.recipe  # the config file's field is a recipe name; rows need Recipe objects (variants, backend)
     config.recipe = row_recipe(row)
@@ -284,10 +276,12 @@ def resolve_model_args(args) -> bool:
 
 
 def parse_args():
+    from common import MODEL_OPTIONS
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="*", type=row_name, metavar="ROW[:OPTION...][+OPTIMIZER]",
                         help=f"rows: {' '.join(ROWS)}, each optionally followed by options ("
-                             + "; ".join(f":{k}: {v}" for k, v in ROW_OPTIONS.items())
+                             + "; ".join(f":{k}: {v}" for k, v in MODEL_OPTIONS.items())
                              + "), then +OPTIMIZER (qjax.train.OPTIMIZERS; default adamw); default "
                              f"rows: {' '.join(DEFAULT_ROWS)}")
     add_model_args(parser)

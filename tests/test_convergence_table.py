@@ -1,6 +1,6 @@
-"""benchmarks/convergence.py's table and the recipe names it takes (common.recipe_variant). The table: one seed
-gives each recipe's difference to bf16; several give each seed's difference to bf16's run of the same seed and their
-mean ± standard error."""
+"""benchmarks/convergence.py's table and the recipe names it takes (common.recipe_variant, common.split_options).
+The table, of each run's final and lowest eval loss: one seed gives each recipe's difference to bf16; several give
+each seed's difference to bf16's run of the same seed and their mean ± standard error."""
 
 import json
 import math
@@ -13,33 +13,41 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import convergence  # noqa: E402
-from common import recipe_variant  # noqa: E402
+from common import apply_options, recipe_variant, split_options  # noqa: E402
 
 
 def test_one_seed():
-    rows = convergence.table({"bf16": {0: (750, 2.0)}, "int8_dataflow": {0: (750, 2.02)}})
-    assert rows[2] == "| bf16 | 750 | 2.0000 | +0.00% |"
-    assert rows[3] == "| int8_dataflow | 750 | 2.0200 | +1.00% |"
+    # int8_dataflow ends 1% above bf16 and its lowest eval (at step 500) 0.5% above bf16's lowest (at step 250)
+    rows = convergence.table({"bf16": {0: [(250, 1.9), (500, 1.95), (750, 2.0)]},
+                              "int8_dataflow": {0: [(250, 1.92), (500, 1.9095), (750, 2.02)]}})
+    assert rows[2] == "| bf16 | 750 | 2.0000 | +0.00% | 1.9000 (250) | +0.00% |"
+    assert rows[3] == "| int8_dataflow | 750 | 2.0200 | +1.00% | 1.9095 (500) | +0.50% |"
 
 
 def test_seeds_are_paired_with_bf16():
     # seed 1's bf16 run is 2% worse; the recipe tracks it: per seed +1% and +0%, mean 0.5%, s.e. 0.5%; bf16's loss
-    # row gives the seed spread (s.e. 0.02)
-    rows = convergence.table({"bf16": {0: (10, 2.0), 1: (10, 2.04)}, "fp8_dataflow": {0: (10, 2.02), 1: (10, 2.04)}})
-    assert rows[2] == "| bf16 | 0, 1 | 10 | 2.0200 ± 0.0200 | +0.00%, +0.00% | +0.00% ± 0.00% |"
-    assert rows[3] == "| fp8_dataflow | 0, 1 | 10 | 2.0300 ± 0.0100 | +1.00%, +0.00% | +0.50% ± 0.50% |"
+    # row gives the seed spread (s.e. 0.02). The lowest evals (the first point here): bf16 1.9 and 1.9, the recipe
+    # 1.919 and 1.881: +1% and -1%
+    rows = convergence.table({"bf16": {0: [(5, 1.9), (10, 2.0)], 1: [(5, 1.9), (10, 2.04)]},
+                              "fp8_dataflow": {0: [(5, 1.919), (10, 2.02)], 1: [(5, 1.881), (10, 2.04)]}})
+    assert rows[2] == ("| bf16 | 0, 1 | 10 | 2.0200 ± 0.0200 | +0.00%, +0.00% | +0.00% ± 0.00% | 1.9000 ± 0.0000 | "
+                       "+0.00% ± 0.00% |")
+    assert rows[3] == ("| fp8_dataflow | 0, 1 | 10 | 2.0300 ± 0.0100 | +1.00%, +0.00% | +0.50% ± 0.50% | "
+                       "1.9000 ± 0.0190 | +0.00% ± 1.00% |")
 
 
 def test_recipes_with_their_own_seeds():
     # bf16 under three seeds, bitnet under one: paired with bf16's seed 0 alone, no s.e.
-    rows = convergence.table({"bf16": {0: (10, 2.0), 1: (10, 2.04), 2: (10, 2.02)}, "bitnet_b158": {0: (10, 2.04)}})
-    assert rows[2] == "| bf16 | 0, 1, 2 | 10 | 2.0200 ± 0.0115 | +0.00%, +0.00%, +0.00% | +0.00% ± 0.00% |"
-    assert rows[3] == "| bitnet_b158 | 0 | 10 | 2.0400 | +2.00% | +2.00% |"
+    rows = convergence.table({"bf16": {0: [(10, 2.0)], 1: [(10, 2.04)], 2: [(10, 2.02)]},
+                              "bitnet_b158": {0: [(10, 2.04)]}})
+    assert rows[2] == ("| bf16 | 0, 1, 2 | 10 | 2.0200 ± 0.0115 | +0.00%, +0.00%, +0.00% | +0.00% ± 0.00% | "
+                       "2.0200 ± 0.0115 | +0.00% ± 0.00% |")
+    assert rows[3] == "| bitnet_b158 | 0 | 10 | 2.0400 | +2.00% | +2.00% | 2.0400 | +2.00% |"
 
 
 def test_no_bf16_baseline():
-    row = convergence.table({"int8_rowwise": {0: (5, 3.0), 1: (5, 3.1)}})[2]
-    assert row == "| int8_rowwise | 0, 1 | 5 | 3.0500 ± 0.0500 | – | – |"
+    row = convergence.table({"int8_rowwise": {0: [(5, 3.0)], 1: [(5, 3.1)]}})[2]
+    assert row == "| int8_rowwise | 0, 1 | 5 | 3.0500 ± 0.0500 | – | – | 3.0500 ± 0.0500 | – |"
 
 
 def test_a_suite_run_stopped_mid_way_resumes_to_the_same_curve(tmp_path):
@@ -113,6 +121,22 @@ def test_recipe_variant_names():
     for name in ("bf16_sr", "int8_fwd_sr", "int8_dataflow_sr_sr"):
         with pytest.raises(ValueError, match="'_sr' would change nothing; drop it"):
             recipe_variant(name)
+
+
+def test_model_options_after_a_recipe():
+    import ml_collections
+
+    assert split_options("fp8_rowwise:smooth_swiglu:lm_head_8bit") == ("fp8_rowwise", ("smooth_swiglu",
+                                                                                        "lm_head_8bit"))
+    assert split_options("int8_dataflow_sr") == ("int8_dataflow_sr", ())
+    with pytest.raises(ValueError, match="unknown option 'smooth' in 'fp8_rowwise:smooth': use any of "
+                                         ":recompute_attention, :smooth_swiglu, :lm_head_8bit"):
+        split_options("fp8_rowwise:smooth")
+    config = ml_collections.ConfigDict({"model": {"recompute_attention": None, "smooth_swiglu": None},
+                                        "keep_high_precision": None})
+    apply_options(config, ("smooth_swiglu", "lm_head_8bit"))
+    assert (config.model.smooth_swiglu, config.model.recompute_attention, config.keep_high_precision) == (
+        True, False, ())
 
 
 def test_a_run_is_reused_only_under_the_same_recipe_definition(tmp_path):
