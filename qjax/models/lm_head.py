@@ -17,9 +17,9 @@ Same values as the unchunked head and loss, to float32 rounding: each chunk runs
 (`qjax.dot_general` with the head's recipe, bf16 by `keep_high_precision`), optax's cross-entropy on the float32
 logits and the same backward; the loss is summed chunk by chunk, and a high-precision head's weight gradient is
 accumulated over the chunks in float32 and rounded once, as the one GEMM over all tokens does. A quantized head (a
-run that removes "lm_head" from keep_high_precision) quantizes its wgrad operands per chunk: its per-feature and
-tensor scales span a chunk's tokens instead of all of them, and each chunk's gradient is rounded to the compute
-dtype before the float32 sum.
+run that removes "lm_head" from keep_high_precision) quantizes its kernel once per pass for all chunks (the codes
+each chunk would make), and its wgrad operands per chunk: their per-feature and tensor scales span a chunk's tokens
+instead of all of them, and each chunk's gradient is rounded to the compute dtype before the float32 sum.
 """
 
 import functools
@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 import qjax
+from qjax import linear_core
 from qjax.models import layers
 from qjax.int8_params import Int8Param
 
@@ -101,10 +102,18 @@ def chunked_cross_entropy(hidden, kernel, targets, weights, *, recipe, key=None,
     return _chunked(recipe, split(hidden), kernel, split(targets), split(weights.astype(jnp.float32)), keys)
 
 
-def _head(recipe, hidden, kernel, key_data):
-    """One chunk's logits: hidden (B, size, dim) . kernel (dim, vocab) in the compute dtype, the head's recipe."""
+def _head(recipe, hidden, kernel, key_data, codes):
+    """One chunk's logits: hidden (B, size, dim) . kernel (dim, vocab) in the compute dtype, the head's recipe;
+    codes: the kernel's, made once for all chunks (`_kernel_codes`), or None."""
     key = jax.random.wrap_key_data(key_data) if recipe.needs_key else None
-    return qjax.dot_general(hidden, kernel, (((2,), (0,)), ((), ())), recipe=recipe, key=key)
+    return qjax.dot_general(hidden, kernel, (((2,), (0,)), ((), ())), recipe=recipe, key=key, rhs_quantized=codes)
+
+
+def _kernel_codes(recipe, kernel, dgrad: bool):
+    """A quantized head's kernel quantized once for every chunk (`linear_core.weight_codes`) rather than in each
+    chunk's GEMMs: at the 8B's 128k vocabulary a chunk's GEMMs are short beside quantizing the whole kernel. None
+    for a high-precision head, or a recipe whose codes cannot be shared (each chunk then quantizes it)."""
+    return None if recipe.is_high_precision else linear_core.weight_codes(recipe, kernel.T, dgrad)
 
 
 def _cross_entropy(logits, targets, weights):
@@ -114,9 +123,11 @@ def _cross_entropy(logits, targets, weights):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _chunked(recipe, hidden, kernel, targets, weights, keys):
+    codes = _kernel_codes(recipe, kernel, dgrad=False)
+
     def body(total, chunk):
         h, t, w, k = chunk
-        return total + _cross_entropy(_head(recipe, h, kernel, k), t, w), None
+        return total + _cross_entropy(_head(recipe, h, kernel, k, codes), t, w), None
 
     return jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden, targets, weights, keys))[0]
 
@@ -128,10 +139,11 @@ def _chunked_fwd(recipe, hidden, kernel, targets, weights, keys):
 
 def _chunked_bwd(recipe, residuals, g):
     hidden, kernel, targets, weights, keys = residuals
+    codes = _kernel_codes(recipe, kernel, dgrad=True)
 
     def body(dkernel, chunk):
         h, t, w, k = chunk
-        logits, head_pull = jax.vjp(lambda h, kernel: _head(recipe, h, kernel, k), h, kernel)
+        logits, head_pull = jax.vjp(lambda h, kernel: _head(recipe, h, kernel, k, codes), h, kernel)
         dlogits = jax.vjp(lambda logits: _cross_entropy(logits, t, w), logits)[1](g)[0]
         dh, dk = head_pull(dlogits)
         if recipe.wgrad is None:

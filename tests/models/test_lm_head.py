@@ -124,6 +124,46 @@ def test_peak_memory_below_full_logits():
     assert temp(chunked) < logits_f32 / 2, (temp(chunked), logits_f32)
 
 
+def _kernel_sized_amaxes(jaxpr, size: int, in_loop: bool = False) -> tuple[int, int]:
+    """(inside a scan, outside one): how many max-reductions read an array of `size` elements (a kernel's amax)."""
+    counts = [0, 0]
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "reduce_max" and eqn.invars[0].aval.size == size:
+            counts[0 if in_loop else 1] += 1
+        for param in eqn.params.values():
+            for sub in (param if isinstance(param, (tuple, list)) else [param]):
+                sub = getattr(sub, "jaxpr", sub)
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    inner = _kernel_sized_amaxes(sub, size, in_loop or eqn.primitive.name == "scan")
+                    counts = [counts[0] + inner[0], counts[1] + inner[1]]
+    return counts[0], counts[1]
+
+
+@pytest.mark.parametrize("recipe", ["int8_rowwise", "fp8_rowwise", "fp8_tensorwise"])
+def test_a_quantized_head_quantizes_its_kernel_once_for_all_chunks(recipe, monkeypatch):
+    b, t, dim, vocab = 2, 16, 32, 96
+    hidden = jax.random.normal(jax.random.key(0), (b, t, dim))
+    kernel = jax.random.normal(jax.random.key(1), (dim, vocab)) * 0.2
+    targets = jax.random.randint(jax.random.key(2), (b, t), 0, vocab)
+    weights = jnp.full((b, t), 1.0 / (b * t))
+
+    def loss_and_grads():  # a new function per call: jit traces it again after the monkeypatch
+        loss = lambda h, k: lhl.chunked_cross_entropy(h, k, targets, weights, recipe=recipe,
+                                                      chunk_elements=2 * b * vocab)  # 8 chunks of 2 positions
+        return jax.value_and_grad(loss, argnums=(0, 1))
+
+    inside, outside = _kernel_sized_amaxes(jax.make_jaxpr(loss_and_grads())(hidden, kernel).jaxpr, kernel.size)
+    assert inside == 0 and outside >= 2  # the forward's codes, then the backward's pair, outside the chunk loop
+    got = jax.jit(loss_and_grads())(hidden, kernel)
+
+    monkeypatch.setattr(lhl, "_kernel_codes", lambda *args, **kwargs: None)  # each chunk quantizes the kernel
+    inside, _ = _kernel_sized_amaxes(jax.make_jaxpr(loss_and_grads())(hidden, kernel).jaxpr, kernel.size)
+    assert inside >= 2  # in both loops: the forward and the backward (recomputed forward, dgrad)
+    want = jax.jit(loss_and_grads())(hidden, kernel)
+    for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # the same codes: the same bits
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
+
+
 def test_bad_input():
     config, model, params, inputs, targets = _setup("llama", "float32", "bf16")
     hidden = jnp.zeros((2, 12, config.dim))
