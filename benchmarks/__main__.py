@@ -55,7 +55,7 @@ def suites(gpus: int) -> dict[str, tuple[str, list[list[str]]]]:
             ["benchmarks/linear.py", "--shapes", "4096x4096", "4096x14336", "--reps", "10", "--recipes",
              "int8_rowwise", "fp8_tensorwise", "--no-peer"]]),
         "e2e-8b": ("the full Llama-3-8B at seq 8192, FSDP over every GPU, bf16 vs int8_rowwise", [
-            ["benchmarks/scaling.py", *fsdp_8b, "--rows", "bf16", "int8_rowwise"]]),
+            ["benchmarks/scaling.py", *fsdp_8b, "--rows", "bf16", "int8_rowwise", "--profile", "10"]]),
         "memory": ("peak memory of the 1.1B train step per recipe, compiled (XLA's plan)", [
             ["benchmarks/peak_memory.py", "--recipes", "bf16", "int8_rowwise", "int8_dataflow", "fp8_dataflow"]]),
         "optim": ("the low-bit AdamW step on a 1.1B pytree vs optax.adamw", [

@@ -121,6 +121,17 @@ def main():
     print_report(device_events(trace_dir), args.steps, args.top)
 
 
+def category_ms(events, steps: int) -> dict[str, float]:
+    """{category: ms per step} of `events` (`device_events`) over `steps` steps, and "idle": the time no kernel
+    ran between the first kernel and the last."""
+    out = collections.Counter()
+    for key, (us, _, kernel) in device_ops(events).items():
+        out[category(kernel, key)] += us / steps / 1e3
+    if events:
+        out["idle"] = idle_gaps(events)[1] / steps / 1e3
+    return dict(out)
+
+
 def print_report(events, steps: int, top: int, file=None) -> None:
     """The per-step tables of `events` (`device_events`) over `steps` profiled steps: device time and idle time,
     time by category, the `top` ops and the `top` longest idle gaps; to `file` (default stdout)."""

@@ -11,16 +11,19 @@ against one device.
   python benchmarks/scaling.py --size 1b --rows int8_rowwise --steps 3 --warmup 1 --profile 30   # + GPU 0's time
   python benchmarks/scaling.py --size 1b --xla-flags=--xla_gpu_enable_pipelined_all_gather=true   # with XLA flags
 
-A row (`--rows`, recipe[:gather]) runs `qjax.train.make_train_step` on random tokens over each mesh of `--meshes`
+A row (`--rows`, recipe[:gather][:option...]) runs `qjax.train.make_train_step` on random tokens over each mesh of `--meshes`
 (default fsdp over all `--devices`), in its own subprocess (its peak memory is its own). Gather "8bit" (the default;
 the train step's own) has the quantized layers gather their FSDP-split weights as 8-bit codes + scales (BitNet's
 ternary codes packed 2 bits each: the table says "2bit"); "bf16"
 turns that off (`config.mesh.gather_8bit=False`: XLA all-gathers the float weights); the bf16 recipe always
-gathers floats. `--baselines` adds one-device rows of those recipes at the mesh rows' batch per device (weak
+gathers floats. Options are benchmarks/common.py's MODEL_OPTIONS (e.g. "int8_rowwise:lm_head_8bit": the LM head in
+8 bits too). `--baselines` adds one-device rows of those recipes at the mesh rows' batch per device (weak
 scaling): "vs 1 device" is tokens/s per device over the baseline's tokens/s. Baselines run side by side, one per
 GPU (CUDA_VISIBLE_DEVICES), since nothing connects them. tokens/s is the global rate, --steps steps queued back to
 back, median of 3 rounds; peak GB is the largest `peak_bytes_in_use` over the devices ("–" where the platform does
-not report it, e.g. the CPU). Rows finished before a SIGTERM (a `timeout`) are still recorded.
+not report it, e.g. the CPU). Model TFLOP/s per device is NeMo's count (`nemo_flops_per_token`), beside MFU by
+qjax's own count. With --profile, GPU 0's time per step by category is a second table. Rows finished before a
+SIGTERM (a `timeout`) are still recorded.
 """
 
 import os
@@ -56,22 +59,43 @@ def parse_mesh(text: str) -> dict:
     return sizes
 
 
-def parse_row(text: str) -> tuple[str, str]:
-    """"int8_rowwise" -> ("int8_rowwise", "8bit"); "int8_rowwise:bf16" -> ("int8_rowwise", "bf16")."""
-    recipe, _, gather = text.partition(":")
-    if recipe not in RECIPES or gather not in ("", *GATHERS):
-        raise argparse.ArgumentTypeError(f"row {text!r}: use RECIPE[:GATHER], RECIPE one of {RECIPES}, GATHER one "
-                                         f"of {GATHERS}, e.g. int8_rowwise:bf16")
-    return recipe, "bf16" if recipe == "bf16" else gather or "8bit"
+def parse_row(text: str) -> tuple[str, str, tuple[str, ...]]:
+    """"int8_rowwise" -> ("int8_rowwise", "8bit", ()); "int8_rowwise:bf16" -> ("int8_rowwise", "bf16", ());
+    "int8_rowwise:lm_head_8bit" -> ("int8_rowwise", "8bit", ("lm_head_8bit",)): RECIPE[:GATHER][:OPTION...], the
+    options benchmarks/common.py's MODEL_OPTIONS."""
+    from common import MODEL_OPTIONS, split_options
+
+    recipe, *rest = text.split(":")
+    gather = rest.pop(0) if rest and rest[0] in GATHERS else ""
+    try:
+        _, options = split_options(":".join([recipe, *rest]))
+    except ValueError:
+        options = None
+    if recipe not in RECIPES or options is None:
+        raise argparse.ArgumentTypeError(f"row {text!r}: use RECIPE[:GATHER][:OPTION...], RECIPE one of {RECIPES}, "
+                                         f"GATHER one of {GATHERS}, OPTION any of {tuple(MODEL_OPTIONS)}, e.g. "
+                                         "int8_rowwise:bf16 or int8_rowwise:lm_head_8bit")
+    return recipe, "bf16" if recipe == "bf16" else gather or "8bit", options
 
 
-def measure(args, mesh: dict, recipe: str, gather: str, batch: int) -> dict:
-    """In the child process: one row's tokens/s, step ms, MFU, peak memory per device and loss."""
+def nemo_flops_per_token(config, seq: int) -> float:
+    """Model FLOPs per trained token of a Llama by Megatron / NeMo's count: 12 L H^2 (1 + G/A + S/(2H) + 1.5 F/H)
+    + 6 H V (the causal attention half counted, the gated MLP as 1.5 GEMMs of F, the LM head); 51.5 GFLOP for
+    Llama-3-8B at seq 8192. config: a `LlamaConfig` (dim H, n_layers L, n_heads A, n_kv_heads G, ffn_dim F,
+    vocab_size V)."""
+    h = config.dim
+    per_layer = 1 + config.n_kv_heads / config.n_heads + seq / (2 * h) + 1.5 * config.ffn_dim / h
+    return 12 * config.n_layers * h * h * per_layer + 6 * h * config.vocab_size
+
+
+def measure(args, mesh: dict, recipe: str, gather: str, options: list, batch: int) -> dict:
+    """In the child process: one row's tokens/s, step ms, MFU, model TFLOP/s per device (NeMo's count), peak memory
+    per device, loss and (--profile) GPU 0's ms per step by category."""
     import jax
     import numpy as np
 
-    from common import REPO, time_ms
-    from profile_train import device_events, print_report  # before REPO joins the path: its `train` is ours
+    from common import REPO, apply_options, time_ms
+    from profile_train import category_ms, device_events, print_report  # before REPO joins the path
 
     sys.path.insert(0, str(REPO))
     from configs import llama_base
@@ -87,6 +111,7 @@ def measure(args, mesh: dict, recipe: str, gather: str, batch: int) -> dict:
     config.recipe = recipe
     config.mesh.update(mesh)
     config.mesh.gather_8bit = gather == "8bit"
+    apply_options(config, tuple(options))
     config.seq_len, config.batch_size, config.steps = args.seq, batch, 1000
     task = make_task(config)
     init_state, train_step = make_train_step(config, task)
@@ -101,12 +126,15 @@ def measure(args, mesh: dict, recipe: str, gather: str, batch: int) -> dict:
         return metrics["loss"]
 
     ms = time_ms(run_one, (), warmup=args.warmup, reps=ROUNDS, inner=args.steps)
+    profile = None
     if args.profile and gather != "–":  # mesh rows, not the one-device baselines
         trace_dir = tempfile.mkdtemp(prefix="qjax_scaling_profile_")
         with jax.profiler.trace(trace_dir):  # 2 more steps; the report goes to stderr (stdout carries the result)
             jax.block_until_ready([run_one() for _ in range(2)])
         print(f"\nprofile of {recipe} {gather}-gather over {mesh}, GPU 0, per step:", file=sys.stderr)
-        print_report(device_events(pathlib.Path(trace_dir)), 2, args.profile, file=sys.stderr)
+        events = device_events(pathlib.Path(trace_dir))
+        print_report(events, 2, args.profile, file=sys.stderr)
+        profile = category_ms(events, 2)
     losses = [float(x) for x in losses]
     if not np.isfinite(losses).all():
         raise RuntimeError(f"non-finite loss: {losses}")
@@ -117,14 +145,16 @@ def measure(args, mesh: dict, recipe: str, gather: str, batch: int) -> dict:
     return dict(sizes=dict(zip(("data", "fsdp", "tensor"), axis_sizes(len(devices), **mesh))),
                 devices=len(devices), batch=batch, step_ms=ms, tokens_per_s=tokens_per_s, loss=losses[-1],
                 mfu=tokens_per_s / len(devices) * task.flops_per_unit / peak if peak else None,
+                nemo_tflops=tokens_per_s / len(devices) * nemo_flops_per_token(task.model_config, args.seq) / 1e12,
+                profile=profile,
                 peak_gb=max(peaks) / 1e9 if all(p is not None for p in peaks) else None,
                 device=devices[0].device_kind)
 
 
-def start_row(args, mesh: dict, recipe: str, gather: str, batch: int, devices: list):
+def start_row(args, mesh: dict, recipe: str, gather: str, options: tuple, batch: int, devices: list):
     """Starts one row's child process on `devices` (CUDA_VISIBLE_DEVICES entries; on the CPU, as many host
     devices)."""
-    argv = [sys.executable, os.path.abspath(__file__), "--child", json.dumps([mesh, recipe, gather, batch]),
+    argv = [sys.executable, os.path.abspath(__file__), "--child", json.dumps([mesh, recipe, gather, options, batch]),
             "--size", args.size, "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--optimizer", args.optimizer, "--param-dtype", args.param_dtype, "--profile", str(args.profile)] + \
         (["--remat"] if args.remat else []) + (["--sr"] if args.sr else [])
@@ -137,7 +167,7 @@ def start_row(args, mesh: dict, recipe: str, gather: str, batch: int, devices: l
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *args.xla_flags]).strip()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env,
                             cwd=os.path.dirname(os.path.abspath(__file__)))
-    return proc, dict(mesh=mesh, recipe=recipe, gather=gather, start=time.perf_counter())
+    return proc, dict(mesh=mesh, recipe=recipe, gather=gather, options=list(options), start=time.perf_counter())
 
 
 def finish_row(proc, row: dict) -> dict:
@@ -148,27 +178,35 @@ def finish_row(proc, row: dict) -> dict:
     result.update(row)
     where = "one device" if row["gather"] == "–" else ",".join(f"{k}={v}" for k, v in row["mesh"].items()) + \
         f" {row['gather']}-gather"
-    print(f"{row['recipe']} {where}: " + (
+    print(f"{row_label(row)} {where}: " + (
         f"FAILED {result['error']}" if "error" in result else
         f"{result['tokens_per_s']:,.0f} tok/s on {result['devices']}, {result['step_ms']:.1f} ms/step")
         + f" ({seconds:.0f} s with compilation)", flush=True)
     return result
 
 
+def _tflops(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
+
+
+def row_label(row: dict) -> str:
+    return ":".join([row["recipe"], *row.get("options", ())])
+
+
 def table(results: list[dict], args) -> str:
     lines = ["| mesh (data x fsdp x tensor) | recipe | weight gather | batch | tokens/s | tokens/s per device | "
-             "vs 1 device | vs bf16, bf16 gather | MFU | step ms | peak GB per device |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "vs 1 device | vs bf16, bf16 gather | MFU | model TFLOP/s per device (NeMo) | step ms | "
+             "peak GB per device |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     ok = [r for r in results if "error" not in r]
     for r in results:
         sizes = r.get("sizes", r["mesh"])
         mesh = "one device" if r["gather"] == "–" else "{data} x {fsdp} x {tensor}".format(**sizes)
         if "error" in r:
-            lines.append(f"| {mesh} | {r['recipe']} | {r['gather']} | | failed: {r['error'][:100]} | | | | | | |")
+            lines.append(f"| {mesh} | {row_label(r)} | {r['gather']} | | failed: {r['error'][:100]} | | | | | | | |")
             continue
         per_device = r["tokens_per_s"] / r["devices"]
         base = next((b for b in ok if b["mesh"] == r["mesh"] and b["recipe"] == "bf16" and b["gather"] == "bf16"
-                     and b["gather"] != "–"), None) if r["gather"] != "–" else \
+                     and not b.get("options")), None) if r["gather"] != "–" else \
             next((b for b in ok if b["gather"] == "–" and b["recipe"] == "bf16"), None)
         one = next((b for b in ok if b["gather"] == "–" and b["recipe"] == r["recipe"]), None)
         speedup = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "–"
@@ -176,15 +214,28 @@ def table(results: list[dict], args) -> str:
         peak = f"{r['peak_gb']:.1f}" if r.get("peak_gb") else "–"
         mfu = f"{r['mfu']:.2f}" if r.get("mfu") else "–"
         gathered = "2bit" if r["recipe"].startswith("bitnet") and r["gather"] == "8bit" else r["gather"]  # ternary
-        lines.append(f"| {mesh} | {r['recipe']} | {gathered} | {r['batch']} | {r['tokens_per_s']:,.0f} | "
-                     f"{per_device:,.0f} | {efficiency} | {speedup} | {mfu} | {r['step_ms']:.1f} | {peak} |")
+        lines.append(f"| {mesh} | {row_label(r)} | {gathered} | {r['batch']} | {r['tokens_per_s']:,.0f} | "
+                     f"{per_device:,.0f} | {efficiency} | {speedup} | {mfu} | {_tflops(r['nemo_tflops'])} | "
+                     f"{r['step_ms']:.1f} | {peak} |")
     note = (f"Llama {args.size}, seq {args.seq}, remat={args.remat}, params {args.param_dtype}"
             f"{' + stochastic rounding' if args.sr else ''}, optimizer {args.optimizer}, random tokens, LM head in "
-            f"bf16; {args.steps} steps queued back to back, median of {ROUNDS} rounds after {args.warmup} warm-up "
-            "steps; one subprocess per row. vs 1 device: tokens/s per device over the one-device row of the same "
-            "recipe at the same batch per device; one-device rows ran side by side, one per GPU"
+            f"bf16 unless :lm_head_8bit; {args.steps} steps queued back to back, median of {ROUNDS} rounds after "
+            f"{args.warmup} warm-up steps; one subprocess per row. vs 1 device: tokens/s per device over the "
+            "one-device row of the same recipe at the same batch per device; one-device rows ran side by side, one "
+            "per GPU. MFU: qjax's count (task.flops_per_unit) over the device's bf16 peak; model TFLOP/s (NeMo): "
+            "tokens/s per device x 12 L H^2 (1 + G/A + S/(2H) + 1.5 F/H) + 6 H V FLOPs per token (51.5 G for "
+            "Llama-3-8B at seq 8192)"
             + (f"; {args.cpu_devices} CPU host devices (a check that it runs, not a speed)" if args.cpu_devices
                else "") + (f"; XLA_FLAGS += {' '.join(args.xla_flags)}" if args.xla_flags else "") + ".")
+    profiled = [r for r in ok if r.get("profile")]
+    if profiled:
+        names = sorted({name for r in profiled for name in r["profile"]},
+                       key=lambda name: -profiled[0]["profile"].get(name, 0))
+        note += ("\n\n| GPU 0, ms per step | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names) + "\n"
+                 + "\n".join(f"| {row_label(r)} {r['gather']}-gather | "
+                             + " | ".join(f"{r['profile'].get(n, 0):.1f}" for n in names) + " |" for r in profiled)
+                 + "\n\n--profile: 2 more steps under jax.profiler, GPU 0's kernels summed by category "
+                 "(benchmarks/profile_train.py); 'idle' is the time no kernel ran.")
     return "\n".join(lines) + "\n\n" + note + "\n"
 
 
@@ -196,8 +247,8 @@ def run_all(args, results: list[dict]) -> None:
     if not devices:
         raise SystemExit("no GPU visible (nvidia-smi -L lists none): pass --cpu-devices N for the CPU check")
     for mesh in args.meshes:
-        for recipe, gather in args.rows:
-            results.append(finish_row(*start_row(args, mesh, recipe, gather, args.batch, devices)))
+        for recipe, gather, options in args.rows:
+            results.append(finish_row(*start_row(args, mesh, recipe, gather, options, args.batch, devices)))
     if not args.baselines:
         return
     if args.batch % len(devices):
@@ -205,7 +256,7 @@ def run_all(args, results: list[dict]) -> None:
     batch, width = args.batch // len(devices), 1 if args.cpu_devices else len(gpus)
     pending = list(args.baselines)
     while pending:
-        started = [start_row(args, parse_mesh(""), recipe, "–", batch, [gpu] if not args.cpu_devices else [0])
+        started = [start_row(args, parse_mesh(""), recipe, "–", (), batch, [gpu] if not args.cpu_devices else [0])
                    for recipe, gpu in zip(pending[:width], gpus)]
         pending = pending[width:]
         results.extend(finish_row(*row) for row in started)
@@ -217,7 +268,8 @@ def main():
     parser.add_argument("--meshes", nargs="+", type=parse_mesh, default=None,
                         help="meshes as axis=size lists (default: fsdp=-1, FSDP over every device)")
     parser.add_argument("--rows", nargs="+", type=parse_row, default=None,
-                        help="RECIPE[:GATHER] per mesh, GATHER 8bit (default) or bf16; default: bf16, then "
+                        help="RECIPE[:GATHER][:OPTION...] per mesh, GATHER 8bit (default) or bf16, OPTION one of "
+                             "benchmarks/common.py's MODEL_OPTIONS (e.g. lm_head_8bit); default: bf16, then "
                              "int8_rowwise and fp8_tensorwise with both gathers")
     parser.add_argument("--baselines", nargs="*", default=[], choices=RECIPES,
                         help="recipes to run on one device too (scaling efficiency)")

@@ -28,6 +28,7 @@ SLOW_FILES = {
 
 # file -> test functions (without their parameters)
 SLOW_TESTS = {
+    "tests/test_scaling_bench.py": {"test_runs_on_two_cpu_devices_with_row_options"},
     "tests/kernels/test_dispatch.py": {
         "test_forced_interpret_runs_the_kernels_inside_dot_general", "test_pallas_backend_matches_xla_through_the_vjp",
     },
