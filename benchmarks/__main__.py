@@ -40,8 +40,8 @@ def _gpu_count() -> int:
 
 def suites(gpus: int) -> dict[str, tuple[str, list[list[str]]]]:
     """Suite name -> (what it measures, the commands it runs). Commands are argv lists run from the tree's root."""
-    fsdp_8b = ["--size", "8b", "--seq", "8192", "--batch", str(max(gpus, 1)), "--remat", "--param-dtype",
-               "bfloat16", "--sr", "--optimizer", "adamw_8bit", "--steps", "3", "--warmup", "1"]
+    fsdp_8b = ["--size", "8b", "--seq", "8192", "--batch", str(max(gpus, 1)), "--param-dtype", "bfloat16", "--sr",
+               "--optimizer", "adamw_8bit", "--steps", "3", "--warmup", "1", "--profile", "10"]
     return {
         "linear": ("one linear layer fwd+bwd per recipe vs bf16, and torch.compile + torchao beside it", [
             ["benchmarks/linear.py", "--shapes", "4096x4096", "4096x14336", "--reps", "10", "--recipes",
@@ -54,8 +54,10 @@ def suites(gpus: int) -> dict[str, tuple[str, list[list[str]]]]:
         "linear-ab": ("one linear layer, int8_rowwise and fp8_tensorwise vs bf16, no peer (for a before/after pair)", [
             ["benchmarks/linear.py", "--shapes", "4096x4096", "4096x14336", "--reps", "10", "--recipes",
              "int8_rowwise", "fp8_tensorwise", "--no-peer"]]),
-        "e2e-8b": ("the full Llama-3-8B at seq 8192, FSDP over every GPU, bf16 vs int8_rowwise", [
-            ["benchmarks/scaling.py", *fsdp_8b, "--rows", "bf16", "int8_rowwise", "--profile", "10"]]),
+        "e2e-8b": ("the full Llama-3-8B at seq 8192, FSDP over every GPU, bf16 vs the 8-bit recipes, without and "
+                   "with remat", [
+                       ["benchmarks/scaling.py", *fsdp_8b, "--rows", "bf16", "int8_rowwise", "int8_dataflow"],
+                       ["benchmarks/scaling.py", *fsdp_8b, "--remat", "--rows", "bf16", "int8_rowwise"]]),
         "memory": ("peak memory of the 1.1B train step per recipe, compiled (XLA's plan)", [
             ["benchmarks/peak_memory.py", "--recipes", "bf16", "int8_rowwise", "int8_dataflow", "fp8_dataflow"]]),
         "optim": ("the low-bit AdamW step on a 1.1B pytree vs optax.adamw", [
