@@ -62,7 +62,8 @@ import jax  # noqa: E402
 import qjax  # noqa: E402
 from qjax.data import corpus as corpus_lib, text as text_lib  # noqa: E402
 from qjax.train import train  # noqa: E402
-from qjax.train.metrics import curves as read_curves, plot_runs  # noqa: E402
+from qjax import health  # noqa: E402
+from qjax.train.metrics import curves as read_curves, plot_runs, read_metrics  # noqa: E402
 
 RECIPES = ("bf16", "int8_rowwise", "fp8_tensorwise")
 MODELS = {"llama": (llama_base, "Llama", "convergence.png"), "gpt2": (gpt2_base, "GPT-2", "convergence_gpt2.png")}
@@ -175,7 +176,7 @@ def main():
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(REPO / "runs" / "jax_cache"))
     deadline = time.monotonic() + args.time_budget if args.time_budget else math.inf
-    workdirs, evals = [], {}  # entry -> {seed: [(step, eval loss), ...]}
+    workdirs, evals, health_rows = [], {}, []  # evals: entry -> {seed: [(step, eval loss), ...]}
     seconds_per_step = 0.0  # the last chunk's, so that the next run's first chunk is held to the budget too
     for entry, seed, name, config, workdir in runs:
         print(f"== {name} -> {workdir}", flush=True)
@@ -186,6 +187,9 @@ def main():
         if seed == seeds_of[entry][0]:
             workdirs.append(str(workdir))
         evals.setdefault(entry, {})[seed] = read_curves(str(workdir))[1]
+        worst = health.worst(read_metrics(str(workdir)))
+        if worst:
+            health_rows.append(health_row(name, worst))
 
     lines = table(evals)
     config = base_config.get_config()
@@ -198,6 +202,9 @@ def main():
             f"{args.lr or config.optimizer.lr:g} (RECIPE@LR: LR), {seeds}; eval loss = mean over the config's eval "
             "batches.")
     report = "\n".join(lines) + "\n\n" + note + "\n"
+    if health_rows:
+        report += ("\n" + "\n".join(HEALTH_HEADER + health_rows) + "\n\nQuantization health over each run (every "
+                   f"{args.health_every} steps; qjax.health.worst): the largest value, its layer/operand and step.\n")
     print("\n" + report)
     png = pathlib.Path(args.png or REPO / "benchmarks" / (png_name if args.corpus == "shakespeare" else
                                                          png_name.replace(".png", f"_{args.corpus}.png")))
@@ -260,6 +267,18 @@ def check_same_recipe(workdir: pathlib.Path, recipe) -> None:
                  f"(or delete that run)")
     workdir.mkdir(parents=True, exist_ok=True)
     marker.write_text(spec)
+
+
+HEALTH_HEADER = ["| run | most saturated | most underflow | largest amax growth (x, w) |", "|---|---|---|---|"]
+
+
+def health_row(name: str, worst: dict) -> str:
+    """A markdown row of `qjax.health.worst`'s result for run `name`."""
+    cells = []
+    for stat, fmt in (("saturated", "{:.2%}"), ("underflow", "{:.2%}"), ("amax_growth", "x{:.3g}")):
+        value, where, step = worst.get(stat, (None, "", 0))
+        cells.append("–" if value is None else f"{fmt.format(value)} {where} @ {step}")
+    return f"| {name} | " + " | ".join(cells) + " |"
 
 
 def table(evals: dict) -> list[str]:

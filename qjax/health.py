@@ -193,3 +193,24 @@ def initial_amax(rows) -> dict[str, float]:
             if key.startswith("health/") and key.endswith("/amax"):
                 initial.setdefault(key[len("health/"):-len("/amax")], value)
     return initial
+
+
+def worst(rows) -> dict[str, tuple[float, str, int]]:
+    """Where a run's quantization was least healthy, from its metrics rows (`record` + `HealthMonitor.update`):
+    {"saturated" / "underflow" / "amax_growth": (the largest value, "<layer>/<operand>", its step)}, amax growth
+    over the forward operands (x, w) only, as the warning reads it; {} for rows without health stats. NaN counts
+    as the largest."""
+    out = {}
+    for row in rows:
+        for key, value in row.items():
+            if not key.startswith("health/"):
+                continue
+            name, _, stat = key[len("health/"):].rpartition("/")
+            if stat not in ("saturated", "underflow", "amax_growth") or (stat == "amax_growth"
+                                                                          and name.endswith("/g")):
+                continue
+            best = out.get(stat)
+            if best is None or not value <= best[0] and not math.isnan(best[0]):
+                out[stat] = (float(value), name, int(row["step"]))
+    return out
+

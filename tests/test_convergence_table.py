@@ -150,3 +150,10 @@ def test_a_run_is_reused_only_under_the_same_recipe_definition(tmp_path):
     (tmp_path / "old" / "config.json").write_text("{}")
     with pytest.raises(SystemExit, match="did not record its recipe's definition"):
         convergence.check_same_recipe(tmp_path / "old", nearest)
+
+
+def test_health_row_names_where_each_stat_was_worst():
+    worst = {"saturated": (0.0014, "layers_0/mlp/down_proj/x", 300), "amax_growth": (15.62, "layers_1/attn/o_proj/w",
+                                                                                     5700)}
+    assert convergence.health_row("int8_rowwise", worst) == (
+        "| int8_rowwise | 0.14% layers_0/mlp/down_proj/x @ 300 | – | x15.6 layers_1/attn/o_proj/w @ 5700 |")

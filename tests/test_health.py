@@ -229,3 +229,17 @@ def test_smoothed_dense_equals_dense_in_bf16_and_removes_an_outlier_channel():
     state = Pair("fp8_tensorwise").apply({"params": params}, x, mutable=[health.COLLECTION])[1]
     stats = health.flatten(state[health.COLLECTION])
     assert stats["plain/x"][2] > 0.01 and stats["smooth/x"][2] == 0.0
+
+
+def test_worst_names_the_layer_operand_and_step():
+    rows = [{"step": 5, "loss": 2.0},
+            {"step": 10, "health/l0/x/saturated": 0.01, "health/l0/x/underflow": 0.2, "health/l0/x/amax_growth": 1.0,
+             "health/l0/g/amax_growth": 1.0, "health/l1/w/saturated": 0.001, "health/l1/w/underflow": 0.0},
+            {"step": 20, "health/l0/x/saturated": 0.02, "health/l0/x/underflow": 0.1, "health/l0/x/amax_growth": 3.0,
+             "health/l0/g/amax_growth": 90.0, "health/l1/w/saturated": 0.5, "health/l1/w/underflow": 0.0}]
+    assert health.worst(rows) == {"saturated": (0.5, "l1/w", 20), "underflow": (0.2, "l0/x", 10),
+                                  "amax_growth": (3.0, "l0/x", 20)}  # the gradient's x90 is not a warning
+    rows.append({"step": 30, "health/l1/w/saturated": math.nan})
+    value, name, step = health.worst(rows)["saturated"]
+    assert math.isnan(value) and (name, step) == ("l1/w", 30)
+    assert health.worst(rows[:1]) == {}
