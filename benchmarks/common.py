@@ -154,11 +154,15 @@ def split_options(name: str) -> tuple[str, tuple[str, ...]]:
 
 
 def apply_options(config, options: tuple[str, ...]) -> None:
-    """Sets each of `options` (MODEL_OPTIONS) in a train config (ml_collections, configs/*_base.py)."""
-    config.model.recompute_attention = "recompute_attention" in options
-    config.model.smooth_swiglu = "smooth_swiglu" in options
-    if "lm_head_8bit" in options:
-        config.keep_high_precision = ()
+    """Sets each of `options` (MODEL_OPTIONS) in a train config (ml_collections, configs/*_base.py); the fields of
+    options not named stay as the config has them. ValueError for an option the config's model lacks."""
+    for option in options:
+        if option == "lm_head_8bit":
+            config.keep_high_precision = ()
+        elif option in config.model:
+            config.model[option] = True
+        else:
+            raise ValueError(f"option :{option} sets config.model.{option}, which this model's config does not have")
 
 
 def recipe_variant(name: str):

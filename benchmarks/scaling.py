@@ -208,7 +208,8 @@ def table(results: list[dict], args) -> str:
         base = next((b for b in ok if b["mesh"] == r["mesh"] and b["recipe"] == "bf16" and b["gather"] == "bf16"
                      and not b.get("options")), None) if r["gather"] != "–" else \
             next((b for b in ok if b["gather"] == "–" and b["recipe"] == "bf16"), None)
-        one = next((b for b in ok if b["gather"] == "–" and b["recipe"] == r["recipe"]), None)
+        one = next((b for b in ok if b["gather"] == "–" and b["recipe"] == r["recipe"] and not r.get("options")),
+                   None)
         speedup = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "–"
         efficiency = f"{per_device / one['tokens_per_s']:.2f}" if one and r["gather"] != "–" else "–"
         peak = f"{r['peak_gb']:.1f}" if r.get("peak_gb") else "–"

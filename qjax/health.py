@@ -211,6 +211,6 @@ def worst(rows) -> dict[str, tuple[float, str, int]]:
                 continue
             best = out.get(stat)
             if best is None or not value <= best[0] and not math.isnan(best[0]):
-                out[stat] = (float(value), name, int(row["step"]))
+                out[stat] = (float(value), name, int(row.get("step", -1)))
     return out
 

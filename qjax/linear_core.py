@@ -269,8 +269,11 @@ def weight_codes(recipe: recipes_lib.Recipe, w_nk: jax.Array, dgrad: bool = True
     if not _shareable(spec) or recipe.dgrad_reads_forward_weight:
         return None
     zero = jnp.zeros((), jnp.uint32)  # nearest rounding reads no seed
+    # With several devices w is a global array here, where "auto" takes XLA's path anyway (the kernels' codes are
+    # the same bits): ask for it, without dispatch's warning about a mesh not set.
+    backend = "xla" if recipe.backend == "auto" and jax.device_count() > 1 else recipe.backend
     return dispatch.quantize_pair(w_nk, spec, spec_t if dgrad and _shareable(spec_t) else None, zero, zero,
-                                  backend=recipe.backend, operands=("forward rhs w as (N, K)", "dgrad rhs w as (K, N)"))
+                                  backend=backend, operands=("forward rhs w as (N, K)", "dgrad rhs w as (K, N)"))
 
 
 def layout_from(lhs_shape, rhs_shape, dimension_numbers) -> Layout:

@@ -136,7 +136,11 @@ def test_model_options_after_a_recipe():
                                         "keep_high_precision": None})
     apply_options(config, ("smooth_swiglu", "lm_head_8bit"))
     assert (config.model.smooth_swiglu, config.model.recompute_attention, config.keep_high_precision) == (
-        True, False, ())
+        True, None, ())  # an option not named leaves its field alone (GPT-2's config has neither model field)
+    gpt2_like = ml_collections.ConfigDict({"model": {"remat": None}, "keep_high_precision": None})
+    apply_options(gpt2_like, ())
+    with pytest.raises(ValueError, match="option :smooth_swiglu sets config.model.smooth_swiglu, which this model"):
+        apply_options(gpt2_like, ("smooth_swiglu",))
 
 
 def test_a_run_is_reused_only_under_the_same_recipe_definition(tmp_path):
