@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from qjax import recipes as recipes_lib
-from qjax.linear_core import Layout, device_axes, layout_from, linear_parts, operand_seeds, operand_spec, per_device
+from qjax.linear_core import (Layout, device_axes, layout_from, linear_parts, operand_seeds, operand_spec, per_device,
+                               shareable)
 from qjax.qtensor import QTensor
 from qjax.weight_sharding import WeightSharding, per_device_sharded, sharded_layout, without_trivial_axes
 
@@ -46,7 +47,7 @@ def _check_rhs_quantized(rhs_q, recipe: recipes_lib.Recipe, layout: Layout) -> N
         spec = operand_spec(gemm, "rhs")
         if not isinstance(codes, QTensor):
             raise TypeError(f"{name} must be a qjax.QTensor (or a pair of them), got {type(codes).__name__}")
-        if spec is None or spec.stochastic or spec.is_block_scaled:
+        if not shareable(spec):
             raise ValueError(f"{name} replaces a row or tensor quantization of rhs; recipe {recipe.name!r} "
                              f"quantizes it as {spec}: pass rhs alone")
         if layout.batch or codes.shape != expected or codes.granularity != spec.granularity or \

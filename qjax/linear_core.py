@@ -252,9 +252,9 @@ def linear_parts(layout: Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtyp
     return forward_gemm, backward
 
 
-def _shareable(spec: QuantSpec | None) -> bool:
-    """Whether codes of a weight per `spec` can be made once and read by several GEMM calls: nearest rounding (no
-    per-call random bits), row or tensor scales (the layouts `dot_general`'s rhs_quantized checks), not ternary."""
+def shareable(spec: QuantSpec | None) -> bool:
+    """Whether codes of a weight per `spec` can be made once and read by several GEMM calls (`dot_general`'s
+    rhs_quantized, `weight_codes`): nearest rounding (no per-call random bits), row or tensor scales, not ternary."""
     return spec is not None and not spec.stochastic and not spec.is_block_scaled and not _is_ternary(spec)
 
 
@@ -263,16 +263,16 @@ def weight_codes(recipe: recipes_lib.Recipe, w_nk: jax.Array, dgrad: bool = True
     """A weight w as (N, K) quantized once for many GEMM calls of one step (the LM head's chunks,
     `qjax.models.lm_head`): (the forward GEMM's codes (N, K), dgrad's as (K, N) or None: not asked for, dgrad in
     high precision, or a spec that cannot be shared), for `dot_general`'s rhs_quantized: the codes each call would
-    make itself, from one read of w. None where the forward's codes cannot be shared (`_shareable`, or a recipe
+    make itself, from one read of w. None where the forward's codes cannot be shared (`shareable`, or a recipe
     whose dgrad reads the forward's codes)."""
     spec, spec_t = operand_spec(recipe.fwd, "rhs"), operand_spec(recipe.dgrad, "rhs")
-    if not _shareable(spec) or recipe.dgrad_reads_forward_weight:
+    if not shareable(spec) or recipe.dgrad_reads_forward_weight:
         return None
     zero = jnp.zeros((), jnp.uint32)  # nearest rounding reads no seed
     # With several devices w is a global array here, where "auto" takes XLA's path anyway (the kernels' codes are
     # the same bits): ask for it, without dispatch's warning about a mesh not set.
     backend = "xla" if recipe.backend == "auto" and jax.device_count() > 1 else recipe.backend
-    return dispatch.quantize_pair(w_nk, spec, spec_t if dgrad and _shareable(spec_t) else None, zero, zero,
+    return dispatch.quantize_pair(w_nk, spec, spec_t if dgrad and shareable(spec_t) else None, zero, zero,
                                   backend=backend, operands=("forward rhs w as (N, K)", "dgrad rhs w as (K, N)"))
 
 
