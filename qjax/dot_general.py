@@ -38,28 +38,23 @@ def _quantized_dot(layout: Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dt
 
 
 def _check_rhs_quantized(rhs_q, recipe: recipes_lib.Recipe, layout: Layout) -> None:
-    """ValueError unless rhs_q can stand in for the forward GEMM's quantization of rhs (and, as a pair, dgrad's)."""
-    rhs_q, dgrad_q = rhs_q if isinstance(rhs_q, tuple) and len(rhs_q) == 2 else (rhs_q, None)
-    for name, codes, gemm, expected in (("rhs_quantized", rhs_q, recipe.fwd, (layout.n, layout.k)),
-                                        ("rhs_quantized's dgrad codes", dgrad_q, recipe.dgrad, (layout.k, layout.n))):
-        if codes is None and name != "rhs_quantized":
-            continue
-        spec = operand_spec(gemm, "rhs")
-        if not isinstance(codes, QTensor):
-            raise TypeError(f"{name} must be a qjax.QTensor (or a pair of them), got {type(codes).__name__}")
-        if not shareable(spec):
-            raise ValueError(f"{name} replaces a row or tensor quantization of rhs; recipe {recipe.name!r} "
-                             f"quantizes it as {spec}: pass rhs alone")
-        if layout.batch or codes.shape != expected or codes.granularity != spec.granularity or \
-                codes.data.dtype != spec.format.dtype:
-            raise ValueError(f"{name} must be rhs as {expected} in {spec.dtype} codes with {spec.granularity!r} "
-                             f"scales (recipe {recipe.name!r}; no batch dims), got {codes.data.dtype} {codes.shape} "
-                             f"with {codes.granularity!r} scales")
+    """ValueError unless rhs_q can stand in for the forward GEMM's quantization of rhs."""
+    spec = operand_spec(recipe.fwd, "rhs")
+    if not isinstance(rhs_q, QTensor):
+        raise TypeError(f"rhs_quantized must be a qjax.QTensor, got {type(rhs_q).__name__}")
+    if not shareable(spec):
+        raise ValueError(f"rhs_quantized replaces a row or tensor quantization of rhs in the forward GEMM; recipe "
+                         f"{recipe.name!r} quantizes it as {spec}: pass rhs alone")
+    expected = (layout.n, layout.k)
+    if layout.batch or rhs_q.shape != expected or rhs_q.granularity != spec.granularity or \
+            rhs_q.data.dtype != spec.format.dtype:
+        raise ValueError(f"rhs_quantized must be rhs as (N, K) = {expected} in {spec.dtype} codes with "
+                         f"{spec.granularity!r} scales (recipe {recipe.name!r}; no batch dims), got "
+                         f"{rhs_q.data.dtype} {rhs_q.shape} with {rhs_q.granularity!r} scales")
 
 
 def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, recipe, key=None,
-                sharding: WeightSharding | None = None,
-                rhs_quantized: QTensor | tuple[QTensor, QTensor | None] | None = None):
+                sharding: WeightSharding | None = None, rhs_quantized: QTensor | None = None):
     """Quantized `jax.lax.dot_general`: same arguments, same output shape, quantized per `recipe`.
 
     Args:
@@ -77,9 +72,8 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
         recipe's fwd.rhs format and granularity (row or tensor, nearest rounding), e.g. an int8 weight-only
         parameter's stored codes and scales (`qjax.int8_params.Int8Param.forward_operand`). The forward GEMM then runs
         on them instead of quantizing rhs; rhs (the same weight, dequantized) still feeds dgrad and receives the
-        gradient. Or a pair (those codes, dgrad's codes as (K, N) per the recipe's dgrad.rhs, or None):
-        `qjax.linear_core.weight_codes`, one quantization of a weight many calls read. Ignored by recipes that leave
-        every GEMM in high precision; with it, `sharding` is not used (XLA gathers the weight).
+        gradient. Ignored by recipes that leave every GEMM in high precision; with it, `sharding` is not used
+        (XLA gathers the weight).
 
     Returns:
       Array of shape (batch..., lhs free..., rhs free...), as lax.dot_general. Differentiable (custom VJP with

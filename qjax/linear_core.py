@@ -146,9 +146,8 @@ def linear_parts(layout: Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtyp
     """The quantized GEMM's two halves for one static configuration, for custom VJPs built around it:
 
       forward(lhs, rhs, seeds, rhs_q, with_residuals) -> (out, (w_res, x_res))   the forward GEMM, and (with
-                 residuals) what the backward GEMMs read, quantized in their layouts; rhs_q: None, the forward
-                 GEMM's rhs already quantized, or a pair (that, dgrad's codes as (K, N) or None) (`dot_general`'s
-                 rhs_quantized, `weight_codes`; not with an FSDP `sharding`)
+                 residuals) what the backward GEMMs read, quantized in their layouts; rhs_q: None, or the forward
+                 GEMM's rhs already quantized (`dot_general`'s rhs_quantized; not with an FSDP `sharding`)
       backward((w_res, x_res, seeds), g) -> (dlhs, drhs)                  dgrad and wgrad; x_res: forward's, or
                  lhs itself where a caller recomputed it instead of saving its wgrad codes (`qjax.prologue`),
                  which backward then quantizes for wgrad as forward does (same specs and seeds)
@@ -185,13 +184,12 @@ def linear_parts(layout: Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtyp
         """out, and (with_residuals) what the backward GEMMs read of w and x: quantized in their layouts, or the
         originals for GEMMs in high precision. Each input is quantized once for both GEMMs that read it."""
         x, w = layout.lhs_mk(lhs), rhs_nk(rhs)
-        rhs_q, w_dgrad_q = rhs_q if isinstance(rhs_q, tuple) else (rhs_q, None)
         x_spec_t = operand_spec(wgrad, "rhs") if with_residuals else None
         w_spec_t = operand_spec(dgrad, "rhs") if with_residuals else None
         xq, x_res = quantize_lhs(x, seeds, x_spec_t)
         w_spec = operand_spec(fwd, "rhs") if rhs_q is None else None
         recompute_w = recipe.recompute_weight_codes and rhs_q is None
-        wq, w_res = quantize_w(w, w_spec, None if recompute_w or w_dgrad_q is not None else w_spec_t, seeds)
+        wq, w_res = quantize_w(w, w_spec, None if recompute_w else w_spec_t, seeds)
         wq = wq if rhs_q is None else rhs_q
         # FSDP: the codes (or, for a GEMM in high precision, the weight itself) are gathered, not the float weight.
         wq = gather(w if fwd is None else wq, sharding.fsdp, fsdp_n, ternary=_is_ternary(operand_spec(fwd, "rhs")))
@@ -205,8 +203,6 @@ def linear_parts(layout: Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtyp
             w_res = rhs
         elif w_spec_t is None:  # dgrad in high precision reads w as (K, N): the weight itself, gathered under FSDP
             w_res = rhs if sharding.fsdp is None else gather(_swap_last(w), sharding.fsdp, 1 - fsdp_n)
-        elif w_dgrad_q is not None:  # the caller's (`weight_codes`)
-            w_res = w_dgrad_q
         else:
             w_res = gather(w_res, sharding.fsdp, 1 - fsdp_n, ternary=_is_ternary(w_spec_t))
         residuals = (w_res, lhs if x_spec_t is None else x_res)
@@ -253,27 +249,9 @@ def linear_parts(layout: Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtyp
 
 
 def shareable(spec: QuantSpec | None) -> bool:
-    """Whether codes of a weight per `spec` can be made once and read by several GEMM calls (`dot_general`'s
-    rhs_quantized, `weight_codes`): nearest rounding (no per-call random bits), row or tensor scales, not ternary."""
+    """Whether codes of a weight per `spec` can be made ahead of the GEMM and read by it (`dot_general`'s
+    rhs_quantized): nearest rounding (no per-call random bits), row or tensor scales, not ternary."""
     return spec is not None and not spec.stochastic and not spec.is_block_scaled and not _is_ternary(spec)
-
-
-def weight_codes(recipe: recipes_lib.Recipe, w_nk: jax.Array, dgrad: bool = True
-                 ) -> tuple[QTensor, QTensor | None] | None:
-    """A weight w as (N, K) quantized once for many GEMM calls of one step (the LM head's chunks,
-    `qjax.models.lm_head`): (the forward GEMM's codes (N, K), dgrad's as (K, N) or None: not asked for, dgrad in
-    high precision, or a spec that cannot be shared), for `dot_general`'s rhs_quantized: the codes each call would
-    make itself, from one read of w. None where the forward's codes cannot be shared (`shareable`, or a recipe
-    whose dgrad reads the forward's codes)."""
-    spec, spec_t = operand_spec(recipe.fwd, "rhs"), operand_spec(recipe.dgrad, "rhs")
-    if not shareable(spec) or recipe.dgrad_reads_forward_weight:
-        return None
-    zero = jnp.zeros((), jnp.uint32)  # nearest rounding reads no seed
-    # With several devices w is a global array here, where "auto" takes XLA's path anyway (the kernels' codes are
-    # the same bits): ask for it, without dispatch's warning about a mesh not set.
-    backend = "xla" if recipe.backend == "auto" and jax.device_count() > 1 else recipe.backend
-    return dispatch.quantize_pair(w_nk, spec, spec_t if dgrad and shareable(spec_t) else None, zero, zero,
-                                  backend=backend, operands=("forward rhs w as (N, K)", "dgrad rhs w as (K, N)"))
 
 
 def layout_from(lhs_shape, rhs_shape, dimension_numbers) -> Layout:

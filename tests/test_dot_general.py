@@ -306,25 +306,3 @@ def test_non_finite_weights_and_gradients_stay_visible(where):
     assert not np.isfinite(np.asarray(dx)).all()  # dx = g . w reads both
     if where == "g":
         assert not np.isfinite(np.asarray(dw)).all()  # dw = g^T . x does not read w
-
-
-@pytest.mark.parametrize("name", ["int8_rowwise", "fp8_tensorwise"])
-def test_weight_codes_made_once_give_the_same_bits(name):
-    from qjax.linear_core import weight_codes
-
-    x = jax.random.normal(jax.random.key(0), (8, 32))
-    w = jax.random.normal(jax.random.key(1), (32, 16)) * 0.1  # (K, N)
-    dims = (((1,), (0,)), ((), ()))
-    codes = weight_codes(qjax.recipe(name), w.T)
-
-    def loss(x, w, rhs_quantized):
-        return jnp.sum(qjax.dot_general(x, w, dims, recipe=name, rhs_quantized=rhs_quantized) ** 2)
-
-    got = jax.value_and_grad(loss, argnums=(0, 1))(x, w, codes)
-    want = jax.value_and_grad(loss, argnums=(0, 1))(x, w, None)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with pytest.raises(ValueError, match=r"rhs_quantized's dgrad codes must be rhs as \(32, 16\)"):
-        loss(x, w, (codes[0], codes[0]))  # the forward's (N, K) codes where dgrad's (K, N) go
-    assert weight_codes(qjax.recipe("fp8_blockwise"), w.T) is None  # block scales: each call quantizes
-    assert weight_codes(qjax.recipe("int8_rowwise"), w.T, dgrad=False)[1] is None

@@ -1,4 +1,4 @@
-"""A language model's LM head and cross-entropy over chunks of positions: no full (tokens, vocab) logits in memory.
+"""A language model's LM head and cross-entropy over chunks of the vocabulary: no full (tokens, vocab) logits in memory.
 
   hidden, state = model.apply({"params": params}, tokens, rngs=..., mutable=["losses"], return_hidden=True)
   loss = lm_head_loss(config, params, hidden, targets, mask, key)     # float32 (), the mean over (masked) tokens
@@ -6,34 +6,36 @@
 Autodiff of `logits = head(hidden); softmax_cross_entropy(logits.astype(float32), targets)` keeps, at the start of
 the backward pass, the float32 softmax (the cross-entropy's residual) beside the logits' gradient in float32 and the
 compute dtype (1.1B Llama at batch 8 x 2048: the softmax alone is 16384 x 32000 x 4 B = 2.1 GB). Here one custom
-VJP runs the
-head GEMM and the cross-entropy one chunk of positions at a time (chunks along the sequence, each spanning the whole
-batch, so a data-parallel batch stays split): the forward keeps only the loss; the backward recomputes each chunk's
-logits and pulls the gradient back through them (`jax.vjp` of the same chunk function), summing the head weight's
-gradient over chunks in float32. So at most one chunk's logits (`chunk_elements` tokens x vocab) live at a time, for
-one more head GEMM per step (the recomputed forward: 2 x tokens x dim x vocab FLOPs).
+VJP runs the head GEMM and the cross-entropy one chunk of vocabulary columns at a time, every token in each chunk:
+the forward keeps a running log-sum-exp and the target's logit per token, and saves only the log-sum-exp; the
+backward recomputes each chunk's logits, forms their gradient from the saved log-sum-exp and pulls it back through
+the head (`jax.vjp` of the same chunk function). At most one chunk's logits (`chunk_elements` of them) live at a
+time, for one more head GEMM per step (the recomputed forward: 2 x tokens x dim x vocab FLOPs).
+
+Chunks of the vocabulary rather than of the tokens: each chunk's weight gradient (dim, columns) is a whole GEMM
+over all tokens, written once, and what is summed over chunks is the hidden states' gradient, tokens x dim in
+float32 (the 8B at 8192 tokens: 134 MB) instead of the head's dim x vocab (2.1 GB, read and written by every
+chunk's GEMM). Every GEMM also spans all tokens, a shape the tensor cores run at full speed.
 
 Same values as the unchunked head and loss, to float32 rounding: each chunk runs the head's own GEMM
-(`qjax.dot_general` with the head's recipe, bf16 by `keep_high_precision`), optax's cross-entropy on the float32
-logits and the same backward; the loss is summed chunk by chunk, and a high-precision head's weight gradient is
-accumulated over the chunks in float32 and rounded once, as the one GEMM over all tokens does. A quantized head (a
-run that removes "lm_head" from keep_high_precision) quantizes its kernel once per pass for all chunks (the codes
-each chunk would make), and its wgrad operands per chunk: their per-feature and tensor scales span a chunk's tokens
-instead of all of them, and each chunk's gradient is rounded to the compute dtype before the float32 sum.
+(`qjax.dot_general` with the head's recipe, bf16 by `keep_high_precision`), the loss is optax's cross-entropy
+written as log-sum-exp minus the target's logit, and a high-precision head's hidden-state gradient is accumulated
+over the chunks in float32 and rounded once, as the one GEMM over the vocabulary does. A quantized head (a run that
+removes "lm_head" from keep_high_precision) quantizes each chunk's columns of the kernel, once per GEMM that reads
+them: a row-scaled recipe's forward and wgrad then make the unchunked GEMM's codes, and its dgrad scales span a
+chunk's columns instead of the whole vocabulary.
 """
 
 import functools
 
 import jax
 import jax.numpy as jnp
-import optax
 
 import qjax
-from qjax import linear_core
 from qjax.models import layers
 from qjax.int8_params import Int8Param
 
-CHUNK_ELEMENTS = 2**25  # logits per chunk (tokens x vocab): 128 MiB in float32
+CHUNK_ELEMENTS = 2**25  # logits per chunk (tokens x columns): 128 MiB in float32
 
 
 def head_weight(config, params) -> jax.Array:
@@ -56,8 +58,8 @@ def lm_head_loss(config, params, hidden: jax.Array, targets: jax.Array, mask: ja
       hidden: (B, T, dim), the final norm's output (`model.apply(..., return_hidden=True)`).
       targets: (B, T) int token ids; mask: (B, T) 0/1 weights of the tokens, or None.
       key: `jax.random.key` for a head whose recipe rounds stochastically (else unused).
-      chunk_elements: logits computed at a time (tokens x vocab), at least one position's; the chunks tile the
-        sequence, padded with positions of weight 0.
+      chunk_elements: logits computed at a time (tokens x vocabulary columns), at least one column's: the
+        vocabulary is cut into chunks of as many columns as fit, all tokens in each.
 
     Returns:
       float32 (): sum(mask * CE) / max(sum(mask), 1); the plain mean without a mask.
@@ -80,7 +82,8 @@ def lm_head_loss(config, params, hidden: jax.Array, targets: jax.Array, mask: ja
 
 def chunked_cross_entropy(hidden, kernel, targets, weights, *, recipe, key=None,
                           chunk_elements: int = CHUNK_ELEMENTS) -> jax.Array:
-    """sum(weights * CE(hidden . kernel, targets)), float32 (), computed over chunks of positions (module docstring).
+    """sum(weights * CE(hidden . kernel, targets)), float32 (), computed over chunks of the vocabulary (module
+    docstring).
 
     hidden (B, T, dim) and kernel (dim, vocab) in the compute dtype; targets (B, T) int; weights (B, T) float32.
     """
@@ -88,72 +91,94 @@ def chunked_cross_entropy(hidden, kernel, targets, weights, *, recipe, key=None,
     if recipe.needs_key and key is None:
         raise ValueError(f"the LM head's recipe {recipe.name!r} rounds stochastically: pass lm_head_loss a key")
     b, t = hidden.shape[:2]
-    chunks = min(t, max(1, -(-b * t * kernel.shape[1] // chunk_elements)))
-    size = -(-t // chunks)
-    chunks = -(-t // size)  # no chunk of padding alone (e.g. t 10 over 7 chunks: size 2, so 5 chunks)
-    pad = chunks * size - t  # positions of zero weight, so that the chunks tile the sequence
-
-    def split(x):  # (B, T, ...) -> (chunks, B, size, ...)
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.moveaxis(x.reshape(b, chunks, size, *x.shape[2:]), 1, 0)
-
+    vocab = kernel.shape[1]
+    chunks = -(-vocab // min(vocab, max(1, chunk_elements // (b * t))))
+    columns = -(-vocab // chunks)  # as even as the chunks can be: the last one overlaps its neighbour least
     keys = (jax.random.key_data(jax.random.split(key, chunks)) if recipe.needs_key
             else jnp.zeros((chunks, 0), jnp.uint32))
-    return _chunked(recipe, split(hidden), kernel, split(targets), split(weights.astype(jnp.float32)), keys)
+    return _chunked(recipe, columns, hidden, _whole_on_every_device(kernel), targets, weights.astype(jnp.float32),
+                    keys)
 
 
-def _head(recipe, hidden, kernel, key_data, codes):
-    """One chunk's logits: hidden (B, size, dim) . kernel (dim, vocab) in the compute dtype, the head's recipe;
-    codes: the kernel's, made once for all chunks (`_kernel_codes`), or None."""
+def _whole_on_every_device(kernel):
+    """kernel gathered onto every device under a context mesh, once before the chunk loops (FSDP splits the head
+    along the vocabulary, which the loops slice), instead of XLA gathering it inside them."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.manual_axes:
+        return kernel
+    return jax.lax.with_sharding_constraint(kernel, jax.sharding.PartitionSpec())
+
+
+def _chunk(kernel, j, columns: int):
+    """Chunk j's columns of kernel (dim, columns), their first column's id, and which of them are chunk j's own
+    (columns,) bool: chunk j starts at j * columns, but the last one ends at the vocabulary's end, so where columns
+    do not divide the vocabulary it overlaps its neighbour, whose columns it leaves alone."""
+    start = jnp.minimum(j * columns, kernel.shape[1] - columns)
+    own = start + jnp.arange(columns) >= j * columns
+    return jax.lax.dynamic_slice_in_dim(kernel, start, columns, axis=1), start, own
+
+
+def _head(recipe, hidden, kernel, key_data):
+    """One chunk's logits: hidden (B, T, dim) . kernel (dim, columns) in the compute dtype, the head's recipe."""
     key = jax.random.wrap_key_data(key_data) if recipe.needs_key else None
-    return qjax.dot_general(hidden, kernel, (((2,), (0,)), ((), ())), recipe=recipe, key=key, rhs_quantized=codes)
+    return qjax.dot_general(hidden, kernel, (((2,), (0,)), ((), ())), recipe=recipe, key=key)
 
 
-def _kernel_codes(recipe, kernel, dgrad: bool):
-    """A quantized head's kernel quantized once for every chunk (`linear_core.weight_codes`) rather than in each
-    chunk's GEMMs: at the 8B's 128k vocabulary a chunk's GEMMs are short beside quantizing the whole kernel. None
-    for a high-precision head, or a recipe whose codes cannot be shared (each chunk then quantizes it)."""
-    return None if recipe.is_high_precision else linear_core.weight_codes(recipe, kernel.T, dgrad)
+def _float_logits(logits, own):
+    """float32 logits (B, T, columns), -inf in the columns another chunk owns (out of every softmax)."""
+    return jnp.where(own, logits.astype(jnp.float32), -jnp.inf)
 
 
-def _cross_entropy(logits, targets, weights):
-    """sum(weights * CE) of one chunk's logits (B, size, vocab), float32 ()."""
-    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets) * weights)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunked(recipe, columns, hidden, kernel, targets, weights, keys):
+    return _chunked_fwd(recipe, columns, hidden, kernel, targets, weights, keys)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked(recipe, hidden, kernel, targets, weights, keys):
-    codes = _kernel_codes(recipe, kernel, dgrad=False)
+def _chunked_fwd(recipe, columns, hidden, kernel, targets, weights, keys):
+    """The loss, and what the backward reads: the inputs and each token's log-sum-exp (B, T) float32."""
+    def body(carry, chunk):
+        top, total, picked = carry  # per token: the largest logit so far, sum(exp(logit - top)), the target's logit
+        j, key_data = chunk
+        kernel_j, start, own = _chunk(kernel, j, columns)
+        logits = _float_logits(_head(recipe, hidden, kernel_j, key_data), own)
+        new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
+        total = total * jnp.exp(top - new_top) + jnp.sum(jnp.exp(logits - new_top[..., None]), axis=-1)
+        at = targets - start
+        here = (targets >= j * columns) & (at < columns)
+        target_logit = jnp.take_along_axis(logits, jnp.clip(at, 0, columns - 1)[..., None], axis=-1)[..., 0]
+        return (new_top, total, jnp.where(here, target_logit, picked)), None
 
-    def body(total, chunk):
-        h, t, w, k = chunk
-        return total + _cross_entropy(_head(recipe, h, kernel, k, codes), t, w), None
-
-    return jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden, targets, weights, keys))[0]
-
-
-def _chunked_fwd(recipe, hidden, kernel, targets, weights, keys):
-    # The inputs are all the backward needs: no logits, no softmax.
-    return _chunked(recipe, hidden, kernel, targets, weights, keys), (hidden, kernel, targets, weights, keys)
+    start = (jnp.full(targets.shape, -jnp.inf), jnp.zeros(targets.shape), jnp.zeros(targets.shape))
+    (top, total, picked), _ = jax.lax.scan(body, start, (jnp.arange(keys.shape[0]), keys))
+    log_sum_exp = top + jnp.log(total)
+    loss = jnp.sum(weights * (log_sum_exp - picked))
+    return loss, (hidden, kernel, targets, weights, keys, log_sum_exp)
 
 
-def _chunked_bwd(recipe, residuals, g):
-    hidden, kernel, targets, weights, keys = residuals
-    codes = _kernel_codes(recipe, kernel, dgrad=True)
+def _chunked_bwd(recipe, columns, residuals, g):
+    hidden, kernel, targets, weights, keys, log_sum_exp = residuals
+    token_scale = (weights * g)[..., None]
 
-    def body(dkernel, chunk):
-        h, t, w, k = chunk
-        logits, head_pull = jax.vjp(lambda h, kernel: _head(recipe, h, kernel, k, codes), h, kernel)
-        dlogits = jax.vjp(lambda logits: _cross_entropy(logits, t, w), logits)[1](g)[0]
+    def body(carry, chunk):
+        dhidden, dkernel = carry
+        j, key_data = chunk
+        kernel_j, start, own = _chunk(kernel, j, columns)
+        logits, head_pull = jax.vjp(lambda h, w: _head(recipe, h, w, key_data), hidden, kernel_j)
+        softmax = jnp.exp(_float_logits(logits, own) - log_sum_exp[..., None])
+        target = (targets[..., None] == start + jnp.arange(columns)) & own
+        dlogits = ((softmax - target) * token_scale).astype(logits.dtype)
         dh, dk = head_pull(dlogits)
-        if recipe.wgrad is None:
-            # A high-precision wgrad is one GEMM accumulating in float32 over all tokens: sum the chunks' products
-            # in float32 and round once, as it does (XLA drops the head_pull's own, rounded dk).
-            dk = jnp.einsum("bsd,bsv->dv", h, dlogits, preferred_element_type=jnp.float32)
-        return dkernel + dk.astype(jnp.float32), dh
+        if recipe.dgrad is None:
+            # A high-precision dgrad is one GEMM accumulating in float32 over the whole vocabulary: sum the chunks'
+            # products in float32 and round once, as it does (XLA drops the head_pull's own, rounded dh).
+            dh = jnp.einsum("btv,dv->btd", dlogits, kernel_j, preferred_element_type=jnp.float32)
+        written = jax.lax.dynamic_slice_in_dim(dkernel, start, columns, axis=1)
+        dkernel = jax.lax.dynamic_update_slice_in_dim(dkernel, jnp.where(own, dk, written), start, axis=1)
+        return (dhidden + dh.astype(jnp.float32), dkernel), None
 
-    dkernel, dhidden = jax.lax.scan(body, jnp.zeros(kernel.shape, jnp.float32), (hidden, targets, weights, keys))
-    return dhidden, dkernel.astype(kernel.dtype), None, None, None
+    start = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(kernel))
+    (dhidden, dkernel), _ = jax.lax.scan(body, start, (jnp.arange(keys.shape[0]), keys))
+    return dhidden.astype(hidden.dtype), dkernel, None, None, None
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)

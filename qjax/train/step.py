@@ -48,7 +48,7 @@ Per device, in bytes (P params; c = bytes of the compute dtype, 2 for bfloat16):
                times L (with model.recompute_attention less c x (2 dim + 2 kv_dim) and the scores; with
                model.remat: c x dim x L, the block inputs, plus one block's worth), plus the output
                layer: T x vocab_size x 10 (the logits in c, float32 logits and their gradient); a language
-               model's LM head runs over chunks of positions (`qjax.models.lm_head`), so at most one chunk's
+               model's LM head runs over chunks of its vocabulary (`qjax.models.lm_head`), so at most one chunk's
                logits, `lm_head.CHUNK_ELEMENTS` of them, count.
 
 XLA's temporaries, fusion choices and fragmentation are left out (docs/performance.md compares estimates with

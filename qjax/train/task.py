@@ -130,7 +130,7 @@ class Task:
             params)
 
     def _apply(self, params, inputs, key, probes=None, mutable=("losses",)):
-        # A language model's head runs inside the loss, over chunks of positions (`models.lm_head_loss`): the model
+        # A language model's head runs inside the loss, over chunks of its vocabulary (`models.lm_head_loss`): the model
         # returns the hidden states, and the full float32 logits and their gradient never exist.
         variables = {"params": params} if probes is None else {"params": params, health.PROBES: probes}
         return self.model.apply(variables, inputs, rngs={"quant": key}, mutable=list(mutable),
