@@ -106,7 +106,10 @@ def _whole_on_every_device(kernel):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.manual_axes:
         return kernel
-    return jax.lax.with_sharding_constraint(kernel, jax.sharding.PartitionSpec())
+    whole = jax.sharding.PartitionSpec()
+    if mesh.are_all_axes_explicit:  # the sharding is the array's type: change it, as a constraint would only check
+        return jax.sharding.reshard(kernel, whole)
+    return jax.lax.with_sharding_constraint(kernel, whole)
 
 
 def _chunk(kernel, j, columns: int):

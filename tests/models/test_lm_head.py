@@ -10,6 +10,7 @@ import pytest
 import qjax
 from qjax import models
 from qjax.models import lm_head as lhl
+from helpers import run_on_cpu_devices
 
 
 def _setup(arch, compute_dtype, recipe, b=2, t=12, n_layers=1):
@@ -177,3 +178,40 @@ def test_bad_input():
     with pytest.raises(ValueError, match="pass lm_head_loss a key"):
         lhl.chunked_cross_entropy(hidden, jnp.zeros((config.dim, 8)), targets, jnp.ones(targets.shape),
                                   recipe=qjax.with_stochastic_gradients(qjax.recipe("int8_rowwise")))
+
+
+_FSDP_SCRIPT = """
+import re
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from qjax.models import lm_head as lhl
+
+mesh = jax.make_mesh((2,), ("fsdp",), axis_types=(AxisType.Auto,))  # as qjax.train.make_mesh's
+b, t, dim, vocab = 4, 32, 64, 1024
+hidden = jax.device_put(jax.random.normal(jax.random.key(0), (b, t, dim)), NamedSharding(mesh, P("fsdp")))
+kernel = jax.device_put(jax.random.normal(jax.random.key(1), (dim, vocab)) * 0.1, NamedSharding(mesh, P(None, "fsdp")))
+targets = jax.random.randint(jax.random.key(2), (b, t), 0, vocab)
+weights = jnp.full((b, t), 1.0 / (b * t))
+loss = lambda h, k: lhl.chunked_cross_entropy(h, k, targets, weights, recipe="bf16", chunk_elements=b * t * 128)
+grads_as_params = (NamedSharding(mesh, P()), (hidden.sharding, kernel.sharding))  # FSDP: reduce-scattered
+with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # as qjax.train's step is traced
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), out_shardings=grads_as_params)
+    compiled = step.lower(hidden, kernel).compile()
+hlo = compiled.as_text()
+bodies = set(re.findall(r"body=%?([\\w.-]+)", hlo))
+assert len(bodies) == 2, bodies  # the forward's and the backward's chunk loops (8 chunks of 128 columns)
+for name in bodies:
+    body = hlo.split(name + " ", 1)[1].split("\\n}", 1)[0]
+    assert "all-gather" not in body, (name, body)
+got = compiled(hidden, kernel)
+want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(np.asarray(hidden), np.asarray(kernel))
+for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=2e-5, atol=1e-7)
+print("ok")
+"""
+
+
+def test_fsdp_gathers_the_head_once_before_the_chunk_loops():
+    """The head split along the vocabulary over "fsdp" (qjax.train.mesh's rule) and the tokens split too: the chunk
+    loops hold no all-gather (the kernel is gathered once, before them), and the values equal one device's."""
+    assert run_on_cpu_devices(_FSDP_SCRIPT, devices=2).strip().endswith("ok")
