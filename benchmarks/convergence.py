@@ -233,12 +233,14 @@ def prepare_mixed(out: pathlib.Path, corpus_file: str | None) -> None:
 
 def train_in_chunks(config, workdir: pathlib.Path, deadline: float, clock=time.monotonic,
                     seconds_per_step: float = 0.0) -> tuple[bool, float]:
-    """Trains the run in `workdir` (resuming from its checkpoint) up to config.steps, checkpoint_every steps per
-    `train` call, and stops before a chunk that, at `seconds_per_step` (measured on each chunk; pass the last run's
-    so that a run's first chunk is timed too), would end after `deadline` (a `clock()` time). Returns (whether the
-    run is complete, seconds per step). A stopped run resumes from its last checkpoint, bit for bit. A run is
-    complete once its final eval is logged (after the last train row): one copied back without its checkpoints is
-    tabled, and one killed between its last step and that eval trains its last chunk again."""
+    """Trains the run in `workdir` (resuming from its checkpoint) up to config.steps, in chunks of checkpoint_every
+    steps, and stops before a chunk that, at `seconds_per_step`, would end after `deadline` (a `clock()` time).
+    Each `train` call runs as many chunks as fit (a call compiles and restores again); the pace is measured on each
+    call, and an unknown one (0: pass the last run's, so that a run's first call is timed too) on a first call of
+    one chunk. Returns (whether the run is complete, seconds per step). A stopped run resumes from its last
+    checkpoint, bit for bit. A run is complete once its final eval is logged (after the last train row): one copied
+    back without its checkpoints is tabled, and one killed between its last step and that eval trains its last
+    chunk again."""
     chunk = config.checkpoint_every or config.steps
     while True:
         train_rows, eval_rows = read_curves(str(workdir))  # ([], []) before the first row
@@ -246,9 +248,12 @@ def train_in_chunks(config, workdir: pathlib.Path, deadline: float, clock=time.m
         if last and last[-1][0] >= config.steps:
             return True, seconds_per_step
         done = min(train_rows[-1][0] if train_rows else 0, config.steps - 1)
-        stop_at = min((done // chunk + 1) * chunk, config.steps)
-        if clock() + seconds_per_step * (stop_at - done) > deadline:
+        now = clock()
+        ends = [min(end, config.steps) for end in range((done // chunk + 1) * chunk, config.steps + chunk, chunk)]
+        fitting = [end for end in ends if now + seconds_per_step * (end - done) <= deadline]
+        if not fitting:
             return False, seconds_per_step
+        stop_at = fitting[-1] if seconds_per_step else fitting[0]
         start = clock()
         train(config, str(workdir), stop_at=stop_at)
         seconds_per_step = (clock() - start) / (stop_at - done)

@@ -113,6 +113,22 @@ def test_a_runs_first_chunk_is_held_to_the_budget_by_the_last_runs_pace(tmp_path
     assert calls == []
 
 
+def test_once_the_pace_is_known_one_train_call_runs_every_chunk_that_fits(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(convergence, "train", _fake_train(calls))
+    config = types.SimpleNamespace(steps=8, checkpoint_every=2, eval_every=4)
+    (tmp_path / "run").mkdir()
+    # 1 s per step, 4.5 s left: one call to step 4 (chunks 2 and 4), then step 6 would end past the deadline
+    ticks = iter([0.0, 0.0, 4.0, 4.0])
+    assert convergence.train_in_chunks(config, tmp_path / "run", 4.5, clock=lambda: next(ticks),
+                                       seconds_per_step=1.0) == (False, 1.0)
+    assert calls == [4]
+    # an unknown pace: one chunk measures it, then one call runs the rest
+    (tmp_path / "fresh").mkdir()
+    assert convergence.train_in_chunks(config, tmp_path / "fresh", math.inf)[0]
+    assert calls == [4, 2, 8]
+
+
 def test_recipe_variant_names():
     # The benchmarks' ablation names: suffixes compose, and an "_sr" that would round nothing is refused.
     r = recipe_variant("int8_dataflow_sr_recompute")
