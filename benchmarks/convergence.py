@@ -37,6 +37,8 @@ train.bin, val.bin, tokenizer.json and meta.json (62 MB, under the 64 MiB a call
   python benchmarks/convergence.py --corpus mixed --size 125m --seq-len 1024 --batch-size 32 --tokens 250e6 \
       --recipes bf16 int8_rowwise fp8_rowwise --recipe-seeds bf16=0,1,2 --seeds 0 1 --time-budget 540 --no-record \
       --health-every 100
+  python benchmarks/convergence.py --corpus mixed --size 350m --seq-len 1024 --batch-size 32 --tokens 100e6 \
+      --lr 3e-4 --recipes bf16 int8_rowwise --time-budget 540 --no-record --health-every 100   # 342M params
 
 --tokens sets the steps from a token budget; --recipe-seeds gives an entry its own seeds (bitnet_b158=0);
 --time-budget SECONDS trains until the next checkpoint would pass it, then exits with status 75: the same command

@@ -5,7 +5,7 @@
   python train.py --config configs/llama_int8.py --config.model.size=1b --config.seq_len=2048 \
       --config.batch_size=8 --config.optimizer.lr=3e-4                # the ~1B model, on a GPU
 
-Model: the `config.model.size` preset of `qjax.models.LLAMA_SIZES` ("tiny", "125m", "1b", "8b"); any other
+Model: the `config.model.size` preset of `qjax.models.LLAMA_SIZES` ("tiny", "125m", "350m", "1b", "8b"); any other
 config.model field left at None keeps the preset's value, a value replaces it (e.g. --config.model.n_layers=4).
 vocab_size comes from the data (a larger one pads it, a smaller one is an error) and max_seq_len from seq_len
 unless set here. With `init_from` (a Hugging Face

@@ -128,11 +128,15 @@ class LlamaConfig:
 
 
 # Presets. "125m" is GPT-2-small sized: MHA, SwiGLU width 2048 (= 8/3 * 768, so the MLP has GPT-2's 4.7M params
-# per layer); 85M params in the blocks, 134M with untied 32000-token embeddings. "1b" is the TinyLlama-1.1B /
+# per layer); 85M params in the blocks, 134M with untied 32000-token embeddings. "350m" is GPT-2-medium sized: MHA,
+# SwiGLU width 2816 (8/3 * 1024 rounded up to a multiple of 256); 308M in the blocks, 374M with untied 32000-token
+# embeddings (342M with a 16k BPE vocabulary). "1b" is the TinyLlama-1.1B /
 # Llama-2-style 1B shape the GPU benchmarks use (1.1B params).
 LLAMA_SIZES: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128),
     "125m": LlamaConfig(vocab_size=32000, dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048,
+                        max_seq_len=2048),
+    "350m": LlamaConfig(vocab_size=32000, dim=1024, n_layers=24, n_heads=16, n_kv_heads=16, ffn_dim=2816,
                         max_seq_len=2048),
     "1b": LlamaConfig(vocab_size=32000, dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632,
                       max_seq_len=2048),

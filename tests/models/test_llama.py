@@ -247,6 +247,11 @@ def test_lm_loss_num_params_and_flops():
     assert models.flops_per_token(tied, 2048) == models.flops_per_token(config, 2048)  # the head GEMM still runs
     with pytest.raises(ValueError, match="seq_len"):
         models.flops_per_token(config, 0)
+    # "350m", GPT-2-medium sized: 24 blocks of 4 x 1024^2 (attention) + 3 x 1024 x 2816 (SwiGLU) + two norm scales,
+    # with the 16k BPE vocabulary of the convergence corpus in and out
+    medium = models.llama_config("350m", vocab_size=16384)
+    params = jax.eval_shape(models.Llama(medium).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    assert models.num_params(params) == 24 * (4 * 1024**2 + 3 * 1024 * 2816 + 2 * 1024) + 1024 + 2 * 16384 * 1024
 
 
 @pytest.mark.parametrize("overrides, match", [
