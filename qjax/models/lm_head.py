@@ -15,7 +15,7 @@ time, for one more head GEMM per step (the recomputed forward: 2 x tokens x dim 
 Chunks of the vocabulary rather than of the tokens: each chunk's weight gradient (dim, columns) is a whole GEMM
 over all tokens, written once, and what is summed over chunks is the hidden states' gradient, tokens x dim in
 float32 (the 8B at 8192 tokens: 134 MB) instead of the head's dim x vocab (2.1 GB, read and written by every
-chunk's GEMM). Every GEMM also spans all tokens, a shape the tensor cores run at full speed.
+chunk's GEMM). Every GEMM also spans all tokens, not a thin slice of them.
 
 Same values as the unchunked head and loss, to float32 rounding: each chunk runs the head's own GEMM
 (`qjax.dot_general` with the head's recipe, bf16 by `keep_high_precision`), the loss is optax's cross-entropy
@@ -92,7 +92,8 @@ def chunked_cross_entropy(hidden, kernel, targets, weights, *, recipe, key=None,
         raise ValueError(f"the LM head's recipe {recipe.name!r} rounds stochastically: pass lm_head_loss a key")
     b, t = hidden.shape[:2]
     vocab = kernel.shape[1]
-    chunks = -(-vocab // min(vocab, max(1, chunk_elements // (b * t))))
+    columns = min(vocab, max(1, chunk_elements // (b * t)))  # as many as chunk_elements logits hold
+    chunks = -(-vocab // columns)
     columns = -(-vocab // chunks)  # as even as the chunks can be: the last one overlaps its neighbour least
     keys = (jax.random.key_data(jax.random.split(key, chunks)) if recipe.needs_key
             else jnp.zeros((chunks, 0), jnp.uint32))
