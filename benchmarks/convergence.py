@@ -50,6 +50,7 @@ metrics.jsonl, recipe.txt and config.json alone: copy those back from a device (
 """
 
 import argparse
+import dataclasses
 import math
 import pathlib
 import statistics
@@ -179,10 +180,10 @@ def main():
         jax.config.update("jax_compilation_cache_dir", str(REPO / "runs" / "jax_cache"))
     deadline = time.monotonic() + args.time_budget if args.time_budget else math.inf
     workdirs, evals, health_rows = [], {}, []  # evals: entry -> {seed: [(step, eval loss), ...]}
-    seconds_per_step = 0.0  # the last chunk's, so that the next run's first chunk is held to the budget too
+    pace = Pace()  # the last call's, so that the next run's first call is held to the budget too
     for entry, seed, name, config, workdir in runs:
         print(f"== {name} -> {workdir}", flush=True)
-        finished, seconds_per_step = train_in_chunks(config, workdir, deadline, seconds_per_step=seconds_per_step)
+        finished, pace = train_in_chunks(config, workdir, deadline, pace=pace)
         if not finished:
             print(f"time budget of {args.time_budget:g} s reached: run the same command again to resume", flush=True)
             sys.exit(TIME_BUDGET_EXIT)
@@ -233,32 +234,52 @@ def prepare_mixed(out: pathlib.Path, corpus_file: str | None) -> None:
           flush=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class Pace:
+    """How long a `train` call takes: seconds per step (the loop's own, from metrics.jsonl) and seconds per call on
+    top (building, compiling, restoring); 0 where not measured yet."""
+    step: float = 0.0
+    call: float = 0.0
+
+    def seconds(self, steps: int) -> float:
+        return self.call + self.step * steps
+
+
+def _loop_seconds_per_step(workdir: pathlib.Path, after: int) -> float | None:
+    """The median of the train rows' seconds_per_step past step `after` (the progress meter's, compiling left out),
+    or None where the rows hold none."""
+    paces = [row["seconds_per_step"] for row in read_metrics(str(workdir))
+             if row.get("step", 0) > after and "seconds_per_step" in row]
+    return statistics.median(paces) if paces else None
+
+
 def train_in_chunks(config, workdir: pathlib.Path, deadline: float, clock=time.monotonic,
-                    seconds_per_step: float = 0.0) -> tuple[bool, float]:
+                    pace: Pace = Pace()) -> tuple[bool, Pace]:
     """Trains the run in `workdir` (resuming from its checkpoint) up to config.steps, in chunks of checkpoint_every
-    steps, and stops before a chunk that, at `seconds_per_step`, would end after `deadline` (a `clock()` time).
-    Each `train` call runs as many chunks as fit (a call compiles and restores again); the pace is measured on each
-    call, and an unknown one (0: pass the last run's, so that a run's first call is timed too) on a first call of
-    one chunk. Returns (whether the run is complete, seconds per step). A stopped run resumes from its last
-    checkpoint, bit for bit. A run is complete once its final eval is logged (after the last train row): one copied
-    back without its checkpoints is tabled, and one killed between its last step and that eval trains its last
-    chunk again."""
+    steps, and stops before a chunk that, at `pace`, would end after `deadline` (a `clock()` time). Each `train` call
+    runs as many chunks as fit; the pace is measured on each call, and an unknown one (pass the last run's, so that
+    a run's first call is timed too) on a first call of one chunk. Returns (whether the run is complete, the pace).
+    A stopped run resumes from its last checkpoint, bit for bit. A run is complete once its final eval is logged
+    (after the last train row): one copied back without its checkpoints is tabled, and one killed between its last
+    step and that eval trains its last chunk again."""
     chunk = config.checkpoint_every or config.steps
     while True:
         train_rows, eval_rows = read_curves(str(workdir))  # ([], []) before the first row
         last = eval_rows if config.eval_every else train_rows  # a run without evals ends at its last train row
         if last and last[-1][0] >= config.steps:
-            return True, seconds_per_step
+            return True, pace
         done = min(train_rows[-1][0] if train_rows else 0, config.steps - 1)
         now = clock()
         ends = [min(end, config.steps) for end in range((done // chunk + 1) * chunk, config.steps + chunk, chunk)]
-        fitting = [end for end in ends if now + seconds_per_step * (end - done) <= deadline]
+        fitting = [end for end in ends if now + pace.seconds(end - done) <= deadline]
         if not fitting:
-            return False, seconds_per_step
-        stop_at = fitting[-1] if seconds_per_step else fitting[0]
+            return False, pace
+        stop_at = fitting[-1] if pace.step else fitting[0]
         start = clock()
         train(config, str(workdir), stop_at=stop_at)
-        seconds_per_step = (clock() - start) / (stop_at - done)
+        seconds, steps = clock() - start, stop_at - done
+        step = _loop_seconds_per_step(workdir, done) or seconds / steps
+        pace = Pace(step, max(seconds - step * steps, 0.0))
 
 
 def check_same_recipe(workdir: pathlib.Path, recipe) -> None:

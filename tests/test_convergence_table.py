@@ -72,13 +72,14 @@ def test_a_suite_run_stopped_mid_way_resumes_to_the_same_curve(tmp_path):
     assert convergence.train_in_chunks(config, tmp_path / "whole", -math.inf)[0]
 
 
-def _fake_train(calls):
-    """Stands in for qjax.train.train: logs a train row per step up to stop_at and, at the last step, the final
-    eval, as the loop does."""
+def _fake_train(calls, seconds_per_step=None):
+    """Stands in for qjax.train.train: logs a train row at stop_at (with the loop's seconds_per_step, if given) and,
+    at the last step, the final eval, as the loop does."""
     def train(config, workdir, stop_at):
         calls.append(stop_at)
+        row = {"step": stop_at, "loss": 1.0} | ({"seconds_per_step": seconds_per_step} if seconds_per_step else {})
         with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps({"step": stop_at, "loss": 1.0}) + "\n")
+            f.write(json.dumps(row) + "\n")
             if stop_at == config.steps:
                 f.write(json.dumps({"step": stop_at, "eval_loss": 2.0}) + "\n")
     return train
@@ -94,7 +95,8 @@ def test_a_run_is_complete_once_its_final_eval_is_logged(tmp_path, monkeypatch):
     monkeypatch.setattr(convergence, "train", _fake_train(calls))
     config = types.SimpleNamespace(steps=6, checkpoint_every=2, eval_every=3)
     _rows(tmp_path / "done", [{"step": 6, "loss": 1.0}, {"step": 6, "eval_loss": 2.0}])
-    assert convergence.train_in_chunks(config, tmp_path / "done", -math.inf, seconds_per_step=1.0) == (True, 1.0)
+    pace = convergence.Pace(step=1.0)
+    assert convergence.train_in_chunks(config, tmp_path / "done", -math.inf, pace=pace) == (True, pace)
     assert calls == []
     # killed after its last train row, before the final eval: its last chunk trains again
     _rows(tmp_path / "cut", [{"step": 6, "loss": 1.0}, {"step": 3, "eval_loss": 2.5}])
@@ -108,8 +110,8 @@ def test_a_runs_first_chunk_is_held_to_the_budget_by_the_last_runs_pace(tmp_path
     config = types.SimpleNamespace(steps=6, checkpoint_every=2, eval_every=3)
     (tmp_path / "run").mkdir()
     # 2 steps at 1 s each would end past a deadline 1.5 s away: nothing trains
-    assert convergence.train_in_chunks(config, tmp_path / "run", 1.5, clock=lambda: 0.0,
-                                       seconds_per_step=1.0) == (False, 1.0)
+    pace = convergence.Pace(step=1.0)
+    assert convergence.train_in_chunks(config, tmp_path / "run", 1.5, clock=lambda: 0.0, pace=pace) == (False, pace)
     assert calls == []
 
 
@@ -121,12 +123,25 @@ def test_once_the_pace_is_known_one_train_call_runs_every_chunk_that_fits(tmp_pa
     # 1 s per step, 4.5 s left: one call to step 4 (chunks 2 and 4), then step 6 would end past the deadline
     ticks = iter([0.0, 0.0, 4.0, 4.0])
     assert convergence.train_in_chunks(config, tmp_path / "run", 4.5, clock=lambda: next(ticks),
-                                       seconds_per_step=1.0) == (False, 1.0)
+                                       pace=convergence.Pace(step=1.0)) == (False, convergence.Pace(1.0, 0.0))
     assert calls == [4]
     # an unknown pace: one chunk measures it, then one call runs the rest
     (tmp_path / "fresh").mkdir()
     assert convergence.train_in_chunks(config, tmp_path / "fresh", math.inf)[0]
     assert calls == [4, 2, 8]
+
+
+def test_the_pace_counts_each_calls_own_seconds_apart_from_the_steps(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(convergence, "train", _fake_train(calls, seconds_per_step=0.5))
+    config = types.SimpleNamespace(steps=8, checkpoint_every=2, eval_every=4)
+    (tmp_path / "run").mkdir()
+    # the first call: 2 steps in 10 s, of which the loop's 0.5 s per step make 1 s: 9 s per call. With 11 s left,
+    # the second call runs to step 6 (9 + 4 x 0.5 = 11 s), not to 8 (12 s)
+    ticks = iter([0.0, 0.0, 10.0, 10.0, 10.0, 21.0, 21.0])
+    assert convergence.train_in_chunks(config, tmp_path / "run", 21.0, clock=lambda: next(ticks)) == \
+        (False, convergence.Pace(0.5, 9.0))
+    assert calls == [2, 6]
 
 
 def test_recipe_variant_names():

@@ -23,7 +23,12 @@ written as log-sum-exp minus the target's logit, and a high-precision head's hid
 over the chunks in float32 and rounded once, as the one GEMM over the vocabulary does. A quantized head (a run that
 removes "lm_head" from keep_high_precision) quantizes each chunk's columns of the kernel, once per GEMM that reads
 them: a row-scaled recipe's forward and wgrad then make the unchunked GEMM's codes, and its dgrad scales span a
-chunk's columns instead of the whole vocabulary.
+chunk's columns instead of the whole vocabulary; a tensor-scaled one takes one scale per chunk. Targets must lie in
+[0, vocab): another makes the loss NaN, as optax's cross-entropy does.
+
+Under a mesh the head's weight is gathered onto every device once, before the chunk loops; with the tokens split
+over devices, each chunk's weight gradient is summed across them as the backward makes it (an all-reduce of
+dim x columns per chunk).
 """
 
 import functools
@@ -122,6 +127,12 @@ def _chunk(kernel, j, columns: int):
     return jax.lax.dynamic_slice_in_dim(kernel, start, columns, axis=1), start, own
 
 
+def _targets_here(targets, j, start, columns: int):
+    """(each target's column in chunk j (B, T) int, clipped into it; whether chunk j owns that target (B, T))."""
+    at = targets - start
+    return jnp.clip(at, 0, columns - 1), (targets >= j * columns) & (at < columns)
+
+
 def _head(recipe, hidden, kernel, key_data):
     """One chunk's logits: hidden (B, T, dim) . kernel (dim, columns) in the compute dtype, the head's recipe."""
     key = jax.random.wrap_key_data(key_data) if recipe.needs_key else None
@@ -147,13 +158,15 @@ def _chunked_fwd(recipe, columns, hidden, kernel, targets, weights, keys):
         logits = _float_logits(_head(recipe, hidden, kernel_j, key_data), own)
         new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
         total = total * jnp.exp(top - new_top) + jnp.sum(jnp.exp(logits - new_top[..., None]), axis=-1)
-        at = targets - start
-        here = (targets >= j * columns) & (at < columns)
-        target_logit = jnp.take_along_axis(logits, jnp.clip(at, 0, columns - 1)[..., None], axis=-1)[..., 0]
+        at, here = _targets_here(targets, j, start, columns)
+        target_logit = jnp.take_along_axis(logits, at[..., None], axis=-1)[..., 0]
         return (new_top, total, jnp.where(here, target_logit, picked)), None
 
-    start = (jnp.full(targets.shape, -jnp.inf), jnp.zeros(targets.shape), jnp.zeros(targets.shape))
-    (top, total, picked), _ = jax.lax.scan(body, start, (jnp.arange(keys.shape[0]), keys))
+    # Carries made from hidden keep its sharding (a batch split over a mesh stays split).
+    zeros = jnp.zeros_like(hidden[..., 0], jnp.float32)
+    (top, total, picked), _ = jax.lax.scan(body, (zeros - jnp.inf, zeros, zeros), (jnp.arange(keys.shape[0]), keys))
+    # A target outside the vocabulary has no logit: NaN, as optax's cross-entropy gives, not a finite loss without it.
+    picked = jnp.where((targets >= 0) & (targets < kernel.shape[1]), picked, jnp.nan)
     log_sum_exp = top + jnp.log(total)
     loss = jnp.sum(weights * (log_sum_exp - picked))
     return loss, (hidden, kernel, targets, weights, keys, log_sum_exp)
@@ -169,7 +182,8 @@ def _chunked_bwd(recipe, columns, residuals, g):
         kernel_j, start, own = _chunk(kernel, j, columns)
         logits, head_pull = jax.vjp(lambda h, w: _head(recipe, h, w, key_data), hidden, kernel_j)
         softmax = jnp.exp(_float_logits(logits, own) - log_sum_exp[..., None])
-        target = (targets[..., None] == start + jnp.arange(columns)) & own
+        at, here = _targets_here(targets, j, start, columns)
+        target = here[..., None] & (at[..., None] == jnp.arange(columns))
         dlogits = ((softmax - target) * token_scale).astype(logits.dtype)
         dh, dk = head_pull(dlogits)
         if recipe.dgrad is None:
@@ -180,7 +194,7 @@ def _chunked_bwd(recipe, columns, residuals, g):
         dkernel = jax.lax.dynamic_update_slice_in_dim(dkernel, jnp.where(own, dk, written), start, axis=1)
         return (dhidden + dh.astype(jnp.float32), dkernel), None
 
-    start = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros_like(kernel))
+    start = (jnp.zeros_like(hidden, jnp.float32), jnp.zeros_like(kernel))
     (dhidden, dkernel), _ = jax.lax.scan(body, start, (jnp.arange(keys.shape[0]), keys))
     return dhidden.astype(hidden.dtype), dkernel, None, None, None
 

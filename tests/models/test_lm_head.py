@@ -72,7 +72,7 @@ def test_bf16_compute_and_mask():
         assert max(errors.values()) < 1e-5, errors  # the same dhidden rows reach every layer below the head
         # The head's gradient: each chunk's bf16 GEMM over all tokens against XLA:CPU's unchunked one; the logits'
         # gradient in bf16 differs in its last bit where the float32 softmax rounds differently (log-sum-exp over
-        # chunks), so the two agree at bf16 rounding (relative 0.003 here), not float32.
+        # chunks), so the two agree at bf16 rounding, not float32.
         assert head < 2**-6, head
 
 
@@ -83,6 +83,16 @@ def test_nan_stays_visible():
     (loss, grads), _ = _losses(config, model, params, inputs, targets, chunk_elements=700)
     assert np.isnan(loss)
     assert np.isnan(np.asarray(grads["lm_head"]["kernel"])).any()
+
+
+def test_a_target_outside_the_vocabulary_makes_the_loss_nan():
+    hidden = jax.random.normal(jax.random.key(0), (1, 4, 8))
+    kernel = jax.random.normal(jax.random.key(1), (8, 32))
+    weights = jnp.full((1, 4), 0.25)
+    for bad in (32, -1):  # one past the end; a negative id (optax's cross-entropy: NaN, or the last column)
+        targets = jnp.array([[3, bad, 7, 31]])
+        loss = lhl.chunked_cross_entropy(hidden, kernel, targets, weights, recipe="bf16", chunk_elements=40)
+        assert np.isnan(loss), (bad, loss)
 
 
 def test_overlapping_last_chunk():
@@ -207,11 +217,22 @@ got = compiled(hidden, kernel)
 want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(np.asarray(hidden), np.asarray(kernel))
 for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=2e-5, atol=1e-7)
+
+# A mesh of explicit axes, where shardings are part of the arrays' types: the same values
+explicit = jax.make_mesh((2,), ("fsdp",), axis_types=(AxisType.Explicit,))
+with jax.set_mesh(explicit):
+    split = lambda x, spec: jax.device_put(np.asarray(x), NamedSharding(explicit, spec))
+    loss = lambda h, k, tg, w: lhl.chunked_cross_entropy(h, k, tg, w, recipe="bf16", chunk_elements=b * t * 128)
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(split(hidden, P("fsdp")), split(kernel, P(None, "fsdp")),
+                                                            split(targets, P("fsdp")), split(weights, P("fsdp")))
+for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=2e-5, atol=1e-7)
 print("ok")
 """
 
 
 def test_fsdp_gathers_the_head_once_before_the_chunk_loops():
     """The head split along the vocabulary over "fsdp" (qjax.train.mesh's rule) and the tokens split too: the chunk
-    loops hold no all-gather (the kernel is gathered once, before them), and the values equal one device's."""
+    loops hold no all-gather (the kernel is gathered once, before them), and the values equal one device's, on a
+    mesh of auto axes (qjax.train's) and of explicit ones."""
     assert run_on_cpu_devices(_FSDP_SCRIPT, devices=2).strip().endswith("ok")

@@ -70,7 +70,7 @@ def test_model_field_override_changes_only_that_field(token_dir):
     (dict(steps=0), r"config.steps must be an int >= 1"),
     (dict(batch_size=-8), r"config.batch_size must be an int >= 1"),
     (dict(warmup_steps=6), r"warmup_steps must be an int in \[0, steps=6\)"),
-    (dict(model_size="7b"), "config.model.size '7b'.*valid sizes: tiny, 125m, 1b"),
+    (dict(model_size="7b"), "config.model.size '7b'.*valid sizes: tiny, 125m, 350m, 1b"),
     (dict(data_path="/nonexistent/shakespeare"),
      "python -m qjax.data.prepare shakespeare --out /nonexistent/shakespeare"),
     (dict(task="speech"), "config.task must be one of"),
