@@ -28,7 +28,7 @@ def get_config() -> config_dict.ConfigDict:
     config = config_dict.ConfigDict()
     config.task = "lm"  # "lm" (next-token prediction) or "image" (classification)
     config.model = config_dict.ConfigDict({
-        "size": "tiny",  # preset of qjax.models.LLAMA_SIZES: tiny, 125m, 350m, 1b, 8b; the fields below replace its values
+        "size": "tiny",  # a qjax.models.LLAMA_SIZES preset: tiny, 125m, 350m, 1b, 8b; the fields below replace it
         "vocab_size": placeholder(int),  # None: the data tokenizer's; a larger value pads the embedding
         "dim": placeholder(int),  # width of the residual stream (None: the preset's)
         "n_layers": placeholder(int),  # transformer blocks (None: the preset's)
