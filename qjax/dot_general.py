@@ -12,8 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qjax import recipes as recipes_lib
-from qjax.linear_core import (Layout, device_axes, layout_from, linear_parts, operand_seeds, operand_spec, per_device,
-                               shareable)
+from qjax.linear_core import Layout, device_axes, layout_from, linear_parts, operand_seeds, operand_spec, per_device
 from qjax.qtensor import QTensor
 from qjax.weight_sharding import WeightSharding, per_device_sharded, sharded_layout, without_trivial_axes
 
@@ -42,7 +41,7 @@ def _check_rhs_quantized(rhs_q, recipe: recipes_lib.Recipe, layout: Layout) -> N
     spec = operand_spec(recipe.fwd, "rhs")
     if not isinstance(rhs_q, QTensor):
         raise TypeError(f"rhs_quantized must be a qjax.QTensor, got {type(rhs_q).__name__}")
-    if not shareable(spec):
+    if spec is None or spec.stochastic or spec.is_block_scaled or spec.dtype == "ternary":
         raise ValueError(f"rhs_quantized replaces a row or tensor quantization of rhs in the forward GEMM; recipe "
                          f"{recipe.name!r} quantizes it as {spec}: pass rhs alone")
     expected = (layout.n, layout.k)

@@ -168,8 +168,8 @@ class HealthMonitor:
             checks = [("saturated", saturated, self.saturation_warn, f"saturation {100 * saturated:.2f}% > "
                                                                       f"{100 * self.saturation_warn:.2f}%")]
             if not name.endswith("/g"):
-                checks.append(("amax_growth", growth, self.amax_growth_warn, f"amax x{growth:.3g} since its first "
-                                                                             f"measurement > x{self.amax_growth_warn:g}"))
+                text = f"amax x{growth:.3g} since its first measurement > x{self.amax_growth_warn:g}"
+                checks.append(("amax_growth", growth, self.amax_growth_warn, text))
             for kind, value, limit, text in checks:
                 if not value <= limit:  # NaN counts as crossed
                     over.add((name, kind))

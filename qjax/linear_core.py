@@ -248,12 +248,6 @@ def linear_parts(layout: Layout, recipe: recipes_lib.Recipe, out_dtype, lhs_dtyp
     return forward_gemm, backward
 
 
-def shareable(spec: QuantSpec | None) -> bool:
-    """Whether codes of a weight per `spec` can be made ahead of the GEMM and read by it (`dot_general`'s
-    rhs_quantized): nearest rounding (no per-call random bits), row or tensor scales, not ternary."""
-    return spec is not None and not spec.stochastic and not spec.is_block_scaled and not _is_ternary(spec)
-
-
 def layout_from(lhs_shape, rhs_shape, dimension_numbers) -> Layout:
     """Validates dimension_numbers against the shapes (ValueError naming the problem) and builds the layout."""
     try:
