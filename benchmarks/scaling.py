@@ -12,17 +12,17 @@ against one device.
   python benchmarks/scaling.py --size 1b --xla-flags=--xla_gpu_enable_pipelined_all_gather=true   # with XLA flags
 
 A row (`--rows`, recipe[:gather][:option...]) runs `qjax.train.make_train_step` on random tokens over each mesh of
-`--meshes` (default fsdp over all `--devices`), in its own subprocess (its peak memory is its own). Gather "8bit"
-(the default; the train step's own) has the quantized layers gather their FSDP-split weights as 8-bit codes +
-scales (BitNet's ternary codes packed 2 bits each: the table says "2bit"); "bf16" turns that off
-(`config.mesh.gather_8bit=False`: XLA all-gathers the float weights); the bf16 recipe always gathers floats. Options are benchmarks/common.py's MODEL_OPTIONS (e.g. "int8_rowwise:lm_head_8bit": the LM head in
-8 bits too). `--baselines` adds one-device rows of those recipes at the mesh rows' batch per device (weak
-scaling): "vs 1 device" is tokens/s per device over the baseline's tokens/s. Baselines run side by side, one per
-GPU (CUDA_VISIBLE_DEVICES), since nothing connects them. tokens/s is the global rate, --steps steps queued back to
-back, median of 3 rounds; peak GB is the largest `peak_bytes_in_use` over the devices ("–" where the platform does
-not report it, e.g. the CPU). Model TFLOP/s per device is NeMo's count (`nemo_flops_per_token`), beside MFU by
-qjax's own count. With --profile, GPU 0's time per step by category is a second table. Rows finished before a
-SIGTERM (a `timeout`) are still recorded.
+`--meshes` (default fsdp over all `--devices`), in its own subprocess (its peak memory is its own). Gather "8bit" (the
+default; the train step's own) has the quantized layers gather their FSDP-split weights as 8-bit codes + scales
+(BitNet's ternary codes packed 2 bits each: the table says "2bit"); "bf16" turns that off
+(`config.mesh.gather_8bit=False`: XLA all-gathers the float weights); the bf16 recipe always gathers floats. Options are
+benchmarks/common.py's MODEL_OPTIONS (e.g. "int8_rowwise:lm_head_8bit": the LM head in 8 bits too). `--baselines` adds
+one-device rows of those recipes at the mesh rows' batch per device (weak scaling): "vs 1 device" is tokens/s per device
+over the baseline's tokens/s. Baselines run side by side, one per GPU (CUDA_VISIBLE_DEVICES), since nothing connects
+them. tokens/s is the global rate, --steps steps queued back to back, median of 3 rounds; peak GB is the largest
+`peak_bytes_in_use` over the devices ("–" where the platform does not report it, e.g. the CPU). Model TFLOP/s per device
+is NeMo's count (`nemo_flops_per_token`), beside MFU by qjax's own count. With --profile, GPU 0's time per step by
+category is a second table. Rows finished before a SIGTERM (a `timeout`) are still recorded.
 """
 
 import os
