@@ -33,7 +33,7 @@ class Rules:
     rules: tuple[tuple[str, recipes_lib.Recipe | None], ...]
     skip: tuple[str, ...] = ()
     min_features: int = 0
-    rng_stream: str = "quantize"
+    rng_stream: str = "quant"
     settled: set = dataclasses.field(default_factory=set, compare=False, hash=False, repr=False)
 
     @property
@@ -62,7 +62,7 @@ class Decision:
     fix: str = ""  # where `assigned` is set but `recipe` is not: what would let it run quantized
 
 
-def make_rules(recipe_or_rules, skip=(), min_features=0, rng_stream="quantize") -> Rules:
+def make_rules(recipe_or_rules, skip=(), min_features=0, rng_stream="quant") -> Rules:
     """Validated `Rules`: ValueError for an unknown recipe name (listing the valid ones), a bad regex or a bad
     min_features; TypeError for rules of the wrong shape."""
     if isinstance(recipe_or_rules, (str, recipes_lib.Recipe)):

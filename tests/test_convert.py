@@ -234,9 +234,9 @@ def test_nnx_model_is_bit_identical_to_explicit_layers():
 
 def test_nnx_stochastic_rounding_draws_from_the_rngs_stream():
     sr = qjax.with_stochastic_gradients(qjax.recipe(RECIPE))
-    with pytest.raises(ValueError, match=r"pass rngs=nnx.Rngs\(quantize=key\)"):
+    with pytest.raises(ValueError, match=r"pass rngs=nnx.Rngs\(quant=key\)"):
         qjax.quantize_model(NnxModel(nnx.Rngs(0)), sr)
-    qmodel = qjax.quantize_model(NnxModel(nnx.Rngs(0)), sr, rngs=nnx.Rngs(quantize=3))
+    qmodel = qjax.quantize_model(NnxModel(nnx.Rngs(0)), sr, rngs=nnx.Rngs(quant=3))
     grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(X) ** 2)))
     first, second = grads(qmodel), grads(qmodel)  # the stream advances between steps
     assert not np.array_equal(first["up"]["kernel"][...], second["up"]["kernel"][...])
@@ -356,9 +356,9 @@ def test_stochastic_rounding_draws_from_the_quantize_stream():
     sr = qjax.with_stochastic_gradients(qjax.recipe(RECIPE))
     qmodel = qjax.quantize_model(Mlp(), sr)
     params = jax.jit(qmodel.init)(jax.random.key(0), X)  # init: a fixed key
-    with pytest.raises(ValueError, match=r"layer 'up' rounds stochastically: pass rngs=\{'quantize': key\}"):
+    with pytest.raises(ValueError, match=r"layer 'up' rounds stochastically: pass rngs=\{'quant': key\}"):
         loss_and_grads(qmodel, params)
-    a, b, c = (loss_and_grads(qmodel, params, rngs={"quantize": jax.random.key(k)}) for k in (1, 1, 2))
+    a, b, c = (loss_and_grads(qmodel, params, rngs={"quant": jax.random.key(k)}) for k in (1, 1, 2))
     assert_bit_identical(a, b)
     assert not np.array_equal(a[1]["params"]["up"]["kernel"], c[1]["params"]["up"]["kernel"])
 

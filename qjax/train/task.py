@@ -30,7 +30,7 @@ Batches with a "loss_mask" (instruction data: 1 on answer tokens) average the lo
 Your own model (`config.model.convert`, "lm" only): "package.module:factory" names a plain Flax linen model, written
 with nn.Dense / nn.DenseGeneral / nn.Einsum / jnp.einsum and no qjax layers. The task calls factory(model_config)
 (the run's LlamaConfig / GPT2Config: its shape, dtypes and eps) and trains
-`qjax.quantize_model(model, config.recipe, skip=keep_high_precision, min_features=min_features, rng_stream="quant")`
+`qjax.quantize_model(model, config.recipe, skip=keep_high_precision, min_features=min_features)`
 in place of qjax's explicit model. It follows qjax's LM convention: model(tokens, return_hidden=True) -> the final
 norm's output (B, T, dim), and the LM head in its params as lm_head/kernel (dim, vocab) or a tied embed/embedding,
 because the head and its loss run from the params (`models.lm_head_loss`). `qjax.train.mesh` splits its params
@@ -268,7 +268,7 @@ def _converted_model(path: str, model_config, recipe) -> nn.Module:
         raise TypeError(f"config.model.convert={path!r} returned a model qjax.quantize_model already converted: "
                         "return the plain model (the run converts it per config.recipe)")
     return convert.quantize_model(model, recipe, skip=model_config.keep_high_precision,
-                                  min_features=model_config.min_features, rng_stream="quant")
+                                  min_features=model_config.min_features)
 
 
 def _check_convertible(config) -> None:
