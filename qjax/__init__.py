@@ -10,9 +10,11 @@ Public API:
   quantize_model(model, rules, skip=, min_features=)       quantize an unmodified Flax model (linen or NNX)
   report(qmodel, variables, *inputs, strict=)              which GEMMs of a traced step run in 8 bits, and why not
   quantize, dequantize, QTensor                            reference quantization (tensor/row/1x128/128x128)
-  stochastic_round(x, dtype, key)                          unbiased rounding to bf16 / fp8 / int8
+  stochastic_round(x, dtype, key)                          unbiased rounding to bf16 / fp8
   int8_params                                              INT8 weight-only parameters (Int8Param, its Flax glue)
-  optim, models, data, train                               low-bit AdamW, Llama / ViT, datasets, the training loop
+  with_stochastic_gradients(recipe)                        the recipe with its gradient operand rounded stochastically
+  optim                                                    low-bit AdamW (qjax.optim)
+  qjax.models, qjax.data, qjax.train                       Llama / GPT-2 / ViT, datasets, the loop (import them)
 
 `import qjax` imports nothing but this file: each name loads its module (and flax, optax or the kernels) on first
 use, e.g. `qjax.dot_general` or `from qjax import quantize_model`.

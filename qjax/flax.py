@@ -138,6 +138,9 @@ def recipe_for_layer(recipe, layer_name: str, *, features_in: int, features_out:
     (not multiples of 128; the token count M must also be a multiple of 128 for wgrad, which this cannot see).
     """
     recipe = recipes_lib.recipe(recipe)
+    if isinstance(keep_high_precision, str):  # a lone string would be read as one regex per character
+        raise TypeError(f"keep_high_precision must be a tuple of regexes, got the string {keep_high_precision!r}: "
+                        f"pass ({keep_high_precision!r},)")
     keep = any(re.search(pattern, layer_name) for pattern in keep_high_precision)
     keep |= min(features_in, features_out) < min_features
     keep |= recipe.is_block_scaled and (features_in % 128 != 0 or features_out % 128 != 0)

@@ -67,6 +67,9 @@ def make_rules(recipe_or_rules, skip=(), min_features=0, rng_stream="quant") -> 
     min_features; TypeError for rules of the wrong shape."""
     if isinstance(recipe_or_rules, (str, recipes_lib.Recipe)):
         rules = (("", recipes_lib.recipe(recipe_or_rules)),)
+    elif not isinstance(recipe_or_rules, (tuple, list)):
+        raise TypeError(f"pass a recipe name, a qjax.Recipe or a list of (module-path regex, recipe) rules, got "
+                        f"{recipe_or_rules!r}")
     else:
         rules = []
         for rule in recipe_or_rules:
@@ -74,6 +77,10 @@ def make_rules(recipe_or_rules, skip=(), min_features=0, rng_stream="quant") -> 
                 raise TypeError(f"each rule is (module-path regex, recipe name / qjax.Recipe / None), got {rule!r}")
             rules.append((rule[0], None if rule[1] is None else recipes_lib.recipe(rule[1])))
         rules = tuple(rules)
+    if skip is None or not isinstance(skip, (str, tuple, list)):
+        raise TypeError(f"skip must be a regex or a tuple of regexes (() for none), got {skip!r}")
+    if not isinstance(rng_stream, str) or not rng_stream:
+        raise TypeError(f"rng_stream must be the name of an rng stream, e.g. 'quant', got {rng_stream!r}")
     skip = (skip,) if isinstance(skip, str) else tuple(skip)
     for pattern in [p for p, _ in rules] + list(skip):
         try:

@@ -44,7 +44,6 @@ from qjax.quantize import quantize_with_seed
 COLLECTION = "health"  # the Flax collection x and w stats are sown into
 PROBES = "perturbations"  # the Flax collection (`nn.Module.perturb`) whose gradient carries the g stats
 STATS = ("amax", "saturated", "underflow")
-OPERANDS = ("x", "w", "g")
 
 
 def operand_stats(x: jax.Array, spec: QuantSpec) -> jax.Array:

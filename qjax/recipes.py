@@ -196,8 +196,10 @@ def recipe(name: str) -> Recipe:
     return RECIPES[name]
 
 
-def with_stochastic_gradients(r: Recipe) -> Recipe:
-    """`r` with stochastic rounding on the gradient operand (lhs) of dgrad and wgrad, as in gau-nernst's SR runs."""
+def with_stochastic_gradients(r: Recipe | str) -> Recipe:
+    """`r` (a Recipe or its name) with stochastic rounding on the gradient operand (lhs) of dgrad and wgrad, as in
+    gau-nernst's SR runs."""
+    r = recipe(r)
 
     sr_lhs = lambda gemm: None if gemm is None else _gemm_sr_lhs(gemm)
     return dataclasses.replace(r, name=r.name + "_sr", dgrad=sr_lhs(r.dgrad), wgrad=sr_lhs(r.wgrad))

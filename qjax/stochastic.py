@@ -221,14 +221,19 @@ def stochastic_round(x: jnp.ndarray, dtype, key: jax.Array) -> jnp.ndarray:
 
     Args:
       x: float array (float32 for full unbiasedness; any float dtype is upcast first).
-      dtype: jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2 or jnp.int8 (int8 rounds to integers, saturating at
-        +-127).
+      dtype: jnp.bfloat16, jnp.float8_e4m3fn or jnp.float8_e5m2.
       key: a `jax.random.key`. The same key and shape always give the same result.
 
     Returns:
-      An array of `x.shape` and `dtype`. Finite values beyond the format's range saturate to its max; NaN stays NaN
-      (int8 has no NaN: the code is then undefined, so scale-based quantization keeps NaN in the scale instead).
+      An array of `x.shape` and `dtype`. Finite values beyond the format's range saturate to its max; NaN stays NaN.
+
+    Raises:
+      ValueError for jnp.int8: int8 has no NaN, so NaN or Inf would become finite codes. Quantize with a scale
+      instead, which keeps them visible: `qjax.quantize(x, qjax.QuantSpec("int8", "row", stochastic=True), key)`.
     """
     if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
         raise TypeError(f"stochastic_round needs a float array, got {jnp.asarray(x).dtype}")
+    if jnp.dtype(dtype) == jnp.int8:
+        raise ValueError("stochastic_round to int8 would turn NaN and Inf into finite codes: use qjax.quantize(x, "
+                         "qjax.QuantSpec('int8', 'row', stochastic=True), key), whose scale keeps them")
     return stochastic_round_with_seed(jnp.asarray(x), dtype, key_to_seed(key))

@@ -11,6 +11,14 @@ from qjax import formats, stochastic
 KEY = jax.random.key(0)
 
 
+def _round(x, dtype, key):
+    """qjax.stochastic_round, or for int8 (refused there: NaN would become a code) the same rounding by seed, as
+    the scale-based quantizer runs it."""
+    if dtype == jnp.int8:
+        return stochastic.stochastic_round_with_seed(jnp.asarray(x), dtype, stochastic.key_to_seed(key))
+    return qjax.stochastic_round(x, dtype, key)
+
+
 def _neighbours(x: float, dtype):
     """The representable values just below and above x in dtype (brute force over all codes)."""
     if dtype == jnp.int8:
@@ -34,7 +42,7 @@ def _neighbours(x: float, dtype):
 ])
 def test_unbiased_and_only_neighbours(dtype, x, draws, rel_tol):
     values = jnp.full((draws,), x, jnp.float32)
-    rounded = np.asarray(qjax.stochastic_round(values, dtype, KEY).astype(jnp.float32), np.float64)
+    rounded = np.asarray(_round(values, dtype, KEY).astype(jnp.float32), np.float64)
     x = float(np.float32(x))
     low, high = _neighbours(x, dtype)
     assert set(np.unique(rounded)) <= {low, high}
@@ -52,9 +60,9 @@ def test_unbiased_and_only_neighbours(dtype, x, draws, rel_tol):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8])
 def test_reproducible_per_key_and_varies_across_keys(dtype):
     x = jax.random.normal(jax.random.key(1), (4096,)) * 10
-    a = qjax.stochastic_round(x, dtype, jax.random.key(3))
-    b = qjax.stochastic_round(x, dtype, jax.random.key(3))
-    c = qjax.stochastic_round(x, dtype, jax.random.key(4))
+    a = _round(x, dtype, jax.random.key(3))
+    b = _round(x, dtype, jax.random.key(3))
+    c = _round(x, dtype, jax.random.key(4))
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
     assert np.mean(np.asarray(a.astype(jnp.float32)) != np.asarray(c.astype(jnp.float32))) > 0.1
 
@@ -85,8 +93,13 @@ def test_finite_values_near_float32_max_saturate(dtype, max_value):
     assert np.isfinite(out).all() and np.all(np.abs(out) <= max_value)
 
 
+def test_public_int8_rounding_is_refused():
+    with pytest.raises(ValueError, match=r"int8 would turn NaN and Inf into finite codes: use qjax.quantize"):
+        qjax.stochastic_round(jnp.array([np.nan, 1.5]), jnp.int8, KEY)
+
+
 def test_int8_saturates_at_127():
-    out = qjax.stochastic_round(jnp.array([300.0, -300.0, 126.5]), jnp.int8, KEY)
+    out = _round(jnp.array([300.0, -300.0, 126.5]), jnp.int8, KEY)
     assert out.dtype == jnp.int8 and out[0] == 127 and out[1] == -127 and out[2] in (126, 127)
 
 

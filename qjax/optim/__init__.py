@@ -5,7 +5,7 @@ Public API:
   adamw_4bit(learning_rate, ...)            AdamW, m on the 4-bit dynamic map, v on the linear map, blocks of 128
   adamw_fp8(learning_rate, ..., dynamic_range_expansion=False)   AdamW, e4m3 states (COAT expansion optional)
   apply_gradients(tx, grads, state, params) one step -> (params, state): tx.update + optax.apply_updates, fused into
-                                            one kernel per tensor for adamw_8bit / adamw_fp8(use_kernel=True)
+                                            one kernel per tensor for adamw_8bit / _4bit / _fp8(use_kernel=True)
   chain_fused(*transforms)                  optax.chain that keeps the last one's fused step (clip, then AdamW)
   clip_by_global_norm(max_norm)             optax's, folded by chain_fused into the AdamW step (no clipped copy)
   apply_updates_sr(params, updates, key)    bf16 params + stochastic rounding (no fp32 master copy)

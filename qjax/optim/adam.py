@@ -20,6 +20,7 @@ it gives a zero direction (0 / (0 + eps)), and otherwise m, v decay as in fp32 A
 
 import dataclasses
 import math
+import numbers
 from typing import Any, NamedTuple
 
 import jax
@@ -105,10 +106,12 @@ def scale_by_quantized_adam(config: StateConfig, b1: float = 0.9, b2: float = 0.
 
     Updates have the grads' shapes and dtypes (computed in float32).
     """
+    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in (b1, b2, eps)):
+        raise TypeError(f"b1, b2 and eps must be numbers, got b1={b1!r}, b2={b2!r}, eps={eps!r}")
     if not 0 <= b1 < 1 or not 0 <= b2 < 1:
         raise ValueError(f"b1 and b2 must be in [0, 1), got b1={b1}, b2={b2}")
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
+    if not 0 <= eps < float("inf"):  # also refuses NaN
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
 
     def init_fn(params):
         return QuantizedAdamState(

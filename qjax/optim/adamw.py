@@ -39,6 +39,7 @@ through `update`, no kernel).
 
 import functools
 import math
+import numbers
 import warnings
 from typing import Callable, NamedTuple
 
@@ -172,8 +173,14 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     Returns:
       A `FusedTransformation` whose state is an `adam.QuantizedAdamState`; updates have the grads' dtypes.
     """
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay, numbers.Real):
+        raise TypeError(f"weight_decay must be a number (0 for none), got {weight_decay!r}")
+    if not 0 <= weight_decay < float("inf"):  # also refuses NaN
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay}")
+    if not callable(learning_rate) and (isinstance(learning_rate, bool)
+                                        or not isinstance(learning_rate, (numbers.Real, jax.Array))):
+        raise TypeError(f"learning_rate must be a number or an optax schedule (a callable of the step count), got "
+                        f"{learning_rate!r}")
     if not isinstance(use_kernel, bool):
         raise ValueError(f"use_kernel must be True or False, got {use_kernel!r}")
     if use_kernel and not ((config.mu_format, config.nu_format) in fused_adam.KERNEL_FORMATS

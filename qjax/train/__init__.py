@@ -10,7 +10,7 @@ Public API:
   make_optimizer(opt_config, total_steps) -> Optimizer    clipping + AdamW (fp32 / 8-bit / 4-bit / fp8) + lr; OPTIMIZERS
   Checkpointer                                            orbax CheckpointManager wrapper (keep last K, atomic)
   ProgressMeter, peak_flops                               progress line, metrics.jsonl, MFU
-  make_mesh                                               the "data" mesh (batch split, params replicated)
+  make_mesh(data=, fsdp=, tensor=)                        the data x fsdp x tensor device mesh
   step.check_fits(config, task, abstract_state, mesh)     per-device memory estimate, ConfigError when it cannot fit
   metrics.recipe_summary(model_config)                    which recipe each layer runs, for the start-up lines
   config.show_config(config, path), config.field_docs     config files' fields and docs (train.py --show_config)

@@ -32,6 +32,7 @@ import difflib
 import importlib.util
 import io
 import json
+import math
 import os
 import pathlib
 import re
@@ -59,6 +60,11 @@ _PREPARE_HINTS = {
 
 class ConfigError(ValueError):
     """A training config field holds something train() cannot use; the message says which field and the fix."""
+
+
+def _is_number(value) -> bool:
+    """A finite int or float, not a bool (True is an int to Python, never a learning rate)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _positive_int(config, name: str, minimum: int = 1) -> int:
@@ -151,7 +157,7 @@ def check_optimizer_config(opt, total_steps: int) -> None:
     if name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {name!r}; set config.optimizer.name to one of {', '.join(OPTIMIZERS)}")
     lr = get_field(opt, "lr")
-    if not isinstance(lr, (int, float)) or not lr > 0:
+    if not _is_number(lr) or not lr > 0:
         raise ConfigError(f"config.optimizer.lr must be a positive number, got {lr!r}")
     warmup = get_field(opt, "warmup_steps")  # None: a default below total_steps (`qjax.train.optimizer.warmup_steps`)
     if warmup is not None and (not isinstance(warmup, int) or not 0 <= warmup < total_steps):
@@ -166,11 +172,12 @@ def check_optimizer_config(opt, total_steps: int) -> None:
             raise ConfigError(f"config.optimizer.{field} must be in [0, 1), got {value!r}")
     for field in ("eps", "weight_decay"):
         value = get_field(opt, field)
-        if not isinstance(value, (int, float)) or not value >= 0:
-            raise ConfigError(f"config.optimizer.{field} must be a number >= 0, got {value!r}")
+        if not _is_number(value) or not value >= 0:
+            raise ConfigError(f"config.optimizer.{field} must be a finite number >= 0, got {value!r}")
     clip = get_field(opt, "grad_clip")
-    if clip is not None and (not isinstance(clip, (int, float)) or not clip >= 0):
-        raise ConfigError(f"config.optimizer.grad_clip must be a number >= 0 (0 or None: no clipping), got {clip!r}")
+    if clip is not None and (not _is_number(clip) or not clip >= 0):
+        raise ConfigError(f"config.optimizer.grad_clip must be a finite number >= 0 (0 or None: no clipping), got "
+                          f"{clip!r}")
     for field in ("dynamic_range_expansion", "stochastic_rounding"):
         if get_field(opt, field, False) not in (True, False):
             raise ConfigError(f"config.optimizer.{field} must be True or False, got {get_field(opt, field)!r}")

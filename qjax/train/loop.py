@@ -232,7 +232,7 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
     # below take the checked config (check=False).
     check_config(config)
     if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
-        raise ValueError(f"stop_at must be a positive int step or None, got {stop_at!r}")
+        raise ConfigError(f"stop_at must be a positive int step or None, got {stop_at!r}: pass --stop_at=N with N >= 1")
     stream = sys.stdout if stream is None else stream
     workdir = os.path.abspath(os.fspath(workdir))
     try:

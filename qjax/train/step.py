@@ -151,6 +151,11 @@ def make_train_step(config, task: Task | None = None, mesh=None, *, health: bool
       task: the model and loss (`qjax.train.task`).
       mesh: a `qjax.train.make_mesh` mesh (default: `config.mesh`'s sizes, or data parallel over all devices
         for a config without a mesh).
+      health: the train step also measures quantization health (`qjax.health`): metrics["health"] = {"sown": x
+        and w stats, "probes": g stats}, trees of float32 (3,) (`qjax.health.flatten` names them). The same update
+        of the state; a separate jitted function, so the plain step traces none of it.
+      check: ConfigError for a bad field the step reads (`qjax.train.config.check_train_step`); False where the
+        whole config is checked already (`train()` checks it up front).
 
     Returns:
       init_state() -> TrainState, params from `config.seed`, laid out per `train_state_shardings`.
@@ -158,11 +163,6 @@ def make_train_step(config, task: Task | None = None, mesh=None, *, health: bool
         (numpy arrays are put on the mesh split over "data" x "fsdp"); `state` is donated. metrics: float32 () arrays
         "loss" (mean over the batch), "grad_norm" (global norm before clipping), "lr" (this step's), plus the
         task's aux metrics ("accuracy" for images).
-      health: the train step also measures quantization health (`qjax.health`): metrics["health"] = {"sown": x
-        and w stats, "probes": g stats}, trees of float32 (3,) (`qjax.health.flatten` names them). The same update
-        of the state; a separate jitted function, so the plain step traces none of it.
-      check: ConfigError for a bad field the step reads (`qjax.train.config.check_train_step`); False where the
-        whole config is checked already (`train()` checks it up front).
     """
     if mesh is None:
         mesh = mesh_lib.mesh_from_config(config.mesh) if "mesh" in config else mesh_lib.make_mesh()

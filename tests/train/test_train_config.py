@@ -75,6 +75,9 @@ def test_model_field_override_changes_only_that_field(token_dir):
      "python -m qjax.data.prepare shakespeare --out /nonexistent/shakespeare"),
     (dict(task="speech"), "config.task must be one of"),
     (dict(optimizer_stochastic_rounding=True), "set --config.model.param_dtype=bfloat16"),
+    (dict(optimizer_lr=float("inf")), r"config.optimizer.lr must be a positive number, got inf"),
+    (dict(optimizer_grad_clip=float("inf")), r"config.optimizer.grad_clip must be a finite number"),
+    (dict(optimizer_weight_decay=float("nan")), r"config.optimizer.weight_decay must be a finite number >= 0"),
     (dict(recipe="fp8_blockwise", batch_size=4, grad_accum_steps=2, seq_len=96),
      r"batch_size / grad_accum_steps \* seq_len = 192, which must be a multiple of 128"),
 ])
@@ -85,6 +88,8 @@ def test_bad_config_fields_are_named(token_dir, change, match):
             config.optimizer.name = value
         elif key == "optimizer_stochastic_rounding":
             config.optimizer.stochastic_rounding = value
+        elif key.startswith("optimizer_"):
+            setattr(config.optimizer, key.removeprefix("optimizer_"), value)
         elif key == "warmup_steps":
             config.optimizer.warmup_steps = value
         elif key == "model_size":
