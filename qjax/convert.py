@@ -2,7 +2,7 @@
 
   qmodel = qjax.quantize_model(model, "int8_rowwise", skip=("lm_head",), min_features=128)
   params = qmodel.init(key, x)                                  # linen: the same params tree as model.init's
-  y = qmodel.apply(params, x, rngs={"quant": key})           # the stream: only for stochastic-rounding recipes
+  y = qmodel.apply(params, x, rngs={"quant": key})              # the stream: only for stochastic-rounding recipes
   qmodel = qjax.quantize_model(nnx_model, rules, rngs=nnx.Rngs(quant=key))   # NNX: a converted copy
 
 Rules: a recipe (name or `qjax.Recipe`) for every layer, or an ordered list of (module-path regex, recipe or None);
@@ -31,9 +31,9 @@ Mechanism, NNX: each nnx.Linear / nnx.LinearGeneral / nnx.Einsum of a copy of th
 `einsum_op` (arguments these layers take) that runs `qjax.dot_general` / `qjax.einsum`; no interception.
 
 Stochastic rounding draws one key per GEMM call from the rng stream `rng_stream` ("quant", as for
-`qjax.DotGeneral` and qjax's models): linen `apply(..., rngs={"quant": key})` (a fresh key per step; `init` without it uses a fixed key); NNX
-`quantize_model(..., rngs=nnx.Rngs(quant=key))`, whose stream the converted layers share. Under nn.scan, split
-the stream like "params" (split_rngs={"params": True, "quant": True}).
+`qjax.DotGeneral` and qjax's models): linen `apply(..., rngs={"quant": key})` (a fresh key per step; `init`
+without it uses a fixed key); NNX `quantize_model(..., rngs=nnx.Rngs(quant=key))`, whose stream the converted
+layers share. Under nn.scan, split the stream like "params" (split_rngs={"params": True, "quant": True}).
 
 Not intercepted: `x @ w`, jnp.dot, jnp.matmul, `from jax.lax import dot_general` bound before the call, NNX layers
 outside the three above, and a dot_general called with out_sharding. `qjax.report` lists them as high precision.

@@ -8,8 +8,8 @@
     One transformation, whose `qjax.optim.apply_gradients` step clips and then runs adamw_8bit, adamw_4bit and
     adamw_fp8 through the fused step kernel (one Mosaic GPU kernel per float32 tensor, or bf16 tensor with stochastic
     rounding; on a Hopper GPU, per device under a mesh where shards are whole blocks (`fused_adam.per_device_layout`);
-    elsewhere the streamed jnp step). Its state is the tuple (clip state,
-    AdamW state), or (AdamW state,) without clipping.
+    elsewhere the streamed jnp step). Its state is the tuple (clip state, AdamW state), or (AdamW state,) without
+    clipping.
     lr(step) = linear warmup from 0 to `lr` over `warmup_steps`, then cosine decay to `lr * min_lr_ratio` at
     `total_steps`; the update of step s (0-based) uses lr(s + 1), so no step is wasted on lr = 0.
 
