@@ -77,7 +77,7 @@ def make_rules(recipe_or_rules, skip=(), min_features=0, rng_stream="quant") -> 
                 raise TypeError(f"each rule is (module-path regex, recipe name / qjax.Recipe / None), got {rule!r}")
             rules.append((rule[0], None if rule[1] is None else recipes_lib.recipe(rule[1])))
         rules = tuple(rules)
-    if skip is None or not isinstance(skip, (str, tuple, list)):
+    if not isinstance(skip, (str, tuple, list)):
         raise TypeError(f"skip must be a regex or a tuple of regexes (() for none), got {skip!r}")
     if not isinstance(rng_stream, str) or not rng_stream:
         raise TypeError(f"rng_stream must be the name of an rng stream, e.g. 'quant', got {rng_stream!r}")
