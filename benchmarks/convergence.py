@@ -160,9 +160,7 @@ def main():
             if recipe_lr is not None:
                 config.optimizer.lr = recipe_lr
             config.eval_every = max(config.steps // 6, 1)
-            # A resumable chunk per checkpoint: about 8 a run, so a --time-budget stop wastes little and a long run
-            # is not slowed by checkpoint writes
-            config.checkpoint_every = max(config.checkpoint_every, config.steps // 8)
+            config.checkpoint_every = chunk_steps(config.steps, config.checkpoint_every)
             config.health_every = args.health_every
             # One workdir per recipe, seed and run shape: a finished run with the same settings is reused, never a
             # different one.
@@ -232,6 +230,12 @@ def prepare_mixed(out: pathlib.Path, corpus_file: str | None) -> None:
                                      bpe_vocab_size=MIXED_VOCAB)
     print(f"  {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens in {meta['seconds']:.0f} s",
           flush=True)
+
+
+def chunk_steps(steps: int, checkpoint_every: int) -> int:
+    """A resumable chunk per checkpoint: at most 8 a run, so that a --time-budget stop wastes little and a long run is
+    not slowed by checkpoint writes. Rounded up, so that no tail of a few steps needs a train call of its own."""
+    return max(checkpoint_every, -(-steps // 8))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -144,6 +144,16 @@ def test_the_pace_counts_each_calls_own_seconds_apart_from_the_steps(tmp_path, m
     assert calls == [2, 6]
 
 
+def test_a_run_has_at_most_8_chunks_and_no_short_tail():
+    for steps in (1, 7, 8, 9, 3052, 7629):
+        every = convergence.chunk_steps(steps, 0)
+        chunks = -(-steps // every)
+        last = steps - (chunks - 1) * every
+        assert chunks <= 8 and last >= every - 7, (steps, every)  # rounding up shortens the last by at most 7
+    assert convergence.chunk_steps(7629, 0) == 954  # 8 chunks; 953 left a 5-step ninth chunk
+    assert convergence.chunk_steps(100, 50) == 50  # the config's own interval, where longer
+
+
 def test_recipe_variant_names():
     # The benchmarks' ablation names: suffixes compose, and an "_sr" that would round nothing is refused.
     r = recipe_variant("int8_dataflow_sr_recompute")
