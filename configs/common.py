@@ -36,5 +36,5 @@ def add_optimizer_and_loop(config: config_dict.ConfigDict, *, lr: float, b2: flo
     config.seed = 0  # seed of init, data order and stochastic rounding
     config.health_every = 0  # steps between quantization health stats of every quantized GEMM operand (0: off)
     config.health_saturation_warn = 0.05  # warn when an operand's share of codes at the format's max exceeds this
-    config.health_amax_growth_warn = 32.0  # warn when x or w amax grows past this many times its first (healthy: <16)
+    config.health_amax_growth_warn = 32.0  # warn when x or w amax grows past this many times its first measurement
     return config

@@ -56,7 +56,7 @@ from qjax.train.checkpoint import BestCheckpoint, Checkpointer, abstract_like, s
 from qjax.train.config import (ConfigError, check_batch_size, check_config, check_resume, config_changes,
                                read_saved_config, write_config)
 from qjax.train.metrics import (DIVERGED_FIX, ProgressMeter, check_finite, quantizes_nothing, read_metrics,
-                                recipe_summary, truncate_metrics)
+                                recipe_summary, rounds_params_to_nearest, truncate_metrics)
 from qjax.train.step import TrainState, check_fits, make_eval_step, make_train_step, train_state_shardings
 from qjax.train.task import make_dataset, make_task_for_data
 
@@ -308,9 +308,9 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
         print(f"  recipes: {recipe_summary(task.model_config)}", file=stream)
         print(f"  memory: {memory_estimate.summary()}", file=stream)
         print(f"  workdir: {workdir}", file=stream, flush=True)
-        warning = quantizes_nothing(task.model_config)
-        if warning:
-            print(warning, file=stream, flush=True)
+        for warning in (quantizes_nothing(task.model_config), rounds_params_to_nearest(config)):
+            if warning:
+                print(warning, file=stream, flush=True)
         if task.init_note and not resumed:  # a resumed run's params come from its checkpoint, not init_from
             print(f"  {task.init_note}", file=stream, flush=True)
 

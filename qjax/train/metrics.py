@@ -253,6 +253,16 @@ def quantizes_nothing(model_config) -> str | None:
     return f"warning: recipe {recipe.name!r} quantizes no layer, the whole model trains in bf16; {why}"
 
 
+def rounds_params_to_nearest(config) -> str | None:
+    """A one-line warning when bfloat16 params are updated without stochastic rounding, naming the fix; None
+    otherwise. bfloat16 keeps 8 mantissa bits, so an update under half a weight's step rounds away."""
+    if config.model.get("param_dtype") != "bfloat16" or config.optimizer.get("stochastic_rounding"):
+        return None
+    return ("warning: bfloat16 params are updated by rounding to nearest, which drops every update under half a "
+            "weight's bfloat16 step and can stall training; set --config.optimizer.stochastic_rounding=True (or "
+            "--config.model.param_dtype=float32)")
+
+
 def read_metrics(workdir: str) -> list[dict]:
     """The rows of metrics.jsonl (a line cut short by a kill is skipped)."""
     rows = []

@@ -44,6 +44,18 @@ def test_recipe_summary_counts_layers_per_recipe():
     assert "config.min_features=10000" in metrics.quantizes_nothing(everything_kept)
 
 
+def test_warns_when_bfloat16_params_round_to_nearest(token_dir, tmp_path):
+    config = tiny_llama_config(token_dir, steps=2, eval_every=0)
+    assert metrics.rounds_params_to_nearest(config) is None  # float32 params
+    config.model.param_dtype = "bfloat16"
+    out = io.StringIO()
+    train(config, tmp_path / "run", stream=out)
+    warnings = [line for line in out.getvalue().splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "--config.optimizer.stochastic_rounding=True" in warnings[0]
+    config.optimizer.stochastic_rounding = True
+    assert metrics.rounds_params_to_nearest(config) is None
+
+
 def test_run_that_cannot_fit_fails_before_compiling(token_dir, tmp_path, monkeypatch):
     # The 1B model's params and Adam states alone (~13 GB) exceed a device of 4 GiB.
     monkeypatch.setattr(step_lib, "device_memory_bytes", lambda device, sharing=1: 4 * step_lib.GiB)
