@@ -41,21 +41,23 @@ train.bin, val.bin, tokenizer.json and meta.json (62 MB, under the 64 MiB a call
       --lr 3e-4 --recipes bf16 int8_rowwise --time-budget 540 --no-record --health-every 100   # 342M params
 
 --tokens sets the steps from a token budget; --recipe-seeds gives an entry its own seeds (bitnet_b158=0);
---time-budget SECONDS trains until the next checkpoint would pass it, then exits with status 75: the same command
-again resumes every run from its checkpoint and, once all are done, writes the table (so runs longer than one device
-call finish over several). The table gives each recipe's final eval loss (mean ± s.e. over its seeds: bf16's row is
-the seed spread the gaps are read against) and its gap to bf16 in %. A finished run is tabled from its
-metrics.jsonl, recipe.txt and config.json alone: copy those back from a device (the 125M run's checkpoints are
-1.5 GB) into the same --workdir layout and run the command here.
+--time-budget SECONDS stops the run in flight after SECONDS (the script sends itself SIGTERM, which `qjax.train`
+answers by saving the step reached) and exits with status 75, as it does when a timeout or scheduler signals it: the
+same command again resumes every run from its checkpoint and, once all are done, writes the table (so runs longer
+than one device call finish over several). The table gives each recipe's final eval loss (mean ± s.e. over its
+seeds: bf16's row is the seed spread the gaps are read against) and its gap to bf16 in %. A finished run is tabled
+from its metrics.jsonl, recipe.txt and config.json alone: copy those back from a device (the 125M run's
+checkpoints are 1.5 GB) into the same --workdir layout and run the command here.
 """
 
 import argparse
-import dataclasses
 import math
+import os
 import pathlib
+import signal
 import statistics
 import sys
-import time
+import threading
 
 from common import REPO, apply_options, record_results, recipe_variant, split_options
 
@@ -65,6 +67,7 @@ import jax  # noqa: E402
 import qjax  # noqa: E402
 from qjax.data import corpus as corpus_lib, text as text_lib  # noqa: E402
 from qjax.train import train  # noqa: E402
+from qjax.train.loop import Interrupted  # noqa: E402
 from qjax import health  # noqa: E402
 from qjax.train.metrics import curves as read_curves, plot_runs, read_metrics  # noqa: E402
 
@@ -74,7 +77,7 @@ MODELS = {"llama": (llama_base, "Llama", "convergence.png"), "gpt2": (gpt2_base,
 CORPORA = {"shakespeare": ("shakespeare", "Shakespeare bytes", ""),
            "mixed": ("mixed-english-bpe16k", "mixed English (BPE 16k)", "-mixed")}
 MIXED_VOCAB, MIXED_VAL_FRACTION = 16384, 0.01
-TIME_BUDGET_EXIT = 75  # --time-budget ran out: run the command again to resume (EX_TEMPFAIL)
+TIME_BUDGET_EXIT = 75  # --time-budget or a signal stopped it: run the command again to resume (EX_TEMPFAIL)
 
 
 def main():
@@ -93,7 +96,7 @@ def main():
     parser.add_argument("--corpus-file", help="--corpus mixed: the .xz (default: data/mixed-english.txt.xz, else "
                                               "../shared/corpus/mixed-english.txt.xz)")
     parser.add_argument("--tokens", type=float, help="token budget per run: steps = tokens / (batch x seq)")
-    parser.add_argument("--time-budget", type=float, help="seconds; stop at the last checkpoint before it and exit "
+    parser.add_argument("--time-budget", type=float, help="seconds; then save the step reached and exit "
                                                           f"{TIME_BUDGET_EXIT} (run again to resume)")
     parser.add_argument("--health-every", type=int, default=0,
                         help="steps between quantization health stats (config.health_every; 0: off)")
@@ -102,6 +105,8 @@ def main():
     parser.add_argument("--png", help="where the curves go (default: benchmarks/convergence.png, GPT-2's "
                                       "benchmarks/convergence_gpt2.png)")
     args = parser.parse_args()
+    if args.time_budget is not None and not args.time_budget > 0:
+        parser.error(f"--time-budget must be a positive number of seconds, got {args.time_budget:g}")
     base_config, label, png_name = MODELS[args.model]
 
     entries = {}  # "RECIPE[:OPTION...][@LR]" -> (recipe, its model options, its own peak lr or None)
@@ -160,7 +165,7 @@ def main():
             if recipe_lr is not None:
                 config.optimizer.lr = recipe_lr
             config.eval_every = max(config.steps // 6, 1)
-            config.checkpoint_every = chunk_steps(config.steps, config.checkpoint_every)
+            config.checkpoint_every = checkpoint_interval(config.steps, config.checkpoint_every)
             config.health_every = args.health_every
             # One workdir per recipe, seed and run shape: a finished run with the same settings is reused, never a
             # different one.
@@ -172,18 +177,18 @@ def main():
             check_same_recipe(workdir, qjax.recipe(config.recipe))
             runs.append((entry, seed, name, config, workdir))
 
-    # Each chunk's train() call compiles the same step again: the persistent cache makes that a load (jax reads
+    # A run resumed in a new process compiles its steps again: the persistent cache makes that a load (jax reads
     # $JAX_COMPILATION_CACHE_DIR itself; this is the default when it is unset)
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(REPO / "runs" / "jax_cache"))
-    deadline = time.monotonic() + args.time_budget if args.time_budget else math.inf
+    budget_over = arm_time_budget(args.time_budget) if args.time_budget else threading.Event()
     workdirs, evals, health_rows = [], {}, []  # evals: entry -> {seed: [(step, eval loss), ...]}
-    pace = Pace()  # the last call's, so that the next run's first call is held to the budget too
     for entry, seed, name, config, workdir in runs:
         print(f"== {name} -> {workdir}", flush=True)
-        finished, pace = train_in_chunks(config, workdir, deadline, pace=pace)
-        if not finished:
-            print(f"time budget of {args.time_budget:g} s reached: run the same command again to resume", flush=True)
+        if not run_is_complete(config, workdir) and (budget_over.is_set() or not train_run(config, workdir)):
+            if budget_over.is_set():
+                print(f"time budget of {args.time_budget:g} s reached: run the same command again to resume",
+                      flush=True)
             sys.exit(TIME_BUDGET_EXIT)
         if seed == seeds_of[entry][0]:
             workdirs.append(str(workdir))
@@ -232,58 +237,49 @@ def prepare_mixed(out: pathlib.Path, corpus_file: str | None) -> None:
           flush=True)
 
 
-def chunk_steps(steps: int, checkpoint_every: int) -> int:
-    """A resumable chunk per checkpoint: at most 8 a run, so that a --time-budget stop wastes little and a long run is
-    not slowed by checkpoint writes. Rounded up, so that no tail of a few steps needs a train call of its own."""
+def checkpoint_interval(steps: int, checkpoint_every: int) -> int:
+    """At most 8 checkpoints a run: a run killed without warning (its machine withdrawn) loses at most an eighth, and
+    a long run is not slowed by checkpoint writes (a signal or --time-budget saves the step reached). Rounded up, so
+    that the last interval is not a tail of a few steps."""
     return max(checkpoint_every, -(-steps // 8))
 
 
-@dataclasses.dataclass(frozen=True)
-class Pace:
-    """How long a `train` call takes: seconds per step (the loop's own, from metrics.jsonl) and seconds per call on
-    top (building, compiling, restoring); 0 where not measured yet."""
-    step: float = 0.0
-    call: float = 0.0
+def arm_time_budget(seconds: float) -> threading.Event:
+    """Returns an event set after `seconds`, when this process also sends itself SIGTERM, as a device call's timeout
+    or a scheduler would: a run in `train` saves the step it is at and stops (`Interrupted`), wasting no steps.
+    Outside `train` (between runs) SIGTERM only sets the event, so that no run starts after it. (One that rings in
+    the second or two before `train` installs its handler lets that run go on: a device's timeout still stops it.)"""
+    over = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: over.set())  # train's own handler replaces it while it runs
 
-    def seconds(self, steps: int) -> float:
-        return self.call + self.step * steps
+    def ring():
+        over.set()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    timer = threading.Timer(seconds, ring)
+    timer.daemon = True
+    timer.start()
+    return over
 
 
-def _loop_seconds_per_step(workdir: pathlib.Path, after: int) -> float | None:
-    """The median of the train rows' seconds_per_step past step `after` (the progress meter's, compiling left out),
-    or None where the rows hold none."""
-    paces = [row["seconds_per_step"] for row in read_metrics(str(workdir))
-             if row.get("step", 0) > after and "seconds_per_step" in row]
-    return statistics.median(paces) if paces else None
+def run_is_complete(config, workdir: pathlib.Path) -> bool:
+    """Whether the run in `workdir` has logged its final eval (after its last train row): one copied back from a device
+    without its checkpoints is tabled, and one killed between its last step and that eval trains again."""
+    train_rows, eval_rows = read_curves(str(workdir))  # ([], []) before the first row
+    last = eval_rows if config.eval_every else train_rows  # a run without evals ends at its last train row
+    return bool(last) and last[-1][0] >= config.steps
 
 
-def train_in_chunks(config, workdir: pathlib.Path, deadline: float, clock=time.monotonic,
-                    pace: Pace = Pace()) -> tuple[bool, Pace]:
-    """Trains the run in `workdir` (resuming from its checkpoint) up to config.steps, in chunks of checkpoint_every
-    steps, and stops before a chunk that, at `pace`, would end after `deadline` (a `clock()` time). Each `train` call
-    runs as many chunks as fit; the pace is measured on each call, and an unknown one (pass the last run's, so that
-    a run's first call is timed too) on a first call of one chunk. Returns (whether the run is complete, the pace).
-    A stopped run resumes from its last checkpoint, bit for bit. A run is complete once its final eval is logged
-    (after the last train row): one copied back without its checkpoints is tabled, and one killed between its last
-    step and that eval trains its last chunk again."""
-    chunk = config.checkpoint_every or config.steps
-    while True:
-        train_rows, eval_rows = read_curves(str(workdir))  # ([], []) before the first row
-        last = eval_rows if config.eval_every else train_rows  # a run without evals ends at its last train row
-        if last and last[-1][0] >= config.steps:
-            return True, pace
-        done = min(train_rows[-1][0] if train_rows else 0, config.steps - 1)
-        now = clock()
-        ends = [min(end, config.steps) for end in range((done // chunk + 1) * chunk, config.steps + chunk, chunk)]
-        fitting = [end for end in ends if now + pace.seconds(end - done) <= deadline]
-        if not fitting:
-            return False, pace
-        stop_at = fitting[-1] if pace.step else fitting[0]
-        start = clock()
-        train(config, str(workdir), stop_at=stop_at)
-        seconds, steps = clock() - start, stop_at - done
-        step = _loop_seconds_per_step(workdir, done) or seconds / steps
-        pace = Pace(step, max(seconds - step * steps, 0.0))
+def train_run(config, workdir: pathlib.Path) -> bool:
+    """Trains the run in `workdir` to config.steps, resuming from its newest checkpoint (bit for bit). Returns True
+    once it is complete, False when SIGINT / SIGTERM stopped it (the --time-budget alarm, a timeout): the step it
+    reached is saved, and the same call resumes there."""
+    try:
+        train(config, str(workdir))
+    except Interrupted as e:
+        print(e, flush=True)
+        return False
+    return True
 
 
 def check_same_recipe(workdir: pathlib.Path, recipe) -> None:

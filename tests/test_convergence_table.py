@@ -2,12 +2,15 @@
 The table, of each run's final and lowest eval loss: one seed gives each recipe's difference to bf16; several give
 each seed's difference to bf16's run of the same seed and their mean ± standard error."""
 
+import contextlib
 import json
-import math
 import os
 import shutil
-import types
+import signal
 import sys
+import threading
+import time
+import types
 
 import pytest
 
@@ -50,7 +53,19 @@ def test_no_bf16_baseline():
     assert row == "| int8_rowwise | 0, 1 | 5 | 3.0500 ± 0.0500 | – | – | 3.0500 ± 0.0500 | – |"
 
 
-def test_a_suite_run_stopped_mid_way_resumes_to_the_same_curve(tmp_path):
+@contextlib.contextmanager
+def _sigterm_noted():
+    """SIGTERM only sets the yielded event (as convergence.arm_time_budget's handler does) while inside, so that a
+    late signal cannot end the test process; the previous handler is restored after."""
+    noted = threading.Event()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: noted.set())
+    try:
+        yield noted
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_run_stopped_by_sigterm_saves_its_step_and_resumes_to_the_same_evals(tmp_path):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "train"))
     from train_helpers import tiny_llama_config  # noqa: PLC0415
 
@@ -59,30 +74,28 @@ def test_a_suite_run_stopped_mid_way_resumes_to_the_same_curve(tmp_path):
 
     (tmp_path / "c.txt").write_text("the cat sat on the mat. a dog ran in the park. " * 200)
     prepare_text([tmp_path / "c.txt"], tmp_path / "tokens", val_fraction=0.1)
-    config = tiny_llama_config(str(tmp_path / "tokens"))  # 6 steps, checkpoints every 2
-    assert convergence.train_in_chunks(config, tmp_path / "whole", math.inf)[0]
-    # a clock that passes the deadline once the first chunk has run: the run stops at step 2, like a device call
-    ticks = iter([0.0, 0.0, 100.0, 100.0])
-    assert not convergence.train_in_chunks(config, tmp_path / "split", 50.0, clock=lambda: next(ticks))[0]
-    assert curves(str(tmp_path / "split"))[0][-1][0] == 2
-    assert convergence.train_in_chunks(config, tmp_path / "split", math.inf)[0]  # the next call resumes
-    assert curves(str(tmp_path / "split")) == curves(str(tmp_path / "whole"))
-    # a finished run copied back without its checkpoints (the table reads metrics.jsonl) trains no more
+    config = tiny_llama_config(str(tmp_path / "tokens"), steps=200, eval_every=50, checkpoint_every=100)
+    assert convergence.train_run(config, tmp_path / "whole")
+    assert convergence.run_is_complete(config, tmp_path / "whole")
+
+    def sigterm_once_a_row_is_logged():  # as a device call's timeout (or the --time-budget alarm) sends it
+        while not (tmp_path / "split" / "metrics.jsonl").exists():
+            time.sleep(0.002)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    with _sigterm_noted() as noted:
+        killer = threading.Thread(target=sigterm_once_a_row_is_logged)
+        killer.start()
+        assert not convergence.train_run(config, tmp_path / "split")  # train's handler took it: the step is saved
+        killer.join()
+        assert not noted.is_set()
+    saved = max(int(d) for d in os.listdir(tmp_path / "split" / "checkpoints") if d.isdigit())
+    assert 2 <= saved < 200 and not convergence.run_is_complete(config, tmp_path / "split")
+    assert convergence.train_run(config, tmp_path / "split")  # the next call resumes from the step saved
+    assert curves(str(tmp_path / "split"))[1] == curves(str(tmp_path / "whole"))[1]
+    # a finished run copied back without its checkpoints (the table reads metrics.jsonl) is complete
     shutil.rmtree(tmp_path / "whole" / "checkpoints")
-    assert convergence.train_in_chunks(config, tmp_path / "whole", -math.inf)[0]
-
-
-def _fake_train(calls, seconds_per_step=None):
-    """Stands in for qjax.train.train: logs a train row at stop_at (with the loop's seconds_per_step, if given) and,
-    at the last step, the final eval, as the loop does."""
-    def train(config, workdir, stop_at):
-        calls.append(stop_at)
-        row = {"step": stop_at, "loss": 1.0} | ({"seconds_per_step": seconds_per_step} if seconds_per_step else {})
-        with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
-            if stop_at == config.steps:
-                f.write(json.dumps({"step": stop_at, "eval_loss": 2.0}) + "\n")
-    return train
+    assert convergence.run_is_complete(config, tmp_path / "whole")
 
 
 def _rows(workdir, rows):
@@ -90,68 +103,41 @@ def _rows(workdir, rows):
     (workdir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def test_a_run_is_complete_once_its_final_eval_is_logged(tmp_path, monkeypatch):
-    calls = []
-    monkeypatch.setattr(convergence, "train", _fake_train(calls))
+def test_a_run_is_complete_once_its_final_eval_is_logged(tmp_path):
     config = types.SimpleNamespace(steps=6, checkpoint_every=2, eval_every=3)
+    (tmp_path / "new").mkdir()
+    assert not convergence.run_is_complete(config, tmp_path / "new")
     _rows(tmp_path / "done", [{"step": 6, "loss": 1.0}, {"step": 6, "eval_loss": 2.0}])
-    pace = convergence.Pace(step=1.0)
-    assert convergence.train_in_chunks(config, tmp_path / "done", -math.inf, pace=pace) == (True, pace)
-    assert calls == []
-    # killed after its last train row, before the final eval: its last chunk trains again
+    assert convergence.run_is_complete(config, tmp_path / "done")
+    # killed after its last train row, before the final eval: not complete, so it trains again from its checkpoint
     _rows(tmp_path / "cut", [{"step": 6, "loss": 1.0}, {"step": 3, "eval_loss": 2.5}])
-    assert convergence.train_in_chunks(config, tmp_path / "cut", math.inf)[0]
-    assert calls == [6]
+    assert not convergence.run_is_complete(config, tmp_path / "cut")
+    # a run without evals ends at its last train row
+    _rows(tmp_path / "no_evals", [{"step": 6, "loss": 1.0}])
+    assert convergence.run_is_complete(types.SimpleNamespace(steps=6, eval_every=0), tmp_path / "no_evals")
 
 
-def test_a_runs_first_chunk_is_held_to_the_budget_by_the_last_runs_pace(tmp_path, monkeypatch):
-    calls = []
-    monkeypatch.setattr(convergence, "train", _fake_train(calls))
-    config = types.SimpleNamespace(steps=6, checkpoint_every=2, eval_every=3)
-    (tmp_path / "run").mkdir()
-    # 2 steps at 1 s each would end past a deadline 1.5 s away: nothing trains
-    pace = convergence.Pace(step=1.0)
-    assert convergence.train_in_chunks(config, tmp_path / "run", 1.5, clock=lambda: 0.0, pace=pace) == (False, pace)
-    assert calls == []
+def test_the_time_budget_alarm_between_runs_only_stops_the_next_run():
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        over = convergence.arm_time_budget(0.01)
+        for _ in range(500):  # the process lives on: outside train() the signal only sets the event
+            if over.is_set():
+                break
+            time.sleep(0.01)
+        assert over.is_set()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
-def test_once_the_pace_is_known_one_train_call_runs_every_chunk_that_fits(tmp_path, monkeypatch):
-    calls = []
-    monkeypatch.setattr(convergence, "train", _fake_train(calls))
-    config = types.SimpleNamespace(steps=8, checkpoint_every=2, eval_every=4)
-    (tmp_path / "run").mkdir()
-    # 1 s per step, 4.5 s left: one call to step 4 (chunks 2 and 4), then step 6 would end past the deadline
-    ticks = iter([0.0, 0.0, 4.0, 4.0])
-    assert convergence.train_in_chunks(config, tmp_path / "run", 4.5, clock=lambda: next(ticks),
-                                       pace=convergence.Pace(step=1.0)) == (False, convergence.Pace(1.0, 0.0))
-    assert calls == [4]
-    # an unknown pace: one chunk measures it, then one call runs the rest
-    (tmp_path / "fresh").mkdir()
-    assert convergence.train_in_chunks(config, tmp_path / "fresh", math.inf)[0]
-    assert calls == [4, 2, 8]
-
-
-def test_the_pace_counts_each_calls_own_seconds_apart_from_the_steps(tmp_path, monkeypatch):
-    calls = []
-    monkeypatch.setattr(convergence, "train", _fake_train(calls, seconds_per_step=0.5))
-    config = types.SimpleNamespace(steps=8, checkpoint_every=2, eval_every=4)
-    (tmp_path / "run").mkdir()
-    # the first call: 2 steps in 10 s, of which the loop's 0.5 s per step make 1 s: 9 s per call. With 11 s left,
-    # the second call runs to step 6 (9 + 4 x 0.5 = 11 s), not to 8 (12 s)
-    ticks = iter([0.0, 0.0, 10.0, 10.0, 10.0, 21.0, 21.0])
-    assert convergence.train_in_chunks(config, tmp_path / "run", 21.0, clock=lambda: next(ticks)) == \
-        (False, convergence.Pace(0.5, 9.0))
-    assert calls == [2, 6]
-
-
-def test_a_run_has_at_most_8_chunks_and_no_short_tail():
+def test_a_run_has_at_most_8_checkpoints_and_no_short_tail():
     for steps in (1, 7, 8, 9, 3052, 7629):
-        every = convergence.chunk_steps(steps, 0)
-        chunks = -(-steps // every)
-        last = steps - (chunks - 1) * every
-        assert chunks <= 8 and last >= every - 7, (steps, every)  # rounding up shortens the last by at most 7
-    assert convergence.chunk_steps(7629, 0) == 954  # 8 chunks; 953 left a 5-step ninth chunk
-    assert convergence.chunk_steps(100, 50) == 50  # the config's own interval, where longer
+        every = convergence.checkpoint_interval(steps, 0)
+        intervals = -(-steps // every)
+        last = steps - (intervals - 1) * every
+        assert intervals <= 8 and last >= every - 7, (steps, every)  # rounding up shortens the last by at most 7
+    assert convergence.checkpoint_interval(7629, 0) == 954  # 8 intervals; 953 left a 5-step ninth
+    assert convergence.checkpoint_interval(100, 50) == 50  # the config's own interval, where longer
 
 
 def test_recipe_variant_names():
