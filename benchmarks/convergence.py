@@ -41,10 +41,10 @@ train.bin, val.bin, tokenizer.json and meta.json (62 MB, under the 64 MiB a call
       --lr 3e-4 --recipes bf16 int8_rowwise --time-budget 540 --no-record --health-every 100   # 342M params
 
 --tokens sets the steps from a token budget; --recipe-seeds gives an entry its own seeds (bitnet_b158=0);
---time-budget SECONDS stops the run in flight after SECONDS (the script sends itself SIGTERM, which `qjax.train`
-answers by saving the step reached) and exits with status 75, as it does when a timeout or scheduler signals it: the
-same command again resumes every run from its checkpoint and, once all are done, writes the table (so runs longer
-than one device call finish over several). The table gives each recipe's final eval loss (mean ± s.e. over its
+--time-budget SECONDS stops the run in flight after SECONDS (`qjax.train.train`'s stop_event: it saves the step
+reached) and exits with status 75, as it does when SIGINT / SIGTERM stops a run (a signal between runs ends the
+process; nothing is lost): the same command again resumes every run from its checkpoint and, once all are done,
+writes the table (so runs longer than one device call finish over several). The table gives each recipe's final eval loss (mean ± s.e. over its
 seeds: bf16's row is the seed spread the gaps are read against) and its gap to bf16 in %. A finished run is tabled
 from its metrics.jsonl, recipe.txt and config.json alone: copy those back from a device (the 125M run's
 checkpoints are 1.5 GB) into the same --workdir layout and run the command here.
@@ -52,9 +52,7 @@ checkpoints are 1.5 GB) into the same --workdir layout and run the command here.
 
 import argparse
 import math
-import os
 import pathlib
-import signal
 import statistics
 import sys
 import threading
@@ -77,7 +75,7 @@ MODELS = {"llama": (llama_base, "Llama", "convergence.png"), "gpt2": (gpt2_base,
 CORPORA = {"shakespeare": ("shakespeare", "Shakespeare bytes", ""),
            "mixed": ("mixed-english-bpe16k", "mixed English (BPE 16k)", "-mixed")}
 MIXED_VOCAB, MIXED_VAL_FRACTION = 16384, 0.01
-TIME_BUDGET_EXIT = 75  # --time-budget or a signal stopped it: run the command again to resume (EX_TEMPFAIL)
+TIME_BUDGET_EXIT = 75  # --time-budget or a signal stopped a run: run the command again to resume (EX_TEMPFAIL)
 
 
 def main():
@@ -181,11 +179,12 @@ def main():
     # $JAX_COMPILATION_CACHE_DIR itself; this is the default when it is unset)
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(REPO / "runs" / "jax_cache"))
-    budget_over = arm_time_budget(args.time_budget) if args.time_budget else threading.Event()
+    budget_over = time_budget(args.time_budget)
     workdirs, evals, health_rows = [], {}, []  # evals: entry -> {seed: [(step, eval loss), ...]}
     for entry, seed, name, config, workdir in runs:
         print(f"== {name} -> {workdir}", flush=True)
-        if not run_is_complete(config, workdir) and (budget_over.is_set() or not train_run(config, workdir)):
+        if not run_is_complete(config, workdir) and (budget_over.is_set()
+                                                     or not train_run(config, workdir, budget_over)):
             if budget_over.is_set():
                 print(f"time budget of {args.time_budget:g} s reached: run the same command again to resume",
                       flush=True)
@@ -239,26 +238,19 @@ def prepare_mixed(out: pathlib.Path, corpus_file: str | None) -> None:
 
 def checkpoint_interval(steps: int, checkpoint_every: int) -> int:
     """At most 8 checkpoints a run: a run killed without warning (its machine withdrawn) loses at most an eighth, and
-    a long run is not slowed by checkpoint writes (a signal or --time-budget saves the step reached). Rounded up, so
-    that the last interval is not a tail of a few steps."""
+    a long run is not slowed by checkpoint writes (a signal or --time-budget saves the step reached). steps / 8 is
+    rounded up: 7629 steps make 8 intervals of 954, not 8 of 953 and a ninth of 5."""
     return max(checkpoint_every, -(-steps // 8))
 
 
-def arm_time_budget(seconds: float) -> threading.Event:
-    """Returns an event set after `seconds`, when this process also sends itself SIGTERM, as a device call's timeout
-    or a scheduler would: a run in `train` saves the step it is at and stops (`Interrupted`), wasting no steps.
-    Outside `train` (between runs) SIGTERM only sets the event, so that no run starts after it. (One that rings in
-    the second or two before `train` installs its handler lets that run go on: a device's timeout still stops it.)"""
+def time_budget(seconds: float | None) -> threading.Event:
+    """An event set after `seconds` (never, for None). Passed to `train` as its stop_event, it stops the run in flight
+    as SIGTERM would (the step reached is saved); set, it keeps the next runs from starting."""
     over = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: over.set())  # train's own handler replaces it while it runs
-
-    def ring():
-        over.set()
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    timer = threading.Timer(seconds, ring)
-    timer.daemon = True
-    timer.start()
+    if seconds:
+        timer = threading.Timer(seconds, over.set)
+        timer.daemon = True
+        timer.start()
     return over
 
 
@@ -266,16 +258,17 @@ def run_is_complete(config, workdir: pathlib.Path) -> bool:
     """Whether the run in `workdir` has logged its final eval (after its last train row): one copied back from a device
     without its checkpoints is tabled, and one killed between its last step and that eval trains again."""
     train_rows, eval_rows = read_curves(str(workdir))  # ([], []) before the first row
-    last = eval_rows if config.eval_every else train_rows  # a run without evals ends at its last train row
+    evals = config.eval_every and config.eval_batches
+    last = eval_rows if evals else train_rows  # a run without evals ends at its last train row
     return bool(last) and last[-1][0] >= config.steps
 
 
-def train_run(config, workdir: pathlib.Path) -> bool:
+def train_run(config, workdir: pathlib.Path, stop_event: threading.Event) -> bool:
     """Trains the run in `workdir` to config.steps, resuming from its newest checkpoint (bit for bit). Returns True
-    once it is complete, False when SIGINT / SIGTERM stopped it (the --time-budget alarm, a timeout): the step it
+    once it is complete, False when `stop_event` (the time budget) or SIGINT / SIGTERM stopped it: the step it
     reached is saved, and the same call resumes there."""
     try:
-        train(config, str(workdir))
+        train(config, str(workdir), stop_event=stop_event)
     except Interrupted as e:
         print(e, flush=True)
         return False

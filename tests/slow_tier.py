@@ -84,7 +84,7 @@ SLOW_TESTS = {
         "test_streamed_step_is_bit_identical_to_the_unstreamed_one",
     },
     "tests/test_bitnet.py": {"test_tiny_llama_trains_with_bitnet"},
-    "tests/test_convergence_table.py": {"test_a_run_stopped_by_sigterm_saves_its_step_and_resumes_to_the_same_evals"},
+    "tests/test_convergence_table.py": {"test_a_run_stopped_mid_way_saves_its_step_and_resumes_to_the_same_evals"},
     "tests/test_convert.py": {
         "test_fsdp_on_a_2x2_cpu_mesh",
         "test_linen_under_scan_remat_jit_grad",

@@ -2,11 +2,9 @@
 The table, of each run's final and lowest eval loss: one seed gives each recipe's difference to bf16; several give
 each seed's difference to bf16's run of the same seed and their mean ± standard error."""
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -53,19 +51,7 @@ def test_no_bf16_baseline():
     assert row == "| int8_rowwise | 0, 1 | 5 | 3.0500 ± 0.0500 | – | – | 3.0500 ± 0.0500 | – |"
 
 
-@contextlib.contextmanager
-def _sigterm_noted():
-    """SIGTERM only sets the yielded event (as convergence.arm_time_budget's handler does) while inside, so that a
-    late signal cannot end the test process; the previous handler is restored after."""
-    noted = threading.Event()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: noted.set())
-    try:
-        yield noted
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def test_a_run_stopped_by_sigterm_saves_its_step_and_resumes_to_the_same_evals(tmp_path):
+def test_a_run_stopped_mid_way_saves_its_step_and_resumes_to_the_same_evals(tmp_path):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "train"))
     from train_helpers import tiny_llama_config  # noqa: PLC0415
 
@@ -75,23 +61,22 @@ def test_a_run_stopped_by_sigterm_saves_its_step_and_resumes_to_the_same_evals(t
     (tmp_path / "c.txt").write_text("the cat sat on the mat. a dog ran in the park. " * 200)
     prepare_text([tmp_path / "c.txt"], tmp_path / "tokens", val_fraction=0.1)
     config = tiny_llama_config(str(tmp_path / "tokens"), steps=200, eval_every=50, checkpoint_every=100)
-    assert convergence.train_run(config, tmp_path / "whole")
+    assert convergence.train_run(config, tmp_path / "whole", threading.Event())
     assert convergence.run_is_complete(config, tmp_path / "whole")
 
-    def sigterm_once_a_row_is_logged():  # as a device call's timeout (or the --time-budget alarm) sends it
-        while not (tmp_path / "split" / "metrics.jsonl").exists():
-            time.sleep(0.002)
-        os.kill(os.getpid(), signal.SIGTERM)
+    budget_over = threading.Event()
 
-    with _sigterm_noted() as noted:
-        killer = threading.Thread(target=sigterm_once_a_row_is_logged)
-        killer.start()
-        assert not convergence.train_run(config, tmp_path / "split")  # train's handler took it: the step is saved
-        killer.join()
-        assert not noted.is_set()
+    def end_the_budget_once_a_row_is_logged():  # mid-way, as --time-budget's timer does
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "split" / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        budget_over.set()
+
+    threading.Thread(target=end_the_budget_once_a_row_is_logged, daemon=True).start()
+    assert not convergence.train_run(config, tmp_path / "split", budget_over)
     saved = max(int(d) for d in os.listdir(tmp_path / "split" / "checkpoints") if d.isdigit())
     assert 2 <= saved < 200 and not convergence.run_is_complete(config, tmp_path / "split")
-    assert convergence.train_run(config, tmp_path / "split")  # the next call resumes from the step saved
+    assert convergence.train_run(config, tmp_path / "split", threading.Event())  # the next call resumes there
     assert curves(str(tmp_path / "split"))[1] == curves(str(tmp_path / "whole"))[1]
     # a finished run copied back without its checkpoints (the table reads metrics.jsonl) is complete
     shutil.rmtree(tmp_path / "whole" / "checkpoints")
@@ -104,7 +89,7 @@ def _rows(workdir, rows):
 
 
 def test_a_run_is_complete_once_its_final_eval_is_logged(tmp_path):
-    config = types.SimpleNamespace(steps=6, checkpoint_every=2, eval_every=3)
+    config = types.SimpleNamespace(steps=6, eval_every=3, eval_batches=4)
     (tmp_path / "new").mkdir()
     assert not convergence.run_is_complete(config, tmp_path / "new")
     _rows(tmp_path / "done", [{"step": 6, "loss": 1.0}, {"step": 6, "eval_loss": 2.0}])
@@ -112,25 +97,18 @@ def test_a_run_is_complete_once_its_final_eval_is_logged(tmp_path):
     # killed after its last train row, before the final eval: not complete, so it trains again from its checkpoint
     _rows(tmp_path / "cut", [{"step": 6, "loss": 1.0}, {"step": 3, "eval_loss": 2.5}])
     assert not convergence.run_is_complete(config, tmp_path / "cut")
-    # a run without evals ends at its last train row
+    # a run without evals (none due, or no eval batches) ends at its last train row
     _rows(tmp_path / "no_evals", [{"step": 6, "loss": 1.0}])
-    assert convergence.run_is_complete(types.SimpleNamespace(steps=6, eval_every=0), tmp_path / "no_evals")
+    for no_evals in (dict(eval_every=0, eval_batches=4), dict(eval_every=3, eval_batches=0)):
+        assert convergence.run_is_complete(types.SimpleNamespace(steps=6, **no_evals), tmp_path / "no_evals")
 
 
-def test_the_time_budget_alarm_between_runs_only_stops_the_next_run():
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        over = convergence.arm_time_budget(0.01)
-        for _ in range(500):  # the process lives on: outside train() the signal only sets the event
-            if over.is_set():
-                break
-            time.sleep(0.01)
-        assert over.is_set()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+def test_the_time_budget_is_an_event_set_after_its_seconds():
+    assert convergence.time_budget(0.01).wait(timeout=5)
+    assert not convergence.time_budget(None).wait(timeout=0.05)
 
 
-def test_a_run_has_at_most_8_checkpoints_and_no_short_tail():
+def test_a_run_has_at_most_8_checkpoints_rounded_up():
     for steps in (1, 7, 8, 9, 3052, 7629):
         every = convergence.checkpoint_interval(steps, 0)
         intervals = -(-steps // every)

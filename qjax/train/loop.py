@@ -11,7 +11,7 @@ computes exactly what the uninterrupted run would have (bit for bit on the same 
 after that checkpoint are dropped, and the config fields changed since the last start are listed in one line.
 `stop_at` ends this invocation early at a given step (saving a checkpoint there) without changing the run itself:
 the schedule still ends at `config.steps`. So does SIGINT / SIGTERM at the step in flight (`Interrupted`; a second
-signal exits at once, see below). A checkpoint is written only when its step's loss, grad norm, eval
+signal exits at once, see below), and `stop_event` set from another thread (a time limit). A checkpoint is written only when its step's loss, grad norm, eval
 loss and params are finite: a diverged run stops with FloatingPointError and keeps its last good checkpoint.
 
 Stopping on SIGINT (Ctrl-C) or SIGTERM (what schedulers send before a kill) without losing steps (`StopRequest`,
@@ -70,15 +70,18 @@ def exit_code(signum: int) -> int:
     return 128 + signum
 
 
-def _what(signum: int) -> str:
+def _what(signum: int | None) -> str:
+    if signum is None:
+        return "stopped by stop_event"
     return "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
 
 
 class Interrupted(Exception):
-    """The run stopped at `step` on signal `signum`; `saved`: a checkpoint of that step was written (False when no
-    step had run since the start: the newest checkpoint, if any, already holds that step)."""
+    """The run stopped at `step` on signal `signum` (None: `train`'s stop_event was set); `saved`: a checkpoint of
+    that step was written (False when no step had run since the start: the newest checkpoint, if any, already holds
+    that step)."""
 
-    def __init__(self, step: int, signum: int, saved: bool):
+    def __init__(self, step: int, signum: int | None, saved: bool):
         self.step, self.signum, self.saved = step, signum, saved
         if saved:
             told = "checkpoint saved; re-run the same command to resume"
@@ -89,7 +92,8 @@ class Interrupted(Exception):
 
     @property
     def exit_code(self) -> int:
-        return exit_code(self.signum)
+        """128 + the signal, as a shell reports a process the signal ended; 75 (EX_TEMPFAIL) for stop_event."""
+        return 75 if self.signum is None else exit_code(self.signum)
 
 
 class StopRequest:
@@ -212,7 +216,8 @@ def evaluate(eval_step, params, batches: list[dict], key_data: jax.Array) -> dic
 
 
 
-def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainResult:
+def train(config, workdir, *, stop_at: int | None = None, stream=None,
+          stop_event: threading.Event | None = None) -> TrainResult:
     """Trains per `config` in `workdir` (module docstring) and returns the final state and last metrics.
 
     Args:
@@ -220,19 +225,23 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
       workdir: directory for checkpoints and metrics; created if missing, once the checks pass.
       stop_at: stop after this global step (None: run to config.steps), e.g. to split a run into pieces.
       stream: where progress lines go (default stdout).
+      stop_event: a `threading.Event` another thread may set (a time limit, an orchestrator): the run then stops as
+        on SIGTERM, after the step in flight, saved (`Interrupted` with signum None).
 
     Raises:
       ConfigError: a bad config field or missing data (the message says how to fix it).
       FloatingPointError: the loss, gradient norm, eval loss or params became NaN/Inf (nothing is saved from that
         point on; the message names the newest checkpoint, which is kept).
-      Interrupted: SIGINT / SIGTERM (main thread only) stopped the run after the step in flight, saved as a
-        checkpoint; re-running resumes there.
+      Interrupted: SIGINT / SIGTERM (main thread only) or `stop_event` stopped the run after the step in flight,
+        saved as a checkpoint; re-running resumes there.
     """
     # The checks, each once, before anything is built or written (qjax.train.config's docstring); the builders
     # below take the checked config (check=False).
     check_config(config)
     if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 1):
         raise ConfigError(f"stop_at must be a positive int step or None, got {stop_at!r}: pass --stop_at=N with N >= 1")
+    if stop_event is not None and not callable(getattr(stop_event, "is_set", None)):
+        raise TypeError(f"stop_event must be a threading.Event (or None), got {stop_event!r}")
     stream = sys.stdout if stream is None else stream
     workdir = os.path.abspath(os.fspath(workdir))
     try:
@@ -268,6 +277,7 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
     best = meter = None
     say = lambda line: print(line, file=stream, flush=True)  # noqa: E731
     stop = StopRequest().install()  # SIGINT / SIGTERM: finish the step in flight, save it, raise Interrupted
+    stop_requested = lambda: stop.signal is not None or (stop_event is not None and stop_event.is_set())  # noqa: E731
     try:
         state = checkpointer.restore_latest(abstract, report=say)
         resumed = state is not None
@@ -320,7 +330,7 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
                                                health_lib.initial_amax(read_metrics(workdir)))
         train_record = eval_record = None
         pending: list[Any] = []
-        if stop.signal is not None and start < end:  # a signal while starting up: no step to finish
+        if stop_requested() and start < end:  # a signal while starting up: no step to finish
             raise Interrupted(start, stop.signal, saved=False)
         for step in range(start, end):
             batch = mesh_lib.put_batch(dataset.batch(step), mesh)  # this process's rows of the global batch
@@ -351,7 +361,7 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None) -> TrainR
                 eval_record = meter.eval(done, evaluate(eval_step, state.params, eval_batches, eval_key))
                 check_finite(done, "eval_loss", eval_record["eval_loss"])  # finite but huge params: not saved
                 best.update(done, eval_record["eval_loss"], state)
-            stopping = stop.signal is not None and done < end  # at the end, the run is done: nothing to resume
+            stopping = stop_requested() and done < end  # at the end, the run is done: nothing to resume
             if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == end or stopping:
                 last = jax.device_get(metrics)
                 check_finite(done, "loss", float(last["loss"]))

@@ -211,3 +211,28 @@ def test_checkpoint_with_other_dtypes_gives_a_clear_error(tmp_path):
         Checkpointer(tmp_path / "ckpt", keep=1).restore_latest(abstract_like(resumed, sharding))
     same = Checkpointer(tmp_path / "ckpt", keep=1).restore_latest(abstract_like(saved, sharding))
     np.testing.assert_array_equal(np.asarray(same["params"]["w"]), saved["params"]["w"])
+
+
+class _SetAfter:
+    """A stop_event whose is_set() turns True on its (n + 1)-th call: the loop asks once before the first step and
+    once after each step."""
+
+    def __init__(self, n: int):
+        self.calls, self.n = 0, n
+
+    def is_set(self) -> bool:
+        self.calls += 1
+        return self.calls > self.n
+
+
+def test_a_set_stop_event_stops_the_run_after_the_step_in_flight_and_saves_it(token_dir, tmp_path):
+    config = tiny_llama_config(token_dir, eval_every=0)  # 6 steps, checkpoints every 2
+    with pytest.raises(loop.Interrupted, match=r"^stopped by stop_event at step 3; checkpoint saved") as stopped:
+        train(config, tmp_path / "run", stop_event=_SetAfter(3))
+    assert stopped.value.saved and stopped.value.exit_code == 75
+    assert _checkpoints(tmp_path / "run")[-1] == 3
+    with pytest.raises(loop.Interrupted, match=r"^stopped by stop_event at step 3; no step ran since the start"):
+        train(config, tmp_path / "run", stop_event=_SetAfter(0))  # set before the first step: nothing new to save
+    assert train(config, tmp_path / "run").train_metrics["step"] == 6  # the next start resumes at step 3
+    with pytest.raises(TypeError, match=r"^stop_event must be a threading.Event \(or None\), got True"):
+        train(config, tmp_path / "other", stop_event=True)
