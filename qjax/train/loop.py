@@ -11,8 +11,9 @@ computes exactly what the uninterrupted run would have (bit for bit on the same 
 after that checkpoint are dropped, and the config fields changed since the last start are listed in one line.
 `stop_at` ends this invocation early at a given step (saving a checkpoint there) without changing the run itself:
 the schedule still ends at `config.steps`. So does SIGINT / SIGTERM at the step in flight (`Interrupted`; a second
-signal exits at once, see below), and `stop_event` set from another thread (a time limit). A checkpoint is written only when its step's loss, grad norm, eval
-loss and params are finite: a diverged run stops with FloatingPointError and keeps its last good checkpoint.
+signal exits at once, see below), and `stop_event` set from another thread (a time limit). A checkpoint is
+written only when its step's loss, grad norm, eval loss and params are finite: a diverged run stops with
+FloatingPointError and keeps its last good checkpoint.
 
 Stopping on SIGINT (Ctrl-C) or SIGTERM (what schedulers send before a kill) without losing steps (`StopRequest`,
 `Interrupted`):
