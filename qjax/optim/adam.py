@@ -30,6 +30,12 @@ import optax
 from qjax.optim import adam_math, blockwise, streaming
 
 
+def is_real_number(value) -> bool:
+    """An int or float (NumPy's too), not a bool: the optimizers' argument checks (True is an int to Python, never a
+    learning rate or a decay)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class StateConfig:
     """How Adam's two moments are stored.
@@ -106,7 +112,7 @@ def scale_by_quantized_adam(config: StateConfig, b1: float = 0.9, b2: float = 0.
 
     Updates have the grads' shapes and dtypes (computed in float32).
     """
-    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in (b1, b2, eps)):
+    if not all(is_real_number(v) for v in (b1, b2, eps)):
         raise TypeError(f"b1, b2 and eps must be numbers, got b1={b1!r}, b2={b2!r}, eps={eps!r}")
     if not 0 <= b1 < 1 or not 0 <= b2 < 1:
         raise ValueError(f"b1 and b2 must be in [0, 1), got b1={b1}, b2={b2}")

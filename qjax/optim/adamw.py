@@ -39,7 +39,6 @@ through `update`, no kernel).
 
 import functools
 import math
-import numbers
 import warnings
 from typing import Callable, NamedTuple
 
@@ -173,12 +172,11 @@ def quantized_adamw(config: adam.StateConfig, learning_rate, b1: float = 0.9, b2
     Returns:
       A `FusedTransformation` whose state is an `adam.QuantizedAdamState`; updates have the grads' dtypes.
     """
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, numbers.Real):
+    if not adam.is_real_number(weight_decay):
         raise TypeError(f"weight_decay must be a number (0 for none), got {weight_decay!r}")
     if not 0 <= weight_decay < float("inf"):  # also refuses NaN
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay}")
-    if not callable(learning_rate) and (isinstance(learning_rate, bool)
-                                        or not isinstance(learning_rate, (numbers.Real, jax.Array))):
+    if not (callable(learning_rate) or adam.is_real_number(learning_rate) or isinstance(learning_rate, jax.Array)):
         raise TypeError(f"learning_rate must be a number or an optax schedule (a callable of the step count), got "
                         f"{learning_rate!r}")
     if not isinstance(use_kernel, bool):

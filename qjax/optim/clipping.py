@@ -11,12 +11,11 @@ step) it is optax's.
 """
 
 import math
-from numbers import Real
 
 import jax
 import optax
 
-from qjax.optim import adam_math
+from qjax.optim import adam, adam_math
 
 
 class ClipByGlobalNorm(optax.GradientTransformation):
@@ -34,7 +33,7 @@ class ClipByGlobalNorm(optax.GradientTransformation):
 def clip_by_global_norm(max_norm: float) -> ClipByGlobalNorm:
     """Scales all gradients by max_norm / global norm where that norm is >= max_norm, as optax does (module
     docstring). max_norm: a positive Python number (compared and multiplied with optax's weak typing)."""
-    if isinstance(max_norm, bool) or not isinstance(max_norm, Real) or not (max_norm > 0 and math.isfinite(max_norm)):
+    if not adam.is_real_number(max_norm) or not (max_norm > 0 and math.isfinite(max_norm)):
         raise ValueError(f"clip_by_global_norm needs a positive finite Python number max_norm, got {max_norm!r}")
     return ClipByGlobalNorm(float(max_norm))
 

@@ -44,6 +44,7 @@ from ml_collections import config_dict
 import qjax
 from qjax.data import KINDS, field_problems
 from qjax.models import LM_ARCHS, VIT_SIZES
+from qjax.optim.adam import is_real_number
 from qjax.train.mesh import batch_axes, is_main_process
 
 TASKS = ("lm", "image")
@@ -63,8 +64,8 @@ class ConfigError(ValueError):
 
 
 def _is_number(value) -> bool:
-    """A finite int or float, not a bool (True is an int to Python, never a learning rate)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float, not a bool (`qjax.optim.adam.is_real_number`)."""
+    return is_real_number(value) and math.isfinite(value)
 
 
 def _positive_int(config, name: str, minimum: int = 1) -> int:
