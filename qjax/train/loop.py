@@ -7,8 +7,9 @@ start), metrics.jsonl (appended) beside TensorBoard event files, checkpoints/<st
 with best.json (the state of the lowest eval loss so far; `qjax.train.checkpoint.BestCheckpoint`).
 A run restarted in the same workdir continues from its newest checkpoint that restores (an unreadable one is moved
 aside, see qjax.train.checkpoint) and, because batches, RNG keys and the LR schedule are pure functions of the step,
-computes exactly what the uninterrupted run would have (bit for bit on the same devices); the metrics rows written
-after that checkpoint are dropped, and the config fields changed since the last start are listed in one line.
+computes what the uninterrupted run would have (bit for bit on a CPU; a GPU's steps are not bit-reproducible, see
+docs/training.md); the metrics rows written after that checkpoint are dropped, and the config fields changed since
+the last start are listed in one line.
 `stop_at` ends this invocation early at a given step (saving a checkpoint there) without changing the run itself:
 the schedule still ends at `config.steps`. So does SIGINT / SIGTERM at the step in flight (`Interrupted`; a second
 signal exits at once, see below), and `stop_event` set from another thread (a time limit). A checkpoint is
@@ -44,6 +45,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -216,6 +218,14 @@ def evaluate(eval_step, params, batches: list[dict], key_data: jax.Array) -> dic
     return {key: float(np.mean([r[key] for r in results])) for key in results[0]}
 
 
+def _compiled(jitted, *args, meter: ProgressMeter):
+    """`jitted` compiled for `args` (jax.stages.Compiled), its compile time left out of the meter's throughput as
+    the first step's is: a step that runs only every N steps is compiled when first needed."""
+    began = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    meter.skip(time.perf_counter() - began)
+    return compiled
+
 
 def train(config, workdir, *, stop_at: int | None = None, stream=None,
           stop_event: threading.Event | None = None) -> TrainResult:
@@ -337,6 +347,8 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None,
             batch = mesh_lib.put_batch(dataset.batch(step), mesh)  # this process's rows of the global batch
             done = step + 1
             if health_every and done % health_every == 0:
+                if not isinstance(health_step, jax.stages.Compiled):
+                    health_step = _compiled(health_step, state, batch, meter=meter)
                 state, metrics = health_step(state, batch)
                 stats = jax.device_get(metrics.pop("health"))
                 row, warning = monitor.update(done, health_lib.flatten(stats["sown"], stats["probes"]))
@@ -359,6 +371,8 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None,
                 check_finite(done, "loss", train_record["loss"])
                 check_finite(done, "grad_norm", train_record["grad_norm"])
             if eval_batches and (done % config.eval_every == 0 or done == config.steps):
+                if not isinstance(eval_step, jax.stages.Compiled):
+                    eval_step = _compiled(eval_step, state.params, eval_batches[0], eval_key, meter=meter)
                 eval_record = meter.eval(done, evaluate(eval_step, state.params, eval_batches, eval_key))
                 check_finite(done, "eval_loss", eval_record["eval_loss"])  # finite but huge params: not saved
                 best.update(done, eval_record["eval_loss"], state)

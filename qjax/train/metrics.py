@@ -141,6 +141,12 @@ class ProgressMeter:
         """Start timing from `step` (call after the first step so compilation is not counted as throughput)."""
         self._mark_step, self._mark_time = step, time.perf_counter()
 
+    def skip(self, seconds: float) -> None:
+        """Leave `seconds` out of the current window's throughput: a one-off compile (the health or eval step's
+        first call), which would otherwise show as a slow log point and a wrong ETA."""
+        if self._mark_time is not None:
+            self._mark_time += seconds
+
     def _write(self, record: dict, prefix: str) -> None:
         if not self._writes:
             return

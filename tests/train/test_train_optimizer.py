@@ -186,6 +186,21 @@ def test_progress_line_and_jsonl(tmp_path):
         "| 5 img/s | MFU n/a | mem n/a")
 
 
+def test_skipped_seconds_are_left_out_of_the_throughput(tmp_path, monkeypatch):
+    """A one-off compile (ProgressMeter.skip) does not count as training time: 10 steps in 3 s of which 2 s were a
+    compile give 0.1 s per step, not 0.3."""
+    clock = iter([100.0, 103.0])
+    monkeypatch.setattr("qjax.train.metrics.time.perf_counter", lambda: next(clock))
+    meter = ProgressMeter(tmp_path, total_steps=100, unit="tokens", units_per_step=1000, flops_per_unit=None,
+                          devices=[], stream=io.StringIO(), tensorboard=False)
+    meter.skip(5.0)  # before mark: nothing is being timed yet
+    meter.mark(10)
+    meter.skip(2.0)
+    record = meter.train(20, {"loss": 2.5})
+    np.testing.assert_allclose(record["seconds_per_step"], 0.1)
+    np.testing.assert_allclose(record["throughput"], 10_000)
+
+
 def test_non_finite_loss_is_an_error():
     with pytest.raises(FloatingPointError, match="loss is nan at step 7"):
         check_finite(7, "loss", float("nan"))
