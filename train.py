@@ -11,7 +11,7 @@ name that is no field or flag, a value of the wrong type, a missing config file)
 diverged loss are one line on stderr naming the fix (exit 2). Re-running with the same workdir resumes from its
 newest checkpoint. --stop_at=N ends this invocation at step N (the run's schedule still ends at config.steps), to
 split a run into pieces. Ctrl-C (SIGINT) or SIGTERM finishes the step in flight, saves a checkpoint there and exits
-130 / 143 with one line; a second one exits at once without saving (qjax.train.loop). Before the first step
+130 / 143 with one line; a second one exits at once without saving (qjax.train.stopping). Before the first step
 (imports, data, compiles of the setup) there is nothing to save: a signal exits at once.
 """
 
@@ -41,7 +41,7 @@ from ml_collections import config_flags  # noqa: E402
 from qjax.train import ConfigError, train  # noqa: E402
 from qjax.train import config as config_lib  # noqa: E402
 from qjax.train.checkpoint import join_background_threads  # noqa: E402
-from qjax.train.loop import Interrupted  # noqa: E402
+from qjax.train.stopping import Interrupted  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a config file, e.g. configs/llama_int8.py.",
                                           lock_config=True)

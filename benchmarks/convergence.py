@@ -65,7 +65,7 @@ import jax  # noqa: E402
 import qjax  # noqa: E402
 from qjax.data import corpus as corpus_lib, text as text_lib  # noqa: E402
 from qjax.train import train  # noqa: E402
-from qjax.train.loop import Interrupted  # noqa: E402
+from qjax.train.stopping import Interrupted  # noqa: E402
 from qjax import health  # noqa: E402
 from qjax.train.metrics import curves as read_curves, plot_runs, read_metrics  # noqa: E402
 

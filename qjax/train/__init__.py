@@ -14,13 +14,14 @@ Public API:
   step.check_fits(config, task, abstract_state, mesh)     per-device memory estimate, ConfigError when it cannot fit
   metrics.recipe_summary(model_config)                    which recipe each layer runs, for the start-up lines
   config.show_config(config, path), config.field_docs     config files' fields and docs (train.py --show_config)
-  loop.Interrupted, loop.StopRequest                      SIGINT / SIGTERM: save the step in flight, exit 130 / 143
+  stopping.Interrupted, stopping.StopRequest              SIGINT / SIGTERM: save the step in flight, exit 130 / 143
 
 Modules, in the order `train()` (loop.py) meets them: config (every check, run once before anything is built, plus
 the config files' fields and config.json), task (data and model), optimizer, step (train state, jitted steps, the
-memory estimate), loop (the run, and stopping it on a signal), checkpoint (orbax checkpoints, the best one, the
-workdir's earlier runs); beside them mesh (the devices and where each array lies) and metrics (what a run prints
-and writes, and `python -m qjax.train.metrics` for loss curves). Each is one concept of the run and under 400 lines.
+memory estimate), loop (the run), stopping (saving the step in flight on a signal), checkpoint (orbax checkpoints,
+the best one, the workdir's earlier runs); beside them mesh (the devices and where each array lies) and metrics
+(what a run prints and writes, and `python -m qjax.train.metrics` for loss curves). Each is one concept of the run
+and under 400 lines.
 """
 
 from qjax.train.checkpoint import Checkpointer

@@ -12,37 +12,12 @@ docs/training.md); the metrics rows written after that checkpoint are dropped, a
 the last start are listed in one line.
 `stop_at` ends this invocation early at a given step (saving a checkpoint there) without changing the run itself:
 the schedule still ends at `config.steps`. So does SIGINT / SIGTERM at the step in flight (`Interrupted`; a second
-signal exits at once, see below), and `stop_event` set from another thread (a time limit). A checkpoint is
+signal exits at once, see qjax.train.stopping), and `stop_event` set from another thread (a time limit). A checkpoint is
 written only when its step's loss, grad norm, eval loss and params are finite: a diverged run stops with
 FloatingPointError and keeps its last good checkpoint.
-
-Stopping on SIGINT (Ctrl-C) or SIGTERM (what schedulers send before a kill) without losing steps (`StopRequest`,
-`Interrupted`):
-
-  stop = StopRequest().install()              # or `with StopRequest() as stop:`
-  try:
-      for step in ...:
-          state = train_step(state, ...)
-          if stop.signal is not None:           # set by the first SIGINT / SIGTERM
-              checkpointer.save(step + 1, state)
-              raise Interrupted(step + 1, stop.signal, saved=True)
-  finally:
-      checkpointer.close()                    # a second signal during the save still exits at once
-      stop.uninstall()
-
-The first signal only notes itself: the step in flight (or an XLA compile or a save, which Python cannot break into)
-finishes, then the loop saves and stops; `train.py` prints `Interrupted`'s one line and exits 128 + the signal
-(130 for SIGINT, 143 for SIGTERM), as a shell reports a process the signal ended. A second signal ends the process
-at once, without saving: a watcher thread woken through `signal.set_wakeup_fd` (which the C-level handler writes to
-even while the main thread sits in a compile) prints one line and calls `os._exit`. The previous checkpoint stays
-the newest: orbax renames a checkpoint into place only once it is complete.
-
-Signal handlers belong to the main thread: elsewhere (a run started from a worker thread) `StopRequest` installs
-nothing and `signal` stays None. A signal the process inherited as ignored stays ignored.
 """
 
 import os
-import signal
 import sys
 import threading
 import time
@@ -61,111 +36,11 @@ from qjax.train.config import (ConfigError, check_batch_size, check_config, chec
 from qjax.train.metrics import (DIVERGED_FIX, ProgressMeter, check_finite, quantizes_nothing, read_metrics,
                                 recipe_summary, rounds_params_to_nearest, truncate_metrics)
 from qjax.train.step import TrainState, check_fits, make_eval_step, make_train_step, train_state_shardings
+from qjax.train.stopping import Interrupted, StopRequest
 from qjax.train.task import make_dataset, make_task_for_data
 
 # Eval keys come from the seed and this constant, not from the step key: every eval sees the same "quant" keys.
 _EVAL_KEY_SALT = 0x5EED
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def exit_code(signum: int) -> int:
-    """The shell's exit status of a process ended by `signum`: 130 for SIGINT, 143 for SIGTERM."""
-    return 128 + signum
-
-
-def _what(signum: int | None) -> str:
-    if signum is None:
-        return "stopped by stop_event"
-    return "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
-
-
-class Interrupted(Exception):
-    """The run stopped at `step` on signal `signum` (None: `train`'s stop_event was set); `saved`: a checkpoint of
-    that step was written (False when no step had run since the start: the newest checkpoint, if any, already holds
-    that step)."""
-
-    def __init__(self, step: int, signum: int | None, saved: bool):
-        self.step, self.signum, self.saved = step, signum, saved
-        if saved:
-            told = "checkpoint saved; re-run the same command to resume"
-        else:
-            told = "no step ran since the start, nothing new to save; re-run the same command to " + (
-                "resume" if step else "start")
-        super().__init__(f"{_what(signum)} at step {step}; {told}")
-
-    @property
-    def exit_code(self) -> int:
-        """128 + the signal, as a shell reports a process the signal ended; 75 (EX_TEMPFAIL) for stop_event."""
-        return 75 if self.signum is None else exit_code(self.signum)
-
-
-class StopRequest:
-    """Context manager: while inside, SIGINT / SIGTERM set `signal` (the first one's number) instead of raising
-    KeyboardInterrupt or killing the process; a second one exits at once (module docstring)."""
-
-    def __init__(self):
-        self.signal: int | None = None
-        self._installed = False
-
-    def __enter__(self) -> "StopRequest":
-        return self.install()
-
-    def __exit__(self, *exc) -> None:
-        self.uninstall()
-
-    def install(self) -> "StopRequest":
-        """Installs the handlers (main thread only) and returns self."""
-        if self._installed or threading.current_thread() is not threading.main_thread():
-            return self
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._write, False)  # set_wakeup_fd needs a write end that never blocks the handler
-        # A signal the parent set to be ignored (a background job of a script ignores SIGINT) stays ignored.
-        self._previous = {s: signal.signal(s, _note) for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
-        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
-        self._watcher = threading.Thread(target=self._watch, name="qjax-stop-request", daemon=True)
-        self._watcher.start()
-        self._installed = True
-        return self
-
-    def uninstall(self) -> None:
-        """Restores the handlers and wakeup fd there were before `install`."""
-        if not self._installed:
-            return
-        signal.set_wakeup_fd(self._previous_fd)
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        os.close(self._write)  # the watcher reads end-of-file and returns
-        self._watcher.join(timeout=5)
-        os.close(self._read)
-        self._installed = False
-
-    def _watch(self) -> None:
-        while True:
-            try:
-                data = os.read(self._read, 64)
-            except OSError:
-                return
-            if not data:
-                return
-            for signum in data:  # one byte per signal: its number
-                if signum not in SIGNALS:
-                    continue
-                if self.signal is None:
-                    self.signal = signum
-                else:
-                    _exit_now(signum)
-
-
-def _note(signum, frame) -> None:
-    """The Python-level handler: nothing to do (the watcher thread counts the signals), but installing it keeps
-    SIGINT from raising KeyboardInterrupt and SIGTERM from killing the process."""
-
-
-def _exit_now(signum: int) -> None:
-    line = (f"{_what(signum)} again: exiting at once without saving; the newest checkpoint is kept, re-run the same "
-            "command to resume from it\n")
-    os.write(2, line.encode())
-    os._exit(exit_code(signum))
 
 
 class TrainResult(NamedTuple):

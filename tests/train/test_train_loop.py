@@ -16,6 +16,7 @@ import pytest
 from train_helpers import tiny_llama_config, tiny_vit_config
 
 from qjax.train import loop, train
+from qjax.train.stopping import Interrupted
 
 
 def _bits(tree):
@@ -227,11 +228,11 @@ class _SetAfter:
 
 def test_a_set_stop_event_stops_the_run_after_the_step_in_flight_and_saves_it(token_dir, tmp_path):
     config = tiny_llama_config(token_dir, eval_every=0)  # 6 steps, checkpoints every 2
-    with pytest.raises(loop.Interrupted, match=r"^stopped by stop_event at step 3; checkpoint saved") as stopped:
+    with pytest.raises(Interrupted, match=r"^stopped by stop_event at step 3; checkpoint saved") as stopped:
         train(config, tmp_path / "run", stop_event=_SetAfter(3))
     assert stopped.value.saved and stopped.value.exit_code == 75
     assert _checkpoints(tmp_path / "run")[-1] == 3
-    with pytest.raises(loop.Interrupted, match=r"^stopped by stop_event at step 3; no step ran since the start"):
+    with pytest.raises(Interrupted, match=r"^stopped by stop_event at step 3; no step ran since the start"):
         train(config, tmp_path / "run", stop_event=_SetAfter(0))  # set before the first step: nothing new to save
     assert train(config, tmp_path / "run").train_metrics["step"] == 6  # the next start resumes at step 3
     with pytest.raises(TypeError, match=r"^stop_event must be a threading.Event \(or None\), got True"):
