@@ -95,7 +95,8 @@ def evaluate(eval_step, params, batches: list[dict], key_data: jax.Array) -> dic
 
 def _compiled(jitted, *args, meter: ProgressMeter):
     """`jitted` compiled for `args` (jax.stages.Compiled), its compile time left out of the meter's throughput as
-    the first step's is: a step that runs only every N steps is compiled when first needed."""
+    the first step's is: a step that runs only every N steps (or first after it) is compiled when first needed."""
+    jax.block_until_ready(args)  # the steps still queued run now, not during the compile whose time is dropped
     began = time.perf_counter()
     compiled = jitted.lower(*args).compile()
     meter.skip(time.perf_counter() - began)
@@ -232,6 +233,8 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None,
                 if warning:
                     say(warning)
             else:
+                if not isinstance(train_step, jax.stages.Compiled):  # a process's first step may be a health step
+                    train_step = _compiled(train_step, state, batch, meter=meter)
                 state, metrics = train_step(state, batch)
             pending.append(metrics)
             if done == start + 1:  # time from here on: the first step includes compilation
