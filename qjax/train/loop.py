@@ -94,8 +94,9 @@ def evaluate(eval_step, params, batches: list[dict], key_data: jax.Array) -> dic
 
 
 def _compiled(jitted, *args, meter: ProgressMeter):
-    """`jitted` compiled for `args` (jax.stages.Compiled), its compile time left out of the meter's throughput as
-    the first step's is: a step that runs only every N steps (or first after it) is compiled when first needed."""
+    """`jitted` compiled for `args` (jax.stages.Compiled) when first needed, its compile time left out of the meter's
+    throughput as the first step's is: the health and eval steps first run mid-way, and so does the plain step when
+    a resumed process starts on a health step."""
     jax.block_until_ready(args)  # the steps still queued run now, not during the compile whose time is dropped
     began = time.perf_counter()
     compiled = jitted.lower(*args).compile()
