@@ -28,7 +28,8 @@ def _command(workdir, token_dir, *extra):
     return tiny_llama_command(workdir, token_dir, "--config.batch_size=8", "--config.seq_len=32",
                               f"--config.steps={STEPS}", "--config.optimizer.warmup_steps=1", "--config.log_every=1",
                               "--config.eval_every=2", "--config.eval_batches=1", "--config.checkpoint_every=2",
-                              "--config.keep_checkpoints=2", "--config.mesh.fsdp=2", *extra)
+                              "--config.keep_checkpoints=2", "--config.mesh.fsdp=2",
+                              "--config.health_every=3", *extra)  # step 3 measures health in the two processes
 
 
 def _env(**extra):
@@ -121,6 +122,7 @@ def test_two_processes_train_as_one_and_one_process_resumes(token_dir, tmp_path)
     # over two devices of one process does. Usually bit for bit, but in the full suite's runs the two programs were
     # once 1 ulp apart (a cross-process reduction may be compiled differently): equal to float32 rounding.
     _assert_close(_losses(_metrics(shared)), [row for row in reference if row[0] <= SPLIT])
+    assert [r["step"] for r in _metrics(shared) if "health_saturation_max" in r and "loss" not in r] == [3]
     # One checkpoint, written by both processes (each its shards), equal to the one-process run's.
     written = shared / "checkpoints" / str(SPLIT) / "default"
     assert (written / "ocdbt.process_0").is_dir() and (written / "ocdbt.process_1").is_dir(), os.listdir(written)
