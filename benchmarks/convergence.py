@@ -264,7 +264,7 @@ def run_is_complete(config, workdir: pathlib.Path) -> bool:
 
 
 def train_run(config, workdir: pathlib.Path, stop_event: threading.Event) -> bool:
-    """Trains the run in `workdir` to config.steps, resuming from its newest checkpoint (bit for bit). Returns True
+    """Trains the run in `workdir` to config.steps, resuming from its newest checkpoint. Returns True
     once it is complete, False when `stop_event` (the time budget) or SIGINT / SIGTERM stopped it: the step it
     reached is saved, and the same call resumes there."""
     try:

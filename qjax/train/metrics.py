@@ -142,8 +142,8 @@ class ProgressMeter:
         self._mark_step, self._mark_time = step, time.perf_counter()
 
     def skip(self, seconds: float) -> None:
-        """Leave `seconds` out of the current window's throughput: a one-off compile (the health or eval step's
-        first call), which would otherwise show as a slow log point and a wrong ETA."""
+        """Leave `seconds` out of the current window's throughput: a one-off compile mid-run (a step's first
+        call), which would otherwise show as a slow log point and a wrong ETA."""
         if self._mark_time is not None:
             self._mark_time += seconds
 
