@@ -87,6 +87,10 @@ def suites(gpus: int) -> dict[str, tuple[str, list[list[str]]]]:
                       "of the full model): bf16, int8_rowwise, and int8_rowwise with the LM head in 8 bits", [
             ["benchmarks/train.py", "--size", "8b", "--layers", "8", "--batch", "4", "--seq", "2048", "--rows", "bf16",
              "int8_rowwise", "int8_rowwise:lm_head_8bit", *STEPS, "--no-peer"]]),
+        "reproducibility": ("is the 125M train step bit-reproducible? bf16 and int8_rowwise, cuDNN and XLA "
+                            "attention, without and with XLA's deterministic ops", [
+            ["benchmarks/reproducibility.py", "--attention", "auto", "xla", "--steps", "100"],
+            ["benchmarks/reproducibility.py", "--attention", "auto", "xla", "--steps", "100", "--xla-deterministic"]]),
         "health": ("what the quantization health metrics cost the 1.1B train step", [
             ["benchmarks/health_cost.py", "--recipes", "int8_rowwise", "fp8_tensorwise"]]),
         "gpu-tests": ("every GPU-marked test, compiled", [
