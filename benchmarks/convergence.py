@@ -45,8 +45,9 @@ train.bin, val.bin, tokenizer.json and meta.json (62 MB, under the 64 MiB a call
 reached) and exits with status 75, as it does when SIGINT / SIGTERM stops a run (a signal between runs ends the
 process; nothing is lost): the same command again resumes every run from its checkpoint and, once all are done,
 writes the table (so runs longer than one device call finish over several). The table gives each recipe's final
-eval loss (mean ± s.e. over its seeds: bf16's row is the seed spread the gaps are read against) and its gap to bf16
-in %. A finished run is tabled from its metrics.jsonl, recipe.txt and config.json alone: copy those back from a
+eval loss (mean ± s.e. over its seeds: bf16's row is the seed spread the gaps are read against), its gap to bf16
+in %, and its train loss over the last 5% of steps: past the lowest eval loss, a run with a lower train loss memorised
+more. A finished run is tabled from its metrics.jsonl, recipe.txt and config.json alone: copy those back from a
 device (the 125M run's checkpoints are 1.5 GB) into the same --workdir layout and run the command here.
 """
 
@@ -180,7 +181,7 @@ def main():
     if not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(REPO / "runs" / "jax_cache"))
     budget_over = time_budget(args.time_budget)
-    workdirs, evals, health_rows = [], {}, []  # evals: entry -> {seed: [(step, eval loss), ...]}
+    workdirs, evals, fits, health_rows = [], {}, {}, []  # evals: entry -> {seed: [(step, eval loss), ...]}
     for entry, seed, name, config, workdir in runs:
         print(f"== {name} -> {workdir}", flush=True)
         if not run_is_complete(config, workdir) and (budget_over.is_set()
@@ -191,12 +192,14 @@ def main():
             sys.exit(TIME_BUDGET_EXIT)
         if seed == seeds_of[entry][0]:
             workdirs.append(str(workdir))
-        evals.setdefault(entry, {})[seed] = read_curves(str(workdir))[1]
+        train_curve, eval_curve = read_curves(str(workdir))
+        evals.setdefault(entry, {})[seed] = eval_curve
+        fits.setdefault(entry, {})[seed] = end_train_loss(train_curve)
         worst = health.worst(read_metrics(str(workdir)))
         if worst:
             health_rows.append(health_row(name, worst))
 
-    lines = table(evals)
+    lines = table(evals, fits)
     config = base_config.get_config()
     size = args.size or config.model.size
     steps = runs[0][3].steps
@@ -302,9 +305,17 @@ def health_row(name: str, worst: dict) -> str:
     return f"| {name} | " + " | ".join(cells) + " |"
 
 
-def table(evals: dict) -> list[str]:
-    """Markdown rows of the eval losses, evals: entry -> {seed: [(step, eval loss), ...]} (each run's eval curve).
-    Each run gives its final eval loss and its lowest (on a small corpus a long run over-fits, and the two part).
+def end_train_loss(train_curve: list[tuple[int, float]]) -> float:
+    """The mean train loss over the last 5% of a run's steps, train_curve: [(step, loss), ...] as logged."""
+    last = train_curve[-1][0]
+    return statistics.mean(loss for step, loss in train_curve if step > last * 0.95)
+
+
+def table(evals: dict, fits: dict) -> list[str]:
+    """Markdown rows of the eval losses, evals: entry -> {seed: [(step, eval loss), ...]} (each run's eval curve),
+    and the train losses at the end, fits: entry -> {seed: `end_train_loss`}.
+    Each run gives its final eval loss and its lowest (on a small corpus a long run over-fits, and the two part),
+    and its train loss over the last 5% of steps (where eval loss rises, a lower train loss means it memorised more).
     All entries with one seed, the same: the losses and their relative differences to bf16's. Otherwise: each
     loss's mean ± standard error over the entry's seeds (bf16's row: the seed spread), each seed's final difference
     to bf16's run of the same seed, and the mean ± standard error of the paired differences (s.e. = sample standard
@@ -323,15 +334,18 @@ def table(evals: dict) -> list[str]:
         return f"{statistics.mean(xs):{fmt}}{unit}{se}" if xs else "–"
 
     if all(len(runs) == 1 for runs in evals.values()) and len({s for r in evals.values() for s in r}) == 1:
-        lines = ["| recipe | final step | final eval loss | vs bf16 | lowest eval loss (step) | vs bf16 |",
-                 "|---|---:|---:|---:|---:|---:|"]
+        lines = ["| recipe | final step | final eval loss | vs bf16 | lowest eval loss (step) | vs bf16 | "
+                 "train loss, last 5% |", "|---|---:|---:|---:|---:|---:|---:|"]
         for entry in evals:
             [(step, loss)], [(low_step, low)] = finals[entry].values(), lowest[entry].values()
             gap, low_gap = (mean_se(list(gaps(entry, of).values()), "+.2f", "%") for of in (finals, lowest))
-            lines.append(f"| {entry} | {step} | {loss:.4f} | {gap} | {low:.4f} ({low_step}) | {low_gap} |")
+            [fit] = fits[entry].values()
+            lines.append(f"| {entry} | {step} | {loss:.4f} | {gap} | {low:.4f} ({low_step}) | {low_gap} | "
+                         f"{fit:.4f} |")
         return lines
     lines = ["| recipe | seeds | final step | final eval loss, mean ± s.e. | vs bf16 per seed | vs bf16, mean ± s.e. | "
-             "lowest eval loss, mean ± s.e. | vs bf16, mean ± s.e. |", "|---|---|---:|---:|---|---:|---:|---:|"]
+             "lowest eval loss, mean ± s.e. | vs bf16, mean ± s.e. | train loss, last 5%, mean ± s.e. |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|"]
     for entry, runs in finals.items():
         paired = gaps(entry, finals)
         per_seed = ", ".join(f"{r:+.2f}%" for r in paired.values()) or "–"
@@ -340,7 +354,8 @@ def table(evals: dict) -> list[str]:
                      f"{mean_se([loss for _, loss in runs.values()], '.4f')} | {per_seed} | "
                      f"{mean_se(list(paired.values()), '+.2f', '%')} | "
                      f"{mean_se([loss for _, loss in lowest[entry].values()], '.4f')} | "
-                     f"{mean_se(list(gaps(entry, lowest).values()), '+.2f', '%')} |")
+                     f"{mean_se(list(gaps(entry, lowest).values()), '+.2f', '%')} | "
+                     f"{mean_se(list(fits[entry].values()), '.4f')} |")
     return lines
 
 

@@ -20,9 +20,10 @@ from common import apply_options, recipe_variant, split_options  # noqa: E402
 def test_one_seed():
     # int8_dataflow ends 1% above bf16 and its lowest eval (at step 500) 0.5% above bf16's lowest (at step 250)
     rows = convergence.table({"bf16": {0: [(250, 1.9), (500, 1.95), (750, 2.0)]},
-                              "int8_dataflow": {0: [(250, 1.92), (500, 1.9095), (750, 2.02)]}})
-    assert rows[2] == "| bf16 | 750 | 2.0000 | +0.00% | 1.9000 (250) | +0.00% |"
-    assert rows[3] == "| int8_dataflow | 750 | 2.0200 | +1.00% | 1.9095 (500) | +0.50% |"
+                              "int8_dataflow": {0: [(250, 1.92), (500, 1.9095), (750, 2.02)]}},
+                             {"bf16": {0: 1.2}, "int8_dataflow": {0: 1.25}})
+    assert rows[2] == "| bf16 | 750 | 2.0000 | +0.00% | 1.9000 (250) | +0.00% | 1.2000 |"
+    assert rows[3] == "| int8_dataflow | 750 | 2.0200 | +1.00% | 1.9095 (500) | +0.50% | 1.2500 |"
 
 
 def test_seeds_are_paired_with_bf16():
@@ -30,25 +31,33 @@ def test_seeds_are_paired_with_bf16():
     # row gives the seed spread (s.e. 0.02). The lowest evals (the first point here): bf16 1.9 and 1.9, the recipe
     # 1.919 and 1.881: +1% and -1%
     rows = convergence.table({"bf16": {0: [(5, 1.9), (10, 2.0)], 1: [(5, 1.9), (10, 2.04)]},
-                              "fp8_dataflow": {0: [(5, 1.919), (10, 2.02)], 1: [(5, 1.881), (10, 2.04)]}})
+                              "fp8_dataflow": {0: [(5, 1.919), (10, 2.02)], 1: [(5, 1.881), (10, 2.04)]}},
+                             {"bf16": {0: 1.5, 1: 1.7}, "fp8_dataflow": {0: 1.6, 1: 1.6}})
     assert rows[2] == ("| bf16 | 0, 1 | 10 | 2.0200 ± 0.0200 | +0.00%, +0.00% | +0.00% ± 0.00% | 1.9000 ± 0.0000 | "
-                       "+0.00% ± 0.00% |")
+                       "+0.00% ± 0.00% | 1.6000 ± 0.1000 |")
     assert rows[3] == ("| fp8_dataflow | 0, 1 | 10 | 2.0300 ± 0.0100 | +1.00%, +0.00% | +0.50% ± 0.50% | "
-                       "1.9000 ± 0.0190 | +0.00% ± 1.00% |")
+                       "1.9000 ± 0.0190 | +0.00% ± 1.00% | 1.6000 ± 0.0000 |")
 
 
 def test_recipes_with_their_own_seeds():
     # bf16 under three seeds, bitnet under one: paired with bf16's seed 0 alone, no s.e.
     rows = convergence.table({"bf16": {0: [(10, 2.0)], 1: [(10, 2.04)], 2: [(10, 2.02)]},
-                              "bitnet_b158": {0: [(10, 2.04)]}})
+                              "bitnet_b158": {0: [(10, 2.04)]}},
+                             {"bf16": {0: 1.0, 1: 1.0, 2: 1.0}, "bitnet_b158": {0: 1.1}})
     assert rows[2] == ("| bf16 | 0, 1, 2 | 10 | 2.0200 ± 0.0115 | +0.00%, +0.00%, +0.00% | +0.00% ± 0.00% | "
-                       "2.0200 ± 0.0115 | +0.00% ± 0.00% |")
-    assert rows[3] == "| bitnet_b158 | 0 | 10 | 2.0400 | +2.00% | +2.00% | 2.0400 | +2.00% |"
+                       "2.0200 ± 0.0115 | +0.00% ± 0.00% | 1.0000 ± 0.0000 |")
+    assert rows[3] == "| bitnet_b158 | 0 | 10 | 2.0400 | +2.00% | +2.00% | 2.0400 | +2.00% | 1.1000 |"
 
 
 def test_no_bf16_baseline():
-    row = convergence.table({"int8_rowwise": {0: [(5, 3.0)], 1: [(5, 3.1)]}})[2]
-    assert row == "| int8_rowwise | 0, 1 | 5 | 3.0500 ± 0.0500 | – | – | 3.0500 ± 0.0500 | – |"
+    row = convergence.table({"int8_rowwise": {0: [(5, 3.0)], 1: [(5, 3.1)]}}, {"int8_rowwise": {0: 2.0, 1: 2.2}})[2]
+    assert row == "| int8_rowwise | 0, 1 | 5 | 3.0500 ± 0.0500 | – | – | 3.0500 ± 0.0500 | – | 2.1000 ± 0.1000 |"
+
+
+def test_end_train_loss_is_the_mean_over_the_last_5_percent_of_steps():
+    curve = [(step, 10.0 - step / 100) for step in range(25, 1001, 25)]  # logged every 25 steps, falling
+    assert convergence.end_train_loss(curve) == pytest.approx((0.25 + 0.0) / 2)  # steps 975 and 1000 (> 950)
+    assert convergence.end_train_loss([(7, 2.5)]) == 2.5  # a run shorter than 20 log rows: its last row
 
 
 def test_a_run_stopped_mid_way_saves_its_step_and_resumes_to_the_same_evals(tmp_path):
