@@ -306,9 +306,16 @@ def health_row(name: str, worst: dict) -> str:
 
 
 def end_train_loss(train_curve: list[tuple[int, float]]) -> float:
-    """The mean train loss over the last 5% of a run's steps, train_curve: [(step, loss), ...] as logged."""
-    last = train_curve[-1][0]
-    return statistics.mean(loss for step, loss in train_curve if step > last * 0.95)
+    """The mean train loss over the last 5% of a run's steps. train_curve: [(step, loss), ...] sorted by step, each
+    row the mean over the steps since the row before it, so weighted by them (a run's last row may cover fewer)."""
+    if not train_curve:
+        raise ValueError("no train loss rows in the run's metrics.jsonl: train it first (or copy its metrics.jsonl)")
+    last, previous, total, steps = train_curve[-1][0], 0, 0.0, 0
+    for step, loss in train_curve:
+        if step > last * 0.95:
+            total, steps = total + loss * (step - previous), steps + step - previous
+        previous = step
+    return total / steps
 
 
 def table(evals: dict, fits: dict) -> list[str]:

@@ -57,7 +57,12 @@ def test_no_bf16_baseline():
 def test_end_train_loss_is_the_mean_over_the_last_5_percent_of_steps():
     curve = [(step, 10.0 - step / 100) for step in range(25, 1001, 25)]  # logged every 25 steps, falling
     assert convergence.end_train_loss(curve) == pytest.approx((0.25 + 0.0) / 2)  # steps 975 and 1000 (> 950)
+    # a run of 990 steps: its last row covers 15 steps, weighted so
+    partial = [(step, 1.0) for step in range(25, 951, 25)] + [(975, 0.8), (990, 0.5)]  # > 940.5: 950, 975, 990
+    assert convergence.end_train_loss(partial) == pytest.approx((1.0 * 25 + 0.8 * 25 + 0.5 * 15) / 65)
     assert convergence.end_train_loss([(7, 2.5)]) == 2.5  # a run shorter than 20 log rows: its last row
+    with pytest.raises(ValueError, match="no train loss rows"):
+        convergence.end_train_loss([])
 
 
 def test_a_run_stopped_mid_way_saves_its_step_and_resumes_to_the_same_evals(tmp_path):
