@@ -24,9 +24,11 @@ import sys
 
 
 def _exit_while_starting(signum, frame):
-    """Until the training loop takes SIGINT / SIGTERM over: exit at once, in one line. (A KeyboardInterrupt raised
-    here can land in a garbage-collection callback of jax, which swallows it, and the run would go on.)"""
-    os.write(2, b"interrupted while no training step was running (starting up): nothing to save\n")
+    """Outside the training loop (before it, or when it passes on a signal that came during the last step): exit at
+    once, in one line. (A KeyboardInterrupt raised here can land in a garbage-collection callback of jax, which
+    swallows it, and the run would go on.)"""
+    os.write(2, b"interrupted while no training step was running (starting up, or the run had ended): nothing to "
+                b"save\n")
     os._exit(128 + signum)
 
 

@@ -275,6 +275,8 @@ def train_run(config, workdir: pathlib.Path, stop_event: threading.Event) -> boo
     except Interrupted as e:
         print(e, flush=True)
         return False
+    except KeyboardInterrupt:  # Ctrl-C during the run's last step, passed on by train once the run had saved
+        sys.exit(f"interrupted after {workdir.name}'s last step (saved): run the same command again to go on")
     return True
 
 

@@ -282,4 +282,5 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None,
     summary = best.summary()
     if summary and end == config.steps:  # the run is over: name the model to use
         say(summary)
+    stop.pass_on()  # a signal during the last step: the run is done and saved, the caller stops now
     return TrainResult(state, train_record, eval_record)

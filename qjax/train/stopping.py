@@ -19,6 +19,10 @@ at once, without saving: a watcher thread woken through `signal.set_wakeup_fd` (
 even while the main thread sits in a compile) prints one line and calls `os._exit`. The previous checkpoint stays
 the newest: orbax renames a checkpoint into place only once it is complete.
 
+A signal that comes during a run's last step cannot stop it: the run completes and saves, and `pass_on` then raises
+the signal again for the handlers there were before (Ctrl-C raises KeyboardInterrupt), so a caller that would start
+another run stops instead.
+
 Signal handlers belong to the main thread: elsewhere (a run started from a worker thread) `StopRequest` installs
 nothing and `signal` stays None. A signal the process inherited as ignored stays ignored.
 """
@@ -100,6 +104,15 @@ class StopRequest:
         self._watcher.join(timeout=5)
         os.close(self._read)
         self._installed = False
+
+    def pass_on(self) -> None:
+        """After `uninstall`: raises the noted signal (if any) again, for the handlers restored there; a line on
+        stderr says why. Call it when the signal could not stop the run because the run had ended."""
+        if self.signal is None or self._installed:
+            return
+        os.write(2, f"{signal.Signals(self.signal).name} came during the last step: the run completed and saved; "
+                    "passing the signal on\n".encode())
+        signal.raise_signal(self.signal)
 
     def _watch(self) -> None:
         while True:

@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -212,6 +213,31 @@ def test_checkpoint_with_other_dtypes_gives_a_clear_error(tmp_path):
         Checkpointer(tmp_path / "ckpt", keep=1).restore_latest(abstract_like(resumed, sharding))
     same = Checkpointer(tmp_path / "ckpt", keep=1).restore_latest(abstract_like(saved, sharding))
     np.testing.assert_array_equal(np.asarray(same["params"]["w"]), saved["params"]["w"])
+
+
+class _SignalOnLastStep(io.StringIO):
+    """A progress stream that sends this process SIGINT when the line of the run's last step is written."""
+
+    def __init__(self, steps: int):
+        super().__init__()
+        self.line = f"step {steps}/{steps} "
+
+    def write(self, text: str) -> int:
+        if text.startswith(self.line):
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().write(text)
+
+
+def test_a_signal_during_the_last_step_is_passed_on_once_the_run_has_saved(token_dir, tmp_path):
+    config = tiny_llama_config(token_dir, eval_every=0)  # 6 steps
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        result = train(config, tmp_path / "run", stream=_SignalOnLastStep(config.steps))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert int(result.state.step) == 6 and _checkpoints(tmp_path / "run")[-1] == 6  # the run completed and saved
+    assert received == [signal.SIGINT]  # then the caller's handler got the signal, once
 
 
 class _SetAfter:
