@@ -42,8 +42,8 @@ train.bin, val.bin, tokenizer.json and meta.json (62 MB, under the 64 MiB a call
 
 --tokens sets the steps from a token budget; --recipe-seeds gives an entry its own seeds (bitnet_b158=0);
 --time-budget SECONDS stops the run in flight after SECONDS (`qjax.train.train`'s stop_event: it saves the step
-reached) and exits with status 75, as it does when SIGINT / SIGTERM stops a run (a signal between runs ends the
-process; nothing is lost): the same command again resumes every run from its checkpoint and, once all are done,
+reached) and exits with status 75, as it does when SIGINT / SIGTERM stops a run (a signal between runs or during a
+run's last step ends the process; nothing is lost): the same command again resumes every run from its checkpoint and, once all are done,
 writes the table (so runs longer than one device call finish over several). The table gives each recipe's final
 eval loss (mean ± s.e. over its seeds: bf16's row is the seed spread the gaps are read against), its gap to bf16
 in %, and its train loss over the last 5% of steps: past the lowest eval loss, a run with a lower train loss memorised
@@ -276,7 +276,11 @@ def train_run(config, workdir: pathlib.Path, stop_event: threading.Event) -> boo
         print(e, flush=True)
         return False
     except KeyboardInterrupt:  # Ctrl-C during the run's last step, passed on by train once the run had saved
-        sys.exit(f"interrupted after {workdir.name}'s last step (saved): run the same command again to go on")
+        if not run_is_complete(config, workdir):  # Ctrl-C while train was starting up: nothing ran
+            raise
+        print(f"interrupted after {workdir.name}'s last step (saved): run the same command again to go on",
+              file=sys.stderr, flush=True)
+        sys.exit(130)
     return True
 
 

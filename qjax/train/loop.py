@@ -122,6 +122,8 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None,
         point on; the message names the newest checkpoint, which is kept).
       Interrupted: SIGINT / SIGTERM (main thread only) or `stop_event` stopped the run after the step in flight,
         saved as a checkpoint; re-running resumes there.
+      A signal that came during the last step does not stop the run: once it is saved, `train` raises the signal
+      again for the handler there was before (`StopRequest.pass_on`; Ctrl-C: KeyboardInterrupt).
     """
     # The checks, each once, before anything is built or written (qjax.train.config's docstring); the builders
     # below take the checked config (check=False).

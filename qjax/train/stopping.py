@@ -11,6 +11,7 @@
   finally:
       checkpointer.close()                    # a second signal during the save still exits at once
       stop.uninstall()
+  stop.pass_on()                              # a signal that came during the last step, for the caller
 
 The first signal only notes itself: the step in flight (or an XLA compile or a save, which Python cannot break into)
 finishes, then the loop saves and stops; `train.py` prints `Interrupted`'s one line and exits 128 + the signal
@@ -106,13 +107,10 @@ class StopRequest:
         self._installed = False
 
     def pass_on(self) -> None:
-        """After `uninstall`: raises the noted signal (if any) again, for the handlers restored there; a line on
-        stderr says why. Call it when the signal could not stop the run because the run had ended."""
-        if self.signal is None or self._installed:
-            return
-        os.write(2, f"{signal.Signals(self.signal).name} came during the last step: the run completed and saved; "
-                    "passing the signal on\n".encode())
-        signal.raise_signal(self.signal)
+        """After `uninstall`: raises the noted signal (if any) again, for the handlers restored there. Call it when
+        the signal could not stop the run because no step was left to run."""
+        if self.signal is not None and not self._installed:
+            signal.raise_signal(self.signal)
 
     def _watch(self) -> None:
         while True:
