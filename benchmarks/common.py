@@ -40,6 +40,13 @@ def time_ms(fn, args, warmup, reps, inner=1):
     return statistics.median(times)
 
 
+def random_lm_batch(rng: np.random.Generator, vocab_size: int, batch_size: int, seq_len: int) -> dict:
+    """A language-model batch of random tokens: {"inputs", "targets"}, int32 (batch_size, seq_len), the targets the
+    inputs shifted by one."""
+    tokens = rng.integers(0, vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
 def batched_seconds(fn, inputs, rounds: int, calls: int) -> float:
     """Median seconds per call of fn over `inputs` (arrays, or tuples of arguments): one jit of fn on every input
     (distinct inputs, so XLA cannot merge the calls), dispatched `calls` times back to back and timed to the last

@@ -43,12 +43,13 @@ train.bin, val.bin, tokenizer.json and meta.json (62 MB, under the 64 MiB a call
 --tokens sets the steps from a token budget; --recipe-seeds gives an entry its own seeds (bitnet_b158=0);
 --time-budget SECONDS stops the run in flight after SECONDS (`qjax.train.train`'s stop_event: it saves the step
 reached) and exits with status 75, as it does when SIGINT / SIGTERM stops a run (a signal between runs or during a
-run's last step ends the process; nothing is lost): the same command again resumes every run from its checkpoint and, once all are done,
-writes the table (so runs longer than one device call finish over several). The table gives each recipe's final
-eval loss (mean ± s.e. over its seeds: bf16's row is the seed spread the gaps are read against), its gap to bf16
-in %, and its train loss over the last 5% of steps: past the lowest eval loss, a run with a lower train loss memorised
-more. A finished run is tabled from its metrics.jsonl, recipe.txt and config.json alone: copy those back from a
-device (the 125M run's checkpoints are 1.5 GB) into the same --workdir layout and run the command here.
+run's last step ends the process; nothing is lost): the same command again resumes every run from its checkpoint
+and, once all are done, writes the table (so runs longer than one device call finish over several). The table gives
+each recipe's final eval loss (mean ± s.e. over its seeds: bf16's row is the seed spread the gaps are read against),
+its gap to bf16 in %, and its train loss over the last 5% of steps: past the lowest eval loss, a run with a lower
+train loss memorised more. A finished run is tabled from its metrics.jsonl, recipe.txt and config.json alone: copy
+those back from a device (the 125M run's checkpoints are 1.5 GB) into the same --workdir layout and run the command
+here.
 """
 
 import argparse

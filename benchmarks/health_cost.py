@@ -13,7 +13,7 @@ default) and 100. The plain step is the program without the feature (nothing of 
 import argparse
 import sys
 
-from common import REPO, device_kind, record_results, time_ms
+from common import REPO, device_kind, random_lm_batch, record_results, time_ms
 from train import TINYLLAMA
 
 sys.path.insert(0, str(REPO))  # the configs/ package
@@ -44,9 +44,8 @@ def main():
         config.batch_size, config.seq_len = (4, 128) if small else (8, 2048)
         config.steps = 1000
         task = make_task(config)
-        tokens = np.random.default_rng(0).integers(0, task.model_config.vocab_size,
-                                                   (config.batch_size, config.seq_len + 1), dtype=np.int32)
-        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        batch = random_lm_batch(np.random.default_rng(0), task.model_config.vocab_size, config.batch_size,
+                                config.seq_len)
         times = []
         for health in (False, True):
             init_state, train_step = make_train_step(config, task, health=health)

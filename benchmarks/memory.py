@@ -77,7 +77,7 @@ def measure_row(row: str, args) -> dict:
     import jax
     import numpy as np
 
-    from common import time_ms
+    from common import random_lm_batch, time_ms
     from qjax.train import make_mesh, make_train_step, peak_flops
     from qjax.train import step as step_lib
 
@@ -87,9 +87,7 @@ def measure_row(row: str, args) -> dict:
     result = dict(row=row, size=config.model.size, batch=config.batch_size, seq=config.seq_len,
                   estimate_gb=estimate.total / 1e9, estimate_parts=estimate._parts())
     holder, losses = [init_state()], []
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, task.model_config.vocab_size, (config.batch_size, config.seq_len + 1), dtype=np.int32)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    batch = random_lm_batch(np.random.default_rng(0), task.model_config.vocab_size, config.batch_size, config.seq_len)
 
     def run_one():  # the state is donated: thread it through; wait on the loss
         holder[0], metrics = train_step(holder[0], batch)

@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 
-from common import REPO, apply_options, device_kind, record_results, split_options
+from common import REPO, apply_options, device_kind, random_lm_batch, record_results, split_options
 
 sys.path.insert(0, str(REPO))  # the configs/ package
 from configs import llama_base  # noqa: E402
@@ -39,10 +39,8 @@ def repeat_run(config, steps: int, seed: int = 0) -> tuple[list[float], list[flo
 
     task = make_task(config)
     rng = np.random.default_rng(seed)
-    batches = []
-    for _ in range(steps):
-        tokens = rng.integers(0, task.model_config.vocab_size, (config.batch_size, config.seq_len + 1), np.int32)
-        batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+    batches = [random_lm_batch(rng, task.model_config.vocab_size, config.batch_size, config.seq_len)
+               for _ in range(steps)]
     # one device: a data-parallel mesh over several would add its all-reduce to what is measured
     init_state, train_step = make_train_step(config, task, make_mesh(jax.devices()[:1]))
     runs, params, seconds = [], [], 0.0

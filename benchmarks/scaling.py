@@ -93,7 +93,7 @@ def measure(args, mesh: dict, recipe: str, gather: str, options: list, batch: in
     import jax
     import numpy as np
 
-    from common import REPO, apply_options, time_ms
+    from common import REPO, apply_options, random_lm_batch, time_ms
     from profile_train import category_ms, device_events, print_report  # before REPO joins the path
 
     sys.path.insert(0, str(REPO))
@@ -114,9 +114,7 @@ def measure(args, mesh: dict, recipe: str, gather: str, options: list, batch: in
     config.seq_len, config.batch_size, config.steps = args.seq, batch, 1000
     task = make_task(config)
     init_state, train_step = make_train_step(config, task)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, task.model_config.vocab_size, (batch, args.seq + 1), dtype=np.int32)
-    data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    data = random_lm_batch(np.random.default_rng(0), task.model_config.vocab_size, batch, args.seq)
     holder, losses = [init_state()], []
 
     def run_one():  # the state is donated: thread it through

@@ -99,7 +99,7 @@ def build_row(row: str, args):
     """(train_state, train_step, batch, task) for one row: the model per --size, random tokens (batch, seq)."""
     import numpy as np
 
-    from common import REPO, apply_options
+    from common import REPO, apply_options, random_lm_batch
 
     sys.path.insert(0, str(REPO))  # the configs/ package
     from configs import llama_base
@@ -127,9 +127,8 @@ def build_row(row: str, args):
     config.steps = 1000  # the LR schedule's length; irrelevant to the timing
     task = make_task(config)
     init_state, train_step = make_train_step(config, task)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, task.model_config.vocab_size, (args.batch, args.seq + 1), dtype=np.int32)
-    return init_state(), train_step, {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, task
+    batch = random_lm_batch(np.random.default_rng(0), task.model_config.vocab_size, args.batch, args.seq)
+    return init_state(), train_step, batch, task
 
 
 def measure_row(row: str, args) -> dict:
