@@ -132,6 +132,9 @@ def main():
     finally:
         shape = (f"Llama {'125m, batch 32 x 1024' if gpu else 'tiny, batch 4 x 64'}, random tokens, lr 6e-4, one "
                  f"{device_kind()}")
+        planned = len(args.recipes) * len(args.attention)
+        if len(rows) - 2 < planned:  # stopped by a deadline or Ctrl-C: say the table is partial
+            shape += f"; stopped after {len(rows) - 2} of {planned} rows"
         if gpu and not args.no_record and len(rows) > 2:  # a CPU run is the test's, not a result
             record_results("Is a train step bit-reproducible?", "\n".join(rows) + f"\n\n{shape}.\n")
 
