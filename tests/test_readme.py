@@ -11,6 +11,7 @@ Every README ```python block runs as its own script on two CPU devices. Commands
 added later are picked up the same way.
 """
 
+import itertools
 import os
 import pathlib
 import re
@@ -148,7 +149,8 @@ def test_readme_command_runs(command, repo_like):
     if words[1:3] == ["-m", "qjax.generate"] and "--workdir" in words:
         _train_if_missing(repo_like, words[words.index("--workdir") + 1])
     if words[1:3] == ["-m", "qjax.train.metrics"]:
-        _train_if_missing(repo_like, words[3])
+        for workdir in itertools.takewhile(lambda word: not word.startswith("-"), words[3:]):
+            _train_if_missing(repo_like, workdir)
     result = subprocess.run(argv, cwd=repo_like, env=_env(), capture_output=True, text=True, timeout=300)
     if fails:
         assert result.returncode == 2, result.stdout + result.stderr

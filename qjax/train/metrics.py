@@ -322,8 +322,19 @@ def curves(workdir: str) -> tuple[list, list]:
     return sorted(train.items()), sorted(evals.items())
 
 
+def eval_gaps(runs: dict) -> dict:
+    """{name: [(step, percent)]}: each run's eval loss relative to the first run's (the reference, e.g. bf16) at the
+    steps both evaluated. runs: name -> (train, evals) as `curves` returns them, the reference first."""
+    names = list(runs)
+    reference = dict(runs[names[0]][1]) if names else {}
+    gaps = {name: [(step, 100 * (loss / reference[step] - 1)) for step, loss in runs[name][1] if step in reference]
+            for name in names[1:]}
+    return {name: points for name, points in gaps.items() if points}
+
+
 def plot_runs(workdirs: list[str], out: str, title: str | None = None) -> str:
-    """Draws the train and eval loss of each run in `workdirs` (labelled by directory name) into the PNG `out`;
+    """Draws the train and eval loss of each run in `workdirs` (labelled by directory name) into the PNG `out`, and
+    beside it each run's eval loss relative to the first run's (`eval_gaps`: where curves overlap, the gap shows);
     returns `out`. title: the figure's (default: the run names).
 
     Raises ValueError if a run has no metrics rows (a wrong path, or a run that has not logged yet)."""
@@ -337,18 +348,28 @@ def plot_runs(workdirs: list[str], out: str, title: str | None = None) -> str:
     matplotlib.use("Agg")  # no display needed; must precede the pyplot import
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    gaps = eval_gaps(runs)
+    fig, axes = plt.subplots(1, 2 if gaps else 1, figsize=(12 if gaps else 7, 4.5), squeeze=False)
+    ax = axes[0][0]
+    colors = {name: f"C{i % 10}" for i, name in enumerate(runs)}  # matplotlib's cycle; a run keeps its color in both
     for name, (train, evals) in runs.items():
-        color = None
         if train:
-            (line,) = ax.plot(*zip(*train), label=f"{name} train", linewidth=1.2)
-            color = line.get_color()
+            ax.plot(*zip(*train), color=colors[name], label=f"{name} train", linewidth=1.2)
         if evals:
-            ax.plot(*zip(*evals), "o--", color=color, label=f"{name} eval", markersize=4)
+            ax.plot(*zip(*evals), "o--", color=colors[name], label=f"{name} eval", markersize=4)
+    if gaps:
+        gap_ax, reference = axes[0][1], next(iter(runs))
+        gap_ax.axhline(0, color=colors[reference], linewidth=1, label=reference)
+        for name, points in gaps.items():
+            gap_ax.plot(*zip(*points), "o-", color=colors[name], label=name, markersize=4)
+        gap_ax.set_xlabel("step")
+        gap_ax.set_ylabel(f"eval loss vs {reference} (%)")
+        gap_ax.legend(fontsize="small")
+        gap_ax.grid(alpha=0.3)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(textwrap.fill(title or ", ".join(runs), 75))  # a long recipe list wraps, not cut at the edge
-    ax.legend()
+    fig.suptitle(textwrap.fill(title or ", ".join(runs), 75 if not gaps else 130))  # a long list wraps, not cut
+    ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=120)

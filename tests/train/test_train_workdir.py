@@ -210,6 +210,29 @@ def test_plot_writes_a_png_of_the_loss_curves(tmp_path, capsys):
     assert "no metrics in" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
 
 
+def test_plot_of_several_runs_adds_their_eval_gap_to_the_first(tmp_path):
+    runs = {}
+    for name, scale in (("bf16", 1.0), ("int8", 1.02), ("fp8", 0.99)):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{"step": s, "loss": 3.0 * scale / s ** 0.5} for s in range(10, 210, 10)]
+        rows += [{"step": s, "eval_loss": 3.2 * scale / s ** 0.5} for s in range(50, 250, 50)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs[name] = plot_lib.curves(str(run))
+    gaps = plot_lib.eval_gaps(runs)
+    assert list(gaps) == ["int8", "fp8"]  # the first run is the reference
+    assert [step for step, _ in gaps["int8"]] == [50, 100, 150, 200]
+    np.testing.assert_allclose([gap for _, gap in gaps["int8"]], 2.0, rtol=1e-9)
+    np.testing.assert_allclose([gap for _, gap in gaps["fp8"]], -1.0, rtol=1e-9)
+    runs["late"] = ([(10, 1.0)], [(999, 1.0)])  # no eval step shared with the reference: no gap curve
+    assert "late" not in plot_lib.eval_gaps(runs)
+    import matplotlib.image
+
+    one = plot_lib.plot_runs([str(tmp_path / "bf16")], str(tmp_path / "one.png"))
+    both = plot_lib.plot_runs([str(tmp_path / n) for n in ("bf16", "int8", "fp8")], str(tmp_path / "gaps.png"))
+    assert matplotlib.image.imread(both).shape[1] > 1.5 * matplotlib.image.imread(one).shape[1]  # a second panel
+
+
 @pytest.mark.parametrize("problem", ["negative steps", "empty data directory", "heads do not divide dim"])
 def test_a_run_that_fails_its_checks_leaves_no_workdir(token_dir, tmp_path, problem):
     config = tiny_llama_config(token_dir)
