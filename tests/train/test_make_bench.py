@@ -69,3 +69,28 @@ def test_a_run_in_another_tree_is_labelled_apart_and_never_published(tmp_path, m
         (tmp_path / f"{name}.json").write_text(json.dumps({"suite": name, "sections": []}))
     runner.publish(tmp_path)
     assert [p.name for p in (tmp_path / "published").iterdir()] == ["e2e-ab.json"]
+
+
+def test_publishing_a_suite_keeps_its_sections_of_other_commands(tmp_path, monkeypatch):
+    """A rerun replaces the section of the same title and command; a study recorded under another command stays."""
+    runner = importlib.import_module("benchmarks.__main__")
+    monkeypatch.setattr(runner, "PUBLISHED", tmp_path / "published")
+    monkeypatch.setattr(runner, "PAGE", tmp_path / "README.md")
+    monkeypatch.setattr(runner, "REPO", tmp_path)
+    def section(title, command, value):
+        return {"title": title, "command": command, "value": value, "device": "H200", "date": "2026-11-29",
+                "jax": "0.11.2", "commit": "abc1234", "tables": [], "notes": ""}
+
+    (tmp_path / "published").mkdir()
+    (tmp_path / "published" / "convergence.json").write_text(json.dumps({"suite": "convergence", "sections": [
+        section("convergence", "suite command", 1), section("mixed corpus, 250M tokens", "by hand", 2)]}))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "convergence.json").write_text(json.dumps({"suite": "convergence", "sections": [
+        section("convergence", "suite command", 3), section("convergence", "another command", 4)]}))
+    runner.publish(run)
+    published = json.loads((tmp_path / "published" / "convergence.json").read_text())
+    assert [s["value"] for s in published["sections"]] == [3, 2, 4]
+    (run / "kernels.json").write_text(json.dumps({"suite": "kernels", "sections": [section("k", "c", 5)]}))
+    runner.publish(run)  # a suite published for the first time is written as it came
+    assert json.loads((tmp_path / "published" / "kernels.json").read_text())["sections"] == [section("k", "c", 5)]
