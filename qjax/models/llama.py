@@ -109,6 +109,9 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.moe must be None or a qjax.models.MoEConfig, got {type(self.moe).__name__}")
         if not isinstance(self.smooth_swiglu, bool):
             raise ValueError(f"LlamaConfig.smooth_swiglu must be True or False, got {self.smooth_swiglu!r}")
+        if self.smooth_swiglu and self.moe is not None:
+            raise ValueError("LlamaConfig.smooth_swiglu applies to dense MLPs only, and this config has moe set: "
+                             "set smooth_swiglu=False, or moe=None for a dense model")
 
     @property
     def head_dim(self) -> int:

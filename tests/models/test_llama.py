@@ -268,6 +268,7 @@ def test_lm_loss_num_params_and_flops():
     (dict(attention="flash"), "attention must be one of"),
     (dict(norm_eps=0.0), "norm_eps"),
     (dict(n_experts=8), "unknown LlamaConfig fields"),
+    (dict(smooth_swiglu=True, moe=models.MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=64)), "dense MLPs only"),
 ])
 def test_bad_configs(overrides, match):
     with pytest.raises(ValueError, match=match):
