@@ -25,8 +25,9 @@ benchmarks/convergence_gpt2.png). With several --seeds each recipe runs under ea
 stochastic rounding; seed s > 0 in the workdir <recipe>-seed<s>) and the difference to bf16 is taken per seed,
 against bf16's run of the same seed, then averaged: mean and standard error over seeds (one run per recipe cannot
 resolve 1% where bf16's own final eval loss moves by about that much between runs). The PNG shows the first seed's
-runs and, beside them, each one's eval loss relative to the first recipe's (so list bf16 first). Runs of different seeds can train in separate processes (one GPU each) and a last call with all the seeds
-reuses them to write the table.
+runs and, beside them, each one's eval loss relative to the first recipe's (so list bf16 first). Runs of different
+seeds can train in separate processes (one GPU each) and a last call with all the seeds reuses them to write the
+table.
 Needs the corpus: `make data` (or python -m qjax.data.prepare shakespeare --out data/shakespeare).
 
 The mixed corpus (--corpus mixed: ../shared/corpus/mixed-english.txt.xz, 102 MB of English in seven sections, a
