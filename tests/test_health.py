@@ -243,3 +243,32 @@ def test_worst_names_the_layer_operand_and_step():
     value, name, step = health.worst(rows)["saturated"]
     assert math.isnan(value) and (name, step) == ("l1/w", 30)
     assert health.worst(rows[:1]) == {}
+
+
+def test_health_under_gradient_accumulation_is_the_max_amax_and_the_mean_fractions(tmp_path):
+    """With grad_accum_steps=2 each operand's amax is the larger of its two micro-batches' and each fraction their
+    mean, the micro-batches measured alone by the same step at half the batch (int8_rowwise: no random rounding)."""
+    sys.path.insert(0, str(ROOT / "tests" / "train"))
+    from train_helpers import tiny_llama_config  # noqa: PLC0415
+
+    from qjax.train.step import make_train_step  # noqa: PLC0415
+    from qjax.train.task import make_task  # noqa: PLC0415
+
+    def stats(batch_size, accum, batch):
+        config = tiny_llama_config(str(tmp_path), recipe="int8_rowwise", batch_size=batch_size,
+                                   grad_accum_steps=accum)
+        init, step = make_train_step(config, make_task(config, vocab_size=64), health=True, check=False)
+        metrics = step(init(), batch)[1]["health"]
+        return health.flatten(metrics["sown"], metrics["probes"])
+
+    tokens = np.array(jax.random.randint(jax.random.key(5), (4, 33), 0, 64), np.int32)
+    tokens[1, 3:9] = 7  # a repeated token in one micro-batch only: its activations differ from the other's
+    batch = lambda rows: {"inputs": rows[:, :-1], "targets": rows[:, 1:]}  # noqa: E731
+    both = stats(4, 2, batch(tokens))
+    halves = [stats(2, 1, batch(tokens[i::2])) for i in (0, 1)]  # micro-batch i: examples i, i + 2
+    assert set(both) == set(halves[0]) and any(o.endswith("/g") for o in both)
+    for name, value in both.items():
+        first, second = halves[0][name], halves[1][name]
+        np.testing.assert_allclose(value[0], max(first[0], second[0]), rtol=1e-5, err_msg=name)
+        np.testing.assert_allclose(value[1:], (first[1:] + second[1:]) / 2, rtol=1e-5, atol=1e-7, err_msg=name)
+    assert any(halves[0][n][0] != halves[1][n][0] for n in both)  # the max picked between different values

@@ -105,15 +105,17 @@ def _int8_dtype(task: Task):
     return jnp.dtype(task.model_config.compute_dtype)
 
 
-def _loss_and_grads(task: Task, params, batch: dict, key: jax.Array, accum: int, mesh, probes=None, loss_fn=None):
+def _loss_and_grads(task: Task, params, batch: dict, key: jax.Array, accum: int, mesh, probes=None, loss_fn=None,
+                    health_stats: bool = False):
     """Mean loss, aux metrics and gradients (params' dtypes; the compute dtype for int8 weight-only params, with
     respect to their dequantized values) over `batch`, in `accum` micro-batches. With `probes` (quantization
-    health, `Task.health_probes`): aux["health"] = {"sown": x and w stats, "probes": g stats}, means over the
-    micro-batches. loss_fn: differentiated instead of task.loss (same signature)."""
+    health, `Task.health_probes`): aux["health"] = {"sown": x and w stats, "probes": g stats}, over the
+    micro-batches the max of each amax and the mean of each fraction. loss_fn: differentiated instead of task.loss
+    (same signature); health_stats: aux["health"] and the gradients' second half hold such stats (the probes call)."""
     if probes is not None:  # the probes are differentiated beside the params: their gradient is the g stats
         loss, aux, (grads, probe_grads) = _loss_and_grads(
             task, (params, probes), batch, key, accum, mesh,
-            loss_fn=lambda both, b, k: task.loss(both[0], b, k, probes=both[1]))
+            loss_fn=lambda both, b, k: task.loss(both[0], b, k, probes=both[1]), health_stats=True)
         return loss, {**aux, "health": {"sown": aux["health"], "probes": probe_grads}}, grads
     # jax.value_and_grad where no param is int8; int8 weights' gradients in the compute dtype the model multiplies
     # them in (exact, half float32's bytes)
@@ -128,8 +130,15 @@ def _loss_and_grads(task: Task, params, batch: dict, key: jax.Array, accum: int,
         index, micro_batch = inputs
         micro_batch = jax.lax.with_sharding_constraint(micro_batch, mesh_lib.batch_sharding(mesh))
         (loss, aux), grads = grad_fn(params, micro_batch, jax.random.fold_in(key, index))
-        sums = (loss, aux, jax.tree.map(lambda g: g.astype(jnp.float32), grads))
-        return jax.tree.map(jnp.add, carry, sums), None
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        loss_sum, aux_sum, grad_sum = jax.tree.map(jnp.add, carry, (loss, aux, grads))
+        if health_stats:  # a stat's amax (element 0): the max over micro-batches, times accum to survive the mean
+            def amax_max(total, new, summed):
+                return summed.at[0].set(jnp.maximum(total[0], new[0] * accum))
+            aux_sum = {**aux_sum, "health": jax.tree.map(amax_max, carry[1]["health"], aux["health"],
+                                                         aux_sum["health"])}
+            grad_sum = (grad_sum[0], jax.tree.map(amax_max, carry[2][1], grads[1], grad_sum[1]))
+        return (loss_sum, aux_sum, grad_sum), None
 
     # Zeros shaped like one micro-step's outputs (float32 throughout: sums of bf16 grads would lose bits).
     shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), key)
