@@ -20,6 +20,7 @@ from train_helpers import tiny_llama_config
 import qjax
 from qjax import dispatch, int8_params, optim
 from qjax.dot_general import _quantized_dot
+from qjax.linear_core import linear_parts
 from qjax.train import ConfigError, make_mesh, make_task, make_train_step, train
 from qjax.train import step as step_lib
 
@@ -79,9 +80,11 @@ def weights_quantized(monkeypatch):
         return original(x, spec, spec_t, *args, operands=operands, **kwargs)
 
     monkeypatch.setattr(dispatch, "quantize_pair", record)
-    _quantized_dot.cache_clear()  # built GEMMs hold the function they were built with
+    _quantized_dot.cache_clear()  # built GEMMs hold the function they were built with (and jax's trace caches
+    linear_parts.cache_clear()  # key on those functions: a GEMM another test traced would not call `record`)
     yield specs
     _quantized_dot.cache_clear()
+    linear_parts.cache_clear()
 
 
 def test_forward_reads_the_stored_codes(token_dir, weights_quantized):
