@@ -70,7 +70,9 @@ from qjax.data import corpus as corpus_lib, text as text_lib  # noqa: E402
 from qjax.train import train  # noqa: E402
 from qjax.train.stopping import Interrupted  # noqa: E402
 from qjax import health  # noqa: E402
+from qjax.models import layer_recipes  # noqa: E402
 from qjax.train.metrics import curves as read_curves, plot_runs, read_metrics  # noqa: E402
+from qjax.train.task import make_task  # noqa: E402
 
 RECIPES = ("bf16", "int8_rowwise", "fp8_tensorwise")
 MODELS = {"llama": (llama_base, "Llama", "convergence.png"), "gpt2": (gpt2_base, "GPT-2", "convergence_gpt2.png")}
@@ -197,7 +199,8 @@ def main():
         train_curve, eval_curve = read_curves(str(workdir))
         evals.setdefault(entry, {})[seed] = eval_curve
         fits.setdefault(entry, {})[seed] = end_train_loss(train_curve)
-        worst = health.worst(read_metrics(str(workdir)))
+        ternary = health.ternary_operands(layer_recipes(make_task(config).model_config))  # ~70% at +-1 by design
+        worst = health.worst(read_metrics(str(workdir)), ternary)
         if worst:
             health_rows.append(health_row(name, worst))
 

@@ -12,8 +12,9 @@ Codes are those of the operand's `QuantSpec` in the layout the GEMM reads it (`q
 a stochastically rounding spec is measured by its nearest codes, the two grid points SR picks between lie on either
 side of them, so saturation and flushing are the same facts (SR recipes need nothing extra). Amax scaling puts each
 scale block's largest element at or near the format's max, so `saturated` has a floor of about one element per block
-(1/K of a row-scaled operand); an outlier channel raises it above that under tensor scales, and pushes the other
-channels' codes down into `underflow`.
+(1/K of a row-scaled operand) and rises only where many values tie at their block's max; an outlier channel shows as
+amax growth, and pushes the other channels' codes down into `underflow`. Ternary weights (absmean scaling) sit mostly
+at +-1 by design.
 
 A model collects them when applied with the "health" collection mutable (`COLLECTION`); otherwise none of this is
 traced and the GEMMs are unchanged (zero cost when off):
@@ -138,9 +139,13 @@ class HealthMonitor:
         from the first measurement in a 125M fp8_rowwise run that matched bf16) and, under amax scaling, growth alone
         cannot saturate them.
       initial: {"<layer>/<operand>": first amax} of a resumed run (`initial_amax` reads it from metrics rows).
+      ternary: the "<layer>/<operand>" names quantized to ternary (bitnet_b158's weights). Absmean scaling puts
+        most of their codes at +-1 by design (about 70% of a Gaussian weight's), so their saturation is recorded
+        but neither warned on nor counted in "health_saturation_max".
     """
 
-    def __init__(self, saturation_warn: float, amax_growth_warn: float, initial: dict[str, float] | None = None):
+    def __init__(self, saturation_warn: float, amax_growth_warn: float, initial: dict[str, float] | None = None,
+                 ternary: frozenset[str] = frozenset()):
         if not 0 < saturation_warn <= 1:
             raise ValueError(f"saturation_warn must be a fraction in (0, 1], got {saturation_warn!r}")
         if not amax_growth_warn > 1:
@@ -148,6 +153,7 @@ class HealthMonitor:
         self.saturation_warn = saturation_warn
         self.amax_growth_warn = amax_growth_warn
         self.initial = dict(initial or {})
+        self.ternary = frozenset(ternary)
         self._warned: set[tuple[str, str]] = set()  # (operand, kind) over its threshold at the last update
 
     def update(self, step: int, stats: dict[str, np.ndarray]) -> tuple[dict[str, float], str | None]:
@@ -164,8 +170,9 @@ class HealthMonitor:
             if math.isnan(amax):
                 growth = math.nan
             row[f"health/{name}/amax_growth"] = growth
-            checks = [("saturated", saturated, self.saturation_warn, f"saturation {100 * saturated:.2f}% > "
-                                                                      f"{100 * self.saturation_warn:.2f}%")]
+            checks = [] if name in self.ternary else [
+                ("saturated", saturated, self.saturation_warn,
+                 f"saturation {100 * saturated:.2f}% > {100 * self.saturation_warn:.2f}%")]
             if not name.endswith("/g"):
                 text = f"amax x{growth:.3g} since its first measurement > x{self.amax_growth_warn:g}"
                 checks.append(("amax_growth", growth, self.amax_growth_warn, text))
@@ -175,12 +182,20 @@ class HealthMonitor:
                     if (name, kind) not in self._warned:
                         crossed.append(f"{name} {text}")
         self._warned = over
-        row["health_saturation_max"] = max((float(s[1]) for s in stats.values()), default=0.0)
+        row["health_saturation_max"] = max((float(s[1]) for n, s in stats.items() if n not in self.ternary),
+                                           default=0.0)
         warning = None
         if crossed:
             warning = (f"quantization health warning @ step {step}: " + "; ".join(crossed)
                        + " (config.health_saturation_warn / health_amax_growth_warn set the thresholds)")
         return row, warning
+
+
+def ternary_operands(layer_recipes: dict) -> frozenset[str]:
+    """The "<layer>/w" operand names whose recipe quantizes the weight to ternary, from {layer name: qjax.Recipe}
+    (`qjax.models.layer_recipes`): the names `HealthMonitor` does not warn on for saturation."""
+    return frozenset(f"{name}/w" for name, recipe in layer_recipes.items()
+                     if recipe.fwd is not None and recipe.fwd.rhs.dtype == "ternary")
 
 
 def initial_amax(rows) -> dict[str, float]:
@@ -194,19 +209,19 @@ def initial_amax(rows) -> dict[str, float]:
     return initial
 
 
-def worst(rows) -> dict[str, tuple[float, str, int]]:
+def worst(rows, ternary: frozenset[str] = frozenset()) -> dict[str, tuple[float, str, int]]:
     """Where a run's quantization was least healthy, from its metrics rows (`record` + `HealthMonitor.update`):
     {"saturated" / "underflow" / "amax_growth": (the largest value, "<layer>/<operand>", its step)}, amax growth
-    over the forward operands (x, w) only, as the warning reads it; {} for rows without health stats. NaN counts
-    as the largest."""
+    over the forward operands (x, w) only and saturation over the operands not in `ternary` (`ternary_operands`),
+    as the warnings read them; {} for rows without health stats. NaN counts as the largest."""
     out = {}
     for row in rows:
         for key, value in row.items():
             if not key.startswith("health/"):
                 continue
             name, _, stat = key[len("health/"):].rpartition("/")
-            if stat not in ("saturated", "underflow", "amax_growth") or (stat == "amax_growth"
-                                                                          and name.endswith("/g")):
+            if (stat not in ("saturated", "underflow", "amax_growth") or (stat == "amax_growth" and name.endswith("/g"))
+                    or (stat == "saturated" and name in ternary)):
                 continue
             best = out.get(stat)
             if best is None or not value <= best[0] and not math.isnan(best[0]):

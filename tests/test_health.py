@@ -272,3 +272,30 @@ def test_health_under_gradient_accumulation_is_the_max_amax_and_the_mean_fractio
         np.testing.assert_allclose(value[0], max(first[0], second[0]), rtol=1e-5, err_msg=name)
         np.testing.assert_allclose(value[1:], (first[1:] + second[1:]) / 2, rtol=1e-5, atol=1e-7, err_msg=name)
     assert any(halves[0][n][0] != halves[1][n][0] for n in both)  # the max picked between different values
+
+
+def test_ternary_weights_are_recorded_but_not_warned_on_for_saturation():
+    """bitnet_b158's ternary weights sit mostly at +-1 by design (absmean scaling): no saturation warning, not in the
+    progress line's worst saturation; its activations (int8 per token) still warn."""
+    from qjax.models import layer_recipes  # noqa: PLC0415
+
+    config = llama_config("tiny", recipe="bitnet_b158", n_layers=1)
+    ternary = health.ternary_operands(layer_recipes(config))
+    assert ternary == {f"layers_0/{p}/w" for p in ("attn/qkv_proj", "attn/o_proj", "mlp/gate_up_proj",
+                                                    "mlp/down_proj")}  # not lm_head (bf16), not x
+    weight = jax.random.normal(jax.random.key(6), (64, 32))
+    w_stats = np.asarray(health.operand_stats(weight, QuantSpec("ternary", "tensor")))
+    assert 0.6 < w_stats[1] < 0.8  # a Gaussian weight: ~70% of its codes at +-1
+    monitor = health.HealthMonitor(0.05, 32.0, ternary=ternary)
+    row, warning = monitor.update(1, {"layers_0/attn/qkv_proj/w": w_stats,
+                                      "layers_0/attn/qkv_proj/x": np.array([1.0, 0.01, 0.0])})
+    assert warning is None and row["health_saturation_max"] == pytest.approx(0.01)
+    assert row["health/layers_0/attn/qkv_proj/w/saturated"] == pytest.approx(w_stats[1])  # still recorded
+    _, warning = monitor.update(2, {"layers_0/attn/qkv_proj/w": w_stats,
+                                    "layers_0/attn/qkv_proj/x": np.array([1.0, 0.5, 0.0])})
+    assert warning is not None and "qkv_proj/x saturation 50.00%" in warning and "/w saturation" not in warning
+    assert health.ternary_operands(layer_recipes(llama_config("tiny", recipe="int8_rowwise"))) == frozenset()
+    rows = [{"step": 1, "health/layers_0/attn/qkv_proj/w/saturated": 0.7, "health/layers_0/attn/qkv_proj/x/saturated":
+             0.01}]
+    assert health.worst(rows)["saturated"][1] == "layers_0/attn/qkv_proj/w"
+    assert health.worst(rows, ternary)["saturated"] == (0.01, "layers_0/attn/qkv_proj/x", 1)

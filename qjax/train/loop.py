@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qjax import health as health_lib
-from qjax.models import num_params
+from qjax.models import layer_recipes, num_params
 from qjax.train import mesh as mesh_lib
 from qjax.train.checkpoint import BestCheckpoint, Checkpointer, abstract_like, set_aside_previous_run
 from qjax.train.config import (ConfigError, check_batch_size, check_config, check_resume, config_changes,
@@ -217,7 +217,8 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None,
         monitor = saturation = None
         if health_every:  # a resumed run's amax growth stays relative to the run's first measurement
             monitor = health_lib.HealthMonitor(config.health_saturation_warn, config.health_amax_growth_warn,
-                                               health_lib.initial_amax(read_metrics(workdir)))
+                                               health_lib.initial_amax(read_metrics(workdir)),
+                                               health_lib.ternary_operands(layer_recipes(task.model_config)))
         train_record = eval_record = None
         pending: list[Any] = []
         if stop_requested() and start < end:  # a signal while starting up: no step to finish
