@@ -5,14 +5,12 @@ losses, and whether the final parameters are bit-identical.
   python benchmarks/reproducibility.py                        # 125m, batch 32 x 1024, bf16 and int8_rowwise (GPU)
   python benchmarks/reproducibility.py --attention auto xla   # cuDNN flash attention against XLA's attention
   python benchmarks/reproducibility.py --xla-deterministic   # with XLA's --xla_gpu_deterministic_ops=true
-                                                              # (jax 0.11.2 fails to compile the step with it:
-                                                              # the row says so)
 
 Without a GPU it runs the tiny model on batch 4 x 64, where every step is bit-identical (tests/test_reproducibility.py
-checks it). A GPU step is not: XLA may sum with atomic adds (scatter, split-K GEMMs, attention's backward), whose
-order varies between runs, and thousands of steps amplify a last-bit difference. So compare recipes over seeds. A row
-whose step fails to compile (XLA's determinism flags do for some programs) says so instead of stopping the table;
-rows finished before a SIGTERM (the suite runner's deadline) are still recorded.
+checks it). On an H200 (jax 0.11.2) the step with cuDNN's flash attention differs from step 3, and the one with XLA's
+attention is bit-identical at about twice the step time (benchmarks/README.md, "reproducibility"); the flag fails to
+compile the cuDNN step. A row whose step fails to compile says so instead of stopping the table; rows finished
+before a SIGTERM (the suite runner's deadline) are still recorded, the table noting how many.
 """
 
 import argparse
