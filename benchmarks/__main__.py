@@ -81,8 +81,9 @@ def suites(gpus: int) -> dict[str, tuple[str, list[list[str]]]]:
             ["benchmarks/convergence.py", "--recipes", "bf16", "int8_rowwise", "fp8_rowwise", "int8_dataflow",
              "--size", "125m", "--seq-len", "1024", "--batch-size", "32", "--steps", "750", "--lr", "6e-4",
              "--workdir", "/tmp/convergence"]]),
-        "options": ("model options against the same row without them: Smooth-SwiGLU (1.1B, fp8_rowwise)", [
-            ["benchmarks/train.py", "--rows", "fp8_rowwise", "fp8_rowwise:smooth_swiglu", *STEPS, "--no-peer"]]),
+        "options": ("what a model option costs the 1.1B step against the same recipe without it, both timed in "
+                    "alternating rounds in one process: Smooth-SwiGLU on fp8_rowwise", [
+            ["benchmarks/option_cost.py", "--rows", "fp8_rowwise:smooth_swiglu"]]),
         "8b-layers": ("the 8B at 8 of its 32 layers, batch 4 x 2048 (its 128k-vocabulary LM head weighs 4x its share "
                       "of the full model): bf16, int8_rowwise, and int8_rowwise with the LM head in 8 bits", [
             ["benchmarks/train.py", "--size", "8b", "--layers", "8", "--batch", "4", "--seq", "2048", "--rows", "bf16",

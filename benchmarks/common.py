@@ -40,6 +40,59 @@ def time_ms(fn, args, warmup, reps, inner=1):
     return statistics.median(times)
 
 
+def interleaved_ms(fns: dict, warmup: int, rounds: int, inner: int) -> dict[str, list[float]]:
+    """Milliseconds per call of each of `fns` (name -> zero-argument function returning arrays to wait on), one
+    sample per round: every round times `inner` calls of each function in turn, the order reversed every other round,
+    so a drift of the GPU's clocks or temperature during the run falls on all of them alike. The i-th samples of two
+    functions are a pair: their ratio compares them within one round."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+    samples = {name: [] for name in fns}
+    for round_index in range(rounds):
+        for name in (list(fns) if round_index % 2 == 0 else list(fns)[::-1]):
+            start = time.perf_counter()
+            outs = [fns[name]() for _ in range(inner)]
+            jax.block_until_ready(outs)
+            samples[name].append((time.perf_counter() - start) * 1e3 / inner)
+    return samples
+
+
+# The ~1.1B Llama the step benchmarks time (TinyLlama's shape), at batch 8 x 2048.
+TINYLLAMA = dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000)
+
+
+def llama_step_config(recipe: str, small: bool):
+    """configs/llama_base.py's config under `recipe`: the 1.1B TinyLlama shape at batch 8 x 2048, or (small) the
+    tiny preset at batch 4 x 128."""
+    sys.path.insert(0, str(REPO))  # the configs/ package
+    from configs import llama_base  # noqa: PLC0415
+
+    config = llama_base.get_config()
+    config.model.size = "tiny" if small else "1b"
+    for field, value in (() if small else TINYLLAMA.items()):
+        setattr(config.model, field, value)
+    config.recipe = recipe
+    config.batch_size, config.seq_len = (4, 128) if small else (8, 2048)
+    config.steps = 1000
+    return config
+
+
+def step_runner(config, task, batch: dict, *, health: bool = False):
+    """A zero-argument function running one train step of `config` on `batch` (`qjax.train.make_train_step`, the
+    state initialised once and threaded through, since each step donates it); returns the step's loss."""
+    from qjax.train import make_train_step  # noqa: PLC0415
+
+    init_state, train_step = make_train_step(config, task, health=health)
+    holder = [init_state()]
+
+    def run_one():
+        holder[0], metrics = train_step(holder[0], batch)
+        return metrics["loss"]
+
+    return run_one
+
+
 def random_lm_batch(rng: np.random.Generator, vocab_size: int, batch_size: int, seq_len: int) -> dict:
     """A language-model batch of random tokens: {"inputs", "targets"}, int32 (batch_size, seq_len), the targets the
     inputs shifted by one."""

@@ -49,7 +49,6 @@ DEFAULT_ROWS = ("bf16", "int8_fwd", "int8_fwd_dgrad", "int8_rowwise", "int8_roww
                 "fp8_blockwise", "int8_rowwise@xla")
 PEER_VARIANTS = ("bf16", "float8_tensorwise", "float8_rowwise", "int8_mixed_precision")
 ROUNDS = 3  # throughput: median over this many rounds of --steps steps queued back to back
-TINYLLAMA = dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000)
 
 
 def _split_row(row: str) -> tuple[str, tuple[str, ...], str]:
@@ -99,7 +98,7 @@ def build_row(row: str, args):
     """(train_state, train_step, batch, task) for one row: the model per --size, random tokens (batch, seq)."""
     import numpy as np
 
-    from common import REPO, apply_options, random_lm_batch
+    from common import REPO, TINYLLAMA, apply_options, random_lm_batch
 
     sys.path.insert(0, str(REPO))  # the configs/ package
     from configs import llama_base
