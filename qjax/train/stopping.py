@@ -73,6 +73,7 @@ class StopRequest:
     def __init__(self):
         self.signal: int | None = None
         self._installed = False
+        self._seen = 0  # signals the watcher has read
 
     def __enter__(self) -> "StopRequest":
         return self.install()
@@ -87,7 +88,8 @@ class StopRequest:
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)  # set_wakeup_fd needs a write end that never blocks the handler
         # A signal the parent set to be ignored (a background job of a script ignores SIGINT) stays ignored.
-        self._previous = {s: signal.signal(s, _note) for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+        self._previous = {s: signal.signal(s, self._note) for s in SIGNALS
+                          if signal.getsignal(s) is not signal.SIG_IGN}
         self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         self._watcher = threading.Thread(target=self._watch, name="qjax-stop-request", daemon=True)
         self._watcher.start()
@@ -123,15 +125,18 @@ class StopRequest:
             for signum in data:  # one byte per signal: its number
                 if signum not in SIGNALS:
                     continue
-                if self.signal is None:
-                    self.signal = signum
+                self._seen += 1
+                if self._seen == 1:
+                    self.signal = self.signal or signum
                 else:
                     _exit_now(signum)
 
-
-def _note(signum, frame) -> None:
-    """The Python-level handler: nothing to do (the watcher thread counts the signals), but installing it keeps
-    SIGINT from raising KeyboardInterrupt and SIGTERM from killing the process."""
+    def _note(self, signum, frame) -> None:
+        """The Python-level handler (installing it keeps SIGINT from raising KeyboardInterrupt and SIGTERM from
+        killing the process). It notes a first signal too: between `uninstall` restoring the wakeup fd and restoring
+        the handlers, only this handler sees one. The watcher counts the signals for the second-signal exit."""
+        if self.signal is None:
+            self.signal = signum
 
 
 def _exit_now(signum: int) -> None:
