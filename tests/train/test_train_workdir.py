@@ -191,6 +191,18 @@ def test_tensorboard_event_files_hold_the_metrics(token_dir, tmp_path):
     np.testing.assert_allclose(scalars["eval/loss"][-1][1], result.eval_metrics["eval_loss"], rtol=1e-6)
 
 
+def test_a_health_row_goes_to_tensorboard_whole_and_a_nan_only_to_metrics_jsonl(tmp_path):
+    meter = plot_lib.ProgressMeter(tmp_path, 100, "tokens", 64, None, stream=io.StringIO())
+    row = {f"health/layers_{i}/mlp/down_proj/x/{stat}": i + k / 10 for i in range(200)
+           for k, stat in enumerate(("amax", "saturated", "underflow"))}
+    meter.health(100, {**row, "health/lm_head/x/amax": float("nan")})
+    meter.close()
+    scalars = _event_scalars(tmp_path)
+    assert scalars == {tag: [(100, pytest.approx(value))] for tag, value in row.items()}
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(line)["health/lm_head/x/amax"] != json.loads(line)["health/lm_head/x/amax"]  # NaN kept
+
+
 def test_plot_writes_a_png_of_the_loss_curves(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
