@@ -65,7 +65,8 @@ TINYLLAMA = dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, 
 def llama_step_config(recipe: str, small: bool):
     """configs/llama_base.py's config under `recipe`: the 1.1B TinyLlama shape at batch 8 x 2048, or (small) the
     tiny preset at batch 4 x 128."""
-    sys.path.insert(0, str(REPO))  # the configs/ package
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))  # the configs/ package
     from configs import llama_base  # noqa: PLC0415
 
     config = llama_base.get_config()
