@@ -154,12 +154,10 @@ class ProgressMeter:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self._writer is not None:
-            # One event holds the record's scalars: a health row has ~600, and an event each (add_scalar) took
-            # ~50 us apiece through tensorboardX's writer queue. A NaN stops the run (check_finite) and stays in
-            # metrics.jsonl; TensorBoard would only warn about it.
+            # One event for all the record's scalars (a health row has ~600; an event each took ~50 us apiece). A NaN
+            # stops the run (check_finite) and stays in metrics.jsonl; TensorBoard would only warn about it.
             values = [Summary.Value(tag=key if prefix is None else f"{prefix}/{key.removeprefix('eval_')}",
-                                    simple_value=float(value))
-                      for key, value in record.items()
+                                    simple_value=float(value)) for key, value in record.items()
                       if key not in ("step", "time") and isinstance(value, (int, float)) and math.isfinite(value)]
             self._writer.file_writer.add_summary(Summary(value=values), global_step=record["step"],
                                                  walltime=record["time"])
