@@ -17,7 +17,6 @@ written only when its step's loss, grad norm, eval loss and params are finite: a
 FloatingPointError and keeps its last good checkpoint.
 """
 
-import contextvars
 import os
 import sys
 import threading
@@ -103,46 +102,6 @@ def _compiled(jitted, *args, meter: ProgressMeter):
     compiled = jitted.lower(*args).compile()
     meter.skip(time.perf_counter() - began)
     return compiled
-
-
-class _CompileAhead:
-    """`jitted` compiled for `abstract_args` (ShapeDtypeStructs with shardings) in a background thread, started while
-    the run trains: on a GPU the host waits on the device most of the time, so the health step's compile (as long
-    as the train step's: about a minute at 125M) no longer pauses the run when the first measurement comes.
-    `get` waits for it, that wait left out of the meter's throughput, and raises what the compile raised."""
-
-    def __init__(self, jitted, abstract_args):
-        self._compiled, self._error = None, None
-        # The caller's context variables (qjax.dispatch.force, ...) hold in the thread, as they would in the caller.
-        context = contextvars.copy_context()
-        self._thread = threading.Thread(target=context.run, args=(self._compile, jitted, abstract_args), daemon=True,
-                                        name="qjax-compile-ahead")  # daemon: an interrupted run does not wait on it
-        self._thread.start()
-
-    def _compile(self, jitted, abstract_args):
-        try:
-            self._compiled = jitted.lower(*abstract_args).compile()
-        except Exception as e:  # noqa: BLE001 (re-raised in the main thread by get)
-            self._error = e
-
-    def get(self, meter: ProgressMeter) -> jax.stages.Compiled:
-        began = time.perf_counter()
-        self._thread.join()
-        meter.skip(time.perf_counter() - began)
-        if self._error is not None:
-            raise self._error
-        return self._compiled
-
-
-def _compiles_ahead(mesh) -> bool:
-    """Whether the health step compiles in the background (`_CompileAhead`): on GPUs, whose host is idle while they
-    train; a CPU run would share its cores with the compile."""
-    return mesh.devices.flat[0].platform == "gpu"
-
-
-def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
-                                                       weak_type=x.weak_type), tree)
 
 
 def train(config, workdir, *, stop_at: int | None = None, stream=None,
@@ -268,9 +227,7 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None,
             batch = mesh_lib.put_batch(dataset.batch(step), mesh)  # this process's rows of the global batch
             done = step + 1
             if health_every and done % health_every == 0:
-                if isinstance(health_step, _CompileAhead):
-                    health_step = health_step.get(meter)
-                elif not isinstance(health_step, jax.stages.Compiled):
+                if not isinstance(health_step, jax.stages.Compiled):
                     health_step = _compiled(health_step, state, batch, meter=meter)
                 state, metrics = health_step(state, batch)
                 stats = jax.device_get(metrics.pop("health"))
@@ -287,9 +244,6 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None,
             if done == start + 1:  # time from here on: the first step includes compilation
                 jax.block_until_ready(metrics)
                 meter.mark(done)
-                next_health = (done // health_every + 1) * health_every if health_every else end + 1
-                if next_health <= end and _compiles_ahead(mesh) and not isinstance(health_step, jax.stages.Compiled):
-                    health_step = _CompileAhead(health_step, _abstract((state, batch)))
             if done % config.log_every == 0 or done == end:
                 means = _mean_metrics(pending)
                 if saturation is not None:  # the latest health measurement's worst operand, for the progress line
