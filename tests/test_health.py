@@ -1,6 +1,7 @@
 """Quantization health (qjax.health): exact stats on hand-built tensors, the g probe, nothing traced when off, the
 warnings, the train loop's rows; and the Smooth-SwiGLU guard (qjax.models.layers.SmoothedDense)."""
 
+import io
 import json
 import math
 import pathlib
@@ -175,6 +176,62 @@ def test_train_writes_health_rows_and_stays_quiet_on_a_clean_run(tmp_path, capsy
         for stat in (*health.STATS, "amax_growth"):
             assert f"health/layers_0/mlp/down_proj/{operand}/{stat}" in keys
     assert health_rows[0]["health/layers_0/attn/qkv_proj/x/amax_growth"] == 1.0
+
+
+def test_health_and_eval_steps_compiled_ahead_train_the_same(tmp_path, monkeypatch):
+    # On a GPU the health and eval steps compile in threads beside the first step (loop._CompileAhead, for abstract
+    # arguments, without autotuning); forced here on the CPU, the run must match the one that compiles each step
+    # when first needed: the same params, health rows and eval losses.
+    sys.path.insert(0, str(ROOT / "tests" / "train"))
+    from train_helpers import tiny_llama_config  # noqa: PLC0415
+
+    from qjax.data import prepare_text  # noqa: PLC0415
+    from qjax.train import loop  # noqa: PLC0415
+
+    (tmp_path / "c.txt").write_text("the cat sat on the mat. a dog ran in the park. " * 200)
+    prepare_text([tmp_path / "c.txt"], tmp_path / "tokens", val_fraction=0.1)
+    config = tiny_llama_config(str(tmp_path / "tokens"), recipe="int8_rowwise", health_every=3, steps=6,
+                               eval_every=3)
+    made = []
+
+    class Recorded(loop._CompileAhead):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(loop, "_CompileAhead", Recorded)
+    results, rows = {}, {}
+    for ahead in (False, True):
+        monkeypatch.setattr(loop, "_compiles_ahead", lambda mesh, ahead=ahead: ahead)
+        results[ahead] = loop.train(config, str(tmp_path / f"run-{ahead}"), stream=io.StringIO())
+        lines = (tmp_path / f"run-{ahead}" / "metrics.jsonl").read_text().splitlines()
+        rows[ahead] = [{k: v for k, v in json.loads(line).items() if k != "time"} for line in lines
+                       if "health_saturation_max" in line and '"loss"' not in line or "eval_loss" in line]
+    assert len(made) == 2  # the health and eval steps of the run told to compile ahead
+    assert [(r["step"], "eval_loss" in r) for r in rows[True]] == [(3, False), (3, True), (6, False), (6, True)]
+    assert rows[True] == rows[False]
+    jax.tree.map(np.testing.assert_array_equal, results[True].state.params, results[False].state.params)
+
+
+def test_compile_ahead_returns_the_compiled_step_or_raises_its_error_in_the_caller():
+    from qjax import dispatch  # noqa: PLC0415
+    from qjax.train import loop  # noqa: PLC0415
+
+    meter = type("Meter", (), {"skip": lambda self, seconds: None})()
+    square = jax.jit(lambda x: x @ x)
+    compiled = loop._CompileAhead(square, (jax.ShapeDtypeStruct((2, 2), jnp.float32),), loop.AHEAD_OPTIONS)
+    np.testing.assert_array_equal(compiled.get(meter)(jnp.eye(2)), jnp.eye(2))
+    with pytest.raises(TypeError, match="dot_general requires contracting dimensions to have the same shape"):
+        loop._CompileAhead(square, (jax.ShapeDtypeStruct((2, 3), jnp.float32),)).get(meter)
+    seen = []  # the caller's context variables hold in the compiling thread
+
+    def spy(x):
+        seen.append(dispatch._forced.get())
+        return x * 2
+
+    with dispatch.force("reference"):
+        loop._CompileAhead(jax.jit(spy), (jax.ShapeDtypeStruct((2,), jnp.float32),)).get(meter)
+    assert seen == ["reference"]
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "fp8_tensorwise"])

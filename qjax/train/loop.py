@@ -17,6 +17,7 @@ written only when its step's loss, grad norm, eval loss and params are finite: a
 FloatingPointError and keeps its last good checkpoint.
 """
 
+import contextvars
 import os
 import sys
 import threading
@@ -102,6 +103,60 @@ def _compiled(jitted, *args, meter: ProgressMeter):
     compiled = jitted.lower(*args).compile()
     meter.skip(time.perf_counter() - began)
     return compiled
+
+
+class _CompileAhead:
+    """`jitted` lowered for `abstract_args` (ShapeDtypeStructs) and compiled in a background thread, in the caller's
+    context variables (qjax.dispatch.force, ...). The run's first step compiles its train step meanwhile, so the
+    health and eval steps' compiles overlap it instead of each pausing the run later (the health step's took about a
+    minute at 125M on an H200). Without GPU autotuning (AHEAD_OPTIONS: XLA's default GEMM algorithms for steps that
+    run once every N): autotuning on the GPU at the same time as the train step's compile would disturb the timings
+    that pick the train step's algorithms. `get` waits for the result, that wait left out of the meter's throughput,
+    and raises what the compile raised."""
+
+    def __init__(self, jitted, abstract_args, compiler_options: dict | None = None):
+        self._compiled, self._error = None, None
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._compile, jitted, abstract_args,
+                                                                  compiler_options),
+                                        daemon=True, name="qjax-compile-ahead")  # an interrupted run does not wait
+        self._thread.start()
+
+    def _compile(self, jitted, abstract_args, compiler_options):
+        try:
+            self._compiled = jitted.lower(*abstract_args).compile(compiler_options)
+        except Exception as e:  # noqa: BLE001 (re-raised in the caller's thread by get)
+            self._error = e
+
+    def get(self, meter: ProgressMeter) -> jax.stages.Compiled:
+        began = time.perf_counter()
+        self._thread.join()
+        meter.skip(time.perf_counter() - began)
+        if self._error is not None:
+            raise self._error
+        return self._compiled
+
+
+def _compiles_ahead(mesh) -> bool:
+    """Whether the health and eval steps compile beside the first step (`_CompileAhead`): on GPUs. A CPU run's
+    compiles and steps share the same cores."""
+    return mesh.devices.flat[0].platform == "gpu"
+
+
+AHEAD_OPTIONS = {"xla_gpu_autotune_level": 0}  # `_CompileAhead`'s XLA options on a GPU
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                                       weak_type=x.weak_type), tree)
+
+
+def _ready(step, *args, meter: ProgressMeter):
+    """`step` (a jitted step, its `_CompileAhead` or its Compiled) compiled: waited for, compiled now for `args`
+    (`_compiled`), or as it is."""
+    if isinstance(step, _CompileAhead):
+        return step.get(meter)
+    return step if isinstance(step, jax.stages.Compiled) else _compiled(step, *args, meter=meter)
 
 
 def train(config, workdir, *, stop_at: int | None = None, stream=None,
@@ -226,9 +281,16 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None,
         for step in range(start, end):
             batch = mesh_lib.put_batch(dataset.batch(step), mesh)  # this process's rows of the global batch
             done = step + 1
+            if step == start and _compiles_ahead(mesh):  # the first step compiles now: the others beside it
+                first_health = (start // health_every + 1) * health_every if health_every else end + 1
+                if done < first_health <= end:
+                    health_step = _CompileAhead(health_step, _abstract((state, batch)), AHEAD_OPTIONS)
+                if eval_batches and (end == config.steps or (start // config.eval_every + 1) * config.eval_every
+                                     <= end):
+                    eval_step = _CompileAhead(eval_step, _abstract((state.params, eval_batches[0], eval_key)),
+                                              AHEAD_OPTIONS)
             if health_every and done % health_every == 0:
-                if not isinstance(health_step, jax.stages.Compiled):
-                    health_step = _compiled(health_step, state, batch, meter=meter)
+                health_step = _ready(health_step, state, batch, meter=meter)
                 state, metrics = health_step(state, batch)
                 stats = jax.device_get(metrics.pop("health"))
                 row, warning = monitor.update(done, health_lib.flatten(stats["sown"], stats["probes"]))
@@ -237,8 +299,7 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None,
                 if warning:
                     say(warning)
             else:
-                if not isinstance(train_step, jax.stages.Compiled):  # a process's first step may be a health step
-                    train_step = _compiled(train_step, state, batch, meter=meter)
+                train_step = _ready(train_step, state, batch, meter=meter)  # a first step may be a health step
                 state, metrics = train_step(state, batch)
             pending.append(metrics)
             if done == start + 1:  # time from here on: the first step includes compilation
@@ -253,8 +314,7 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None,
                 check_finite(done, "loss", train_record["loss"])
                 check_finite(done, "grad_norm", train_record["grad_norm"])
             if eval_batches and (done % config.eval_every == 0 or done == config.steps):
-                if not isinstance(eval_step, jax.stages.Compiled):
-                    eval_step = _compiled(eval_step, state.params, eval_batches[0], eval_key, meter=meter)
+                eval_step = _ready(eval_step, state.params, eval_batches[0], eval_key, meter=meter)
                 eval_record = meter.eval(done, evaluate(eval_step, state.params, eval_batches, eval_key))
                 check_finite(done, "eval_loss", eval_record["eval_loss"])  # finite but huge params: not saved
                 best.update(done, eval_record["eval_loss"], state)
