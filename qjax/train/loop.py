@@ -106,20 +106,21 @@ def _compiled(jitted, *args, meter: ProgressMeter):
 
 
 class _CompileAhead:
-    """`jitted` lowered for `abstract_args` (ShapeDtypeStructs) and compiled in a background thread, in the caller's
-    context variables (qjax.dispatch.force, ...). The run's first step compiles its train step meanwhile, so the
-    health and eval steps' compiles overlap it instead of each pausing the run later (the health step's took about a
-    minute at 125M on an H200). Without GPU autotuning (AHEAD_OPTIONS: XLA's default GEMM algorithms for steps that
-    run once every N): autotuning on the GPU at the same time as the train step's compile would disturb the timings
-    that pick the train step's algorithms. `get` waits for the result, that wait left out of the meter's throughput,
-    and raises what the compile raised."""
+    """`jitted` lowered for `abstract_args` (ShapeDtypeStructs) and compiled in a background thread while the run's
+    first step compiles the train step, so the health and eval steps' compiles overlap it instead of each pausing the
+    run when first needed (the health step's took about a minute at 125M on an H200). Without GPU autotuning
+    (AHEAD_OPTIONS: XLA's default GEMM algorithms for steps that run once every N): autotuning at the same time as
+    the train step's compile would disturb the timings that pick the train step's algorithms. The thread runs in the
+    caller's context variables (qjax's settings, e.g. qjax.dispatch.force); JAX's own context managers
+    (jax.default_matmul_precision, ...) are thread-local and do not carry over. `get` waits for the result, that
+    wait left out of the meter's throughput, and raises what the compile raised."""
 
     def __init__(self, jitted, abstract_args, compiler_options: dict | None = None):
         self._compiled, self._error = None, None
         context = contextvars.copy_context()
         self._thread = threading.Thread(target=context.run, args=(self._compile, jitted, abstract_args,
                                                                   compiler_options),
-                                        daemon=True, name="qjax-compile-ahead")  # an interrupted run does not wait
+                                        daemon=True, name="qjax-compile-ahead")  # train's `finally` waits for it
         self._thread.start()
 
     def _compile(self, jitted, abstract_args, compiler_options):
@@ -128,9 +129,12 @@ class _CompileAhead:
         except Exception as e:  # noqa: BLE001 (re-raised in the caller's thread by get)
             self._error = e
 
+    def wait(self) -> None:
+        self._thread.join()
+
     def get(self, meter: ProgressMeter) -> jax.stages.Compiled:
         began = time.perf_counter()
-        self._thread.join()
+        self.wait()
         meter.skip(time.perf_counter() - began)
         if self._error is not None:
             raise self._error
@@ -155,6 +159,7 @@ def _ready(step, *args, meter: ProgressMeter):
     """`step` (a jitted step, its `_CompileAhead` or its Compiled) compiled: waited for, compiled now for `args`
     (`_compiled`), or as it is."""
     if isinstance(step, _CompileAhead):
+        jax.block_until_ready(args)  # as `_compiled`: the queued steps run now, not in the wait left out of the meter
         return step.get(meter)
     return step if isinstance(step, jax.stages.Compiled) else _compiled(step, *args, meter=meter)
 
@@ -337,6 +342,9 @@ def train(config, workdir, *, stop_at: int | None = None, stream=None,
     finally:
         try:
             checkpointer.close()  # waits for the last save; a second signal meanwhile still exits at once
+            for step_fn in (health_step, eval_step):  # a run stopped early: let a compile in flight end before the
+                if isinstance(step_fn, _CompileAhead):  # process exits (JAX tears its backends down at exit)
+                    step_fn.wait()
             for closing in (best, meter):
                 if closing is not None:
                     closing.close()
