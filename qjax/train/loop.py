@@ -108,7 +108,7 @@ def _compiled(jitted, *args, meter: ProgressMeter):
 class _CompileAhead:
     """`jitted` lowered for `abstract_args` (ShapeDtypeStructs) and compiled in a background thread while the run's
     first step compiles the train step, so the health and eval steps' compiles overlap it instead of each pausing the
-    run when first needed (the health step's took about a minute at 125M on an H200). Without GPU autotuning
+    run when first needed (the health step's compile takes as long as the train step's). Without GPU autotuning
     (AHEAD_OPTIONS: XLA's default GEMM algorithms for steps that run once every N): autotuning at the same time as
     the train step's compile would disturb the timings that pick the train step's algorithms. The thread runs in the
     caller's context variables (qjax's settings, e.g. qjax.dispatch.force); JAX's own context managers

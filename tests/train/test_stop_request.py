@@ -15,19 +15,18 @@ def settle():  # let the Python handler run and the watcher thread read the wake
     for _ in range(50):
         time.sleep(0.01)
 
-stop = StopRequest().install()
-os.kill(os.getpid(), signal.SIGTERM)
-settle()
-assert stop.signal == signal.SIGTERM, stop.signal
-stop.uninstall()
-print("first signal noted once", flush=True)
+def noted(signum, during_uninstall):
+    stop = StopRequest().install()
+    if during_uninstall:
+        signal.set_wakeup_fd(stop._previous_fd)  # uninstall's first step: from here the watcher sees nothing
+    os.kill(os.getpid(), signum)
+    settle()
+    assert stop.signal == signum, stop.signal
+    stop.uninstall()
 
-stop = StopRequest().install()
-signal.set_wakeup_fd(stop._previous_fd)  # uninstall's first step: from here the watcher sees nothing
-os.kill(os.getpid(), signal.SIGINT)
-settle()
-assert stop.signal == signal.SIGINT, stop.signal
-stop.uninstall()
+noted(signal.SIGTERM, during_uninstall=False)
+print("first signal noted once", flush=True)
+noted(signal.SIGINT, during_uninstall=True)
 print("signal during uninstall noted", flush=True)
 
 stop = StopRequest().install()
