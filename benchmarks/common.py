@@ -62,17 +62,23 @@ def interleaved_ms(fns: dict, warmup: int, rounds: int, inner: int) -> dict[str,
 TINYLLAMA = dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000)
 
 
-def llama_step_config(recipe: str, small: bool):
-    """configs/llama_base.py's config under `recipe`: the 1.1B TinyLlama shape at batch 8 x 2048, or (small) the
-    tiny preset at batch 4 x 128."""
+def llama_config(size: str):
+    """configs/llama_base.py's config at the Llama preset `size`, "1b" in TinyLlama's shape (TINYLLAMA)."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))  # the configs/ package
     from configs import llama_base  # noqa: PLC0415
 
     config = llama_base.get_config()
-    config.model.size = "tiny" if small else "1b"
-    for field, value in (() if small else TINYLLAMA.items()):
+    config.model.size = size
+    for field, value in (TINYLLAMA.items() if size == "1b" else ()):
         setattr(config.model, field, value)
+    return config
+
+
+def llama_step_config(recipe: str, small: bool):
+    """`llama_config` under `recipe`: the 1.1B TinyLlama shape at batch 8 x 2048, or (small) the tiny preset at
+    batch 4 x 128."""
+    config = llama_config("tiny" if small else "1b")
     config.recipe = recipe
     config.batch_size, config.seq_len = (4, 128) if small else (8, 2048)
     config.steps = 1000

@@ -40,14 +40,12 @@ import jax.numpy as jnp
 from jax._src.ad_checkpoint import saved_residuals
 
 from activations import nbytes, short_source
-from common import REPO
+from common import REPO, llama_config
 
 sys.path.insert(0, str(REPO))  # this checkout's qjax and configs/
-from configs import llama_base  # noqa: E402
 from qjax.models import layers  # noqa: E402
 from qjax.train import make_task, make_train_step  # noqa: E402
 
-TINYLLAMA = dict(dim=2048, n_heads=32, n_kv_heads=4, ffn_dim=5632, vocab_size=32000)
 GB = 1e9
 
 
@@ -131,10 +129,7 @@ def flash_attention(config, q, k, v, *, is_causal: bool):
 
 def train_config(recipe: str, n_layers: int, batch: int, seq: int, optimizer: str, attention: str = "flash"):
     """benchmarks/train.py's 1.1B row config at `n_layers` layers ("flash": XLA attention, replaced by main)."""
-    config = llama_base.get_config()
-    config.model.size = "1b"
-    for field, value in TINYLLAMA.items():
-        setattr(config.model, field, value)
+    config = llama_config("1b")
     config.model.n_layers = n_layers
     config.model.attention = "xla" if attention == "flash" else attention
     config.recipe = recipe

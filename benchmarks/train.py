@@ -98,16 +98,10 @@ def build_row(row: str, args):
     """(train_state, train_step, batch, task) for one row: the model per --size, random tokens (batch, seq)."""
     import numpy as np
 
-    from common import REPO, TINYLLAMA, apply_options, random_lm_batch
-
-    sys.path.insert(0, str(REPO))  # the configs/ package
-    from configs import llama_base
+    from common import apply_options, llama_config, random_lm_batch
     from qjax.train import make_task, make_train_step
 
-    config = llama_base.get_config()
-    config.model.size = args.size
-    for field, value in (TINYLLAMA.items() if args.size == "1b" else ()):
-        setattr(config.model, field, value)
+    config = llama_config(args.size)
     if args.layers:
         config.model.n_layers = args.layers
     if args.moe:
